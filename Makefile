@@ -25,7 +25,7 @@ $(STAMP): setup.py Makefile
 	touch $@
 
 demo: setup
-	$(VENV)/bin/tokenspeed call --tools examples/robot_tools.json \
+	$(VENV)/bin/tokenspeed call --tools launch/config/robot_tools.json \
 	  --prompt "The red cube is at x=0.42 y=-0.10 on the table. Pick it up."
 
 test: setup
