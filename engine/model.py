@@ -1,0 +1,326 @@
+"""Llama-family decoder with an explicit, pre-allocated KV cache (gpt-fast style).
+
+Covers Llama 2/3/3.1 (incl. Llama-3.1 RoPE scaling), SmolLM2, Mistral and Qwen2 (QKV bias):
+RMSNorm, rotary embeddings (Hugging Face "rotate half" layout), grouped-query attention,
+SwiGLU, tied or untied embeddings. The numerics follow Hugging Face `transformers`' Llama
+implementation so logits match it for the same weights.
+
+Backend seam: attention and RMSNorm go through `Backend` (torch reference by default; Triton or
+other kernels slot in by passing another `Backend`), and every projection is an `nn.Linear` that
+quantized linears can replace (see `tokenspeed.quant`) without touching this file.
+
+The KV cache holds `n` valid slots as a contiguous prefix `[0, n)` per layer; each forward writes
+its T new tokens at slots `[n, n + T)` and attends over `[0, n + T)` (cached slots fully
+visible, new tokens causal among themselves). Rotary positions are passed explicitly, so a
+cache that drops slots keeps every token's original position.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ModelArgs", "Backend", "KVCache", "Transformer", "rope_tables", "apply_rope"]
+
+
+@dataclass
+class ModelArgs:
+    """Architecture of a Llama-family decoder.
+
+    Attributes (all ints unless noted): dim (hidden size), n_layers, n_heads, n_kv_heads,
+    head_dim, hidden_dim (SwiGLU width), vocab_size, norm_eps (float), rope_theta (float),
+    rope_scaling (dict, Hugging Face `rope_scaling` for Llama 3.1 or None), max_seq_len,
+    tie_embeddings (bool), qkv_bias (bool, Qwen2).
+    """
+
+    dim: int = 576
+    n_layers: int = 30
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    head_dim: int = 64
+    hidden_dim: int = 1536
+    vocab_size: int = 49152
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_seq_len: int = 8192
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        """Build from a Hugging Face `config.json` dict (Llama, Mistral, Qwen2 model types)."""
+        n_heads = cfg["num_attention_heads"]
+        return cls(
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            hidden_dim=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_seq_len=cfg.get("max_position_embeddings", 4096),
+            tie_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=cfg.get("model_type") == "qwen2" or cfg.get("attention_bias", False),
+        )
+
+    def to_hf_config(self) -> dict:
+        """Inverse of `from_hf_config` (a Llama/Qwen2 `config.json` dict)."""
+        return {
+            "architectures": ["Qwen2ForCausalLM" if self.qkv_bias else "LlamaForCausalLM"],
+            "model_type": "qwen2" if self.qkv_bias else "llama",
+            "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim, "intermediate_size": self.hidden_dim,
+            "vocab_size": self.vocab_size, "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_seq_len,
+            "tie_word_embeddings": self.tie_embeddings, "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Computed in fp32 like Hugging Face LlamaRMSNorm, cast back to the input dtype.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor | None) -> torch.Tensor:
+    # q: [1, H, T, D], k/v: [1, Hkv, S, D], mask: [T, S] bool (True = attend) or None (all)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@dataclass
+class Backend:
+    """The kernel seam: functions the model calls for attention and normalisation.
+
+    attention(q [1,H,T,D], k [1,Hkv,S,D], v [1,Hkv,S,D], mask [T,S] bool | None) -> [1,H,T,D]
+    rms_norm(x [..., dim], weight [dim], eps) -> [..., dim]
+    """
+
+    attention: callable = field(default=_sdpa_attention)
+    rms_norm: callable = field(default=_rms_norm)
+
+
+def rope_tables(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_seq_len, head_dim] (fp32) with Llama-3.1 frequency scaling if configured.
+
+    Source: RoFormer (Su et al., 2021); Llama 3.1 scaling as in Meta's reference
+    `apply_scaling` / Hugging Face `_compute_llama3_parameters`.
+    """
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
+    sc = args.rope_scaling or {}
+    if sc.get("rope_type", sc.get("type")) == "llama3":
+        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old_ctx = sc.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    pos = torch.arange(args.max_seq_len, dtype=torch.float64, device=device)
+    freqs = torch.outer(pos, inv_freq).float()
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [1, H, T, D] by cos/sin [T, D] ("rotate half" layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class KVCache(nn.Module):
+    """Pre-allocated keys and values for all layers: k, v [n_layers, 1, n_kv_heads, capacity, head_dim].
+
+    `n` is the number of valid slots (a contiguous prefix); `pos` [capacity] int64 holds each
+    slot's rotary position. Truncating (rollback, rejected draft tokens) only lowers `n`.
+    """
+
+    def __init__(self, args: ModelArgs, capacity: int, dtype=torch.float32, device=None):
+        super().__init__()
+        shape = (args.n_layers, 1, args.n_kv_heads, capacity, args.head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("pos", torch.zeros(capacity, dtype=torch.long, device=device), persistent=False)
+        self.capacity = capacity
+        self.n = 0
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first n slots (n <= current length)."""
+        if not 0 <= n <= self.n:
+            raise ValueError(f"cannot truncate KV cache of {self.n} slots to {n}")
+        self.n = n
+
+    def next_position(self) -> int:
+        """Rotary position for the next appended token (last position + 1, 0 when empty)."""
+        return int(self.pos[self.n - 1]) + 1 if self.n else 0
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.q_size, self.kv_size = q, kv
+        self.wqkv = nn.Linear(args.dim, q + 2 * kv, bias=args.qkv_bias)
+        self.wo = nn.Linear(q, args.dim, bias=False)
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, mask, backend: Backend):
+        # x: [1, T, dim]; cos/sin: [T, D]; writes KV slots [start, start + T)
+        T = x.shape[1]
+        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(1, T, self.n_heads, self.head_dim).transpose(1, 2)       # [1, H, T, D]
+        k = k.view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)    # [1, Hkv, T, D]
+        v = v.view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        end = start + T
+        cache.k[layer, :, :, start:end] = k
+        cache.v[layer, :, :, start:end] = v
+        out = backend.attention(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], mask)
+        return self.wo(out.transpose(1, 2).reshape(1, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.hidden = args.hidden_dim
+        self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).split([self.hidden, self.hidden], dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = nn.Parameter(torch.ones(args.dim))
+        self.ffn_norm = nn.Parameter(torch.ones(args.dim))
+
+
+class Transformer(nn.Module):
+    """The decoder. `forward` runs T new tokens against a `KVCache` and returns selected logits."""
+
+    def __init__(self, args: ModelArgs, backend: Backend | None = None):
+        super().__init__()
+        self.args = args
+        self.backend = backend or Backend()
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = nn.Parameter(torch.ones(args.dim))
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+        cos, sin = rope_tables(args)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the output projection when the model ties them."""
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse=True):
+        # Keep rotary tables fp32 on any dtype cast, and rebuild them after `to_empty()` from meta.
+        out = super()._apply(fn, recurse)
+        cos, sin = rope_tables(self.args, device=self.rope_cos.device)
+        self.rope_cos, self.rope_sin = cos, sin
+        self.tie_weights()
+        return out
+
+    def new_cache(self, capacity: int | None = None, dtype=None) -> KVCache:
+        """A KV cache for up to `capacity` tokens (default: the model's max_seq_len)."""
+        p = self.tok_embeddings.weight
+        return KVCache(self.args, capacity or self.args.max_seq_len, dtype or p.dtype, p.device)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                logits_for: str | torch.Tensor = "last") -> torch.Tensor:
+        """Append T tokens to the cache and return logits.
+
+        Args:
+            tokens: [T] int64 token ids.
+            positions: [T] int64 rotary positions of these tokens.
+            cache: the KV cache; slots [cache.n, cache.n + T) are written and cache.n advances by T.
+            logits_for: "last" -> logits [1, vocab] of the last token; "all" -> [T, vocab];
+                an int64 index tensor [K] -> [K, vocab] for those rows; "none" -> None (prefill).
+        Returns:
+            fp32 logits as above.
+        Raises:
+            ValueError: the cache has no room for T more tokens.
+        """
+        T = tokens.shape[0]
+        start = cache.n
+        if start + T > cache.capacity:
+            raise ValueError(f"KV cache full: {start} + {T} tokens > capacity {cache.capacity}")
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        mask = None
+        if T > 1:  # cached slots visible, causal among the new tokens
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device)
+            mask[:, start:] = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+        cache.pos[start:start + T] = positions
+        b = self.backend
+        eps = self.args.norm_eps
+        h = self.tok_embeddings(tokens).unsqueeze(0)  # [1, T, dim]
+        for i, layer in enumerate(self.layers):
+            h = h + layer.attention(b.rms_norm(h, layer.attention_norm, eps), cos, sin, cache, i, start, mask, b)
+            h = h + layer.feed_forward(b.rms_norm(h, layer.ffn_norm, eps))
+        cache.n = start + T
+        if isinstance(logits_for, str):
+            if logits_for == "none":
+                return None
+            h = h[0, -1:] if logits_for == "last" else h[0]
+        else:
+            h = h[0, logits_for]
+        return self.output(b.rms_norm(h, self.norm, eps)).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face Llama/Qwen2 names into this module (fusing QKV and gate/up).
+
+        Raises:
+            KeyError: a required tensor is missing; ValueError: a shape does not match.
+        """
+        def take(name):
+            if name not in state:
+                raise KeyError(f"checkpoint lacks tensor {name}")
+            return state[name]
+
+        own = {}
+        own["tok_embeddings.weight"] = take("model.embed_tokens.weight")
+        own["norm"] = take("model.norm.weight")
+        if not self.args.tie_embeddings:
+            own["output.weight"] = take("lm_head.weight")
+        for i in range(self.args.n_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            own[f"layers.{i}.attention.wqkv.weight"] = torch.cat(
+                [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
+            if self.args.qkv_bias:
+                own[f"layers.{i}.attention.wqkv.bias"] = torch.cat(
+                    [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
+            own[f"layers.{i}.attention.wo.weight"] = take(a + "o_proj.weight")
+            own[f"layers.{i}.feed_forward.w13.weight"] = torch.cat(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            own[f"layers.{i}.feed_forward.w2.weight"] = take(p + "mlp.down_proj.weight")
+            own[f"layers.{i}.attention_norm"] = take(p + "input_layernorm.weight")
+            own[f"layers.{i}.ffn_norm"] = take(p + "post_attention_layernorm.weight")
+        params = dict(self.named_parameters())
+        for name, value in own.items():
+            if params[name].shape != value.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(params[name].shape)}")
+            with torch.no_grad():
+                params[name].copy_(value)

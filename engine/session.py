@@ -1,0 +1,436 @@
+"""Engine and Session: the agent API.
+
+An `Engine` loads a model once and stays resident. `Engine.session()` returns a `Session` that
+keeps its KV cache between calls: `observe()` prefills new context immediately (streaming
+prefill), so `decide()` only prefills its own trigger tokens (`<|im_start|>assistant\\n` and the
+grammar-forced start of the call) before the first decode step.
+
+Timing conventions: all durations are seconds (float) from `time.perf_counter()`; absolute
+deadlines are `time.monotonic()` values.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .grammar import TokenMask, ToolGrammar, ToolSchemaError, normalize_tools, parse_tool_call, tools_system_prompt
+from .model import ModelArgs, Transformer
+from .tokenizer import Tokenizer
+from .weights import ModelLoadError, load_model_files, resolve_model
+
+__all__ = ["Engine", "Session", "Decision", "Checkpoint", "Segment"]
+
+PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the attention mask and activations
+
+
+@dataclass
+class Decision:
+    """Result of `Session.decide()`.
+
+    Attributes:
+        status: "ok" (valid tool call, in time), "deadline_missed", "invalid" (the budget of
+            tokens ran out or the grammar failed), or "text" (tool_choice="auto" and the model
+            answered in text).
+        tool_call: {"name": str, "arguments": dict} (OpenAI shape) when status == "ok", else None.
+        text: the generated text (the raw call, or the text answer).
+        reason: why the status is not "ok" (empty when ok).
+        ttft_s: decide() start -> first token chosen, seconds.
+        itl_s: seconds between consecutive sampled tokens.
+        total_s: decide() wall time, seconds.
+        prefill_tokens: trigger tokens prefilled at decide() time (history was already cached).
+        forwards: model forward passes.
+        forced_tokens: tokens appended by jump-forward without sampling.
+        generated_tokens: tokens chosen by sampling (model decisions).
+    """
+
+    status: str
+    tool_call: dict | None = None
+    text: str = ""
+    reason: str = ""
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    total_s: float = 0.0
+    prefill_tokens: int = 0
+    forwards: int = 0
+    forced_tokens: int = 0
+    generated_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def timings(self) -> dict:
+        """Timings in milliseconds plus token counts, for printing or JSON."""
+        itl = sorted(self.itl_s)
+        return {"ttft_ms": self.ttft_s * 1e3, "total_ms": self.total_s * 1e3,
+                "itl_ms_p50": itl[len(itl) // 2] * 1e3 if itl else None,
+                "prefill_tokens": self.prefill_tokens, "forwards": self.forwards,
+                "forced_tokens": self.forced_tokens, "generated_tokens": self.generated_tokens}
+
+
+@dataclass
+class Segment:
+    """A span of context tokens [start, end) in cache order, with what it holds.
+
+    kind: "system" (system prompt + tool schemas, pinned), "text", "sensor", "assistant", "trigger".
+    source: who produced it (e.g. "joint_states"), or "".
+    """
+
+    start: int
+    end: int
+    kind: str
+    source: str = ""
+    pinned: bool = False
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Opaque session state for `Session.rollback()`."""
+
+    n_tokens: int
+    pending: tuple[int, ...]
+    n_segments: int
+    last_segment_end: int
+
+
+class Engine:
+    """A resident model: weights, tokenizer and grammar tokenizer, loaded once.
+
+    Attributes:
+        model: the `Transformer` (fp32 by default).
+        tokenizer: the `Tokenizer`.
+        args: the `ModelArgs`.
+        source: what was loaded ("embedded", a path, or "tiny-random").
+        load_s: load time in seconds.
+    """
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, source: str, load_s: float = 0.0):
+        import llguidance
+
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.args = model.args
+        self.source = source
+        self.load_s = load_s
+        self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,
+                                                   eos_token=tokenizer.eos_id)
+        self._grammars: dict[tuple, ToolGrammar] = {}
+
+    @classmethod
+    def load(cls, model: str | None = None, *, threads: int | None = None,
+             dtype: torch.dtype = torch.float32, device: str = "cpu") -> "Engine":
+        """Load a model and keep it resident.
+
+        Args:
+            model: None for the embedded SmolLM2-135M-Instruct, a `.gguf` file, a Hugging Face
+                safetensors folder, or "tiny-random" (2 layers, random weights, the embedded
+                model's tokenizer: for tests where only shapes matter).
+            threads: torch intra-op threads (None leaves torch's default).
+            dtype: weight and KV-cache dtype.
+            device: torch device string.
+        Raises:
+            ModelLoadError: bad path or unsupported file.
+        """
+        if threads:
+            torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        if model == "tiny-random":
+            files = resolve_model(None)
+            args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
+                             vocab_size=files.args.vocab_size, max_seq_len=4096, tie_embeddings=True)
+            torch.manual_seed(0)
+            net = Transformer(args)
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.normal_(0.0, 0.5 if p.dim() == 1 else 0.05).add_(1.0 if p.dim() == 1 else 0.0)
+        else:
+            files = resolve_model(model)
+            with torch.device("meta"):  # no random init: every weight comes from the checkpoint
+                net = Transformer(files.args)
+            net = net.to_empty(device="cpu")
+            try:
+                net.load_hf_state_dict(load_model_files(files))
+            except (KeyError, ValueError) as exc:
+                raise ModelLoadError(f"{files.folder}: {exc}") from exc
+        net = net.to(device=device, dtype=dtype)
+        tok = Tokenizer(files.folder)
+        return cls(net, tok, source=model or "embedded", load_s=time.perf_counter() - t0)
+
+    def session(self, system: str | None = None, tools=None, capacity: int | None = None) -> "Session":
+        """A new agent session with its own KV cache.
+
+        Args:
+            system: system prompt text (the tools are rendered after it).
+            tools: OpenAI tool definitions (list of dicts), or None.
+            capacity: KV cache size in tokens (default: the model's max_seq_len).
+        Raises:
+            ToolSchemaError: a tool definition is invalid (the message names it).
+        """
+        return Session(self, system=system, tools=normalize_tools(tools), capacity=capacity)
+
+    def grammar(self, tools: list[dict], tool_choice) -> ToolGrammar:
+        """Compiled grammar for (tools, tool_choice), cached per engine."""
+        import json
+
+        key = (json.dumps(tools, sort_keys=True), json.dumps(tool_choice, sort_keys=True))
+        if key not in self._grammars:
+            self._grammars[key] = ToolGrammar.build(self.ll_tokenizer, self.tokenizer.vocab_size, tools, tool_choice)
+        return self._grammars[key]
+
+    def generate(self, prompt: str, **kwargs) -> str:
+        """One-shot chat completion of `prompt` in a fresh session (see `Session.generate`)."""
+        return self.session().generate(prompt, **kwargs)
+
+
+class Session:
+    """A stateful agent context resident in one KV cache. Not thread-safe: use from one thread.
+
+    Attributes:
+        tools: the normalized tool definitions.
+        segments: list of `Segment` describing the context in cache order.
+        num_tokens: tokens in the context (cached plus pending).
+    """
+
+    def __init__(self, engine: Engine, system: str | None, tools: list[dict], capacity: int | None):
+        self.engine = engine
+        self.model = engine.model
+        self.tok = engine.tokenizer
+        self.tools = tools
+        self.cache = self.model.new_cache(capacity)
+        self.tokens: list[int] = []        # token ids whose KV is in the cache, in slot order
+        self.pending: list[int] = []       # appended to the context but not yet prefilled
+        self.segments: list[Segment] = []
+        self._mask = TokenMask(self.tok.vocab_size)
+        self._system_text = tools_system_prompt(system, tools)
+        self._append(self._render([{"role": "system", "content": self._system_text}]), "system", pinned=True)
+        self._flush()
+
+    # ---------------------------------------------------------------- context
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) + len(self.pending)
+
+    def _render(self, messages: list[dict]) -> list[int]:
+        # Render messages on their own, after the system message, and keep only their tokens
+        # (chat templates are prefix-stable; this is O(message), not O(history)).
+        if not self.segments:
+            return self.tok.encode(self.tok.render_chat(messages))
+        head = self.tok.render_chat([{"role": "system", "content": self._system_text}])
+        full = self.tok.render_chat([{"role": "system", "content": self._system_text}] + messages)
+        return self.tok.encode(full[len(head):])
+
+    def _append(self, ids: list[int], kind: str, source: str = "", pinned: bool = False) -> None:
+        start = self.num_tokens
+        if start + len(ids) > self.cache.capacity:
+            raise ValueError(f"context full: {start} + {len(ids)} tokens > KV capacity {self.cache.capacity}")
+        self.pending.extend(ids)
+        self.segments.append(Segment(start, start + len(ids), kind, source, pinned))
+
+    def _forward(self, ids: list[int], logits_for="last"):
+        # Prefill/decode `ids` at the next positions; returns logits [1, V] for the last one.
+        pos0 = self.cache.next_position()
+        out = None
+        for i in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[i:i + PREFILL_CHUNK]
+            last = i + PREFILL_CHUNK >= len(ids)
+            t = torch.tensor(chunk, dtype=torch.long)
+            pos = torch.arange(pos0 + i, pos0 + i + len(chunk), dtype=torch.long)
+            out = self.model(t, pos, self.cache, logits_for if last else "none")
+        self.tokens.extend(ids)
+        return out
+
+    def _flush(self) -> None:
+        if self.pending:
+            ids, self.pending = self.pending, []
+            self._forward(ids, "none")
+
+    def observe(self, content, role: str = "user", kind: str = "text", source: str = "") -> int:
+        """Append an observation to the context and prefill it now (streaming prefill).
+
+        Args:
+            content: text, or a list of chat messages [{"role", "content"}].
+            role: chat role for text content ("user", "tool", ...).
+            kind: "text" or "sensor" (sensor readings may be superseded by pruning policies).
+            source: producer name, e.g. "joint_states".
+        Returns:
+            tokens appended to the context.
+        Raises:
+            TypeError: content is neither str nor a list of messages; ValueError: context full.
+        """
+        if isinstance(content, str):
+            messages = [{"role": role, "content": content}]
+        elif isinstance(content, list) and all(isinstance(m, dict) and "content" in m for m in content):
+            messages = content
+        else:
+            raise TypeError("observe() takes a string or a list of {'role', 'content'} messages")
+        ids = self._render(messages)
+        self._append(ids, kind, source)
+        self._flush()
+        return len(ids)
+
+    def checkpoint(self) -> Checkpoint:
+        """Capture the context (O(1): the KV prefix is immutable until rollback)."""
+        last_end = self.segments[-1].end if self.segments else 0
+        return Checkpoint(len(self.tokens), tuple(self.pending), len(self.segments), last_end)
+
+    def rollback(self, cp: Checkpoint) -> None:
+        """Restore the context exactly as it was at `cp` (later tokens and KV are discarded).
+
+        Raises:
+            ValueError: `cp` is from a longer context than the current one's cached prefix.
+        """
+        if cp.n_tokens > len(self.tokens) or cp.n_segments > len(self.segments):
+            raise ValueError("checkpoint is not a prefix of this session's context")
+        self.cache.truncate(cp.n_tokens)
+        del self.tokens[cp.n_tokens:]
+        self.pending = list(cp.pending)
+        del self.segments[cp.n_segments:]
+        if self.segments:
+            self.segments[-1].end = cp.last_segment_end
+
+    # ---------------------------------------------------------------- decisions
+
+    def decide(self, tool_choice="required", deadline: float | None = None, deadline_at: float | None = None,
+               max_tokens: int = 256, jump_forward: bool = True) -> Decision:
+        """Produce one schema-valid tool call, before a deadline or say why not.
+
+        Greedy decoding under the tool-call grammar; jump-forward appends grammar-forced tokens
+        without sampling them (they still enter the KV cache, batched with the next forward).
+
+        Args:
+            tool_choice: "required", "auto" (call or text) or {"name": tool}.
+            deadline: seconds from now; or deadline_at: absolute `time.monotonic()` time.
+            max_tokens: most tokens the answer may take.
+            jump_forward: append forced tokens without a model call (off: one forward per token).
+        Returns:
+            a `Decision`. On "ok" the call stays in the context as the assistant turn; otherwise
+            the session is rolled back to its state before the call.
+        Raises:
+            ToolSchemaError: tool_choice is malformed or names an unknown tool.
+        """
+        t0 = time.perf_counter()
+        if deadline is not None:
+            deadline_at = time.monotonic() + deadline
+        grammar = self.engine.grammar(self.tools, tool_choice)
+        matcher = grammar.matcher()
+        cp = self.checkpoint()
+        trigger = self.tok.encode("<|im_start|>assistant\n")
+        self._append(trigger, "trigger")
+        prefill = self.pending + []
+        self.pending = []
+        d = Decision(status="invalid")
+        out: list[int] = []
+        feed = prefill
+        t_last = None
+        stop_ids = set(self.tok.stop_ids)
+        while True:
+            if jump_forward:
+                forced = matcher.compute_ff_tokens()
+                if forced and matcher.consume_tokens(forced):
+                    feed = feed + forced
+                    out.extend(forced)
+                    d.forced_tokens += len(forced)
+            if matcher.is_stopped():
+                break
+            if deadline_at is not None and time.monotonic() >= deadline_at:
+                d.status, d.reason = "deadline_missed", f"deadline passed after {len(out)} tokens"
+                break
+            if len(out) >= max_tokens:
+                d.reason = f"no complete call within max_tokens={max_tokens}"
+                break
+            logits = self._forward(feed)
+            d.forwards += 1
+            feed = []
+            self._mask.apply(matcher, logits)
+            token = int(logits.argmax(-1))
+            now = time.perf_counter()
+            if t_last is None:
+                d.ttft_s = now - t0
+            else:
+                d.itl_s.append(now - t_last)
+            t_last = now
+            d.generated_tokens += 1
+            if token in stop_ids and matcher.is_accepting():
+                break
+            if not matcher.consume_token(token):
+                d.reason = f"grammar rejected token {token}: {matcher.get_error()}"
+                break
+            feed = [token]
+            out.append(token)
+        d.prefill_tokens = len(prefill)
+        d.text = self.tok.decode(out)
+        if deadline_at is not None and time.monotonic() >= deadline_at and d.status != "deadline_missed":
+            d.status, d.reason = "deadline_missed", "deadline passed before the call completed"
+        elif d.status == "invalid" and not d.reason and matcher.is_accepting():
+            call = parse_tool_call(d.text)
+            if call is not None:
+                d.status, d.tool_call = "ok", call
+            elif tool_choice == "auto":
+                d.status = "text"
+            else:
+                d.reason = f"output is not a tool call: {d.text[:80]!r}"
+        d.total_s = time.perf_counter() - t0
+        if d.status in ("ok", "text"):
+            # The answer stays in the context; its unprocessed tail is prefilled with the next observe().
+            end = self.tok.encode("<|im_end|>\n")
+            self.pending = feed + end
+            self.segments[-1].kind = "assistant"
+            self.segments[-1].end = len(self.tokens) + len(self.pending)
+        else:
+            self.rollback(cp)
+        return d
+
+    def generate(self, prompt: str | None = None, max_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None, on_token=None) -> str:
+        """Chat completion: add `prompt` as a user turn (if given) and generate the assistant's reply.
+
+        Args:
+            prompt: user message text, or None to continue from the current context.
+            max_tokens: most new tokens.
+            temperature: 0 for greedy; > 0 samples from softmax(logits / temperature).
+            top_p: nucleus sampling mass (Holtzman et al., 2020), used when temperature > 0.
+            seed: RNG seed for sampling (reproducible outputs).
+            on_token: callback(str) receiving each new text piece as it is generated (streaming).
+        Returns:
+            the generated text (the reply stays in the context).
+        """
+        if prompt is not None:
+            self._append(self._render([{"role": "user", "content": prompt}]), "text")
+        self._append(self.tok.encode("<|im_start|>assistant\n"), "assistant")
+        feed, self.pending = self.pending, []
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        out: list[int] = []
+        stop_ids = set(self.tok.stop_ids)
+        printed = ""
+        for _ in range(max_tokens):
+            logits = self._forward(feed)[0]
+            feed = []
+            token = sample(logits, temperature, top_p, gen)
+            if token in stop_ids:
+                break
+            out.append(token)
+            feed = [token]
+            if on_token is not None:
+                text = self.tok.decode(out)
+                if not text.endswith("\ufffd"):  # wait for complete UTF-8 characters
+                    on_token(text[len(printed):])
+                    printed = text
+        self.pending = feed + self.tok.encode("<|im_end|>\n")
+        self.segments[-1].end = len(self.tokens) + len(self.pending)
+        return self.tok.decode(out)
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
+           generator: torch.Generator | None = None) -> int:
+    """Pick a token from logits [V] (fp32): argmax when temperature == 0, else top-p sampling."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < top_p
+        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))

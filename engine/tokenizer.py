@@ -1,0 +1,120 @@
+"""Tokenizer and chat formatting.
+
+`Tokenizer` wraps a Hugging Face `tokenizers` BPE model (from `tokenizer.json`) and renders the
+model's own Jinja chat template. For GGUF files the `tokenizer.json` is rebuilt from the GGUF
+vocabulary/merges (`tokenizer_files_from_gguf`), following the GGUF spec's `tokenizer.ggml.*`
+keys and llama.cpp's pre-tokenizer names.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["Tokenizer", "tokenizer_files_from_gguf"]
+
+# GGUF token types (gguf.TokenType): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
+_CONTROL, _USER_DEFINED = 3, 4
+# Pre-tokenizers by llama.cpp `tokenizer.ggml.pre` name. Digits are split one by one for the
+# SmolLM/StarCoder family; everything else falls back to GPT-2 byte-level splitting.
+_SPLIT_DIGITS = {"smollm", "starcoder", "refact", "deepseek-coder"}
+
+
+def tokenizer_files_from_gguf(reader, field) -> tuple[str, dict]:
+    """Build `tokenizer.json` text and a `tokenizer_config.json` dict from a GGUF reader.
+
+    Args:
+        reader: a `gguf.GGUFReader`.
+        field: `field(reader, key, default)` accessor returning python values.
+
+    Raises:
+        ValueError: the GGUF tokenizer is not a byte-level BPE (`tokenizer.ggml.model == "gpt2"`).
+    """
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    kind = field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {kind!r} not supported (only byte-level BPE 'gpt2')")
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    types = field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges")]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+    pre = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if field(reader, "tokenizer.ggml.pre", "") in _SPLIT_DIGITS:
+        pre.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(pre)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty in (_CONTROL, _USER_DEFINED)])
+    bos = field(reader, "tokenizer.ggml.bos_token_id")
+    eos = field(reader, "tokenizer.ggml.eos_token_id")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tokens[bos] if bos is not None else None,
+        "eos_token": tokens[eos] if eos is not None else None,
+        "add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "chat_template": field(reader, "tokenizer.chat_template"),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1 << 30,
+    }
+    return tok.to_str(), config
+
+
+class Tokenizer:
+    """Text <-> token ids and chat formatting for one model folder.
+
+    Attributes:
+        vocab_size: number of token ids (int).
+        eos_id: end-of-sequence / end-of-turn token id.
+        stop_ids: ids that end a turn (eos plus the chat template's end-of-turn token if any).
+        json: the `tokenizer.json` text (for llguidance).
+    """
+
+    def __init__(self, folder: Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.json = (folder / "tokenizer.json").read_text()
+        self._tok = HFTokenizer.from_str(self.json)
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.chat_template = cfg.get("chat_template")
+        self.add_bos = bool(cfg.get("add_bos_token", False))
+        self.bos_id = self._special_id(cfg.get("bos_token"))
+        self.eos_id = self._special_id(cfg.get("eos_token"))
+        end_turn = self._tok.token_to_id("<|im_end|>")
+        self.stop_ids = sorted({i for i in (self.eos_id, end_turn) if i is not None})
+        self._template = None
+
+    def _special_id(self, token) -> int | None:
+        if isinstance(token, dict):  # AddedToken serialised as a dict
+            token = token.get("content")
+        return self._tok.token_to_id(token) if token else None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (special tokens written literally are recognised, no BOS added)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        """Text of token ids."""
+        return self._tok.decode(ids, skip_special_tokens=skip_special)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """Render chat messages ([{"role", "content"}]) with the model's own Jinja chat template.
+
+        Falls back to ChatML when the model ships no template.
+        """
+        if self._template is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self._template = env.from_string(self.chat_template or _CHATML)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token="", eos_token="")
+
+
+_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+           " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+           "{{ '<|im_start|>assistant\n' }}{% endif %}")
