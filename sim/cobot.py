@@ -94,7 +94,6 @@ class _Motion:
     arguments: dict
     tags: list[int]
     segments: list[tuple]
-    started: bool = False
     seg_t: float = 0.0                   # seconds spent in the current segment
     path_start: np.ndarray | None = None
     log: list[str] = field(default_factory=list)
@@ -140,7 +139,6 @@ class CobotScene:
         self.sim_time = 0.0
         self._steps = 0
         self._motion: _Motion | None = None
-        self._pending: list[_Motion] = []     # accepted, not yet applied (at most one matters)
         self._yaw = 0.0                       # commanded gripper yaw, radians
         self.accepted = self.rejected = 0
         self._build(np.random.default_rng(cfg.seed))
@@ -267,8 +265,8 @@ class CobotScene:
 
     @property
     def busy(self) -> bool:
-        """True while a command is queued or executing."""
-        return self._motion is not None or bool(self._pending)
+        """True while a command is executing."""
+        return self._motion is not None
 
     def scenario_status(self) -> dict:
         """Ground truth of the scenario as a JSON-ready dict: goal text, target, whether the goal
@@ -303,22 +301,34 @@ class CobotScene:
                 f"(metres, robot base frame): pick it, then place it there.")
 
     # ------------------------------------------------------------------ commands
-    def execute(self, tool: str, arguments: dict | str, tag: int = 0) -> None:
-        """Validate a tool call and queue it; it is applied at the next `step()`.
+    def execute(self, tool: str, arguments: dict | str, tag: int = 0) -> list[Event]:
+        """Validate a tool call and start executing it now (the first joint targets are set
+        before this returns; physics advances in `step()`).
 
         tool: a name from the tool file; arguments: dict or JSON object text; tag: the caller's id
         for the command, echoed in the `Event`s. `hold` and `stop` freeze the arm where it is; a
         new motion command preempts the one executing, except that repeating the executing
-        command (same tool and arguments) just continues it. Raises CommandRejected (unknown
-        tool, bad JSON, arguments outside the schema, pick while holding, place while empty).
+        command (same tool and arguments) just continues it. Returns the events this caused
+        ("preempted" for the old command, "applied", and "done" for instant tools). Raises
+        CommandRejected (unknown tool, bad JSON, arguments outside the schema, pick while
+        holding, place while empty); a rejected command changes nothing.
         """
         try:
-            motion = self._plan(tool, arguments, tag)
+            new = self._plan(tool, arguments, tag)
         except CommandRejected:
             self.rejected += 1
             raise
         self.accepted += 1
-        self._pending.append(motion)
+        cur, events = self._motion, []
+        if cur is not None and (cur.tool, cur.arguments) == (new.tool, new.arguments) and cur.segments[0][0] != "freeze":
+            cur.tags.append(tag)
+            return [Event(tag, tool, "applied", f"continues decision {cur.tags[0]}")]
+        if cur is not None:
+            events += [Event(t, cur.tool, "preempted", f"preempted by {tool} (decision {tag})") for t in cur.tags]
+        self._motion = new
+        events.append(Event(tag, tool, "applied", f"executing {tool} {json.dumps(new.arguments)}"))
+        self._control(events)
+        return events
 
     def _plan(self, tool: str, arguments: dict | str, tag: int) -> _Motion:
         if tool not in self.tools:
@@ -364,27 +374,12 @@ class CobotScene:
         controller before each; returns the command events that happened."""
         events: list[Event] = []
         for _ in range(n):
-            self._take_pending(events)
             if self._motion is not None:
                 self._control(events)
             p.stepSimulation(physicsClientId=self._c)
             self._steps += 1
             self.sim_time = self._steps * self.config.time_step
         return events
-
-    def _take_pending(self, events: list[Event]) -> None:
-        for m in self._pending:
-            cur = self._motion
-            if cur is not None and (cur.tool, cur.arguments) == (m.tool, m.arguments) and m.tool not in ("hold", "stop"):
-                cur.tags += m.tags
-                events.append(Event(m.tags[0], m.tool, "applied", f"continues decision {cur.tags[0]}"))
-                continue
-            if cur is not None:
-                for t in cur.tags:
-                    events.append(Event(t, cur.tool, "preempted", f"preempted by {m.tool} (decision {m.tags[0]})"))
-            self._motion = m
-            events.append(Event(m.tags[0], m.tool, "applied", f"executing {m.tool} {json.dumps(m.arguments)}"))
-        self._pending.clear()
 
     def _control(self, events: list[Event]) -> None:
         """One controller tick for the head segment of the current motion."""

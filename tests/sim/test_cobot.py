@@ -58,15 +58,15 @@ def test_camera_sees_each_cube_where_ground_truth_says(scene):
 
 def test_pick_and_place_reaches_the_goal(scene):
     assert not scene.scenario_status()["success"]
-    scene.execute("pick", {"object": "red_cube"}, tag=1)
-    events = run_until_done(scene, 1)
+    events = scene.execute("pick", {"object": "red_cube"}, tag=1)
+    events += run_until_done(scene, 1)
     assert [(e.state, e.detail) for e in events] == [("applied", 'executing pick {"object": "red_cube"}'),
                                                     ("done", "ok")]
     assert scene.held == "red_cube"
     assert scene.object_positions()["red_cube"][2] > 0.15          # lifted off the table
     x, y = scene.target_xy
-    scene.execute("place", json.dumps({"x": x, "y": y}), tag=2)   # JSON text works too
-    assert [e.state for e in run_until_done(scene, 2)] == ["applied", "done"]
+    events = scene.execute("place", json.dumps({"x": x, "y": y}), tag=2)   # JSON text works too
+    assert [e.state for e in events + run_until_done(scene, 2)] == ["applied", "done"]
     scene.step(60)
     status = scene.scenario_status()
     assert status["success"], status
@@ -81,8 +81,7 @@ def test_move_to_then_hold_preempts_and_freezes(scene):
     assert np.linalg.norm(scene.gripper_position() - [0.5, 0.2, 0.3]) < 0.01
     scene.execute("move_to", {"x": 0.4, "y": -0.2, "z": 0.1}, tag=6)
     scene.step(60)
-    scene.execute("hold", {}, tag=7)
-    events = scene.step(1)
+    events = scene.execute("hold", {}, tag=7)
     assert [(e.tag, e.state) for e in events] == [(6, "preempted"), (7, "applied"), (7, "done")]
     frozen = scene.gripper_position()
     scene.step(240)
@@ -93,8 +92,8 @@ def test_move_to_then_hold_preempts_and_freezes(scene):
 def test_repeating_the_running_command_continues_it(scene):
     scene.execute("move_to", {"x": 0.5, "y": 0.0, "z": 0.3}, tag=1)
     scene.step(10)
-    scene.execute("move_to", {"x": 0.5, "y": 0.0, "z": 0.3}, tag=2)
-    events = run_until_done(scene, 2)
+    events = scene.execute("move_to", {"x": 0.5, "y": 0.0, "z": 0.3}, tag=2)
+    events += run_until_done(scene, 2)
     assert [(e.tag, e.state) for e in events] == [(2, "applied"), (1, "done"), (2, "done")]
     assert events[0].detail == "continues decision 1"
 

@@ -1,0 +1,212 @@
+"""ROS 2 node `tokenspeed_cobot_sim`: the PyBullet cobot scene (`tokenspeed_sim.cobot`) on topics.
+
+Time: wall clock. Every stamp is the ROS system clock (`use_sim_time` stays false), so latencies
+between processes (sensor capture -> observation -> decision -> action applied) are differences
+of stamps taken on one host clock. Physics runs in real time: a timer steps the scene in fixed
+steps of 1/`physics_rate_hz` seconds as many times as wall time has advanced (at most
+`max_catchup_s` of physics per tick; time beyond that is dropped and counted as an overrun).
+
+Published (all reliable; remap names with `--ros-args -r`):
+- `joint_states` (sensor_msgs/JointState, `joint_state_rate_hz`): 7 arm joints (rad) and 2
+  finger joints (m), frame `base`.
+- `camera/image_raw` (sensor_msgs/Image, rgb8, `camera_rate_hz`, depth 2): stamp = the wall time
+  of the scene state that was rendered (taken just before rendering).
+- `camera/camera_info` (sensor_msgs/CameraInfo, with every image, same stamp; transient local):
+  pinhole, no distortion, K = [f 0 cx; 0 f cy; 0 0 1] with pixel (0, 0) = centre of the top-left
+  pixel, P = [K | 0], R = I. frame_id = `camera_optical`.
+- `camera/pose` (geometry_msgs/PoseStamped, transient local, once): the pose of `camera_optical`
+  (REP 103 optical frame: x right, y down, z forward) in the robot base frame `base`
+  (x forward, y left, z up, origin at the robot's foot, table top at z = 0). With R the
+  rotation of that quaternion and t its position, a pixel (u, v) looks along the base-frame ray
+  t + s * R @ K^-1 [u, v, 1]; intersecting it with z = 0.025 (cube centres) gives a cube's x, y.
+- `goal` (std_msgs/String, transient local, once): the task, e.g. "Put the red cube on the
+  yellow target at x=0.53 y=0.11 ...".
+- `sim/action_feedback` (tokenspeed_msgs/ActionFeedback): per command "applied" (execution
+  started; stamp = when the sim switched to it), "done", "preempted" (another command took over)
+  or "rejected" (unknown tool, bad JSON, arguments outside the tool schema, or impossible now,
+  e.g. place while holding nothing; `detail` says why).
+- `sim/scenario_status` (std_msgs/String, JSON, `status_rate_hz`, transient local): the ground
+  truth of `CobotScene.scenario_status()` plus wall `stamp` and `overruns`.
+
+Subscribed: `agent/action` (tokenspeed_msgs/ActionCommand): `tool_name` + `arguments_json` from
+the tool file; `decision_id` is echoed in the feedback.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import rclpy
+from geometry_msgs.msg import PoseStamped
+from rclpy.executors import ExternalShutdownException
+from rclpy.node import Node
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from sensor_msgs.msg import CameraInfo, Image, JointState
+from std_msgs.msg import String
+from tokenspeed_msgs.msg import ActionCommand, ActionFeedback
+
+from tokenspeed_sim.cobot import DEFAULT_TOOLS, CobotScene, CommandRejected, Event, SceneConfig
+
+LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+
+
+class CobotSimNode(Node):
+    """The simulator as a ROS 2 node; parameters are declared in `__init__` with their defaults
+    (the same values as launch/config/cobot_sim.yaml)."""
+
+    def __init__(self, **node_kwargs):
+        super().__init__("tokenspeed_cobot_sim", **node_kwargs)
+        d = SceneConfig()
+        prm = {
+            "seed": d.seed,
+            "target_object": d.target_object,
+            "success_tolerance": d.success_tolerance,
+            "tools_file": "",                         # empty: the bundled launch/config/robot_tools.json
+            "physics_rate_hz": 1.0 / d.time_step,
+            "tick_rate_hz": 100.0,                    # how often physics catches up with wall time
+            "max_catchup_s": 0.1,
+            "joint_state_rate_hz": 50.0,
+            "camera_rate_hz": 5.0,
+            "status_rate_hz": 2.0,
+            "image_width": d.image_width,
+            "image_height": d.image_height,
+            "fov_deg": d.fov_deg,
+            "camera_eye": list(d.camera_eye),
+            "camera_target": list(d.camera_target),
+        }
+        for name, default in prm.items():
+            self.declare_parameter(name, default)
+        v = {name: self.get_parameter(name).value for name in prm}
+        for name in ("physics_rate_hz", "tick_rate_hz", "joint_state_rate_hz", "camera_rate_hz", "status_rate_hz"):
+            if not v[name] > 0:
+                raise ValueError(f"parameter {name} must be > 0, got {v[name]}")
+        self.scene = CobotScene(SceneConfig(
+            seed=v["seed"], target_object=v["target_object"], success_tolerance=v["success_tolerance"],
+            time_step=1.0 / v["physics_rate_hz"], image_width=v["image_width"], image_height=v["image_height"],
+            fov_deg=v["fov_deg"], camera_eye=tuple(v["camera_eye"]), camera_target=tuple(v["camera_target"]),
+            tools_file=v["tools_file"] or str(DEFAULT_TOOLS)))
+        self._max_catchup_steps = max(1, int(v["max_catchup_s"] * v["physics_rate_hz"]))
+        self.overruns = 0
+        self.render_s: list[float] = []     # wall seconds per render, for the log at shutdown
+
+        self.pub_joints = self.create_publisher(JointState, "joint_states", 10)
+        self.pub_image = self.create_publisher(Image, "camera/image_raw", 2)
+        self.pub_info = self.create_publisher(CameraInfo, "camera/camera_info", LATCHED)
+        self.pub_pose = self.create_publisher(PoseStamped, "camera/pose", LATCHED)
+        self.pub_goal = self.create_publisher(String, "goal", LATCHED)
+        self.pub_feedback = self.create_publisher(ActionFeedback, "sim/action_feedback", 50)
+        self.pub_status = self.create_publisher(String, "sim/scenario_status", LATCHED)
+        self.create_subscription(ActionCommand, "agent/action", self._on_action, 10)
+
+        self._t0 = time.monotonic()
+        self._steps = 0
+        self.create_timer(1.0 / v["tick_rate_hz"], self._tick)
+        self.create_timer(1.0 / v["joint_state_rate_hz"], self._publish_joints)
+        self.create_timer(1.0 / v["camera_rate_hz"], self._publish_camera)
+        self.create_timer(1.0 / v["status_rate_hz"], self.publish_status)
+        self.pub_goal.publish(String(data=self.scene.goal_text()))
+        self._publish_pose()
+        self.get_logger().info(f"cobot sim ready: {self.scene.goal_text()}")
+
+    # ------------------------------------------------------------------ physics and commands
+    def _tick(self) -> None:
+        due = int((time.monotonic() - self._t0) / self.scene.config.time_step) - self._steps
+        if due > self._max_catchup_steps:
+            self.overruns += 1
+            self._steps += due - self._max_catchup_steps       # drop the time we cannot catch up
+            due = self._max_catchup_steps
+        if due > 0:
+            self._publish_events(self.scene.step(due))
+            self._steps += due
+
+    def _on_action(self, msg: ActionCommand) -> None:
+        try:
+            events = self.scene.execute(msg.tool_name, msg.arguments_json, tag=msg.decision_id)
+        except CommandRejected as e:
+            events = [Event(msg.decision_id, msg.tool_name, "rejected", str(e))]
+            self.get_logger().warning(f"rejected decision {msg.decision_id}: {e}")
+        self._publish_events(events)
+
+    def _publish_events(self, events: list[Event]) -> None:
+        for e in events:
+            fb = ActionFeedback(decision_id=e.tag, tool_name=e.tool, state=e.state, detail=e.detail)
+            fb.header.stamp = self.get_clock().now().to_msg()
+            fb.header.frame_id = "base"
+            self.pub_feedback.publish(fb)
+
+    # ------------------------------------------------------------------ sensors
+    def _publish_joints(self) -> None:
+        names, pos, vel, eff = self.scene.joint_state()
+        msg = JointState(name=names, position=pos.tolist(), velocity=vel.tolist(), effort=eff.tolist())
+        msg.header.stamp = self.get_clock().now().to_msg()
+        msg.header.frame_id = "base"
+        self.pub_joints.publish(msg)
+
+    def _publish_camera(self) -> None:
+        stamp = self.get_clock().now().to_msg()
+        t = time.perf_counter()
+        rgb = self.scene.render()
+        self.render_s.append(time.perf_counter() - t)
+        h, w, _ = rgb.shape
+        img = Image(height=h, width=w, encoding="rgb8", is_bigendian=0, step=w * 3, data=rgb.tobytes())
+        img.header.stamp = stamp
+        img.header.frame_id = "camera_optical"
+        self.pub_image.publish(img)
+        self.pub_info.publish(self._camera_info(stamp))
+
+    def _camera_info(self, stamp) -> CameraInfo:
+        cfg, k = self.scene.config, self.scene.camera_matrix
+        info = CameraInfo(height=cfg.image_height, width=cfg.image_width, distortion_model="plumb_bob",
+                          d=[0.0] * 5, k=k.flatten().tolist(), r=[1.0, 0, 0, 0, 1.0, 0, 0, 0, 1.0],
+                          p=[k[0, 0], 0.0, k[0, 2], 0.0, 0.0, k[1, 1], k[1, 2], 0.0, 0.0, 0.0, 1.0, 0.0])
+        info.header.stamp = stamp
+        info.header.frame_id = "camera_optical"
+        return info
+
+    def _publish_pose(self) -> None:
+        pos, quat = self.scene.camera_pose()
+        msg = PoseStamped()
+        msg.header.stamp = self.get_clock().now().to_msg()
+        msg.header.frame_id = "base"
+        msg.pose.position.x, msg.pose.position.y, msg.pose.position.z = map(float, pos)
+        o = msg.pose.orientation
+        o.x, o.y, o.z, o.w = quat
+        self.pub_pose.publish(msg)
+
+    def publish_status(self) -> dict:
+        """Publish the scenario ground truth on `sim/scenario_status`; returns it as a dict."""
+        status = self.scene.scenario_status()
+        status["stamp"] = self.get_clock().now().nanoseconds * 1e-9
+        status["overruns"] = self.overruns
+        self.pub_status.publish(String(data=json.dumps(status)))
+        return status
+
+    def destroy_node(self) -> None:
+        self.scene.close()
+        super().destroy_node()
+
+
+def main(args: list[str] | None = None) -> None:
+    """Console entry point `tokenspeed_cobot_sim`: spin the node until SIGINT/SIGTERM, then log
+    the final scenario status and the mean render time."""
+    rclpy.init(args=args)
+    node = None
+    try:
+        node = CobotSimNode()
+        rclpy.spin(node)
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        if node is not None:
+            renders = node.render_s
+            mean_ms = 1e3 * sum(renders) / len(renders) if renders else float("nan")
+            final = node.scene.scenario_status()
+            print(f"[tokenspeed_cobot_sim] final status: {json.dumps(final)}; "
+                  f"{len(renders)} renders, mean {mean_ms:.1f} ms; overruns {node.overruns}", flush=True)
+            node.destroy_node()
+        if rclpy.ok():
+            rclpy.shutdown()
+
+
+if __name__ == "__main__":
+    main()
