@@ -26,7 +26,7 @@ setup(
         ("share/ament_index/resource_index/packages", ["resource/tokenspeed_ros"]),
         ("share/tokenspeed_ros", ["package.xml"]),
         ("share/tokenspeed_ros/launch", _data("launch", "*.launch.py")),
-        ("share/tokenspeed_ros/config", _data("launch/config", "*.yaml")),
+        ("share/tokenspeed_ros/config", _data("launch/config", "*.yaml") + _data("launch/config", "*.json")),
     ],
     install_requires=[
         # torch is installed first by the Makefile (pinned to the local CPU build here);
@@ -76,6 +76,8 @@ setup(
             "tokenspeed = tokenspeed.cli:main",
             "tokenspeed_cobot_sim = tokenspeed_sim.sim_node:main",
             "tokenspeed_sim_harness = tokenspeed_sim.harness:main",
+            "tokenspeed_agent = tokenspeed_ros.agent_node:main",
+            "tokenspeed_launch = tokenspeed_ros.launcher:main",
         ],
     },
 )
