@@ -1,0 +1,115 @@
+"""The `tokenspeed` command line.
+
+    tokenspeed call --tools tools.json --prompt "Pick up the red cube."   # one tool call + timings
+    tokenspeed generate --prompt "Write a haiku about robots."             # streams text
+    tokenspeed <subcommand> --help
+
+`--model` takes a .gguf file, a Hugging Face safetensors folder, or nothing (the embedded
+SmolLM2-135M-Instruct).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _engine(args):
+    from . import Engine
+
+    t0 = time.perf_counter()
+    engine = Engine.load(args.model, threads=args.threads)
+    print(f"# model {engine.source} loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    return engine
+
+
+def _load_tools(path: str) -> list:
+    try:
+        tools = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise SystemExit(f"error: cannot read tools file {path}: {exc.strerror}")
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"error: tools file {path} is not valid JSON: {exc}")
+    return tools
+
+
+def cmd_call(args) -> int:
+    """Answer one prompt with one schema-valid tool call; print it and the timings as JSON."""
+    from . import ToolSchemaError
+
+    tools = _load_tools(args.tools)
+    engine = _engine(args)
+    try:
+        session = engine.session(system=args.system, tools=tools)
+        tool_choice = {"name": args.tool} if args.tool else args.tool_choice
+        t0 = time.perf_counter()
+        session.observe(args.prompt)
+        observe_s = time.perf_counter() - t0
+        decision = session.decide(tool_choice=tool_choice, deadline=args.deadline, max_tokens=args.max_tokens)
+    except ToolSchemaError as exc:
+        raise SystemExit(f"error: {exc}")
+    report = {"status": decision.status, "tool_call": decision.tool_call, "reason": decision.reason or None,
+              "text": decision.text if decision.status != "ok" else None,
+              "timings": {"observe_prefill_ms": observe_s * 1e3, **decision.timings()}}
+    print(json.dumps(report, indent=2))
+    return 0 if decision.status == "ok" else 1
+
+
+def cmd_generate(args) -> int:
+    """Stream a plain-text chat completion."""
+    engine = _engine(args)
+    session = engine.session(system=args.system)
+    t0 = time.perf_counter()
+    session.generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                     seed=args.seed, on_token=lambda piece: print(piece, end="", flush=True))
+    print(f"\n# {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with all subcommands."""
+    parser = argparse.ArgumentParser(prog="tokenspeed", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p):
+        p.add_argument("--model", default=None,
+                       help="a .gguf file or safetensors folder (default: embedded SmolLM2-135M-Instruct)")
+        p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+        p.add_argument("--system", default=None, help="system prompt")
+        p.add_argument("--prompt", required=True, help="user message")
+        p.add_argument("--max-tokens", type=int, default=256, help="most new tokens (default 256)")
+
+    p = sub.add_parser("call", help="answer a prompt with one schema-valid tool call")
+    model_args(p)
+    p.add_argument("--tools", required=True, help="JSON file with a list of OpenAI tool definitions")
+    p.add_argument("--tool-choice", default="required", choices=["required", "auto"])
+    p.add_argument("--tool", default=None, help="force this tool (tool_choice={'name': TOOL})")
+    p.add_argument("--deadline", type=float, default=None, help="deadline in seconds for the decision")
+    p.set_defaults(func=cmd_call)
+
+    p = sub.add_parser("generate", help="stream a plain-text answer")
+    model_args(p)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `tokenspeed` console script."""
+    from . import ModelLoadError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
