@@ -1,0 +1,292 @@
+"""`tokenspeed_agent`: the ROS 2 node that runs an LLM agent on a robot arm under a deadline monitor.
+
+Inputs: joint states and camera images (+ CameraInfo) become compact text observations
+(`inputs`, `perception`) streamed into a resident tokenspeed Session on the engine thread
+(`engine_worker`); an optional goal topic adds the task. Decisions are triggered at a fixed rate
+and on events (new goal, changed scene), one at a time; each decision's deadline is measured from
+the newest sensor stamp. The `DeadlineMonitor` publishes each valid, timely tool call as an
+`ActionCommand` (plus a `PoseStamped` target for move_to/place) and the safe fallback otherwise.
+Bad input is counted and dropped; missing sensors or a missing engine give fallbacks. Counts and
+latency percentiles go to /diagnostics.
+
+Run: `tokenspeed_agent --ros-args --params-file launch/config/agent.yaml`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from geometry_msgs.msg import PoseStamped
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.node import Node
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.time import Time
+from sensor_msgs.msg import CameraInfo, Image, JointState
+from std_msgs.msg import String
+from tokenspeed_msgs.msg import ActionCommand, Observation
+
+from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
+from tokenspeed_ros.engine_worker import EngineWorker, Observed
+from tokenspeed_ros.inputs import BadInput, InputHealth, check_stamp, image_to_rgb, joint_state_text
+from tokenspeed_ros.params import AgentParams, AgentParamsError
+from tokenspeed_ros.perception import CameraModel, locate_cubes, objects_text
+
+SENSORS = ("joint_states", "camera")    # sources that must be fresh for the engine to decide
+
+
+def load_tools(path) -> list[dict]:
+    """Read an OpenAI tool list (JSON array of {"type": "function", "function": {...}}).
+
+    Raises AgentParamsError naming the file when it is missing or malformed.
+    """
+    try:
+        tools = json.loads(open(path).read())
+    except (OSError, json.JSONDecodeError) as e:
+        raise AgentParamsError(f"tools_file {path}: {e}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and "function" in t for t in tools):
+        raise AgentParamsError(f"tools_file {path}: expected a JSON list of OpenAI function tools")
+    return tools
+
+
+class AgentNode(Node):
+    """The agent node. Parameters: see `AgentParams`. Raises AgentParamsError on bad parameters
+    or an unreadable tool file; everything after construction is handled without raising."""
+
+    def __init__(self, **node_kwargs):
+        super().__init__("tokenspeed_agent", **node_kwargs)
+        self.p = p = AgentParams.declare(self)
+        tools = load_tools(p.resolved_tools_file())
+        self.health = InputHealth(self.get_logger())
+        self.monitor = DeadlineMonitor(
+            self, action_topic=p.action_topic, status_topic=p.deadline_status_topic,
+            budget_s=p.deadline_budget_s, fallback=p.fallback, period_s=p.monitor_period_s,
+            qos_depth=p.command_qos_depth, qos_deadline_s=p.command_qos_deadline_s)
+        self._obs_pub = self.create_publisher(Observation, p.observation_topic, 10)
+        self._pose_pub = self.create_publisher(PoseStamped, p.target_pose_topic, 10)
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+
+        sensor_qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT
+                                if p.sensor_reliability == "best_effort" else ReliabilityPolicy.RELIABLE)
+        self.create_subscription(JointState, p.joint_states_topic, self._on_joint_state, sensor_qos)
+        self.create_subscription(Image, p.image_topic, self._on_image, sensor_qos)
+        self.create_subscription(CameraInfo, p.camera_info_topic, self._on_camera_info, sensor_qos)
+        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self.create_subscription(PoseStamped, p.camera_pose_topic, self._on_camera_pose, latched)
+        if p.goal_topic:
+            self.create_subscription(String, p.goal_topic, self._on_goal, latched)
+
+        self._camera_info: CameraInfo | None = None
+        self._camera_pose: PoseStamped | None = None
+        self._camera: CameraModel | None = None     # built when both of the above are valid
+        self._started = self.get_clock().now()
+        self._last_rx: dict[str, Time] = {}         # source -> node time of the last valid message
+        self._latest_stamp: Time | None = None      # newest valid sensor stamp
+        self._texts: dict[str, str] = {}            # source -> last text sent to the engine
+        self._outstanding: int | None = None        # decision id the engine is working on
+        self._event_pending = False
+        self._skipped_busy = 0
+        self._diag_seen_bad = 0
+
+        tool_choice = p.tool_choice if p.tool_choice in ("required", "auto") else {"name": p.tool_choice}
+        self._wake = self.create_guard_condition(self._on_engine_output)
+        self.worker = EngineWorker(model=p.model, threads=p.threads, system=p.system_prompt, tools=tools,
+                                   tool_choice=tool_choice, max_context_tokens=p.max_context_tokens,
+                                   notify=self._wake.trigger, logger=self.get_logger())
+        if p.decision_period_s > 0:
+            self.create_timer(p.decision_period_s, lambda: self._trigger("rate"))
+        self.create_timer(p.diagnostics_period_s, self._publish_diagnostics)
+        self.worker.start()
+        self.get_logger().info(f"tokenspeed_agent up: budget {p.deadline_budget_s} s, fallback {p.fallback}, "
+                               f"decision period {p.decision_period_s} s, model {p.model or 'embedded'}")
+
+    def close(self) -> None:
+        """Stop the engine thread (waits for the current step)."""
+        self.worker.close()
+
+    # ------------------------------------------------------------------ inputs
+    def _stamp(self, stamp) -> Time:
+        now = self.get_clock().now()
+        t = check_stamp(stamp, now.nanoseconds * 1e-9, self.p.max_future_s, self.p.max_age_s)
+        return Time(nanoseconds=int(round(t * 1e9)), clock_type=now.clock_type)
+
+    def _received(self, source: str, stamp: Time) -> None:
+        self._last_rx[source] = self.get_clock().now()
+        if self._latest_stamp is None or stamp > self._latest_stamp:
+            self._latest_stamp = stamp
+
+    def _submit(self, source: str, text: str, stamp: Time, kind: str = "sensor") -> bool:
+        """Send a changed observation to the engine; returns False when the text is unchanged."""
+        if self._texts.get(source) == text:
+            return False
+        self._texts[source] = text
+        self.worker.observe(source, text, stamp.nanoseconds * 1e-9, kind)
+        return True
+
+    def _on_joint_state(self, msg: JointState) -> None:
+        try:
+            stamp = self._stamp(msg.header.stamp)
+            text = joint_state_text(msg)
+        except BadInput as e:
+            self.health.report(e, self.p.joint_states_topic)
+            return
+        self._received("joint_states", stamp)
+        self._submit("joint_states", text, stamp)
+
+    def _on_camera_info(self, msg: CameraInfo) -> None:
+        old = self._camera_info
+        if old is None or (list(old.k), old.width, old.height) != (list(msg.k), msg.width, msg.height):
+            self._update_camera(msg, self._camera_pose, self.p.camera_info_topic)
+
+    def _on_camera_pose(self, msg: PoseStamped) -> None:
+        self._update_camera(self._camera_info, msg, self.p.camera_pose_topic)
+
+    def _update_camera(self, info: CameraInfo | None, pose: PoseStamped | None, topic: str) -> None:
+        try:
+            camera = None if info is None or pose is None else CameraModel.from_msgs(info, pose.pose)
+        except BadInput as e:
+            self.health.report(e, topic)
+            return
+        self._camera_info, self._camera_pose, self._camera = info, pose, camera
+
+    def _on_image(self, msg: Image) -> None:
+        try:
+            stamp = self._stamp(msg.header.stamp)
+            rgb = image_to_rgb(msg)
+            if self._camera is None:
+                raise BadInput("no_camera_model", f"no valid {self.p.camera_info_topic} and "
+                                                  f"{self.p.camera_pose_topic} yet")
+            objects = locate_cubes(rgb, self._camera, self.p.object_plane_z, self.p.min_blob_area_px)
+        except BadInput as e:
+            self.health.report(e, self.p.image_topic)
+            return
+        self._received("camera", stamp)
+        if self._submit("camera", objects_text(objects), stamp) and self.p.decide_on_scene_change:
+            self._trigger("scene")
+
+    def _on_goal(self, msg: String) -> None:
+        text = msg.data.strip()
+        if not text or len(text) > self.p.max_goal_chars:
+            self.health.report(BadInput("goal_invalid", f"{len(text)} characters (1..{self.p.max_goal_chars})"),
+                               self.p.goal_topic)
+            return
+        if self._submit("goal", f"goal: {text}", self.get_clock().now(), kind="text") and self.p.decide_on_goal:
+            self._trigger("goal")
+
+    # ------------------------------------------------------------------ decisions
+    def _missing_sensors(self) -> list[str]:
+        now = self.get_clock().now()
+        missing = []
+        for source in SENSORS:
+            last = self._last_rx.get(source)
+            silent_s = (now - (last or self._started)).nanoseconds * 1e-9
+            if silent_s > self.p.stale_after_s:
+                self.health.report(BadInput(f"missing_{source}", f"no valid data for {silent_s:.1f} s"), source)
+            if last is None or silent_s > self.p.stale_after_s:
+                missing.append(source)
+        return missing
+
+    def _trigger(self, why: str) -> None:
+        """Start a decision now if the engine is free; "rate" triggers also keep safe actions
+        flowing while the engine is stuck past a deadline."""
+        now = self.get_clock().now()
+        stamp = self._latest_stamp or now
+        if self._outstanding is not None:
+            if why == "rate" and not self.monitor.is_pending(self._outstanding):
+                self.monitor.fail_now(stamp, "engine_busy")
+            else:
+                self._event_pending |= why != "rate"
+                self._skipped_busy += 1
+            return
+        if self._missing_sensors():
+            self.monitor.fail_now(stamp, "no_sensor_data")
+            return
+        if self.worker.state != "ready":
+            self.monitor.fail_now(stamp, "engine_fault" if self.worker.state == "fault" else "engine_loading")
+            return
+        d = self.monitor.open(stamp)
+        remaining_s = (d.deadline - now).nanoseconds * 1e-9 - self.p.publish_margin_s
+        self._outstanding = d.decision_id
+        self.worker.decide(d.decision_id, time.monotonic() + remaining_s)
+
+    def _on_engine_output(self) -> None:
+        for item in self.worker.drain():
+            if isinstance(item, Observed):
+                msg = Observation(source=item.source, text=item.text, tokens=item.tokens)
+                msg.header.stamp = Time(nanoseconds=int(round(item.stamp_s * 1e9))).to_msg()
+                self._obs_pub.publish(msg)
+                continue
+            assert isinstance(item, ModelResult)
+            if item.decision_id == self._outstanding:
+                self._outstanding = None
+            cmd = self.monitor.resolve(item)
+            if cmd is not None:
+                self._publish_target(cmd)
+        if self._outstanding is None and self._event_pending:
+            self._event_pending = False
+            self._trigger("event")
+
+    def _publish_target(self, cmd: ActionCommand) -> None:
+        """A PoseStamped for calls with a position (move_to, place): gripper pointing down."""
+        args = json.loads(cmd.arguments_json)
+        if not isinstance(args, dict) or "x" not in args or "y" not in args:
+            return
+        pose = PoseStamped()
+        pose.header.stamp = cmd.header.stamp
+        pose.header.frame_id = self.p.base_frame
+        pose.pose.position.x, pose.pose.position.y = float(args["x"]), float(args["y"])
+        pose.pose.position.z = float(args.get("z", self.p.object_plane_z))
+        pose.pose.orientation.x, pose.pose.orientation.w = 1.0, 0.0
+        self._pose_pub.publish(pose)
+
+    # ------------------------------------------------------------------ diagnostics
+    def _publish_diagnostics(self) -> None:
+        now = self.get_clock().now()
+        bad = sum(self.health.counts.values())
+        inputs = DiagnosticStatus(
+            name="tokenspeed_agent: inputs", message=f"{bad} bad inputs",
+            level=DiagnosticStatus.WARN if bad > self._diag_seen_bad else DiagnosticStatus.OK,
+            values=[KeyValue(key=f"bad_{k}", value=str(v)) for k, v in sorted(self.health.counts.items())]
+            + [KeyValue(key=f"age_{s}_s", value=f"{(now - t).nanoseconds * 1e-9:.3f}")
+               for s, t in sorted(self._last_rx.items())]
+            + [KeyValue(key="observations_coalesced", value=str(self.worker.coalesced))])
+        self._diag_seen_bad = bad
+        w = self.worker
+        engine = DiagnosticStatus(
+            name="tokenspeed_agent: engine", message=w.fault or w.state,
+            level={"ready": DiagnosticStatus.OK, "loading": DiagnosticStatus.WARN}.get(w.state, DiagnosticStatus.ERROR),
+            values=[KeyValue(key="state", value=w.state), KeyValue(key="context_tokens", value=str(w.context_tokens)),
+                    KeyValue(key="context_resets", value=str(w.context_resets)),
+                    KeyValue(key="triggers_skipped_busy", value=str(self._skipped_busy))])
+        msg = DiagnosticArray(status=[self.monitor.diagnostic_status("tokenspeed_agent: decisions"), inputs, engine])
+        msg.header.stamp = now.to_msg()
+        self._diag_pub.publish(msg)
+
+
+def main(args: list[str] | None = None) -> int:
+    """Console entry point `tokenspeed_agent`. Returns 0 on a clean shutdown (Ctrl-C / SIGTERM),
+    2 on bad parameters."""
+    rclpy.init(args=args)
+    try:
+        node = AgentNode()
+    except AgentParamsError as e:
+        print(f"tokenspeed_agent: {e}", file=sys.stderr)
+        rclpy.try_shutdown()
+        return 2
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        node.close()
+        node.destroy_node()
+        rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

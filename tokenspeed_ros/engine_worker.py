@@ -1,0 +1,168 @@
+"""The engine thread: owns the tokenspeed Engine and its resident Session.
+
+ROS callbacks never block on inference: they hand observations and decision requests to this
+thread and return. Observations are coalesced per source (a newer reading replaces one not yet
+prefilled, so the backlog never exceeds one entry per source); at most one decision request is
+outstanding. Results come back through `drain()`, and `notify()` (a ROS guard condition's
+trigger) wakes the executor to collect them.
+
+The session is kept bounded: when it grows past `max_context_tokens` it is rolled back to the
+checkpoint taken right after the system prompt and tools, and the latest observation of every
+source is observed again (pruning the old history).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from tokenspeed_ros.deadline_monitor import ModelResult
+
+
+@dataclass
+class Observed:
+    """An observation as it entered the session: tokens appended (0 when there is no engine)."""
+
+    source: str
+    text: str
+    stamp_s: float          # sensor stamp, seconds
+    tokens: int
+
+
+class EngineWorker:
+    """A daemon thread that loads the engine, prefills observations and runs decisions.
+
+    model: path, "tiny-random" or "" (embedded model); threads: CPU threads (0 = engine default);
+    system: system prompt; tools: OpenAI tool dicts; tool_choice: passed to decide();
+    notify: called from the engine thread whenever `drain()` has something new; logger: rclpy
+    logger. `state` is "loading", "ready" or "fault" (then `fault` says why).
+    """
+
+    def __init__(self, *, model: str, threads: int, system: str, tools: list[dict], tool_choice,
+                 max_context_tokens: int, notify: Callable[[], None], logger):
+        self._cfg = dict(model=model or None, threads=threads or None, system=system, tools=tools)
+        self._tool_choice = tool_choice
+        self._max_tokens = max_context_tokens
+        self._notify = notify
+        self._log = logger
+        self.state = "loading"
+        self.fault = ""
+        self.context_tokens = 0
+        self.context_resets = 0
+        self.coalesced = 0          # observations replaced before they were prefilled
+        self._cv = threading.Condition()
+        self._obs: dict[str, tuple[str, str, float]] = {}  # source -> (text, kind, stamp_s), not yet prefilled
+        self._request: tuple[int, float] | None = None     # (decision_id, deadline_at monotonic)
+        self._out: list[Observed | ModelResult] = []
+        self._latest: dict[str, tuple[str, str]] = {}      # source -> (text, kind) last in the session
+        self._stop = False
+        self._session = None
+        self._base = None
+        self._thread = threading.Thread(target=self._run, name="tokenspeed-engine", daemon=True)
+
+    def start(self) -> None:
+        """Start the thread (it loads the model first)."""
+        self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Ask the thread to stop after its current step and wait up to `timeout` seconds."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    def observe(self, source: str, text: str, stamp_s: float, kind: str = "sensor") -> None:
+        """Queue an observation (kind "sensor" or "text", as Session.observe); it replaces a
+        queued, not yet prefilled one from the same source."""
+        with self._cv:
+            if source in self._obs:
+                self.coalesced += 1
+            self._obs[source] = (text, kind, stamp_s)
+            self._cv.notify()
+
+    def decide(self, decision_id: int, deadline_at: float) -> None:
+        """Request a decision that must finish by `deadline_at` (time.monotonic() seconds).
+
+        Raises RuntimeError if a request is still queued (callers keep one outstanding).
+        """
+        with self._cv:
+            if self._request is not None:
+                raise RuntimeError("a decision request is already queued")
+            self._request = (decision_id, deadline_at)
+            self._cv.notify()
+
+    def drain(self) -> list[Observed | ModelResult]:
+        """Everything finished since the last call, in order."""
+        with self._cv:
+            out, self._out = self._out, []
+        return out
+
+    # ------------------------------------------------------------------ engine thread
+    def _emit(self, item) -> None:
+        with self._cv:
+            self._out.append(item)
+        self._notify()
+
+    def _run(self) -> None:
+        self._load()
+        while True:
+            with self._cv:
+                while not self._stop and not self._obs and self._request is None:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                obs, self._obs = self._obs, {}
+                request, self._request = self._request, None
+            for source, (text, kind, stamp_s) in obs.items():
+                self._emit(Observed(source, text, stamp_s, self._observe(source, text, kind)))
+            if request is not None:
+                self._emit(self._decide(*request))
+
+    def _load(self) -> None:
+        try:
+            import tokenspeed
+
+            t0 = time.monotonic()
+            engine = tokenspeed.Engine.load(self._cfg["model"], threads=self._cfg["threads"])
+            self._session = engine.session(system=self._cfg["system"], tools=self._cfg["tools"])
+            self._base = self._session.checkpoint()
+            self.context_tokens = self._session.num_tokens
+            self.state = "ready"
+            self._log.info(f"engine ready in {time.monotonic() - t0:.1f} s "
+                           f"({self.context_tokens} tokens of system prompt and tools)")
+        except Exception as e:  # any failure leaves the node running on fallbacks
+            self.state, self.fault = "fault", f"{type(e).__name__}: {e}"
+            self._log.error(f"engine failed to load, every decision falls back: {self.fault}")
+        self._notify()
+
+    def _observe(self, source: str, text: str, kind: str) -> int:
+        if self._session is None:
+            return 0
+        try:
+            if self._session.num_tokens > self._max_tokens:
+                self._reset_context()
+            n = self._session.observe(text, role="user", kind=kind, source=source)
+            self._latest[source] = (text, kind)
+            self.context_tokens = self._session.num_tokens
+            return n
+        except Exception as e:
+            self._log.error(f"engine fault in observe({source}): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
+            return 0
+
+    def _reset_context(self) -> None:
+        self._session.rollback(self._base)
+        for source, (text, kind) in self._latest.items():
+            self._session.observe(text, role="user", kind=kind, source=source)
+        self.context_resets += 1
+
+    def _decide(self, decision_id: int, deadline_at: float) -> ModelResult:
+        if self._session is None:
+            return ModelResult(decision_id, "engine_fault", reason=self.fault or "engine not loaded")
+        try:
+            d = self._session.decide(tool_choice=self._tool_choice, deadline_at=deadline_at)
+        except Exception as e:
+            self._log.error(f"engine fault in decide(): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
+            return ModelResult(decision_id, "engine_fault", reason=f"{type(e).__name__}: {e}")
+        self.context_tokens = self._session.num_tokens
+        return ModelResult(decision_id, d.status, d.tool_call, d.reason or "", d.ttft_s or 0.0, d.total_s or 0.0)

@@ -1,0 +1,95 @@
+"""Input checks and encoders: ROS sensor messages -> validated arrays and compact text.
+
+Every check raises `BadInput(kind, detail)`; the node counts each kind in `InputHealth`, logs
+the first occurrence of each kind, drops the message and keeps running.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+
+ENCODINGS = {"rgb8": False, "bgr8": True}   # accepted image encodings -> channels need reversing
+MAX_IMAGE_SIDE = 8192                         # pixels
+
+
+class BadInput(ValueError):
+    """A message the node cannot use. `kind` is a short counter name, e.g. "joint_nonfinite"."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+class InputHealth:
+    """Counts bad input per kind and logs each kind once (first occurrence) at WARN.
+
+    `logger` is an rclpy logger. Not thread-safe: call from the ROS executor thread.
+    """
+
+    def __init__(self, logger):
+        self._logger = logger
+        self.counts: Counter[str] = Counter()
+
+    def report(self, err: BadInput, topic: str) -> None:
+        """Count `err` and log it if it is the first of its kind."""
+        self.counts[err.kind] += 1
+        if self.counts[err.kind] == 1:
+            self._logger.warning(f"bad input on {topic}: {err} (counted in /diagnostics; "
+                                 f"further '{err.kind}' reports are not logged)")
+
+
+def stamp_seconds(stamp) -> float:
+    """builtin_interfaces/Time -> float seconds."""
+    return stamp.sec + stamp.nanosec * 1e-9
+
+
+def check_stamp(stamp, now_s: float, max_future_s: float, max_age_s: float) -> float:
+    """Validate a header stamp against the node clock `now_s` (seconds); return it in seconds.
+
+    Raises BadInput "stamp_missing" (zero stamp), "stamp_future" or "stamp_old".
+    """
+    t = stamp_seconds(stamp)
+    if t == 0.0:
+        raise BadInput("stamp_missing", "header stamp is zero")
+    if t > now_s + max_future_s:
+        raise BadInput("stamp_future", f"stamp {t - now_s:+.3f} s ahead of the node clock")
+    if t < now_s - max_age_s:
+        raise BadInput("stamp_old", f"stamp {now_s - t:.3f} s old (limit {max_age_s} s)")
+    return t
+
+
+def joint_state_text(msg) -> str:
+    """sensor_msgs/JointState -> compact text, e.g. "joints q=[0.00,-0.79,...] (rad)".
+
+    Positions are rounded to 0.01 rad so that jitter does not make a new observation.
+    Raises BadInput "joint_empty", "joint_size_mismatch" or "joint_nonfinite".
+    """
+    q = list(msg.position)
+    if not q:
+        raise BadInput("joint_empty", "no positions")
+    if msg.name and len(msg.name) != len(q):
+        raise BadInput("joint_size_mismatch", f"{len(msg.name)} names but {len(q)} positions")
+    if not all(math.isfinite(v) for v in q):
+        raise BadInput("joint_nonfinite", f"non-finite position in {q}")
+    return "joints q=[" + ",".join(f"{v:.2f}" for v in q) + "] (rad)"
+
+
+def image_to_rgb(msg) -> np.ndarray:
+    """sensor_msgs/Image (rgb8 or bgr8) -> uint8 array [height, width, 3], RGB, a copy.
+
+    Raises BadInput "image_encoding" (anything else), "image_size" (zero/huge sides, step too
+    small) or "image_corrupt" (data length does not match height * step).
+    """
+    if msg.encoding not in ENCODINGS:
+        raise BadInput("image_encoding", f"encoding {msg.encoding!r} is not one of {sorted(ENCODINGS)}")
+    h, w, step = msg.height, msg.width, msg.step
+    if not (0 < h <= MAX_IMAGE_SIDE and 0 < w <= MAX_IMAGE_SIDE) or step < 3 * w:
+        raise BadInput("image_size", f"{w}x{h} with step {step}")
+    if len(msg.data) != h * step:
+        raise BadInput("image_corrupt", f"{len(msg.data)} bytes, expected {h} * {step}")
+    rows = np.frombuffer(msg.data, dtype=np.uint8).reshape(h, step)
+    img = rows[:, : 3 * w].reshape(h, w, 3)
+    return np.ascontiguousarray(img[:, :, ::-1] if ENCODINGS[msg.encoding] else img)

@@ -1,0 +1,54 @@
+"""Which processes each launch starts, with which parameter files: the one table both the ROS 2
+launch files (`launch/*.launch.py`) and the `tokenspeed_launch` command read.
+
+Why a Python table rather than parsing the launch files: `launch`/`launch_ros` are not on the
+package registries here, so the launch files cannot be executed, and parsing their AST would
+tie the launcher to one way of writing them. A plain table that the launch files import keeps
+one source of truth that works with and without a ROS 2 installation, and that the launch-file
+test can check directly (executables exist as console entry points, parameter files exist,
+every parameter in them is declared by the node).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = "tokenspeed_ros"
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One process: a console entry point (= ROS executable), its node name and its parameter
+    file (a name inside the config directory)."""
+
+    executable: str
+    name: str
+    params_file: str
+
+
+AGENT = NodeSpec("tokenspeed_agent", "tokenspeed_agent", "agent.yaml")
+COBOT_SIM = NodeSpec("tokenspeed_cobot_sim", "tokenspeed_cobot_sim", "cobot_sim.yaml")
+
+LAUNCHES: dict[str, tuple[NodeSpec, ...]] = {
+    "agent": (AGENT,),                  # launch/agent.launch.py: the agent alone, for a real robot
+    "cobot_sim": (COBOT_SIM, AGENT),    # launch/cobot_sim.launch.py: simulated cobot + agent
+}
+
+
+def config_dir() -> Path:
+    """The parameter-file directory: the repository's launch/config in a source checkout
+    (editable install), else the installed share/tokenspeed_ros/config.
+
+    Raises FileNotFoundError when neither exists.
+    """
+    for candidate in (Path(__file__).resolve().parent.parent / "launch" / "config",
+                      Path(sys.prefix) / "share" / PACKAGE / "config"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"no launch/config directory and no {sys.prefix}/share/{PACKAGE}/config")
+
+
+def params_path(spec: NodeSpec) -> Path:
+    """Absolute path of the node's parameter file."""
+    return config_dir() / spec.params_file

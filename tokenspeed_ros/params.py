@@ -1,0 +1,117 @@
+"""The agent node's ROS parameters: declared in one place, with defaults, units and validation.
+
+`AgentParams` is the single table. `AgentParams.declare(node)` declares every field as a ROS
+parameter (default and description from the field) and returns the validated values;
+`launch/config/agent.yaml` repeats the defaults for users to edit, and the launch-file test checks
+that every key there is a field here.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from rcl_interfaces.msg import ParameterDescriptor
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You control a Franka Panda robot arm above a table with a red, a green and a blue cube. "
+    "Observations give joint angles (radians) and cube positions (x forward, y left, metres, "
+    "robot base frame). Reply with exactly one tool call that moves the task forward."
+)
+
+
+class AgentParamsError(ValueError):
+    """A parameter value is out of range or inconsistent; the message names the parameter."""
+
+
+class AgentParams(BaseModel):
+    """Every parameter of `tokenspeed_agent`. Times in seconds, distances in metres, sizes in pixels."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # topics (relative names: they follow the node's namespace)
+    joint_states_topic: str = Field("joint_states", description="sensor_msgs/JointState input")
+    image_topic: str = Field("camera/image_raw", description="sensor_msgs/Image input (rgb8 or bgr8)")
+    camera_info_topic: str = Field("camera/camera_info", description="sensor_msgs/CameraInfo (intrinsics K)")
+    camera_pose_topic: str = Field(
+        "camera/pose", description="geometry_msgs/PoseStamped of the camera optical frame in the base frame (latched)")
+    goal_topic: str = Field("goal", description="std_msgs/String task text (latched: transient local); empty disables")
+    action_topic: str = Field("agent/action", description="tokenspeed_msgs/ActionCommand output")
+    deadline_status_topic: str = Field("agent/deadline_status", description="tokenspeed_msgs/DeadlineStatus output")
+    observation_topic: str = Field("agent/observation", description="tokenspeed_msgs/Observation echoes")
+    target_pose_topic: str = Field("agent/target_pose", description="geometry_msgs/PoseStamped for move_to/place calls")
+    base_frame: str = Field("base", description="frame_id of target poses (robot base frame)")
+
+    # QoS
+    sensor_reliability: Literal["best_effort", "reliable"] = Field(
+        "best_effort", description="reliability of the sensor subscriptions (depth 1)")
+    command_qos_depth: int = Field(10, ge=1, description="history depth of the command publisher")
+    command_qos_deadline_s: float = Field(
+        3.0, ge=0.0, description="QoS deadline offered on agent/action (s); 0 disables; misses are counted")
+
+    # decisions and the deadline monitor
+    decision_period_s: float = Field(1.0, ge=0.0, description="rate trigger period (s); 0 = events only")
+    decide_on_goal: bool = Field(True, description="trigger a decision when a new goal arrives")
+    decide_on_scene_change: bool = Field(True, description="trigger a decision when the seen objects change")
+    deadline_budget_s: float = Field(
+        2.0, gt=0.0, description="observation stamp -> action deadline (s)")
+    publish_margin_s: float = Field(
+        0.02, ge=0.0, description="the engine stops this long before the deadline to leave time to publish (s)")
+    monitor_period_s: float = Field(0.01, gt=0.0, description="deadline monitor timer period (s)")
+    fallback: Literal["hold", "stop", "last_valid"] = Field(
+        "hold", description="safe action published when a decision misses its deadline or fails")
+    tool_choice: str = Field("required", description='decide() tool_choice: "required", "auto" or a tool name')
+    diagnostics_period_s: float = Field(1.0, gt=0.0, description="/diagnostics publish period (s)")
+
+    # engine
+    model: str = Field("", description='.gguf file, HF folder or "tiny-random"; empty = embedded SmolLM2-135M')
+    threads: int = Field(0, ge=0, description="engine CPU threads; 0 = engine default")
+    tools_file: str = Field("", description="OpenAI tool list (JSON); empty = launch/config/robot_tools.json")
+    system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="system message of the session")
+    max_context_tokens: int = Field(
+        1536, ge=64, description="when the session grows past this, it is reset to system+tools and the latest observations")
+
+    # input checks
+    stale_after_s: float = Field(2.0, gt=0.0, description="a sensor topic silent this long counts as missing (s)")
+    max_future_s: float = Field(0.5, ge=0.0, description="stamps further ahead of the node clock are bad input (s)")
+    max_age_s: float = Field(5.0, gt=0.0, description="stamps older than this are bad input (s)")
+    max_goal_chars: int = Field(1000, ge=1, description="longer goal texts are bad input")
+
+    # perception (intrinsics from CameraInfo, pose of the optical frame from camera_pose_topic)
+    object_plane_z: float = Field(0.025, description="height of cube centres above the base frame origin, metres")
+    min_blob_area_px: int = Field(12, ge=1, description="smaller colour blobs are ignored, pixels")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AgentParams":
+        if self.publish_margin_s >= self.deadline_budget_s:
+            raise ValueError("publish_margin_s must be smaller than deadline_budget_s")
+        return self
+
+    @classmethod
+    def declare(cls, node) -> "AgentParams":
+        """Declare every field on `node` (an rclpy Node) and return the validated values.
+
+        Raises AgentParamsError naming the bad parameter(s).
+        """
+        fields = cls.model_fields
+        node.declare_parameters("", [
+            (name, f.default, ParameterDescriptor(description=f.description or ""))
+            for name, f in fields.items()
+        ])
+        values = {name: node.get_parameter(name).value for name in fields}
+        try:
+            return cls(**values)
+        except ValidationError as e:
+            raise AgentParamsError(f"bad tokenspeed_agent parameters: {e}") from None
+
+    def resolved_tools_file(self) -> Path:
+        """The tool list to load: `tools_file`, or the repository's/installed robot_tools.json."""
+        if self.tools_file:
+            return Path(self.tools_file)
+        here = Path(__file__).resolve().parent
+        for candidate in (here.parent / "launch" / "config" / "robot_tools.json",
+                          Path(sys.prefix) / "share" / "tokenspeed_ros" / "config" / "robot_tools.json"):
+            if candidate.exists():
+                return candidate
+        raise AgentParamsError("tools_file is empty and no robot_tools.json is installed; set tools_file")
