@@ -68,7 +68,7 @@ setup(
             "ros-ament-cmake-ros-core",
             "catkin-pkg",  # ament_cmake_core parses package.xml with it
         ],
-        "test": ["pytest>=8", "pytest-timeout", "transformers>=4.45"],
+        "test": ["pytest>=8", "pytest-timeout", "transformers>=4.45", "accelerate"],
         "bench": ["llama-cpp-python", "transformers>=4.45", "psutil"],
     },
     entry_points={
