@@ -1,0 +1,292 @@
+"""Closed-loop latency harness: a ROS 2 peer that only listens, and reports every decision's
+latency from sensor capture to the action being applied on the (simulated) robot.
+
+It never imports `tokenspeed`: everything comes from topics, and all stamps are wall-clock on one
+host (see `tokenspeed_sim.sim_node`). Per decision (one ActionCommand, keyed by decision_id):
+
+  capture      ActionCommand.observation_stamp: the sensor reading the decision answers
+  in context   receive time here of the agent/observation echo with that header.stamp (the agent
+               publishes it once observe() has put the reading into the KV cache)
+  first token  ActionCommand.ttft_s: decide()'s time to first token
+  published    ActionCommand.header.stamp
+  applied      ActionFeedback(state="applied").header.stamp from the simulator
+
+Stages reported (seconds): capture->context, ttft, capture->published, published->applied and
+end-to-end (capture->applied), each with p50/p90/p99/max; plus deadline hit rate and fallbacks
+(tokenspeed_msgs/DeadlineStatus), decisions per second, feedback counts, and the task outcome
+from `sim/scenario_status`. Outputs: report.json, latency.png and a printed table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter, OrderedDict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import rclpy
+from rclpy.executors import ExternalShutdownException
+from rclpy.node import Node
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from std_msgs.msg import String
+from tokenspeed_msgs.msg import ActionCommand, ActionFeedback, DeadlineStatus, Observation
+
+STAGES = ("capture_to_context_s", "ttft_s", "capture_to_published_s", "published_to_applied_s", "end_to_end_s")
+MAX_REMEMBERED_OBSERVATIONS = 5000
+
+
+def _secs(stamp) -> float:
+    """builtin_interfaces/Time -> seconds (float)."""
+    return stamp.sec + stamp.nanosec * 1e-9
+
+
+def _ns(stamp) -> int:
+    return stamp.sec * 1_000_000_000 + stamp.nanosec
+
+
+@dataclass
+class Decision:
+    """One published action and what happened to it. Times are wall-clock seconds (epoch)."""
+
+    decision_id: int
+    source: str                      # "model" or "fallback"
+    tool: str
+    arguments: str
+    capture: float                   # observation stamp
+    capture_ns: int                  # the same stamp in integer nanoseconds (matches echoes exactly)
+    published: float                 # ActionCommand header stamp
+    received: float                  # when the harness got the command
+    ttft_s: float
+    in_context: float | None = None  # receive time of the matching observation echo
+    applied: float | None = None
+    outcome: str = ""                # last feedback state: applied / done / preempted / rejected
+    detail: str = ""
+
+    def stages(self) -> dict[str, float | None]:
+        """This decision's stage latencies in seconds (None where a stamp is missing)."""
+        return {
+            "capture_to_context_s": None if self.in_context is None else self.in_context - self.capture,
+            "ttft_s": self.ttft_s if self.source == "model" else None,
+            "capture_to_published_s": self.published - self.capture,
+            "published_to_applied_s": None if self.applied is None else self.applied - self.published,
+            "end_to_end_s": None if self.applied is None else self.applied - self.capture,
+        }
+
+
+def percentiles(values: list[float]) -> dict[str, float | int | None]:
+    """{n, mean, p50, p90, p99, max} of seconds values (None entries when empty)."""
+    if not values:
+        return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
+    a = np.asarray(values, dtype=np.float64)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"n": int(a.size), "mean": float(a.mean()), "p50": float(p50), "p90": float(p90),
+            "p99": float(p99), "max": float(a.max())}
+
+
+class LatencyHarness(Node):
+    """Listens to the agent's and the simulator's topics and records every decision."""
+
+    def __init__(self, **node_kwargs):
+        super().__init__("tokenspeed_latency_harness", **node_kwargs)
+        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self.decisions: OrderedDict[int, Decision] = OrderedDict()
+        self.deadlines: dict[int, DeadlineStatus] = {}
+        self.feedback_counts: Counter[str] = Counter()
+        self.duplicate_ids = 0
+        self.scenario: dict | None = None
+        self.started = time.time()
+        self._echoes: OrderedDict[int, float] = OrderedDict()    # observation stamp (ns) -> receive time
+        self._feedback: dict[int, list[tuple[str, float, str]]] = {}   # decision id -> (state, stamp, detail)
+        self.create_subscription(Observation, "agent/observation", self._on_observation, 100)
+        self.create_subscription(ActionCommand, "agent/action", self._on_action, 100)
+        self.create_subscription(DeadlineStatus, "agent/deadline_status", self._on_deadline, 100)
+        self.create_subscription(ActionFeedback, "sim/action_feedback", self._on_feedback, 100)
+        self.create_subscription(String, "sim/scenario_status", self._on_status, latched)
+
+    def _on_observation(self, msg: Observation) -> None:
+        key = _ns(msg.header.stamp)
+        if key not in self._echoes:
+            self._echoes[key] = time.time()
+            if len(self._echoes) > MAX_REMEMBERED_OBSERVATIONS:
+                self._echoes.popitem(last=False)
+
+    def _on_action(self, msg: ActionCommand) -> None:
+        if msg.decision_id in self.decisions:
+            self.duplicate_ids += 1
+            return
+        self.decisions[msg.decision_id] = Decision(
+            decision_id=msg.decision_id, source=msg.source, tool=msg.tool_name, arguments=msg.arguments_json,
+            capture=_secs(msg.observation_stamp), capture_ns=_ns(msg.observation_stamp),
+            published=_secs(msg.header.stamp), received=time.time(), ttft_s=msg.ttft_s)
+
+    def _on_deadline(self, msg: DeadlineStatus) -> None:
+        self.deadlines[msg.decision_id] = msg
+
+    def _on_feedback(self, msg: ActionFeedback) -> None:
+        self.feedback_counts[msg.state] += 1
+        self._feedback.setdefault(msg.decision_id, []).append((msg.state, _secs(msg.header.stamp), msg.detail))
+
+    def _on_status(self, msg: String) -> None:
+        try:
+            self.scenario = json.loads(msg.data)
+        except json.JSONDecodeError:
+            self.get_logger().warning("sim/scenario_status is not JSON; ignored")
+
+    # ------------------------------------------------------------------ report
+    def report(self) -> dict:
+        """The run so far as a JSON-ready dict (seconds throughout)."""
+        duration = max(1e-9, time.time() - self.started)
+        decisions = list(self.decisions.values())
+        for d in decisions:   # echoes, commands and feedback come from different writers, in any order
+            d.in_context = self._echoes.get(d.capture_ns)
+            for state, stamp, detail in self._feedback.get(d.decision_id, []):
+                if state == "applied" and d.applied is None:
+                    d.applied = stamp
+                d.outcome, d.detail = state, detail
+        model = [d for d in decisions if d.source == "model"]
+        stage_values = {s: [] for s in STAGES}
+        for d in model:
+            for s, v in d.stages().items():
+                if v is not None:
+                    stage_values[s].append(v)
+        statuses = list(self.deadlines.values())
+        met = sum(1 for s in statuses if s.met)
+        return {
+            "duration_s": duration,
+            "decisions": len(decisions),
+            "model_decisions": len(model),
+            "fallbacks": sum(1 for d in decisions if d.source == "fallback"),
+            "decisions_per_s": len(decisions) / duration,
+            "stages": {s: percentiles(v) for s, v in stage_values.items()},
+            "fallback_end_to_end_s": percentiles([d.stages()["end_to_end_s"] for d in decisions
+                                                  if d.source == "fallback" and d.applied is not None]),
+            "deadline": {
+                "statuses": len(statuses), "met": met, "missed": len(statuses) - met,
+                "hit_rate": met / len(statuses) if statuses else None,
+                "fallback_used": sum(1 for s in statuses if s.fallback_used),
+                "reasons": dict(Counter(s.reason for s in statuses)),
+            },
+            "feedback": dict(self.feedback_counts),
+            "duplicate_decision_ids": self.duplicate_ids,
+            "task": self.scenario,
+            "per_decision": [{**asdict(d), **d.stages()} for d in decisions],
+        }
+
+
+def write_plot(report: dict, path: Path) -> None:
+    """PNG with latency over time (left) and the distribution per stage (right), milliseconds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["per_decision"]
+    t0 = min((r["published"] for r in rows), default=0.0)
+    fig, (ax_t, ax_d) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    for color, stage in enumerate(("end_to_end_s", "capture_to_published_s", "ttft_s", "published_to_applied_s")):
+        for source, marker in (("model", "o"), ("fallback", "x")):
+            pts = [(r["published"] - t0, r[stage] * 1e3) for r in rows if r["source"] == source and r[stage] is not None]
+            if pts:
+                x, y = zip(*pts)
+                ax_t.plot(x, y, marker=marker, linestyle="-" if source == "model" else "none", color=f"C{color}",
+                          markersize=4 if source == "model" else 7, linewidth=0.8, label=f"{stage[:-2]} ({source})")
+    ax_t.set_xlabel("time since first decision (s)")
+    ax_t.set_ylabel("latency (ms)")
+    ax_t.set_title("per-decision latency over time")
+    ax_t.grid(alpha=0.3)
+    ax_t.legend(fontsize=7)
+    data = {s[:-2]: [r[s] * 1e3 for r in rows if r["source"] == "model" and r[s] is not None] for s in reversed(STAGES)}
+    data = {k: v for k, v in data.items() if v}
+    if data:
+        ax_d.boxplot(list(data.values()), vert=False, whis=(0, 100))
+        ax_d.set_yticks(range(1, len(data) + 1), list(data.keys()), fontsize=8)
+    ax_d.set_xlabel("latency (ms), whiskers = min/max")
+    hit = report["deadline"]["hit_rate"]
+    task = report["task"] or {}
+    ax_d.set_title(f"distribution (model decisions)  hit rate {'-' if hit is None else f'{hit:.0%}'}"
+                   f"  task {'success' if task.get('success') else 'not done'}", fontsize=9)
+    ax_d.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(report: dict) -> None:
+    """Print the latency table, deadline figures and task outcome (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def ms(v):
+        return "-" if v is None else f"{v * 1e3:.1f}"
+
+    table = Table(title=f"closed-loop latency, {report['decisions']} decisions in {report['duration_s']:.0f} s "
+                        f"({report['decisions_per_s']:.2f}/s)")
+    for col in ("stage", "n", "p50 ms", "p90 ms", "p99 ms", "max ms"):
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    for stage, st in report["stages"].items():
+        table.add_row(stage[:-2], str(st["n"]), ms(st["p50"]), ms(st["p90"]), ms(st["p99"]), ms(st["max"]))
+    fb = report["fallback_end_to_end_s"]
+    table.add_row("fallback end_to_end", str(fb["n"]), ms(fb["p50"]), ms(fb["p90"]), ms(fb["p99"]), ms(fb["max"]))
+    console = Console()
+    console.print(table)
+    dl = report["deadline"]
+    hit = "-" if dl["hit_rate"] is None else f"{dl['hit_rate']:.1%}"
+    console.print(f"deadline: {dl['met']}/{dl['statuses']} met (hit rate {hit}), fallbacks published "
+                  f"{report['fallbacks']}, reasons {dl['reasons']}")
+    console.print(f"robot feedback: {report['feedback']}")
+    task = report["task"]
+    if task is None:
+        console.print("task: no sim/scenario_status received")
+    else:
+        console.print(f"task: {task['goal']}\n  -> {'SUCCESS' if task['success'] else 'not achieved'}: "
+                      f"{task['target_object']} {task['distance_m'] * 100:.1f} cm from the target "
+                      f"(tolerance {task['tolerance_m'] * 100:.0f} cm), holding {task['holding']}, "
+                      f"commands accepted {task['commands_accepted']}, rejected {task['commands_rejected']}")
+
+
+def write_outputs(report: dict, out_dir: Path) -> tuple[Path, Path]:
+    """Write report.json and latency.png into out_dir (created); returns both paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out_dir / "report.json", out_dir / "latency.png"
+    json_path.write_text(json.dumps(report, indent=2))
+    write_plot(report, png_path)
+    return json_path, png_path
+
+
+def listen(duration_s: float, out_dir: Path, stop=None) -> dict:
+    """Run the harness for duration_s seconds (or until `stop()` returns True), in this process
+    (rclpy must not be initialised yet); write the outputs, print the table, return the report."""
+    rclpy.init()
+    harness = LatencyHarness()
+    try:
+        end = time.monotonic() + duration_s
+        try:
+            while time.monotonic() < end and not (stop and stop()):
+                rclpy.spin_once(harness, timeout_sec=0.05)
+        except (KeyboardInterrupt, ExternalShutdownException):
+            pass                     # interrupted: report what was seen so far
+        report = harness.report()
+    finally:
+        harness.destroy_node()
+        rclpy.try_shutdown()
+    paths = write_outputs(report, out_dir)
+    print_table(report)
+    print(f"report: {paths[0]}\nplot:   {paths[1]}")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point `tokenspeed_sim_harness`: listen for --duration seconds, then report."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds to listen (default 60)")
+    ap.add_argument("--out", type=Path, default=Path("out/latency"), help="folder for report.json and latency.png")
+    args = ap.parse_args(argv)
+    if args.duration <= 0:
+        ap.error("--duration must be > 0")
+    listen(args.duration, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The latency harness in its own process, listening to the real simulator node and to a scripted
+agent peer (this test) over DDS: it matches every decision's stamps and writes JSON + PNG."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from sensor_msgs.msg import Image
+from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, Observation
+
+from conftest import ROOT, stop_process
+from tokenspeed_sim.harness import percentiles
+
+
+def test_percentiles():
+    assert percentiles([]) == {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
+    st = percentiles([float(v) for v in range(1, 101)])
+    assert st["n"] == 100 and st["p50"] == pytest.approx(50.5) and st["p90"] == pytest.approx(90.1)
+    assert st["p99"] == pytest.approx(99.01) and st["max"] == 100.0 and st["mean"] == pytest.approx(50.5)
+
+
+def test_harness_reports_a_short_closed_loop_run(sim_process, ros_node, spin, ros_env, tmp_path):
+    harness = subprocess.Popen([sys.executable, "-m", "tokenspeed_sim.harness", "--duration", "9",
+                                "--out", str(tmp_path)], env=ros_env, cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        images = []
+        ros_node.create_subscription(Image, "camera/image_raw", images.append, 2)
+        obs_pub = ros_node.create_publisher(Observation, "agent/observation", 10)
+        act_pub = ros_node.create_publisher(ActionCommand, "agent/action", 10)
+        dl_pub = ros_node.create_publisher(DeadlineStatus, "agent/deadline_status", 10)
+        # the sim and the harness both listen to agent/action; the harness to the other two
+        assert spin(lambda: act_pub.get_subscription_count() >= 2 and obs_pub.get_subscription_count() >= 1
+                    and dl_pub.get_subscription_count() >= 1 and images, 30)
+        sent = []
+        for i in range(1, 7):        # a scripted agent: observe the latest image, decide, publish
+            n_images = len(images)
+            assert spin(lambda: len(images) > n_images, 5)
+            stamp = images[-1].header.stamp
+            obs_pub.publish(Observation(header=images[-1].header, source="camera", text="red cube at 0.5 0.1"))
+            spin(lambda: False, 0.1)                                   # "prefill + decode"
+            fallback = i % 3 == 0
+            cmd = ActionCommand(decision_id=i, observation_stamp=stamp, ttft_s=0.0 if fallback else 0.02,
+                                source="fallback" if fallback else "model",
+                                tool_name="hold" if fallback else "move_to",
+                                arguments_json="{}" if fallback else json.dumps({"x": 0.5, "y": 0.1 * (-1) ** i, "z": 0.3}))
+            cmd.header.stamp = ros_node.get_clock().now().to_msg()
+            act_pub.publish(cmd)
+            dl_pub.publish(DeadlineStatus(decision_id=i, observation_stamp=stamp, met=not fallback,
+                                          fallback_used=fallback, fallback="hold" if fallback else "",
+                                          reason="deadline_missed" if fallback else "ok"))
+            sent.append(cmd)
+        out, _ = harness.communicate(timeout=30)
+    finally:
+        stop_process(harness)
+    assert harness.returncode == 0, out
+    assert "closed-loop latency" in out and "task:" in out
+
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["decisions"] == 6 and report["model_decisions"] == 4 and report["fallbacks"] == 2
+    assert report["deadline"] == {"statuses": 6, "met": 4, "missed": 2, "hit_rate": pytest.approx(4 / 6),
+                                  "fallback_used": 2, "reasons": {"ok": 4, "deadline_missed": 2}}
+    for stage in ("capture_to_context_s", "ttft_s", "capture_to_published_s", "published_to_applied_s", "end_to_end_s"):
+        st = report["stages"][stage]
+        assert st["n"] == 4 and 0 <= st["p50"] <= st["p90"] <= st["p99"] <= st["max"], (stage, st)
+    assert report["stages"]["ttft_s"]["max"] == pytest.approx(0.02)
+    assert report["fallback_end_to_end_s"]["n"] == 2
+    for row in report["per_decision"]:
+        assert row["applied"] is not None and row["outcome"] in ("applied", "done", "preempted")
+        assert row["end_to_end_s"] == pytest.approx(row["capture_to_published_s"] + row["published_to_applied_s"])
+        assert row["capture_to_context_s"] <= row["capture_to_published_s"] + 0.05
+    assert report["feedback"]["applied"] == 6
+    assert report["task"]["target_object"] == "red_cube" and report["task"]["success"] is False
+    png = (tmp_path / "latency.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
