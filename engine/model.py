@@ -12,7 +12,14 @@ quantized linears can replace (see `tokenspeed.quant`) without touching this fil
 The KV cache holds `n` valid slots as a contiguous prefix `[0, n)` per layer; each forward writes
 its T new tokens at slots `[n, n + T)` and attends over `[0, n + T)` (cached slots fully
 visible, new tokens causal among themselves). Rotary positions are passed explicitly, so a
-cache that drops slots keeps every token's original position.
+cache that drops slots keeps every token's original position: keys are stored already rotated
+and never re-rotated, so a kept (or recalled) slot is bit-identical to the full cache's. This
+differs from StreamingLLM (Xiao et al. 2023, sec. 3.2), which re-indexes positions within the
+rolling cache so that distances never exceed the trained context; we keep original positions
+(exact equality with the full cache) and extend the rotary tables on demand (`ensure_rope`)
+for histories past `max_seq_len`, where relative distances are beyond what the model was
+trained on. A cache subclass that sets `tracks_attention` (see `tokenspeed.kv`) receives each
+layer's attention mass through `record_attention` and may reorganise its slots in `prepare`.
 """
 from __future__ import annotations
 
@@ -22,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .kernels.attention import attention_with_mass
 
 __all__ = ["ModelArgs", "Backend", "KVCache", "Transformer", "rope_tables", "apply_rope"]
 
@@ -104,15 +113,19 @@ class Backend:
     """The kernel seam: functions the model calls for attention and normalisation.
 
     attention(q [1,H,T,D], k [1,Hkv,S,D], v [1,Hkv,S,D], mask [T,S] bool | None) -> [1,H,T,D]
+    attention_mass(same args) -> (out [1,H,T,D], mass [S] fp32, lse [H,T] fp32): attention that
+        also returns the softmax mass per slot (summed over heads and queries), used when the
+        cache tracks relevance (`tokenspeed.kernels`).
     rms_norm(x [..., dim], weight [dim], eps) -> [..., dim]
     """
 
     attention: callable = field(default=_sdpa_attention)
+    attention_mass: callable = field(default=attention_with_mass)
     rms_norm: callable = field(default=_rms_norm)
 
 
-def rope_tables(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_seq_len, head_dim] (fp32) with Llama-3.1 frequency scaling if configured.
+def rope_tables(args: ModelArgs, device=None, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [length or max_seq_len, head_dim] (fp32) with Llama-3.1 scaling if configured.
 
     Source: RoFormer (Su et al., 2021); Llama 3.1 scaling as in Meta's reference
     `apply_scaling` / Hugging Face `_compute_llama3_parameters`.
@@ -128,7 +141,7 @@ def rope_tables(args: ModelArgs, device=None) -> tuple[torch.Tensor, torch.Tenso
         scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
         mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    pos = torch.arange(args.max_seq_len, dtype=torch.float64, device=device)
+    pos = torch.arange(length or args.max_seq_len, dtype=torch.float64, device=device)
     freqs = torch.outer(pos, inv_freq).float()
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -148,6 +161,8 @@ class KVCache(nn.Module):
     slot's rotary position. Truncating (rollback, rejected draft tokens) only lowers `n`.
     """
 
+    tracks_attention = False  # True: forward calls record_attention(layer, q, mass, lse) per layer
+
     def __init__(self, args: ModelArgs, capacity: int, dtype=torch.float32, device=None):
         super().__init__()
         shape = (args.n_layers, 1, args.n_kv_heads, capacity, args.head_dim)
@@ -162,6 +177,15 @@ class KVCache(nn.Module):
         if not 0 <= n <= self.n:
             raise ValueError(f"cannot truncate KV cache of {self.n} slots to {n}")
         self.n = n
+
+    def prepare(self, T: int) -> None:
+        """Called by `Transformer.forward` before writing T new slots at [n, n + T).
+
+        Raises:
+            ValueError: no room for T more tokens.
+        """
+        if self.n + T > self.capacity:
+            raise ValueError(f"KV cache full: {self.n} + {T} tokens > capacity {self.capacity}")
 
     def next_position(self) -> int:
         """Rotary position for the next appended token (last position + 1, 0 when empty)."""
@@ -188,7 +212,11 @@ class Attention(nn.Module):
         end = start + T
         cache.k[layer, :, :, start:end] = k
         cache.v[layer, :, :, start:end] = v
-        out = backend.attention(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], mask)
+        if cache.tracks_attention:
+            out, mass, lse = backend.attention_mass(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], mask)
+            cache.record_attention(layer, q, mass, lse)
+        else:
+            out = backend.attention(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], mask)
         return self.wo(out.transpose(1, 2).reshape(1, T, -1))
 
 
@@ -237,10 +265,20 @@ class Transformer(nn.Module):
     def _apply(self, fn, recurse=True):
         # Keep rotary tables fp32 on any dtype cast, and rebuild them after `to_empty()` from meta.
         out = super()._apply(fn, recurse)
-        cos, sin = rope_tables(self.args, device=self.rope_cos.device)
+        cos, sin = rope_tables(self.args, device=self.rope_cos.device, length=self.rope_cos.shape[0])
         self.rope_cos, self.rope_sin = cos, sin
         self.tie_weights()
         return out
+
+    def ensure_rope(self, length: int) -> None:
+        """Grow the rotary tables to cover positions [0, length) (doubling; no-op if they do).
+
+        Positions past `args.max_seq_len` are beyond the trained context (see module docstring).
+        """
+        have = self.rope_cos.shape[0]
+        if length > have:
+            cos, sin = rope_tables(self.args, device=self.rope_cos.device, length=max(length, 2 * have))
+            self.rope_cos, self.rope_sin = cos, sin
 
     def new_cache(self, capacity: int | None = None, dtype=None) -> KVCache:
         """A KV cache for up to `capacity` tokens (default: the model's max_seq_len)."""
@@ -264,9 +302,8 @@ class Transformer(nn.Module):
             ValueError: the cache has no room for T more tokens.
         """
         T = tokens.shape[0]
+        cache.prepare(T)
         start = cache.n
-        if start + T > cache.capacity:
-            raise ValueError(f"KV cache full: {start} + {T} tokens > capacity {cache.capacity}")
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         mask = None
         if T > 1:  # cached slots visible, causal among the new tokens
