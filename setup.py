@@ -76,6 +76,7 @@ setup(
             "tokenspeed = tokenspeed.cli:main",
             "tokenspeed_cobot_sim = tokenspeed_sim.sim_node:main",
             "tokenspeed_sim_harness = tokenspeed_sim.harness:main",
+            "tokenspeed_demo = tokenspeed_sim.demo:main",
             "tokenspeed_agent = tokenspeed_ros.agent_node:main",
             "tokenspeed_launch = tokenspeed_ros.launcher:main",
         ],
