@@ -1,0 +1,150 @@
+"""Helpers for the ROS tests: an rclpy probe node in the test process that publishes sensor data
+and records what the agent publishes, a synthetic camera, and process control."""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+AGENT_PARAMS = ROOT / "launch" / "config" / "agent.yaml"
+BIN = Path(sys.executable).parent
+
+# A synthetic camera: 320x240, f = 200 px, 1 m above (0.5, 0) looking straight down; image right
+# is the robot's right (-y), image down is towards the robot (-x).
+WIDTH, HEIGHT, FOCAL = 320, 240, 200.0
+CAMERA_POSITION = (0.5, 0.0, 1.0)
+CAMERA_QUATERNION = (math.sqrt(0.5), -math.sqrt(0.5), 0.0, 0.0)     # (x, y, z, w)
+CUBE_Z = 0.025
+
+
+def stop(proc: subprocess.Popen, timeout: float = 10.0) -> int:
+    """SIGINT the process group, SIGKILL after `timeout` seconds; returns the exit status."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+class Probe:
+    """An rclpy node in the test process with its own context: `listen` records messages per
+    topic in `msgs`, `spin_until` spins until a predicate holds or a timeout passes."""
+
+    def __init__(self):
+        import rclpy
+        from rclpy.executors import SingleThreadedExecutor
+
+        self.ctx = rclpy.Context()
+        rclpy.init(context=self.ctx)
+        self.node = rclpy.create_node("test_probe", context=self.ctx)
+        self.executor = SingleThreadedExecutor(context=self.ctx)
+        self.executor.add_node(self.node)
+        self.msgs: dict[str, list] = defaultdict(list)
+
+    def listen(self, msg_type, topic: str, qos=10) -> list:
+        """Record every `msg_type` message on `topic`; returns the (live) list."""
+        self.node.create_subscription(msg_type, topic, self.msgs[topic].append, qos)
+        return self.msgs[topic]
+
+    def spin_until(self, predicate, timeout: float) -> bool:
+        """Spin until `predicate()` is true (returns True) or `timeout` seconds pass (False)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if predicate():
+                return True
+            self.executor.spin_once(timeout_sec=0.05)
+        return bool(predicate())
+
+    def close(self) -> None:
+        self.executor.shutdown()
+        self.node.destroy_node()
+        self.ctx.try_shutdown()
+
+
+def camera_info():
+    from sensor_msgs.msg import CameraInfo
+
+    k = [FOCAL, 0.0, WIDTH / 2 - 0.5, 0.0, FOCAL, HEIGHT / 2 - 0.5, 0.0, 0.0, 1.0]
+    return CameraInfo(width=WIDTH, height=HEIGHT, k=k)
+
+
+def camera_pose():
+    from geometry_msgs.msg import PoseStamped
+
+    msg = PoseStamped()
+    msg.header.frame_id = "base"
+    p, o = msg.pose.position, msg.pose.orientation
+    p.x, p.y, p.z = CAMERA_POSITION
+    o.x, o.y, o.z, o.w = CAMERA_QUATERNION
+    return msg
+
+
+def render_cubes(cubes: dict[str, tuple[float, float]]) -> np.ndarray:
+    """Synthetic RGB image [HEIGHT, WIDTH, 3] of the synthetic camera: grey table, a 5 cm
+    square of each named cube's colour centred at its (x, y) in metres."""
+    import cv2
+    from tokenspeed_ros.perception import CameraModel
+
+    model = CameraModel.from_msgs(camera_info(), camera_pose().pose)
+    colours = {"red_cube": (220, 30, 30), "green_cube": (30, 180, 40), "blue_cube": (30, 50, 220)}
+    img = np.full((HEIGHT, WIDTH, 3), 170, np.uint8)
+    for name, (x, y) in cubes.items():
+        corners = [model.project((x + dx, y + dy, CUBE_Z)) for dx in (-0.025, 0.025) for dy in (-0.025, 0.025)]
+        us, vs = zip(*corners)
+        cv2.rectangle(img, (round(min(us)), round(min(vs))), (round(max(us)), round(max(vs))), colours[name], -1)
+    return img
+
+
+class SensorFeed:
+    """Publishes what the agent needs from a robot, from the probe node: the camera pose
+    (latched, once), and at `rate_hz` fresh-stamped joint states, a camera image of `cubes`
+    and CameraInfo. `joints` / `cubes` can be changed between spins."""
+
+    def __init__(self, probe: Probe, rate_hz: float = 10.0):
+        from geometry_msgs.msg import PoseStamped
+        from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+        from sensor_msgs.msg import CameraInfo, Image, JointState
+
+        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self.node = node = probe.node
+        self.joints = [0.0, -0.785, 0.0, -2.356, 0.0, 1.571, 0.785, 0.04, 0.04]
+        self.cubes = {"red_cube": (0.5, 0.1), "blue_cube": (0.4, -0.1)}
+        self.joint_pub = node.create_publisher(JointState, "joint_states", 10)
+        self.image_pub = node.create_publisher(Image, "camera/image_raw", 2)
+        self.info_pub = node.create_publisher(CameraInfo, "camera/camera_info", 2)
+        self.pose_pub = node.create_publisher(PoseStamped, "camera/pose", latched)
+        pose = camera_pose()
+        pose.header.stamp = node.get_clock().now().to_msg()
+        self.pose_pub.publish(pose)
+        self._JointState, self._Image = JointState, Image
+        self.timer = node.create_timer(1.0 / rate_hz, self.publish)
+
+    def publish(self) -> None:
+        stamp = self.node.get_clock().now().to_msg()
+        js = self._JointState(position=self.joints)
+        js.header.stamp = stamp
+        self.joint_pub.publish(js)
+        rgb = render_cubes(self.cubes)
+        img = self._Image(height=HEIGHT, width=WIDTH, encoding="rgb8", step=3 * WIDTH, data=rgb.tobytes())
+        img.header.stamp = stamp
+        self.image_pub.publish(img)
+        info = camera_info()
+        info.header.stamp = stamp
+        self.info_pub.publish(info)
+
+
+def diagnostics(msg) -> dict[str, dict[str, str]]:
+    """diagnostic_msgs/DiagnosticArray -> {status name: {key: value}}."""
+    return {s.name: {kv.key: kv.value for kv in s.values} for s in msg.status}

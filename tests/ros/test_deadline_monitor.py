@@ -1,0 +1,89 @@
+"""DeadlineMonitor on a real rclpy node: what reaches the command topic (over DDS) for results
+on time, late, invalid, and with each fallback kind; QoS deadline events are counted."""
+import json
+
+import pytest
+from rclpy.time import Time
+from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus
+
+from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
+
+
+def make_monitor(probe, budget_s=0.2, fallback="hold", qos_deadline_s=0.0):
+    monitor = DeadlineMonitor(probe.node, action_topic="agent/action", status_topic="agent/deadline_status",
+                              budget_s=budget_s, fallback=fallback, period_s=0.01, qos_deadline_s=qos_deadline_s)
+    actions = probe.listen(ActionCommand, "agent/action")
+    statuses = probe.listen(DeadlineStatus, "agent/deadline_status")
+    assert probe.spin_until(lambda: probe.node.count_subscribers("agent/action") >= 1
+                            and probe.node.count_publishers("agent/deadline_status") >= 1, 10)
+    return monitor, actions, statuses
+
+
+def now(probe) -> Time:
+    return probe.node.get_clock().now()
+
+
+def test_result_on_time_is_published_as_model_command(probe):
+    monitor, actions, statuses = make_monitor(probe, budget_s=5.0)
+    d = monitor.open(now(probe))
+    cmd = monitor.resolve(ModelResult(d.decision_id, "ok", {"name": "pick", "arguments": {"object": "red_cube"}},
+                                      ttft_s=0.01))
+    assert cmd is not None
+    assert probe.spin_until(lambda: actions and statuses, 5)
+    a, s = actions[0], statuses[0]
+    assert (a.source, a.tool_name, json.loads(a.arguments_json)) == ("model", "pick", {"object": "red_cube"})
+    assert a.decision_id == s.decision_id == d.decision_id
+    assert s.met and not s.fallback_used and s.reason == "ok"
+    assert Time.from_msg(s.deadline) == d.deadline
+
+
+def test_late_result_is_dropped_never_executed(probe):
+    monitor, actions, statuses = make_monitor(probe, budget_s=0.05)
+    d = monitor.open(now(probe))
+    assert probe.spin_until(lambda: statuses, 5)                   # the timer fired the fallback
+    assert statuses[0].reason == "deadline_missed" and statuses[0].fallback_used
+    assert monitor.resolve(ModelResult(d.decision_id, "ok", {"name": "pick", "arguments": {"object": "red_cube"}})) is None
+    assert probe.spin_until(lambda: len(statuses) >= 2, 5)
+    assert statuses[1].reason == "late_result_dropped" and statuses[1].decision_id == d.decision_id
+    assert not statuses[1].met
+    probe.spin_until(lambda: False, 0.3)
+    assert [(a.source, a.tool_name) for a in actions] == [("fallback", "hold")]
+    assert monitor.counts["late_result_dropped"] == 1
+
+
+@pytest.mark.parametrize("status", ["invalid", "text", "deadline_missed", "engine_fault"])
+def test_failed_results_get_the_fallback(probe, status):
+    monitor, actions, statuses = make_monitor(probe, budget_s=5.0, fallback="stop")
+    d = monitor.open(now(probe))
+    assert monitor.resolve(ModelResult(d.decision_id, status, None, reason="x")) is None
+    assert probe.spin_until(lambda: actions and statuses, 5)
+    assert (actions[0].source, actions[0].tool_name) == ("fallback", "stop")
+    assert (statuses[0].reason, statuses[0].fallback) == (status, "stop")
+
+
+def test_last_valid_fallback_repeats_the_last_model_call(probe):
+    monitor, actions, statuses = make_monitor(probe, budget_s=0.1, fallback="last_valid")
+    monitor.fail_now(now(probe), "no_sensor_data")                 # no valid call yet: hold
+    d = monitor.open(now(probe))
+    monitor.resolve(ModelResult(d.decision_id, "ok", {"name": "move_to", "arguments": {"x": 0.5, "y": 0.0, "z": 0.2}}))
+    monitor.open(now(probe))                                       # expires
+    assert probe.spin_until(lambda: len(actions) >= 3 and len(statuses) >= 3, 5)
+    got = [(a.source, a.tool_name, json.loads(a.arguments_json)) for a in actions]
+    assert got == [("fallback", "hold", {}), ("model", "move_to", {"x": 0.5, "y": 0.0, "z": 0.2}),
+                   ("fallback", "move_to", {"x": 0.5, "y": 0.0, "z": 0.2})]
+    assert [s.reason for s in statuses] == ["no_sensor_data", "ok", "deadline_missed"]
+
+
+def test_qos_deadline_events_are_counted(probe):
+    monitor, actions, statuses = make_monitor(probe, budget_s=5.0, qos_deadline_s=0.05)
+    monitor.fail_now(now(probe), "no_sensor_data")
+    assert probe.spin_until(lambda: monitor.counts["qos_deadline_missed"] >= 2, 5)
+    status = monitor.diagnostic_status("decisions")
+    values = {kv.key: kv.value for kv in status.values}
+    assert int(values["qos_deadline_missed"]) >= 2 and values["fallback"] == "1"
+    assert "latency_p99_ms" in values
+
+
+def test_unknown_fallback_is_rejected(probe):
+    with pytest.raises(ValueError, match="fallback"):
+        DeadlineMonitor(probe.node, action_topic="a", status_topic="s", budget_s=1.0, fallback="explode", period_s=0.1)
