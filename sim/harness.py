@@ -5,8 +5,8 @@ It never imports `tokenspeed`: everything comes from topics, and all stamps are 
 host (see `tokenspeed_sim.sim_node`). Per decision (one ActionCommand, keyed by decision_id):
 
   capture      ActionCommand.observation_stamp: the sensor reading the decision answers
-  in context   receive time here of the agent/observation echo with that header.stamp (the agent
-               publishes it once observe() has put the reading into the KV cache)
+  in context   receive time here of the agent/observation echo with that header.stamp (within
+               1 ms; the agent publishes it once observe() has put the reading into the KV cache)
   first token  ActionCommand.ttft_s: decide()'s time to first token
   published    ActionCommand.header.stamp
   applied      ActionFeedback(state="applied").header.stamp from the simulator
@@ -19,9 +19,10 @@ from `sim/scenario_status`. Outputs: report.json, latency.png and a printed tabl
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from tokenspeed_msgs.msg import ActionCommand, ActionFeedback, DeadlineStatus, O
 
 STAGES = ("capture_to_context_s", "ttft_s", "capture_to_published_s", "published_to_applied_s", "end_to_end_s")
 MAX_REMEMBERED_OBSERVATIONS = 5000
+ECHO_MATCH_NS = 1_000_000   # an echo matches a decision's observation stamp within 1 ms (float-seconds stamps)
 
 
 def _secs(stamp) -> float:
@@ -86,19 +88,22 @@ def percentiles(values: list[float]) -> dict[str, float | int | None]:
 
 
 class LatencyHarness(Node):
-    """Listens to the agent's and the simulator's topics and records every decision."""
+    """Listens to the agent's and the simulator's topics and records every decision; with
+    live=True it also prints one line per action, rejection and task-outcome change."""
 
-    def __init__(self, **node_kwargs):
+    def __init__(self, live: bool = False, **node_kwargs):
         super().__init__("tokenspeed_latency_harness", **node_kwargs)
+        self.live = live
         latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
-        self.decisions: OrderedDict[int, Decision] = OrderedDict()
+        self.decisions: dict[int, Decision] = {}
         self.deadlines: dict[int, DeadlineStatus] = {}
         self.feedback_counts: Counter[str] = Counter()
         self.duplicate_ids = 0
         self.scenario: dict | None = None
         self.started = time.time()
-        self._echoes: OrderedDict[int, float] = OrderedDict()    # observation stamp (ns) -> receive time
+        self._echoes: dict[int, float] = {}     # observation stamp (ns) -> receive time here
+        self._echo_keys: list[int] = []         # the same stamps, sorted
         self._feedback: dict[int, list[tuple[str, float, str]]] = {}   # decision id -> (state, stamp, detail)
         self.create_subscription(Observation, "agent/observation", self._on_observation, 100)
         self.create_subscription(ActionCommand, "agent/action", self._on_action, 100)
@@ -110,8 +115,15 @@ class LatencyHarness(Node):
         key = _ns(msg.header.stamp)
         if key not in self._echoes:
             self._echoes[key] = time.time()
-            if len(self._echoes) > MAX_REMEMBERED_OBSERVATIONS:
-                self._echoes.popitem(last=False)
+            bisect.insort(self._echo_keys, key)
+            if len(self._echo_keys) > MAX_REMEMBERED_OBSERVATIONS:
+                del self._echoes[self._echo_keys.pop(0)]
+
+    def _echo_time(self, stamp_ns: int) -> float | None:
+        """Receive time of the echo whose stamp is nearest to stamp_ns, if within ECHO_MATCH_NS."""
+        i = bisect.bisect_left(self._echo_keys, stamp_ns)
+        near = [k for k in self._echo_keys[max(0, i - 1):i + 1] if abs(k - stamp_ns) <= ECHO_MATCH_NS]
+        return self._echoes[min(near, key=lambda k: abs(k - stamp_ns))] if near else None
 
     def _on_action(self, msg: ActionCommand) -> None:
         if msg.decision_id in self.decisions:
@@ -121,6 +133,10 @@ class LatencyHarness(Node):
             decision_id=msg.decision_id, source=msg.source, tool=msg.tool_name, arguments=msg.arguments_json,
             capture=_secs(msg.observation_stamp), capture_ns=_ns(msg.observation_stamp),
             published=_secs(msg.header.stamp), received=time.time(), ttft_s=msg.ttft_s)
+        if self.live:
+            d = self.decisions[msg.decision_id]
+            print(f"[{d.received - self.started:6.1f} s] decision {d.decision_id:<4} {d.source:<8} "
+                  f"{d.tool}({d.arguments})  sensor->published {(d.published - d.capture) * 1e3:.0f} ms", flush=True)
 
     def _on_deadline(self, msg: DeadlineStatus) -> None:
         self.deadlines[msg.decision_id] = msg
@@ -128,12 +144,20 @@ class LatencyHarness(Node):
     def _on_feedback(self, msg: ActionFeedback) -> None:
         self.feedback_counts[msg.state] += 1
         self._feedback.setdefault(msg.decision_id, []).append((msg.state, _secs(msg.header.stamp), msg.detail))
+        if self.live and msg.state == "rejected":
+            print(f"[{time.time() - self.started:6.1f} s] decision {msg.decision_id:<4} rejected by the robot: "
+                  f"{msg.detail}", flush=True)
 
     def _on_status(self, msg: String) -> None:
         try:
-            self.scenario = json.loads(msg.data)
+            status = json.loads(msg.data)
         except json.JSONDecodeError:
             self.get_logger().warning("sim/scenario_status is not JSON; ignored")
+            return
+        if self.live and (self.scenario or {}).get("success") != status.get("success"):
+            print(f"[{time.time() - self.started:6.1f} s] task {'SUCCESS' if status.get('success') else 'not achieved'}: "
+                  f"{status.get('goal')}", flush=True)
+        self.scenario = status
 
     # ------------------------------------------------------------------ report
     def report(self) -> dict:
@@ -141,7 +165,7 @@ class LatencyHarness(Node):
         duration = max(1e-9, time.time() - self.started)
         decisions = list(self.decisions.values())
         for d in decisions:   # echoes, commands and feedback come from different writers, in any order
-            d.in_context = self._echoes.get(d.capture_ns)
+            d.in_context = self._echo_time(d.capture_ns)
             for state, stamp, detail in self._feedback.get(d.decision_id, []):
                 if state == "applied" and d.applied is None:
                     d.applied = stamp
@@ -255,11 +279,12 @@ def write_outputs(report: dict, out_dir: Path) -> tuple[Path, Path]:
     return json_path, png_path
 
 
-def listen(duration_s: float, out_dir: Path, stop=None) -> dict:
-    """Run the harness for duration_s seconds (or until `stop()` returns True), in this process
-    (rclpy must not be initialised yet); write the outputs, print the table, return the report."""
+def listen(duration_s: float, out_dir: Path, stop=None, live: bool = False) -> dict:
+    """Run the harness for duration_s seconds (or until `stop()` returns True or SIGINT), in this
+    process (rclpy must not be initialised yet); write the outputs, print the table, return the
+    report. live: print each decision as it arrives."""
     rclpy.init()
-    harness = LatencyHarness()
+    harness = LatencyHarness(live=live)
     try:
         end = time.monotonic() + duration_s
         try:
@@ -282,10 +307,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=60.0, help="seconds to listen (default 60)")
     ap.add_argument("--out", type=Path, default=Path("out/latency"), help="folder for report.json and latency.png")
+    ap.add_argument("--live", action="store_true", help="print each decision as it arrives")
     args = ap.parse_args(argv)
     if args.duration <= 0:
         ap.error("--duration must be > 0")
-    listen(args.duration, args.out)
+    listen(args.duration, args.out, live=args.live)
 
 
 if __name__ == "__main__":

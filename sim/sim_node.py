@@ -201,8 +201,9 @@ def main(args: list[str] | None = None) -> None:
             renders = node.render_s
             mean_ms = 1e3 * sum(renders) / len(renders) if renders else float("nan")
             final = node.scene.scenario_status()
-            print(f"[tokenspeed_cobot_sim] final status: {json.dumps(final)}; "
-                  f"{len(renders)} renders, mean {mean_ms:.1f} ms; overruns {node.overruns}", flush=True)
+            print(f"[tokenspeed_cobot_sim] final status: {json.dumps(final)}\n"
+                  f"[tokenspeed_cobot_sim] {len(renders)} camera renders, mean {mean_ms:.1f} ms; "
+                  f"{node.overruns} physics overruns", flush=True)
             node.destroy_node()
         if rclpy.ok():
             rclpy.shutdown()

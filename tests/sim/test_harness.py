@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+from rclpy.time import Time
 from sensor_msgs.msg import Image
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, Observation
 
@@ -38,7 +39,9 @@ def test_harness_reports_a_short_closed_loop_run(sim_process, ros_node, spin, ro
             n_images = len(images)
             assert spin(lambda: len(images) > n_images, 5)
             stamp = images[-1].header.stamp
-            obs_pub.publish(Observation(header=images[-1].header, source="camera", text="red cube at 0.5 0.1"))
+            echo = Observation(source="camera", text="red cube at 0.5 0.1")   # stamp via float seconds,
+            echo.header.stamp = Time(nanoseconds=round((stamp.sec + stamp.nanosec * 1e-9) * 1e9)).to_msg()  # as agents do
+            obs_pub.publish(echo)
             spin(lambda: False, 0.1)                                   # "prefill + decode"
             fallback = i % 3 == 0
             cmd = ActionCommand(decision_id=i, observation_stamp=stamp, ttft_s=0.0 if fallback else 0.02,
