@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .grammar import TokenMask, ToolGrammar, ToolSchemaError, normalize_tools, parse_tool_call, tools_system_prompt
+from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
+from .speculative import SpecConfig, Speculator, decode
 from .tokenizer import Tokenizer
 from .weights import ModelLoadError, load_model_files, resolve_model
 
@@ -37,12 +39,19 @@ class Decision:
         text: the generated text (the raw call, or the text answer).
         reason: why the status is not "ok" (empty when ok).
         ttft_s: decide() start -> first token chosen, seconds.
-        itl_s: seconds between consecutive sampled tokens.
+        itl_s: seconds between consecutive sampled tokens (amortised over the tokens of a step
+            when one verification emits several).
         total_s: decide() wall time, seconds.
         prefill_tokens: trigger tokens prefilled at decide() time (history was already cached).
         forwards: model forward passes.
         forced_tokens: tokens appended by jump-forward without sampling.
         generated_tokens: tokens chosen by sampling (model decisions).
+        draft_tokens: tokens proposed by drafters and verified by the target (grammar-forced
+            runs inside a draft chain are counted in forced_tokens, not here).
+        accepted_tokens: of draft_tokens, how many the target accepted.
+        draft_sources: {"lookup" | "model": [proposed, accepted]} per drafter.
+        kv: KV tiering metrics since the previous decision (pruned sessions only, else None):
+            see `tokenspeed.kv.TieredKVCache.take_metrics`.
     """
 
     status: str
@@ -56,6 +65,10 @@ class Decision:
     forwards: int = 0
     forced_tokens: int = 0
     generated_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_sources: dict = field(default_factory=dict)
+    kv: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -67,7 +80,8 @@ class Decision:
         return {"ttft_ms": self.ttft_s * 1e3, "total_ms": self.total_s * 1e3,
                 "itl_ms_p50": itl[len(itl) // 2] * 1e3 if itl else None,
                 "prefill_tokens": self.prefill_tokens, "forwards": self.forwards,
-                "forced_tokens": self.forced_tokens, "generated_tokens": self.generated_tokens}
+                "forced_tokens": self.forced_tokens, "generated_tokens": self.generated_tokens,
+                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens}
 
 
 @dataclass
@@ -93,6 +107,7 @@ class Checkpoint:
     pending: tuple[int, ...]
     n_segments: int
     last_segment_end: int
+    kv: object = None  # tokenspeed.kv.KVSnapshot for pruned sessions
 
 
 class Engine:
@@ -104,6 +119,9 @@ class Engine:
         args: the `ModelArgs`.
         source: what was loaded ("embedded", a path, or "tiny-random").
         load_s: load time in seconds.
+        speculation: `tokenspeed.speculative.SpecConfig` new sessions speculate with (default:
+            prompt lookup, grammar runs and the shipped draft model when it matches this
+            target), or None for plain decoding. Set it before creating sessions.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, source: str, load_s: float = 0.0):
@@ -117,6 +135,7 @@ class Engine:
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,
                                                    eos_token=tokenizer.eos_id)
         self._grammars: dict[tuple, ToolGrammar] = {}
+        self.speculation: SpecConfig | None = SpecConfig.default(self.model)
 
     @classmethod
     def load(cls, model: str | None = None, *, threads: int | None = None,
@@ -158,17 +177,22 @@ class Engine:
         tok = Tokenizer(files.folder)
         return cls(net, tok, source=model or "embedded", load_s=time.perf_counter() - t0)
 
-    def session(self, system: str | None = None, tools=None, capacity: int | None = None) -> "Session":
+    def session(self, system: str | None = None, tools=None, capacity: int | None = None,
+                kv_budget: "int | KVConfig | None" = None) -> "Session":
         """A new agent session with its own KV cache.
 
         Args:
             system: system prompt text (the tools are rendered after it).
             tools: OpenAI tool definitions (list of dicts), or None.
             capacity: KV cache size in tokens (default: the model's max_seq_len).
+            kv_budget: None keeps every token (full cache, up to `capacity`); an int (tokens) or a
+                `tokenspeed.kv.KVConfig` bounds the hot KV tier by relevance pruning with a cold
+                tier behind it, so the context can grow without limit (`capacity` is ignored).
         Raises:
             ToolSchemaError: a tool definition is invalid (the message names it).
+            ValueError: the KV budget is invalid.
         """
-        return Session(self, system=system, tools=normalize_tools(tools), capacity=capacity)
+        return Session(self, system=system, tools=normalize_tools(tools), capacity=capacity, kv_budget=kv_budget)
 
     def grammar(self, tools: list[dict], tool_choice) -> ToolGrammar:
         """Compiled grammar for (tools, tool_choice), cached per engine."""
@@ -193,16 +217,26 @@ class Session:
         num_tokens: tokens in the context (cached plus pending).
     """
 
-    def __init__(self, engine: Engine, system: str | None, tools: list[dict], capacity: int | None):
+    def __init__(self, engine: Engine, system: str | None, tools: list[dict], capacity: int | None,
+                 kv_budget: "int | KVConfig | None" = None):
         self.engine = engine
         self.model = engine.model
         self.tok = engine.tokenizer
         self.tools = tools
-        self.cache = self.model.new_cache(capacity)
+        if kv_budget is None:
+            self.kv = None
+            self.cache = self.model.new_cache(capacity)
+        else:
+            self.kv = kv_budget if isinstance(kv_budget, KVConfig) else KVConfig(budget=int(kv_budget))
+            w = self.model.tok_embeddings.weight
+            self.cache = TieredKVCache(self.model.args, self.kv, w.dtype, w.device)
         self.tokens: list[int] = []        # token ids whose KV is in the cache, in slot order
         self.pending: list[int] = []       # appended to the context but not yet prefilled
         self.segments: list[Segment] = []
+        if self.kv is not None:
+            self.cache.segments = self.segments  # pins and sensor supersession come from here
         self._mask = TokenMask(self.tok.vocab_size)
+        self.speculator = Speculator(engine.speculation, self.model.args.max_seq_len)
         self._system_text = tools_system_prompt(system, tools)
         self._append(self._render([{"role": "system", "content": self._system_text}]), "system", pinned=True)
         self._flush()
@@ -224,7 +258,7 @@ class Session:
 
     def _append(self, ids: list[int], kind: str, source: str = "", pinned: bool = False) -> None:
         start = self.num_tokens
-        if start + len(ids) > self.cache.capacity:
+        if self.kv is None and start + len(ids) > self.cache.capacity:
             raise ValueError(f"context full: {start} + {len(ids)} tokens > KV capacity {self.cache.capacity}")
         self.pending.extend(ids)
         self.segments.append(Segment(start, start + len(ids), kind, source, pinned))
@@ -232,6 +266,7 @@ class Session:
     def _forward(self, ids: list[int], logits_for="last"):
         # Prefill/decode `ids` at the next positions; returns logits [1, V] for the last one.
         pos0 = self.cache.next_position()
+        self.model.ensure_rope(pos0 + len(ids))  # pruned sessions outgrow max_seq_len
         out = None
         for i in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[i:i + PREFILL_CHUNK]
@@ -246,15 +281,19 @@ class Session:
         if self.pending:
             ids, self.pending = self.pending, []
             self._forward(ids, "none")
+            if self.kv is not None:
+                self.cache.trim()  # back to the KV budget between decisions
 
-    def observe(self, content, role: str = "user", kind: str = "text", source: str = "") -> int:
+    def observe(self, content, role: str = "user", kind: str = "text", source: str = "", pin: bool = False) -> int:
         """Append an observation to the context and prefill it now (streaming prefill).
 
         Args:
             content: text, or a list of chat messages [{"role", "content"}].
             role: chat role for text content ("user", "tool", ...).
             kind: "text" or "sensor" (sensor readings may be superseded by pruning policies).
-            source: producer name, e.g. "joint_states".
+            source: producer name, e.g. "joint_states". In a pruned session a newer "sensor"
+                reading of the same source makes the older one the first to leave the hot tier.
+            pin: keep this observation in the hot tier for good (pruned sessions).
         Returns:
             tokens appended to the context.
         Raises:
@@ -267,14 +306,15 @@ class Session:
         else:
             raise TypeError("observe() takes a string or a list of {'role', 'content'} messages")
         ids = self._render(messages)
-        self._append(ids, kind, source)
+        self._append(ids, kind, source, pinned=pin)
         self._flush()
         return len(ids)
 
     def checkpoint(self) -> Checkpoint:
         """Capture the context (O(1): the KV prefix is immutable until rollback)."""
         last_end = self.segments[-1].end if self.segments else 0
-        return Checkpoint(len(self.tokens), tuple(self.pending), len(self.segments), last_end)
+        kv = self.cache.snapshot() if self.kv is not None else None
+        return Checkpoint(len(self.tokens), tuple(self.pending), len(self.segments), last_end, kv)
 
     def rollback(self, cp: Checkpoint) -> None:
         """Restore the context exactly as it was at `cp` (later tokens and KV are discarded).
@@ -284,7 +324,10 @@ class Session:
         """
         if cp.n_tokens > len(self.tokens) or cp.n_segments > len(self.segments):
             raise ValueError("checkpoint is not a prefix of this session's context")
-        self.cache.truncate(cp.n_tokens)
+        if self.kv is not None:
+            self.cache.restore(cp.n_tokens, cp.kv)  # also undoes evictions and recalls since cp
+        else:
+            self.cache.truncate(cp.n_tokens)
         del self.tokens[cp.n_tokens:]
         self.pending = list(cp.pending)
         del self.segments[cp.n_segments:]
@@ -299,6 +342,8 @@ class Session:
 
         Greedy decoding under the tool-call grammar; jump-forward appends grammar-forced tokens
         without sampling them (they still enter the KV cache, batched with the next forward).
+        With speculation (`Engine.speculation`) drafted tokens are verified several per forward;
+        the output is token-for-token the plain greedy output.
 
         Args:
             tool_choice: "required", "auto" (call or text) or {"name": tool}.
@@ -322,44 +367,8 @@ class Session:
         prefill = self.pending + []
         self.pending = []
         d = Decision(status="invalid")
-        out: list[int] = []
-        feed = prefill
-        t_last = None
-        stop_ids = set(self.tok.stop_ids)
-        while True:
-            if jump_forward:
-                forced = matcher.compute_ff_tokens()
-                if forced and matcher.consume_tokens(forced):
-                    feed = feed + forced
-                    out.extend(forced)
-                    d.forced_tokens += len(forced)
-            if matcher.is_stopped():
-                break
-            if deadline_at is not None and time.monotonic() >= deadline_at:
-                d.status, d.reason = "deadline_missed", f"deadline passed after {len(out)} tokens"
-                break
-            if len(out) >= max_tokens:
-                d.reason = f"no complete call within max_tokens={max_tokens}"
-                break
-            logits = self._forward(feed)
-            d.forwards += 1
-            feed = []
-            self._mask.apply(matcher, logits)
-            token = int(logits.argmax(-1))
-            now = time.perf_counter()
-            if t_last is None:
-                d.ttft_s = now - t0
-            else:
-                d.itl_s.append(now - t_last)
-            t_last = now
-            d.generated_tokens += 1
-            if token in stop_ids and matcher.is_accepting():
-                break
-            if not matcher.consume_token(token):
-                d.reason = f"grammar rejected token {token}: {matcher.get_error()}"
-                break
-            feed = [token]
-            out.append(token)
+        out, feed = decode(self, prefill, d, matcher=matcher, jump_forward=jump_forward, max_tokens=max_tokens,
+                           deadline_at=deadline_at, t0=t0)
         d.prefill_tokens = len(prefill)
         d.text = self.tok.decode(out)
         if deadline_at is not None and time.monotonic() >= deadline_at and d.status != "deadline_missed":
@@ -373,6 +382,8 @@ class Session:
             else:
                 d.reason = f"output is not a tool call: {d.text[:80]!r}"
         d.total_s = time.perf_counter() - t0
+        if self.kv is not None:
+            d.kv = self.cache.take_metrics()
         if d.status in ("ok", "text"):
             # The answer stays in the context; its unprocessed tail is prefilled with the next observe().
             end = self.tok.encode("<|im_end|>\n")
@@ -395,42 +406,26 @@ class Session:
             seed: RNG seed for sampling (reproducible outputs).
             on_token: callback(str) receiving each new text piece as it is generated (streaming).
         Returns:
-            the generated text (the reply stays in the context).
+            the generated text (the reply stays in the context). With speculation, greedy output
+            is identical and sampled output has the same distribution (rejection sampling).
         """
         if prompt is not None:
             self._append(self._render([{"role": "user", "content": prompt}]), "text")
         self._append(self.tok.encode("<|im_start|>assistant\n"), "assistant")
         feed, self.pending = self.pending, []
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        out: list[int] = []
-        stop_ids = set(self.tok.stop_ids)
         printed = ""
-        for _ in range(max_tokens):
-            logits = self._forward(feed)[0]
-            feed = []
-            token = sample(logits, temperature, top_p, gen)
-            if token in stop_ids:
-                break
-            out.append(token)
-            feed = [token]
-            if on_token is not None:
-                text = self.tok.decode(out)
-                if not text.endswith("\ufffd"):  # wait for complete UTF-8 characters
-                    on_token(text[len(printed):])
-                    printed = text
+
+        def stream(out: list[int]) -> None:
+            nonlocal printed
+            text = self.tok.decode(out)
+            if not text.endswith("\ufffd"):  # wait for complete UTF-8 characters
+                on_token(text[len(printed):])
+                printed = text
+
+        out, feed = decode(self, feed, Decision(status="text"), max_tokens=max_tokens, temperature=temperature,
+                           top_p=top_p, generator=gen, on_token=stream if on_token is not None else None)
         self.pending = feed + self.tok.encode("<|im_end|>\n")
         self.segments[-1].end = len(self.tokens) + len(self.pending)
         return self.tok.decode(out)
 
-
-def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> int:
-    """Pick a token from logits [V] (fp32): argmax when temperature == 0, else top-p sampling."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, idx = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < top_p
-        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))

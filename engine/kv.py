@@ -1,0 +1,462 @@
+"""Relevance-pruned, tiered KV cache: a bounded hot tier on the compute device, a bounded cold
+tier in host memory, and query-aware recall between them.
+
+Policy (one score per cached token, shared by all layers so the hot tier stays one contiguous
+prefix with one position per slot):
+
+- Relevance: every forward adds the attention mass each slot received, summed over layers,
+  heads and queries and divided by layers x heads (so one query spreads a total of 1), after
+  decaying older scores by `decay` per new token. This is the accumulated-attention "heavy
+  hitter" score of H2O (Zhang et al., 2023), with an exponential decay so that stale heavy
+  hitters fade (as in Scissorhands' persistence-of-importance window, Liu et al., 2023).
+- Pinned, never evicted: the first `sinks` tokens (attention sinks, StreamingLLM, Xiao et al.,
+  2023), the system prompt with its tool schemas, and segments the caller pins; the `recent`
+  newest tokens are always kept.
+- Eviction unit: a page of `page` consecutive positions (Quest's page granularity, Tang et al.,
+  2024). When the hot tier exceeds `budget` tokens after an observe(), whole pages leave it:
+  superseded sensor readings first (an older `kind="sensor"` segment whose `source` has a newer
+  reading), then the lowest page score (max token score in the page).
+- Cold tier: evicted pages are copied to host memory (pinned on CUDA) with per-page key
+  min/max summaries; it holds at most `cold` tokens and, when full, drops superseded pages
+  first, then the lowest score at eviction time. `cold=0` drops evicted entries.
+- Recall (Quest-style): after each forward the last query of every layer and head bounds each
+  cold page's best possible score, sum_d max(q_d * kmin_d, q_d * kmax_d) / sqrt(D); pages whose
+  bound could take more than `recall_threshold` of the softmax (against the forward's
+  log-sum-exp) are prefetched, at most `max_recall_pages`. Before the next forward the exact
+  scores of the prefetched keys decide: a page whose best exact probability passes the
+  threshold is merged back into the hot tier (a prefetch hit), the others are discarded (a
+  miss). On CUDA the host->device copies run on a side stream (pinned memory, non_blocking)
+  and overlap the rest of the forward and the sampling; on CPU the "copy" is the host tensor
+  itself, so recall is synchronous.
+- Positions: hot slots stay sorted by original position and keys keep the rotation of their
+  original position (see `tokenspeed.model`), so a recalled entry is bit-identical to the
+  full cache's and `next_position()` is still the last slot's position + 1.
+- Rollback: `snapshot()` records the hot positions and scores (O(budget)); `restore()` drops
+  everything after the checkpoint and brings the recorded hot set back from the cold tier
+  (tokens the cold tier has dropped meanwhile cannot come back: counted as `rollback_lost`).
+
+Decisions never evict: between observe() calls the hot tier may grow by a decision's tokens up
+to `capacity` (budget + `reserve`); only a full cache forces an eviction mid-decision.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from .model import KVCache, ModelArgs
+
+__all__ = ["KVConfig", "TieredKVCache", "ColdTier"]
+
+
+@dataclass
+class KVConfig:
+    """Pruning and tiering settings for one session (all sizes in tokens).
+
+    Attributes:
+        budget: hot-tier tokens kept after each observe().
+        cold: cold-tier capacity (host memory); 0 drops evicted entries.
+        recent: newest tokens always kept.
+        sinks: first tokens always kept (attention sinks).
+        page: tokens per eviction/recall page.
+        decay: per-new-token decay of relevance scores, in (0, 1].
+        recall_threshold: softmax probability a cold page must be able to reach to be recalled.
+        max_recall_pages: pages recalled at most per forward.
+        reserve: extra hot capacity for prefill chunks and decisions before eviction is forced.
+    Raises (on construction):
+        ValueError: a size or rate is out of range.
+    """
+
+    budget: int
+    cold: int = 4096
+    recent: int = 64
+    sinks: int = 4
+    page: int = 16
+    decay: float = 0.995
+    recall_threshold: float = 0.05
+    max_recall_pages: int = 4
+    reserve: int = 768
+
+    def __post_init__(self):
+        if self.page < 1 or self.recent < self.page or self.sinks < 0:
+            raise ValueError(f"KVConfig: need page >= 1, recent >= page, sinks >= 0 (got {self})")
+        if self.budget < self.sinks + self.recent + 2 * self.page:
+            raise ValueError(f"KVConfig: budget {self.budget} must exceed sinks + recent + 2 pages "
+                             f"({self.sinks + self.recent + 2 * self.page} tokens)")
+        if self.cold < 0 or self.reserve < self.page or self.max_recall_pages < 0:
+            raise ValueError(f"KVConfig: cold >= 0, reserve >= page, max_recall_pages >= 0 (got {self})")
+        if not 0.0 < self.decay <= 1.0 or not 0.0 < self.recall_threshold < 1.0:
+            raise ValueError(f"KVConfig: decay in (0, 1], recall_threshold in (0, 1) (got {self})")
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """Hot-tier state for rollback: positions [n] int64 and scores [n] fp32 (host copies)."""
+
+    pos: torch.Tensor
+    score: torch.Tensor
+
+
+class ColdTier:
+    """Bounded host-memory store of evicted pages, with key summaries for recall scoring.
+
+    Storage per page slot: k, v [L, Hkv, page, D] (host, pinned when the cache is on CUDA),
+    pos [page] int64, count (valid tokens), score (at eviction), superseded flag; key min/max
+    [L, Hkv, D] on the compute device for Quest bounds.
+    """
+
+    def __init__(self, args: ModelArgs, tokens: int, page: int, dtype, device):
+        self.page = page
+        self.max_pages = tokens // page
+        cuda = torch.device(device or "cpu").type == "cuda"
+        shape = (self.max_pages, args.n_layers, args.n_kv_heads, page, args.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
+        self.v = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
+        self.pos = torch.zeros(self.max_pages, page, dtype=torch.long)
+        self.count = torch.zeros(self.max_pages, dtype=torch.long)
+        self.score = torch.zeros(self.max_pages)
+        self.superseded = torch.zeros(self.max_pages, dtype=torch.bool)
+        summary = (self.max_pages, args.n_layers, args.n_kv_heads, args.head_dim)
+        self.kmin = torch.zeros(summary, dtype=torch.float32, device=device)
+        self.kmax = torch.zeros(summary, dtype=torch.float32, device=device)
+        self.slot_of: dict[int, int] = {}     # page id (position // page) -> storage slot
+        self.free = list(range(self.max_pages - 1, -1, -1))
+
+    @property
+    def tokens(self) -> int:
+        return int(self.count.sum())
+
+    def put(self, pid: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: float,
+            superseded: bool) -> int:
+        """Store page `pid` (k, v [L, Hkv, c, D] on the compute device, pos [c]); returns tokens
+        dropped to make room (the victim is a superseded page first, then the lowest score)."""
+        dropped = 0
+        if not self.free:
+            used = torch.tensor(list(self.slot_of.values()))
+            key = self.score[used] - 1e9 * self.superseded[used].float()
+            victim = int(used[int(key.argmin())])
+            dropped = int(self.count[victim])
+            self.remove([p for p, s in self.slot_of.items() if s == victim])
+        s = self.free.pop()
+        c = pos.shape[0]
+        self.k[s, :, :, :c].copy_(k)
+        self.v[s, :, :, :c].copy_(v)
+        self.pos[s, :c] = pos.cpu()
+        self.count[s], self.score[s], self.superseded[s] = c, score, superseded
+        kf = k.float()
+        self.kmin[s], self.kmax[s] = kf.amin(dim=2), kf.amax(dim=2)
+        self.slot_of[pid] = s
+        return dropped
+
+    def remove(self, pids) -> None:
+        for pid in pids:
+            s = self.slot_of.pop(pid)
+            self.count[s] = 0
+            self.free.append(s)
+
+    def truncate(self, n_tokens: int) -> None:
+        """Forget every stored token at position >= n_tokens (rollback)."""
+        for pid, s in list(self.slot_of.items()):
+            keep = int((self.pos[s, :int(self.count[s])] < n_tokens).sum())
+            if keep == 0:
+                self.remove([pid])
+            else:
+                self.count[s] = keep  # min/max over the old superset still bound the keys
+
+    def bound_scores(self, q: torch.Tensor, lse: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """Quest upper bound (minus log-sum-exp) of each stored page's best score.
+
+        q: [L, H, R, D] fp32 queries, lse: [L, H, R]. Returns (page ids, bound [P] fp32).
+        """
+        pids = list(self.slot_of)
+        slots = torch.tensor([self.slot_of[p] for p in pids], device=self.kmin.device)
+        L, H, R, D = q.shape
+        Hkv = self.kmin.shape[2]
+        qg = q.reshape(L, Hkv, (H // Hkv) * R, D)
+        kmin = self.kmin[slots].permute(1, 2, 3, 0)                        # [L, Hkv, D, P]
+        kmax = self.kmax[slots].permute(1, 2, 3, 0)
+        ub = (qg.clamp(min=0) @ kmax + qg.clamp(max=0) @ kmin) / math.sqrt(D)  # [L, Hkv, G*R, P]
+        ub = ub - lse.reshape(L, Hkv, -1, 1)
+        return pids, ub.amax(dim=(0, 1, 2))
+
+    def exact_scores(self, kp: torch.Tensor, counts: torch.Tensor, q: torch.Tensor,
+                     lse: torch.Tensor) -> torch.Tensor:
+        """Best softmax probability any token of each page gets from any (layer, head, query).
+
+        kp: [P, L, Hkv, page, D] keys, counts: [P] valid tokens, q: [L, H, R, D], lse [L, H, R].
+        Returns [P] fp32.
+        """
+        P, L, Hkv, page, D = kp.shape
+        R = q.shape[2]
+        qg = q.reshape(L, Hkv, -1, D)                                      # [L, Hkv, G*R, D]
+        s = torch.einsum("lhqd,plhtd->plhqt", qg, kp.float()) / math.sqrt(D)
+        s = s - lse.reshape(L, Hkv, -1, 1).to(s.device)
+        valid = torch.arange(page, device=s.device) < counts.to(s.device).view(P, 1)
+        s = s.masked_fill(~valid.view(P, 1, 1, 1, page), float("-inf"))
+        return s.amax(dim=(1, 2, 3, 4)).exp()
+
+
+class TieredKVCache(KVCache):
+    """A `KVCache` whose hot tier is bounded by relevance pruning, backed by a `ColdTier`.
+
+    Sessions create it through `Engine.session(kv_budget=...)`. `segments` must be bound to the
+    session's segment list (pins and sensor supersession come from it).
+
+    Args:
+        args: model architecture. config: a `KVConfig`. dtype/device: like `KVCache`.
+    """
+
+    tracks_attention = True
+
+    def __init__(self, args: ModelArgs, config: KVConfig, dtype=torch.float32, device=None):
+        super().__init__(args, config.budget + config.reserve, dtype, device)
+        self.config = config
+        self.args = args
+        self.register_buffer("score", torch.zeros(self.capacity, dtype=torch.float32, device=device),
+                             persistent=False)
+        self.cold = ColdTier(args, config.cold, config.page, dtype, device) if config.cold else None
+        self.segments: list = []
+        self._q: list[torch.Tensor | None] = [None] * args.n_layers    # last queries per layer [H, R, D]
+        self._lse: list[torch.Tensor | None] = [None] * args.n_layers  # their log-sum-exp [H, R]
+        self._staged: list = []      # prefetched pages: (pid, k, v, pos, score) awaiting the exact check
+        self._stream = torch.cuda.Stream(device) if torch.device(device or "cpu").type == "cuda" else None
+        self._event = None
+        self.totals = dict(evicted=0, recalled=0, cold_dropped=0, prefetch_hits=0, prefetch_misses=0,
+                           rollback_lost=0)
+        self._since = dict(self.totals)
+
+    # ------------------------------------------------------------ model hooks
+
+    def record_attention(self, layer: int, q: torch.Tensor, mass: torch.Tensor, lse: torch.Tensor) -> None:
+        """Add one layer's attention mass (slots [0, S)) to the relevance scores; q [1, H, T, D]."""
+        T, S = q.shape[2], mass.shape[0]
+        if layer == 0:
+            start = S - T
+            self.score[:start] *= self.config.decay ** T
+            self.score[start:S] = 0.0
+        self.score[:S] += mass / (self.args.n_layers * self.args.n_heads)
+        if self.cold is not None and self.cold.slot_of:
+            r = min(T, 4)  # the last few queries predict the next forward's
+            self._q[layer] = q[0, :, -r:].float().clone()
+            self._lse[layer] = lse[:, -r:].clone()
+            if layer == self.args.n_layers - 1:
+                self._prefetch()
+
+    def prepare(self, T: int) -> None:
+        """Before a forward of T tokens: merge in prefetched pages that pass the exact relevance
+        check, then evict if the cache has no room (forced eviction, never of pinned/recent)."""
+        if self._staged:
+            self._recall()
+        if self.n + T > self.capacity:
+            self.evict_to(self.capacity - T)
+        super().prepare(T)  # raises if pinned and recent tokens alone leave no room
+
+    # ------------------------------------------------------------ policy
+
+    def trim(self) -> None:
+        """Evict down to the budget (called after each observe())."""
+        if self.n > self.config.budget:
+            self.evict_to(self.config.budget)
+
+    def _slot_classes(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # pinned [n] bool and superseded [n] bool for hot positions, from the session's segments.
+        segs = self.segments
+        pinned = pos < self.config.sinks
+        superseded = torch.zeros_like(pinned)
+        if not segs:
+            return pinned, superseded
+        starts = torch.tensor([s.start for s in segs], device=pos.device)
+        seg_pin = torch.tensor([s.pinned for s in segs], device=pos.device)
+        seg_sup, seen = [False] * len(segs), set()
+        for i in range(len(segs) - 1, -1, -1):
+            if segs[i].kind == "sensor" and segs[i].source:
+                seg_sup[i] = segs[i].source in seen
+                seen.add(segs[i].source)
+        idx = (torch.searchsorted(starts, pos, right=True) - 1).clamp(min=0)
+        return pinned | seg_pin[idx], torch.tensor(seg_sup, device=pos.device)[idx]
+
+    def evict_to(self, target: int, protect: torch.Tensor | None = None) -> None:
+        """Move whole pages out of the hot tier until at most `target` slots remain.
+
+        protect: optional [n] bool of slots that must stay. Pinned and recent tokens are never
+        evicted, so fewer slots may remain when they alone exceed `target`.
+        """
+        n, cfg = self.n, self.config
+        if n <= target:
+            return
+        pos = self.pos[:n]
+        pinned, superseded = self._slot_classes(pos)
+        keep = pinned | (pos >= int(pos[-1]) + 1 - cfg.recent)
+        if protect is not None:
+            keep |= protect
+        pid = pos // cfg.page
+        pages, inv = torch.unique_consecutive(pid, return_inverse=True)
+        P = pages.shape[0]
+        zeros = torch.zeros(P, device=pos.device)
+        page_keep = zeros.scatter_reduce(0, inv, keep.float(), "amax", include_self=False) > 0
+        page_sup = zeros.scatter_reduce(0, inv, superseded.float(), "amin", include_self=False) > 0
+        page_score = zeros.scatter_reduce(0, inv, self.score[:n], "amax", include_self=False)
+        page_size = torch.bincount(inv, minlength=P)
+        order = torch.argsort(page_score - 1e9 * page_sup.float())   # superseded first, then lowest score
+        order = order[~page_keep[order]]
+        need = n - target
+        cum = page_size[order].cumsum(0)
+        take = int(torch.searchsorted(cum, torch.tensor(need, device=cum.device))) + 1
+        victims = order[:take]
+        if victims.numel() == 0:
+            return
+        gone = torch.zeros(P, dtype=torch.bool, device=pos.device)
+        gone[victims] = True
+        out = gone[inv]
+        if self.cold is not None:
+            for p in victims.tolist():
+                sl = (inv == p).nonzero().squeeze(1)
+                self.totals["cold_dropped"] += self.cold.put(
+                    int(pages[p]), self.k[:, 0, :, sl], self.v[:, 0, :, sl], pos[sl],
+                    float(page_score[p]), bool(page_sup[p]))
+        self.totals["evicted"] += int(out.sum())
+        self._compact(~out)
+
+    def _compact(self, keep: torch.Tensor) -> None:
+        # Keep slots where keep [n] is True, preserving order; moves only the tail after the first hole.
+        first = int((~keep).nonzero()[0]) if (~keep).any() else self.n
+        idx = keep[first:].nonzero().squeeze(1) + first
+        m = first + idx.shape[0]
+        for buf in (self.k, self.v):
+            buf[:, :, :, first:m] = buf[:, :, :, idx]
+        self.pos[first:m] = self.pos[idx]
+        self.score[first:m] = self.score[idx]
+        self.n = m
+
+    def _insert(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
+        # Merge E entries (k, v [L, Hkv, E, D], pos [E], score [E]) into the sorted hot prefix.
+        n, E = self.n, pos.shape[0]
+        if n + E > self.capacity:
+            raise ValueError(f"KV cache full: cannot insert {E} recalled tokens into {n}/{self.capacity}")
+        pos = pos.to(self.pos.device)
+        first = int(torch.searchsorted(self.pos[:n], pos.min()))
+        all_pos = torch.cat([self.pos[first:n], pos])
+        order = torch.argsort(all_pos)
+        m = n + E
+        for buf, new in ((self.k, k), (self.v, v)):
+            merged = torch.cat([buf[:, 0, :, first:n], new.to(buf.device, buf.dtype)], dim=2)
+            buf[:, 0, :, first:m] = merged[:, :, order]
+        self.score[first:m] = torch.cat([self.score[first:n], score.to(self.score.device)])[order]
+        self.pos[first:m] = all_pos[order]
+        self.n = m
+
+    # ------------------------------------------------------------ recall
+
+    def _prefetch(self) -> None:
+        # After a forward: shortlist cold pages by their Quest bound and start copying them in.
+        cfg, cold = self.config, self.cold
+        q, lse = torch.stack(self._q), torch.stack(self._lse)            # [L, H, R, D], [L, H, R]
+        pids, bound = cold.bound_scores(q, lse)
+        ok = bound > math.log(cfg.recall_threshold)
+        if not bool(ok.any()):
+            return
+        cand = torch.argsort(bound, descending=True)[: 2 * cfg.max_recall_pages]
+        cand = [pids[i] for i in cand.tolist() if bool(ok[i])]
+        staged = []
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        with ctx:
+            for pid in cand:
+                s = cold.slot_of[pid]
+                c = int(cold.count[s])
+                k = cold.k[s, :, :, :c].to(self.k.device, non_blocking=True)
+                v = cold.v[s, :, :, :c].to(self.v.device, non_blocking=True)
+                staged.append((pid, k, v, cold.pos[s, :c].clone()))
+            if self._stream is not None:
+                self._event = torch.cuda.Event()
+                self._event.record(self._stream)
+        self._staged = staged
+        self._staged_q = (q, lse)
+
+    def _recall(self) -> None:
+        # Before a forward: keep the prefetched pages whose exact best probability passes.
+        staged, self._staged = self._staged, []
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+            self._event = None
+        cfg, cold = self.config, self.cold
+        q, lse = self._staged_q
+        page = cfg.page
+        kp = torch.zeros(len(staged), *staged[0][1].shape[:2], page, staged[0][1].shape[-1],
+                         dtype=self.k.dtype, device=self.k.device)
+        counts = torch.tensor([s[3].shape[0] for s in staged])
+        for i, (_, k, _, _) in enumerate(staged):
+            kp[i, :, :, :k.shape[2]] = k
+        best = cold.exact_scores(kp, counts, q, lse)
+        hits = [i for i in torch.argsort(best, descending=True).tolist()
+                if float(best[i]) > cfg.recall_threshold][: cfg.max_recall_pages]
+        room, fits = self.capacity - self.n, []
+        for i in hits:
+            if staged[i][3].shape[0] <= room:
+                fits.append(i)
+                room -= staged[i][3].shape[0]
+        hits = fits
+        self.totals["prefetch_hits"] += len(hits)
+        self.totals["prefetch_misses"] += len(staged) - len(hits)
+        if not hits:
+            return
+        k = torch.cat([staged[i][1] for i in hits], dim=2)
+        v = torch.cat([staged[i][2] for i in hits], dim=2)
+        pos = torch.cat([staged[i][3] for i in hits])
+        # A recalled page starts with the score it was evicted with, at least its predicted mass.
+        score = torch.cat([torch.full((staged[i][3].shape[0],), max(float(cold.score[cold.slot_of[staged[i][0]]]),
+                                                                    float(best[i])))
+                           for i in hits])
+        cold.remove([staged[i][0] for i in hits])
+        self._insert(k, v, pos, score)
+        self.totals["recalled"] += pos.shape[0]
+
+    # ------------------------------------------------------------ rollback and metrics
+
+    def snapshot(self) -> KVSnapshot:
+        """Hot positions and scores, for `restore()` (O(hot tokens))."""
+        return KVSnapshot(self.pos[:self.n].cpu().clone(), self.score[:self.n].cpu().clone())
+
+    def restore(self, n_tokens: int, snap: KVSnapshot) -> None:
+        """Return to the state at `snap`, whose context held `n_tokens` tokens.
+
+        Drops hot and cold entries at positions >= n_tokens, moves pages recalled since the
+        snapshot back to the cold tier, and brings back pages evicted since (from the cold tier).
+        """
+        self._staged = []
+        hot = self.pos[:self.n].cpu()
+        self.n = int(torch.searchsorted(hot, torch.tensor(n_tokens)))
+        if self.cold is not None:
+            self.cold.truncate(n_tokens)
+        page = self.config.page
+        hot = self.pos[:self.n].cpu()
+        extra = ~torch.isin(hot, snap.pos)
+        if bool(extra.any()):  # recalled after the snapshot: back to cold
+            self.evict_to(0, protect=~extra.to(self.pos.device))
+        missing = snap.pos[~torch.isin(snap.pos, self.pos[:self.n].cpu())]
+        if missing.numel():
+            want = torch.unique(missing // page).tolist()
+            have = [p for p in want if self.cold is not None and p in self.cold.slot_of]
+            for p in have:
+                s = self.cold.slot_of[p]
+                c = int(self.cold.count[s])
+                self._insert(self.cold.k[s, :, :, :c], self.cold.v[s, :, :, :c], self.cold.pos[s, :c],
+                             torch.zeros(c))
+                self.cold.remove([p])
+            self.totals["rollback_lost"] += int((~torch.isin(missing // page, torch.tensor(have, dtype=torch.long))).sum())
+        hot = self.pos[:self.n].cpu()
+        at = torch.searchsorted(snap.pos, hot).clamp(max=snap.pos.shape[0] - 1)
+        found = snap.pos[at] == hot
+        self.score[:self.n] = torch.where(found, snap.score[at], torch.zeros(())).to(self.score.device)
+
+    def take_metrics(self) -> dict:
+        """Sizes now and counters since the previous call (tokens, pages for prefetch).
+
+        Keys: hot, cold (tokens), budget, evicted, recalled, cold_dropped (tokens),
+        prefetch_hits, prefetch_misses (pages), rollback_lost (tokens), and totals (dict).
+        """
+        delta = {k: v - self._since[k] for k, v in self.totals.items()}
+        self._since = dict(self.totals)
+        return dict(hot=self.n, cold=self.cold.tokens if self.cold is not None else 0,
+                    budget=self.config.budget, **delta, totals=dict(self.totals))
