@@ -2,15 +2,17 @@
 
 Starts the simulator and the agent as separate processes over DDS on localhost with
 `tokenspeed_launch cobot_sim` (the same executables and parameter files as
-launch/cobot_sim.launch.py), listens with the latency harness in this process for `--duration`
-seconds, then stops the launch (which stops every node) and prints the latency table and the task
-outcome; writes report.json, latency.png and launch.log (the nodes' output) to `--out`.
+launch/cobot_sim.launch.py) and listens with the latency harness in this process: it waits for
+the agent's engine to load (at most `--ready-timeout` seconds; the robot gets fallbacks
+meanwhile), then measures `--duration` seconds of closed loop, stops the launch (which stops
+every node) and prints the latency table and the task outcome; writes report.json, latency.png
+and launch.log (the nodes' output) to `--out`.
 
 Discovery is limited to localhost and the ROS domain is `ROS_DOMAIN_ID` (default 0) unless the
 environment says otherwise. Exits 0 when the run completed and every node exited cleanly.
 
 Examples:
-    tokenspeed_demo                         # embedded SmolLM2-135M, 75 s
+    tokenspeed_demo                         # embedded SmolLM2-135M, 60 s after it loads
     tokenspeed_demo --duration 30 --set tokenspeed_agent.model=tiny-random
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ def launch_command(duration_s: float, overrides: list[str]) -> list[str]:
     return cmd
 
 
-def run(duration_s: float, out_dir: Path, overrides: list[str]) -> int:
+def run(duration_s: float, out_dir: Path, overrides: list[str], ready_timeout_s: float = 180.0) -> int:
     """Run the demo; returns the exit status (0 = clean). Raises OSError when the launcher
     cannot be started."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -44,13 +46,15 @@ def run(duration_s: float, out_dir: Path, overrides: list[str]) -> int:
     env.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
     os.environ.update(env)                       # the harness in this process joins the same domain
     log_path = out_dir / "launch.log"
-    print(f"tokenspeed_demo: simulator + agent for {duration_s:g} s (node output: {log_path})", flush=True)
+    print(f"tokenspeed_demo: simulator + agent, {duration_s:g} s once the engine is ready "
+          f"(node output: {log_path})", flush=True)
     with open(log_path, "w") as log:
         # the launch runs a little longer than the harness so the last decisions are seen applied
-        launcher = subprocess.Popen(launch_command(duration_s + 10, overrides), env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+        launcher = subprocess.Popen(launch_command(ready_timeout_s + duration_s + 10, overrides), env=env,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            report = listen(duration_s, out_dir, stop=lambda: launcher.poll() is not None, live=True)
+            report = listen(duration_s, out_dir, stop=lambda: launcher.poll() is not None, live=True,
+                            wait_engine_s=ready_timeout_s)
         finally:
             if launcher.poll() is None:
                 launcher.send_signal(signal.SIGINT)
@@ -60,13 +64,12 @@ def run(duration_s: float, out_dir: Path, overrides: list[str]) -> int:
                 os.killpg(launcher.pid, signal.SIGKILL)
                 rc = launcher.wait()
     ended_early = report["duration_s"] < duration_s - 1
+    log_lines = log_path.read_text().splitlines()
     if ended_early or rc != 0:
-        tail = log_path.read_text().splitlines()[-15:]
         print(f"tokenspeed_demo: the launch {'ended early' if ended_early else 'failed'} (status {rc}); "
-              f"last lines of {log_path}:\n" + "\n".join(tail), flush=True)
-    for line in log_path.read_text().splitlines():       # the simulator's own timing summary
-        if line.startswith("[tokenspeed_cobot_sim]") and "renders" in line:
-            print(line, flush=True)
+              f"last lines of {log_path}:\n" + "\n".join(log_lines[-15:]), flush=True)
+    else:
+        print("\n".join(line for line in log_lines if line.startswith("[tokenspeed_cobot_sim]") and "renders" in line))
     return rc if rc else (1 if ended_early else 0)
 
 
@@ -74,15 +77,18 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point `tokenspeed_demo`."""
     ap = argparse.ArgumentParser(prog="tokenspeed_demo", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--duration", type=float, default=75.0, help="seconds of closed-loop run (default 75)")
+    ap.add_argument("--duration", type=float, default=60.0,
+                    help="seconds of closed loop measured once the engine is ready (default 60)")
+    ap.add_argument("--ready-timeout", type=float, default=180.0,
+                    help="seconds to wait for the agent's engine to load (default 180)")
     ap.add_argument("--out", type=Path, default=Path("out/demo"), help="folder for report.json, latency.png, launch.log")
     ap.add_argument("--set", action="append", default=[], metavar="NODE.PARAM=VALUE",
                     help="parameter override passed to tokenspeed_launch (repeatable)")
     args = ap.parse_args(argv)
-    if args.duration <= 0:
-        ap.error("--duration must be > 0")
+    if args.duration <= 0 or args.ready_timeout <= 0:
+        ap.error("--duration and --ready-timeout must be > 0")
     t0 = time.monotonic()
-    rc = run(args.duration, args.out, args.set)
+    rc = run(args.duration, args.out, args.set, args.ready_timeout)
     print(f"tokenspeed_demo: done in {time.monotonic() - t0:.0f} s, exit status {rc}", flush=True)
     return rc
 

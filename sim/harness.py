@@ -15,6 +15,10 @@ Stages reported (seconds): capture->context, ttft, capture->published, published
 end-to-end (capture->applied), each with p50/p90/p99/max; plus deadline hit rate and fallbacks
 (tokenspeed_msgs/DeadlineStatus), decisions per second, feedback counts, and the task outcome
 from `sim/scenario_status`. Outputs: report.json, latency.png and a printed table.
+
+The measured window can start when the agent's engine reports "ready" on /diagnostics
+(`--wait-engine`), so model loading does not fill the statistics with "engine_loading"
+fallbacks; those are summarised separately.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import rclpy
+from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.executors import ExternalShutdownException
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
@@ -102,6 +107,8 @@ class LatencyHarness(Node):
         self.duplicate_ids = 0
         self.scenario: dict | None = None
         self.started = time.time()
+        self.window_start = self.started        # decisions received before this are not in the stats
+        self.engine_ready_at: float | None = None
         self._echoes: dict[int, float] = {}     # observation stamp (ns) -> receive time here
         self._echo_keys: list[int] = []         # the same stamps, sorted
         self._feedback: dict[int, list[tuple[str, float, str]]] = {}   # decision id -> (state, stamp, detail)
@@ -110,6 +117,7 @@ class LatencyHarness(Node):
         self.create_subscription(DeadlineStatus, "agent/deadline_status", self._on_deadline, 100)
         self.create_subscription(ActionFeedback, "sim/action_feedback", self._on_feedback, 100)
         self.create_subscription(String, "sim/scenario_status", self._on_status, latched)
+        self.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 10)
 
     def _on_observation(self, msg: Observation) -> None:
         key = _ns(msg.header.stamp)
@@ -159,12 +167,24 @@ class LatencyHarness(Node):
                   f"{status.get('goal')}", flush=True)
         self.scenario = status
 
+    def _on_diagnostics(self, msg: DiagnosticArray) -> None:
+        """Notes when an agent's engine first reports state "ready" (status "<node>: engine")."""
+        for st in msg.status:
+            if self.engine_ready_at is None and st.name.endswith(": engine") and \
+                    any(kv.key == "state" and kv.value == "ready" for kv in st.values):
+                self.engine_ready_at = time.time()
+                if self.live:
+                    print(f"[{self.engine_ready_at - self.started:6.1f} s] {st.name.split(':')[0]} engine ready", flush=True)
+
     # ------------------------------------------------------------------ report
     def report(self) -> dict:
-        """The run so far as a JSON-ready dict (seconds throughout)."""
-        duration = max(1e-9, time.time() - self.started)
-        decisions = list(self.decisions.values())
-        for d in decisions:   # echoes, commands and feedback come from different writers, in any order
+        """The run so far as a JSON-ready dict (seconds throughout). Statistics cover decisions
+        received from `window_start` on; earlier ones are summarised under "before_window"."""
+        duration = max(1e-9, time.time() - self.window_start)
+        everything = list(self.decisions.values())
+        decisions = [d for d in everything if d.received >= self.window_start]
+        early = [d for d in everything if d.received < self.window_start]
+        for d in everything:   # echoes, commands and feedback come from different writers, in any order
             d.in_context = self._echo_time(d.capture_ns)
             for state, stamp, detail in self._feedback.get(d.decision_id, []):
                 if state == "applied" and d.applied is None:
@@ -176,10 +196,15 @@ class LatencyHarness(Node):
             for s, v in d.stages().items():
                 if v is not None:
                     stage_values[s].append(v)
-        statuses = list(self.deadlines.values())
+        in_window = {d.decision_id for d in decisions}
+        statuses = [s for i, s in self.deadlines.items() if i in in_window]
         met = sum(1 for s in statuses if s.met)
         return {
             "duration_s": duration,
+            "engine_ready_after_s": None if self.engine_ready_at is None else self.engine_ready_at - self.started,
+            "before_window": {"decisions": len(early), "fallbacks": sum(1 for d in early if d.source == "fallback"),
+                              "reasons": dict(Counter(self.deadlines[d.decision_id].reason for d in early
+                                                      if d.decision_id in self.deadlines))},
             "decisions": len(decisions),
             "model_decisions": len(model),
             "fallbacks": sum(1 for d in decisions if d.source == "fallback"),
@@ -196,7 +221,8 @@ class LatencyHarness(Node):
             "feedback": dict(self.feedback_counts),
             "duplicate_decision_ids": self.duplicate_ids,
             "task": self.scenario,
-            "per_decision": [{**asdict(d), **d.stages()} for d in decisions],
+            "per_decision": [{**asdict(d), **d.stages(), "in_window": d.received >= self.window_start}
+                             for d in everything],
         }
 
 
@@ -206,7 +232,7 @@ def write_plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = report["per_decision"]
+    rows = [r for r in report["per_decision"] if r["in_window"]]
     t0 = min((r["published"] for r in rows), default=0.0)
     fig, (ax_t, ax_d) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
     for color, stage in enumerate(("end_to_end_s", "capture_to_published_s", "ttft_s", "published_to_applied_s")):
@@ -259,6 +285,11 @@ def print_table(report: dict) -> None:
     hit = "-" if dl["hit_rate"] is None else f"{dl['hit_rate']:.1%}"
     console.print(f"deadline: {dl['met']}/{dl['statuses']} met (hit rate {hit}), fallbacks published "
                   f"{report['fallbacks']}, reasons {dl['reasons']}")
+    early = report["before_window"]
+    if early["decisions"]:
+        ready = report["engine_ready_after_s"]
+        console.print(f"before the measured window (engine {'not ready' if ready is None else f'ready after {ready:.0f} s'}): "
+                      f"{early['decisions']} actions, {early['fallbacks']} fallbacks, reasons {early['reasons']}")
     console.print(f"robot feedback: {report['feedback']}")
     task = report["task"]
     if task is None:
@@ -279,17 +310,35 @@ def write_outputs(report: dict, out_dir: Path) -> tuple[Path, Path]:
     return json_path, png_path
 
 
-def listen(duration_s: float, out_dir: Path, stop=None, live: bool = False) -> dict:
-    """Run the harness for duration_s seconds (or until `stop()` returns True or SIGINT), in this
-    process (rclpy must not be initialised yet); write the outputs, print the table, return the
-    report. live: print each decision as it arrives."""
+def listen(duration_s: float, out_dir: Path, stop=None, live: bool = False, wait_engine_s: float = 0.0) -> dict:
+    """Run the harness in this process (rclpy must not be initialised yet), write the outputs,
+    print the table and return the report.
+
+    wait_engine_s > 0: first wait up to that many seconds for an agent's engine to report ready
+    on /diagnostics; the measured window of duration_s seconds starts then (or at the timeout).
+    Ends early when `stop()` returns True or on SIGINT, reporting what was seen. live: print each
+    decision as it arrives.
+    """
     rclpy.init()
     harness = LatencyHarness(live=live)
+
+    def spin_for(seconds: float, until=lambda: False) -> bool:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not until():
+            if stop and stop():
+                return False
+            rclpy.spin_once(harness, timeout_sec=0.05)
+        return True
+
     try:
-        end = time.monotonic() + duration_s
         try:
-            while time.monotonic() < end and not (stop and stop()):
-                rclpy.spin_once(harness, timeout_sec=0.05)
+            if wait_engine_s > 0:
+                ok = spin_for(wait_engine_s, until=lambda: harness.engine_ready_at is not None)
+                harness.window_start = time.time()
+                if harness.engine_ready_at is None and ok:
+                    print(f"no engine ready within {wait_engine_s:g} s; measuring anyway", flush=True)
+            if not stop or not stop():
+                spin_for(duration_s)
         except (KeyboardInterrupt, ExternalShutdownException):
             pass                     # interrupted: report what was seen so far
         report = harness.report()
@@ -308,10 +357,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds to listen (default 60)")
     ap.add_argument("--out", type=Path, default=Path("out/latency"), help="folder for report.json and latency.png")
     ap.add_argument("--live", action="store_true", help="print each decision as it arrives")
+    ap.add_argument("--wait-engine", type=float, default=0.0, metavar="SECONDS",
+                    help="start the measured window when the agent's engine reports ready (wait at most SECONDS)")
     args = ap.parse_args(argv)
-    if args.duration <= 0:
-        ap.error("--duration must be > 0")
-    listen(args.duration, args.out, live=args.live)
+    if args.duration <= 0 or args.wait_engine < 0:
+        ap.error("--duration must be > 0 and --wait-engine >= 0")
+    listen(args.duration, args.out, live=args.live, wait_engine_s=args.wait_engine)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ class CobotSimNode(Node):
             "tools_file": "",                         # empty: the bundled launch/config/robot_tools.json
             "physics_rate_hz": 1.0 / d.time_step,
             "tick_rate_hz": 100.0,                    # how often physics catches up with wall time
-            "max_catchup_s": 0.1,
+            "max_catchup_s": 0.25,
             "joint_state_rate_hz": 50.0,
             "camera_rate_hz": 5.0,
             "status_rate_hz": 2.0,
