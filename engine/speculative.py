@@ -1,0 +1,601 @@
+"""Speculative decoding: drafters propose a chain of tokens, the target verifies it in one forward.
+
+One decode loop (`decode`) serves `Session.decide()` (grammar-constrained, greedy) and
+`Session.generate()` (free text, greedy or sampled). Every step it
+
+1. appends the tokens the tool-call grammar forces (jump-forward, no model),
+2. asks the drafters for a chain of up to k proposed tokens, interleaved with the grammar-forced
+   runs that follow each proposed token (those need no verification: plain decoding forces them
+   too), and checks each proposal against the grammar before it costs a forward,
+3. runs the target once over [last token, chain] (`logits_for` = those rows) and walks the
+   rows: greedy keeps the longest prefix equal to the target's (grammar-masked) argmax;
+   sampling uses speculative rejection sampling (Leviathan et al. 2023, "Fast Inference from
+   Transformers via Speculative Decoding", alg. 1; Chen et al. 2023, "Accelerating Large
+   Language Model Decoding with Speculative Sampling"), which preserves the target's
+   distribution exactly,
+4. discards the rejected tokens' KV (`KVCache.truncate`) and rolls the grammar matcher back.
+
+With no drafter (or k = 0) a step is exactly plain decoding, so greedy speculative output is
+token-for-token the plain greedy output.
+
+Drafters (combined as a single chain, not a tree: on CPU a forward's cost grows with the number
+of tokens it verifies, and tool-call drafts are accepted often enough that the extra branches of
+a tree cost more than they return; see the closing note of issue 5 for the measurement):
+
+- `PromptLookup`: n-gram match of the context's tail against earlier context (Saxena 2023,
+  "Prompt Lookup Decoding", github.com/apoorvumang/prompt-lookup-decoding). Agents copy object
+  names, ids and numbers from observations into arguments.
+- `DraftModel`: a small co-located Llama that lives next to the target, shares its tokenizer and
+  its (frozen) token embeddings, and predicts over a reduced vocabulary whose output rows are the
+  target's own lm_head rows (a frequency-ranked draft vocabulary as in EAGLE-3, Li et al. 2025,
+  and FR-Spec, Zhao et al. 2025). It is trained by self-distillation on the target's own tool
+  calls (DistillSpec, Zhou et al. 2024; recipe in `tokenspeed.draft`). Its KV cache follows the
+  session's token sequence: before drafting it keeps the longest common prefix and prefills the
+  rest, so observe/rollback/pruning of the session need no hooks.
+- Grammar runs: llguidance's forced tokens (`compute_ff_tokens`) after each drafted token.
+
+`AdaptiveLength` picks k each step from recent acceptance and measured costs, and switches
+speculation off when the expected speed-up is below 1.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .model import KVCache, ModelArgs, Transformer
+
+__all__ = ["SpecConfig", "PromptLookup", "DraftModel", "DraftState", "AdaptiveLength", "Speculator",
+           "decode", "token_probs", "DEFAULT_DRAFT"]
+
+DEFAULT_DRAFT = Path(__file__).parent / "data" / "draft-smollm2-135m.safetensors"
+GRAMMAR, LOOKUP, MODEL = "grammar", "lookup", "model"
+
+
+def token_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """Sampling distribution [V] (fp32) from logits [V]: softmax(logits / temperature), top-p filtered.
+
+    Top-p (Holtzman et al., 2020) keeps the smallest set of most likely tokens whose mass reaches
+    `top_p` and renormalises. Masked (-inf) logits get probability 0.
+    """
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < top_p
+        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+        probs /= probs.sum()
+    return probs
+
+
+# ------------------------------------------------------------------------------------ drafters
+
+class PromptLookup:
+    """Propose the token that followed the latest earlier occurrence of the context's last n-gram.
+
+    Tries n = max_ngram down to min_ngram (longer matches first). Source: Saxena 2023,
+    "Prompt Lookup Decoding".
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, context: np.ndarray) -> int | None:
+        """Next-token proposal for `context` [N] int64, or None when no n-gram matches."""
+        n_ctx = len(context)
+        for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)  # [N - n, n]
+            hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
+            if len(hits):
+                return int(context[hits[-1] + n])
+        return None
+
+
+class DraftModel(nn.Module):
+    """A small Llama drafting for one target model, co-located in the same process and device.
+
+    The draft is a `Transformer` whose token embedding module *is* the target's (shared, frozen)
+    and whose output layer is a copy of the target's lm_head rows for a reduced vocabulary
+    `vocab` [Vd] int64 (target ids). Only its decoder layers and final norm are trained and saved.
+
+    Attributes:
+        net: the draft `Transformer` (logits [.., Vd] in draft-vocabulary order).
+        vocab: [Vd] int64 target token ids of the draft's output rows.
+        target_id: fingerprint of the target it was built for (see `fingerprint`).
+    """
+
+    def __init__(self, target: Transformer, args: ModelArgs, vocab: torch.Tensor):
+        super().__init__()
+        if args.dim != target.args.dim:
+            raise ValueError(f"draft dim {args.dim} must equal the target's {target.args.dim} (shared embeddings)")
+        args = replace(args, vocab_size=target.args.vocab_size, tie_embeddings=False,
+                       max_seq_len=target.args.max_seq_len)
+        p = target.tok_embeddings.weight
+        with torch.device("meta"):
+            net = Transformer(args)
+        net = net.to_empty(device=p.device).to(p.dtype)
+        net.tok_embeddings = target.tok_embeddings
+        net.output = nn.Linear(args.dim, len(vocab), bias=False, device=p.device, dtype=p.dtype)
+        with torch.no_grad():
+            net.output.weight.copy_(target.output.weight[vocab.to(p.device)])
+        net.output.weight.requires_grad_(False)
+        net.tok_embeddings.weight.requires_grad_(False)
+        self.net = net
+        self.register_buffer("vocab", vocab.to(device=p.device, dtype=torch.long), persistent=False)
+        self.target_id = fingerprint(target)
+
+    @classmethod
+    def init_from_target(cls, target: Transformer, vocab: torch.Tensor, n_layers: int = 1,
+                         hidden_dim: int = 768) -> "DraftModel":
+        """A fresh draft whose layers start as slices of the target's first layers.
+
+        Args:
+            target: the target model.
+            vocab: [Vd] int64 target token ids the draft predicts.
+            n_layers: draft decoder layers.
+            hidden_dim: draft SwiGLU width (<= the target's; the target's first rows are copied).
+        """
+        t = target.args
+        if not 1 <= n_layers <= t.n_layers or not 1 <= hidden_dim <= t.hidden_dim:
+            raise ValueError(f"draft needs 1 <= n_layers <= {t.n_layers} and 1 <= hidden_dim <= {t.hidden_dim}")
+        draft = cls(target, replace(t, n_layers=n_layers, hidden_dim=hidden_dim), vocab)
+        h = hidden_dim
+        with torch.no_grad():
+            draft.net.norm.copy_(target.norm)
+            for src, dst in zip(target.layers, draft.net.layers):
+                dst.attention.load_state_dict(src.attention.state_dict())
+                dst.attention_norm.copy_(src.attention_norm)
+                dst.ffn_norm.copy_(src.ffn_norm)
+                gate, up = src.feed_forward.w13.weight.split(t.hidden_dim)
+                dst.feed_forward.w13.weight.copy_(torch.cat([gate[:h], up[:h]]))
+                dst.feed_forward.w2.weight.copy_(src.feed_forward.w2.weight[:, :h])
+        return draft
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The draft's own weights (layers and final norm): what `save` writes."""
+        return {k: v for k, v in self.net.state_dict().items()
+                if not k.startswith(("tok_embeddings.", "output."))}
+
+    def save(self, path: str | Path, extra: dict | None = None) -> None:
+        """Write the draft (fp16 weights, vocabulary, architecture, target fingerprint) as safetensors.
+
+        extra: JSON-serialisable metadata to store alongside (e.g. training report).
+        """
+        from safetensors.torch import save_file
+
+        a = self.net.args
+        tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in self.trainable_state().items()}
+        tensors["draft.vocab"] = self.vocab.to(torch.int32).cpu()
+        meta = {"n_layers": a.n_layers, "hidden_dim": a.hidden_dim, "target": self.target_id,
+                "extra": extra or {}}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.cpu() for k, v in tensors.items()}, str(path), metadata={"tokenspeed_draft": json.dumps(meta)})
+
+    @classmethod
+    def load(cls, path: str | Path, target: Transformer) -> "DraftModel":
+        """Load a draft saved by `save` for `target`.
+
+        Raises:
+            FileNotFoundError: no such file. ValueError: not a draft file, or built for another target.
+        """
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"draft model {path} does not exist")
+        with safe_open(str(path), "pt") as f:
+            raw = (f.metadata() or {}).get("tokenspeed_draft")
+            if raw is None:
+                raise ValueError(f"{path} is not a tokenspeed draft (no 'tokenspeed_draft' metadata)")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = json.loads(raw)
+        if meta["target"] != fingerprint(target):
+            raise ValueError(f"{path} was trained for another target model (fingerprint {meta['target']})")
+        vocab = tensors.pop("draft.vocab").long()
+        draft = cls(target, replace(target.args, n_layers=meta["n_layers"], hidden_dim=meta["hidden_dim"]), vocab)
+        p = target.tok_embeddings.weight
+        missing, unexpected = draft.net.load_state_dict(
+            {k: v.to(device=p.device, dtype=p.dtype) for k, v in tensors.items()}, strict=False)
+        own_missing = [k for k in missing if not k.startswith(("tok_embeddings.", "output."))]
+        if own_missing or unexpected:
+            raise ValueError(f"{path}: missing {own_missing}, unexpected {unexpected}")
+        draft.meta = meta
+        return draft.eval()
+
+    def new_state(self, capacity: int) -> "DraftState":
+        """Per-session drafting state with its own KV cache of `capacity` tokens."""
+        return DraftState(self, capacity)
+
+
+def fingerprint(target: Transformer) -> str:
+    """Short hash identifying a target model's weights (vocab size, dim, first embedding rows)."""
+    w = target.tok_embeddings.weight[:8].detach().to(torch.float16).cpu().numpy().tobytes()
+    h = hashlib.sha1(w + f"{target.args.vocab_size}/{target.args.dim}".encode()).hexdigest()
+    return h[:16]
+
+
+class DraftState:
+    """A draft model's KV cache for one session, following the session's token sequence.
+
+    `logits(context)` keeps the longest common prefix of what is cached and `context`, prefills
+    the rest and returns the draft's logits [Vd] for the token after `context`.
+    """
+
+    def __init__(self, draft: DraftModel, capacity: int):
+        self.draft = draft
+        self.cache: KVCache = draft.net.new_cache(capacity)
+        self.tokens = np.zeros(capacity, dtype=np.int64)
+
+    def logits(self, context: np.ndarray) -> torch.Tensor:
+        """Draft logits [Vd] (fp32) after `context` [N] int64 (the session's full token sequence)."""
+        m = min(self.cache.n, len(context))
+        diff = np.flatnonzero(self.tokens[:m] != context[:m])
+        keep = min(int(diff[0]) if len(diff) else m, len(context) - 1)  # recompute >= 1 token
+        self.cache.truncate(keep)
+        new = context[keep:]
+        if keep + len(new) > self.cache.capacity:
+            raise ValueError(f"draft KV cache full: {keep} + {len(new)} > {self.cache.capacity}")
+        self.tokens[keep:keep + len(new)] = new
+        out = None
+        for i in range(0, len(new), 512):  # bounded prefill chunks
+            chunk = torch.from_numpy(new[i:i + 512].copy())
+            pos = torch.arange(keep + i, keep + i + len(chunk))
+            out = self.draft.net(chunk, pos, self.cache, "last" if i + 512 >= len(new) else "none")
+        return out[0]
+
+
+# ------------------------------------------------------------------------------------ adaptivity
+
+@dataclass
+class AdaptiveLength:
+    """Chooses the proposal length k per step (0 = speculation off for that step).
+
+    Maximises expected speed-up = E[tokens per step] * t(1) / t_step(k) (Leviathan et al. 2023,
+    sec. 3.4) with E = (1 - a^(k+1)) / (1 - a) for per-token acceptance a, a step cost of
+    t(k+1) + k * t_draft, and the target forward time t(T) = t0 + t1 * T fitted online.
+    a is a decayed estimate from recent verifications. When the best k gives no speed-up,
+    speculation is off, and every `probe_every` plain steps one short proposal refreshes a.
+
+    Attributes:
+        max_k: most proposed tokens per step.
+        accept: current acceptance estimate a (0..1).
+    """
+
+    max_k: int = 8
+    decay: float = 0.9
+    probe_every: int = 16
+    accept: float = 0.7
+    _acc_n: float = 2.0          # decayed accepted count (prior: a = 0.7 over ~3 trials)
+    _rej_n: float = 0.86
+    _fit: list = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0, 0.0])  # n, sT, sT2, sY, sTY
+    _draft_s: float = 0.0        # seconds per drafted token (EMA)
+    _off_steps: int = 0
+
+    def forward_cost(self, n_tokens: int) -> float:
+        """Modelled target forward time (relative units) for n_tokens tokens."""
+        n, st, st2, sy, sty = self._fit
+        if n < 4 or n * st2 - st * st <= 1e-9:
+            return 1.0 + 0.05 * (n_tokens - 1)   # prior: verifying costs ~5% per extra token
+        t1 = (n * sty - st * sy) / (n * st2 - st * st)
+        t0 = (sy - t1 * st) / n
+        t1 = max(t1, 0.0)
+        t0 = max(t0, 1e-6)
+        return (t0 + t1 * n_tokens) / (t0 + t1)
+
+    def choose(self) -> int:
+        """k for the next step."""
+        a = min(self.accept, 0.999)
+        base = self.forward_cost(1)
+        draft_rel = self._draft_s / max(self._unit_s(), 1e-6)
+        best_k, best = 0, 1.0
+        for k in range(1, self.max_k + 1):
+            gain = (1 - a ** (k + 1)) / (1 - a) * base / (self.forward_cost(k + 1) + k * draft_rel)
+            if gain > best * 1.02:
+                best_k, best = k, gain
+        if best_k == 0:
+            self._off_steps += 1
+            if self._off_steps >= self.probe_every:
+                self._off_steps = 0
+                return 1
+        return best_k
+
+    def _unit_s(self) -> float:
+        n, st, st2, sy, sty = self._fit
+        return sy / n if n else 0.05
+
+    def record(self, drafted: int, accepted: int, n_tokens: int, forward_s: float, draft_s: float) -> None:
+        """Account one verification: `drafted` proposals (grammar runs excluded), `accepted` of them,
+        a target forward over `n_tokens` tokens taking `forward_s` seconds, drafting `draft_s` seconds."""
+        if drafted:
+            self._acc_n = self.decay * self._acc_n + accepted
+            self._rej_n = self.decay * self._rej_n + (1 if accepted < drafted else 0)
+            self.accept = self._acc_n / (self._acc_n + self._rej_n)
+            per = draft_s / drafted
+            self._draft_s = per if self._draft_s == 0 else 0.8 * self._draft_s + 0.2 * per
+        fit = self._fit
+        w = self.decay
+        for i, v in enumerate((1.0, n_tokens, n_tokens * n_tokens, forward_s, n_tokens * forward_s)):
+            fit[i] = w * fit[i] + v
+
+
+# ------------------------------------------------------------------------------------ speculator
+
+@dataclass
+class SpecConfig:
+    """What a session speculates with.
+
+    Attributes:
+        prompt_lookup: use `PromptLookup` proposals.
+        max_ngram / min_ngram: n-gram lengths for prompt lookup (tokens).
+        draft: a `DraftModel` (shared by all sessions of the engine) or None.
+        max_k: most proposed tokens per verification.
+        adaptive: choose k from recent acceptance (`AdaptiveLength`); False: always max_k.
+    """
+
+    prompt_lookup: bool = True
+    max_ngram: int = 3
+    min_ngram: int = 2
+    draft: DraftModel | None = None
+    max_k: int = 8
+    adaptive: bool = True
+
+    @classmethod
+    def default(cls, target: Transformer) -> "SpecConfig":
+        """Prompt lookup plus the shipped draft model when it was trained for `target`."""
+        draft = None
+        if DEFAULT_DRAFT.is_file():
+            try:
+                draft = DraftModel.load(DEFAULT_DRAFT, target)
+            except ValueError:
+                draft = None  # another target model: no draft, prompt lookup and grammar runs only
+        return cls(draft=draft)
+
+
+class Speculator:
+    """A session's drafting state: drafters, the draft KV cache and adaptive proposal length."""
+
+    def __init__(self, config: SpecConfig | None, capacity: int):
+        self.config = config
+        self.lookup = PromptLookup(config.max_ngram, config.min_ngram) if config and config.prompt_lookup else None
+        self.draft = config.draft.new_state(capacity) if config and config.draft is not None else None
+        self.length = AdaptiveLength(max_k=config.max_k) if config else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.lookup is not None or self.draft is not None
+
+    def choose_k(self) -> int:
+        """Proposal length for the next step (0: plain decoding)."""
+        if not self.enabled:
+            return 0
+        return self.length.choose() if self.config.adaptive else self.config.max_k
+
+    def chain(self, context: list[int], k: int, matcher, allowed, jump_forward: bool, budget: int,
+              temperature: float) -> tuple[list[int], list[str], list[torch.Tensor | None]]:
+        """Draft up to k tokens after `context` (plus the grammar-forced runs after each).
+
+        Args:
+            context: the full token sequence so far (cached and to-be-fed).
+            matcher: llguidance matcher or None; left in the state it had on entry.
+            allowed: callable(matcher) -> bool [V] mask (for the draft model's proposals).
+            budget: most chain tokens in total.
+            temperature: 0 -> the draft model proposes its argmax; > 0 it samples and returns q.
+        Returns:
+            (tokens, sources, q): sources[i] in {"lookup", "model", "grammar"}; q[i] the draft
+            distribution [V] for sampled model proposals, else None (a deterministic proposal).
+        """
+        tokens: list[int] = []
+        sources: list[str] = []
+        qs: list[torch.Tensor | None] = []
+        if k <= 0 or budget <= 0:
+            return tokens, sources, qs
+        ctx = np.asarray(context, dtype=np.int64)
+        drafted = consumed = 0
+        vocab_size = None
+        while drafted < k and len(tokens) < budget:
+            full = np.concatenate([ctx, np.asarray(tokens, dtype=np.int64)]) if tokens else ctx
+            tok, src, q = None, LOOKUP, None
+            if self.lookup is not None:
+                tok = self.lookup.propose(full)
+                if tok is not None and matcher is not None and matcher.validate_tokens([tok]) != 1:
+                    tok = None
+            if tok is None and self.draft is not None:
+                src = MODEL
+                logits = self.draft.logits(full)
+                vocab = self.draft.draft.vocab
+                if matcher is not None:
+                    logits = logits.masked_fill(~allowed(matcher)[vocab], float("-inf"))
+                if torch.isinf(logits).all():
+                    break
+                if temperature > 0:
+                    vocab_size = vocab_size or self.draft.draft.net.tok_embeddings.num_embeddings
+                    q = torch.zeros(vocab_size)
+                    q[vocab] = torch.softmax(logits / temperature, dim=-1)
+                    tok = int(torch.multinomial(q, 1))
+                else:
+                    tok = int(vocab[int(logits.argmax())])
+            if tok is None:
+                break
+            tokens.append(tok)
+            sources.append(src)
+            qs.append(q)
+            drafted += 1
+            if matcher is not None:
+                matcher.consume_token(tok)
+                consumed += 1
+                if matcher.is_stopped():
+                    break
+                if jump_forward:
+                    forced = matcher.compute_ff_tokens()[: max(budget - len(tokens), 0)]
+                    if forced and matcher.consume_tokens(forced):
+                        consumed += len(forced)
+                        tokens += forced
+                        sources += [GRAMMAR] * len(forced)
+                        qs += [None] * len(forced)
+                    if matcher.is_stopped():
+                        break
+        if matcher is not None and consumed:
+            matcher.rollback(consumed)
+        return tokens, sources, qs
+
+
+def _discard(session, n_keep: int) -> None:
+    """Drop KV and token ids after the first n_keep cached tokens (rejected draft tokens)."""
+    session.cache.truncate(n_keep)
+    del session.tokens[n_keep:]
+
+
+def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = True, max_tokens: int = 256,
+           deadline_at: float | None = None, temperature: float = 0.0, top_p: float = 1.0,
+           generator: torch.Generator | None = None, t0: float | None = None, on_token=None) -> tuple[list[int], list[int]]:
+    """The decode loop of `Session.decide()` and `Session.generate()`, speculative when the session
+    has drafters (`session.speculator`), plain otherwise.
+
+    Args:
+        session: the `Session` (its model, KV cache, token ids and speculator are used).
+        feed: tokens to feed before the first decision (not yet in the KV cache).
+        d: the `Decision` whose counters and timings are filled (a fresh one for generate()).
+        matcher: llguidance matcher (grammar) or None (free text; stops at a stop token).
+        jump_forward: append grammar-forced tokens without sampling them.
+        max_tokens: most output tokens (forced ones included); reached -> d.reason is set.
+        deadline_at: absolute `time.monotonic()` deadline; passed -> d.status = "deadline_missed".
+        temperature, top_p, generator: sampling (temperature 0: greedy).
+        t0: `time.perf_counter()` at the call's start (for ttft_s).
+        on_token: callback(list[int]) receiving the output token ids after each step.
+    Returns:
+        (out, feed): the output token ids (stop token excluded), and the last chosen token(s)
+        not yet in the KV cache.
+    """
+    spec: Speculator = session.speculator
+    mask = session._mask
+    stop_ids = set(session.tok.stop_ids)
+    t0 = time.perf_counter() if t0 is None else t0
+    t_last = None
+    out: list[int] = []
+
+    def allowed(m):
+        return mask.allowed(m)
+
+    while True:
+        if matcher is not None:
+            if jump_forward:
+                forced = matcher.compute_ff_tokens()
+                if forced and matcher.consume_tokens(forced):
+                    feed = feed + forced
+                    out.extend(forced)
+                    d.forced_tokens += len(forced)
+            if matcher.is_stopped():
+                break
+        if deadline_at is not None and time.monotonic() >= deadline_at:
+            d.status, d.reason = "deadline_missed", f"deadline passed after {len(out)} tokens"
+            break
+        if len(out) >= max_tokens:
+            d.reason = f"no complete call within max_tokens={max_tokens}"
+            break
+        k = spec.choose_k()
+        t_draft = time.perf_counter()
+        chain, sources, qs = spec.chain(session.tokens + feed, k, matcher, allowed, jump_forward,
+                                        max_tokens - len(out) - 1, temperature)
+        t_draft = time.perf_counter() - t_draft
+        if len(feed) + len(chain) > 512:  # keep the verified rows in one forward
+            session._forward(feed[:-1], "none")
+            feed = feed[-1:]
+        ids = feed + chain
+        t_fwd = time.perf_counter()
+        logits = session._forward(ids, torch.arange(len(feed) - 1, len(ids)))  # [len(chain) + 1, V]
+        t_fwd = time.perf_counter() - t_fwd
+        d.forwards += 1
+        base = len(session.tokens) - len(chain)
+        drafted = accepted = 0
+        stop = False
+        next_feed: list[int] = []
+        emitted = 0
+        row = 0
+        for row in range(len(chain) + 1):
+            src = sources[row] if row < len(chain) else None
+            if src == GRAMMAR:  # forced after an accepted token: plain decoding forces it too
+                matcher.consume_token(chain[row])
+                out.append(chain[row])
+                d.forced_tokens += 1
+                continue
+            if src is not None:
+                drafted += 1
+                d.draft_tokens += 1
+                d.draft_sources.setdefault(src, [0, 0])[0] += 1
+            if matcher is not None and row == len(chain) and jump_forward and matcher.compute_ff_tokens():
+                break  # the chain was cut inside a forced run: force it first (next step)
+            logits_row = logits[row:row + 1]
+            if matcher is not None:
+                mask.apply(matcher, logits_row)
+            token, ok = _choose(logits_row[0], chain[row] if src else None, qs[row] if src else None,
+                                temperature, top_p, generator)
+            if ok:
+                accepted += 1
+                d.accepted_tokens += 1
+                d.draft_sources[src][1] += 1
+            d.generated_tokens += 1
+            emitted += 1
+            if token in stop_ids and (matcher is None or matcher.is_accepting()):
+                stop = True
+                break
+            if matcher is not None and not matcher.consume_token(token):
+                d.reason = f"grammar rejected token {token}: {matcher.get_error()}"
+                stop = True
+                break
+            out.append(token)
+            if not ok or (matcher is None and len(out) >= max_tokens):
+                next_feed = [token]  # chosen, not yet in the KV cache
+                break
+        # The walk always breaks at some row: the last row has no proposal. KV keeps base + row
+        # tokens: the fed ones plus the accepted prefix of the chain.
+        now = time.perf_counter()
+        if emitted:
+            if t_last is None:
+                d.ttft_s = now - t0
+            else:  # amortised: a step that emits several tokens spreads its time over them
+                d.itl_s.extend([(now - t_last) / emitted] * emitted)
+            t_last = now
+        _discard(session, base + row)
+        if spec.enabled:
+            spec.length.record(drafted, accepted, len(ids), t_fwd, t_draft)
+        if on_token is not None:
+            on_token(out)
+        feed = next_feed
+        if stop or (matcher is None and len(out) >= max_tokens):
+            break
+    return out, feed
+
+
+def _choose(logits: torch.Tensor, proposal: int | None, q: torch.Tensor | None, temperature: float,
+            top_p: float, generator: torch.Generator | None) -> tuple[int, bool]:
+    """The target's token at one position, and whether it is the proposal (accepted).
+
+    Greedy: the argmax; the proposal is accepted iff it equals it. Sampling: speculative rejection
+    sampling - accept x ~ q with probability min(1, p(x) / q(x)); on rejection sample from
+    norm(max(p - q, 0)) (q is one-hot for deterministic proposals); with no proposal sample p.
+    """
+    if temperature <= 0:
+        token = int(logits.argmax())
+        return token, token == proposal
+    p = token_probs(logits, temperature, top_p)
+    if proposal is None:
+        return int(torch.multinomial(p, 1, generator=generator)), False
+    qx = float(q[proposal]) if q is not None else 1.0
+    u = float(torch.rand((), generator=generator))
+    if u * qx < float(p[proposal]):
+        return proposal, True
+    if q is None:
+        residual = p.clone()
+        residual[proposal] = 0.0
+    else:
+        residual = (p - q).clamp_min_(0.0)
+    if float(residual.sum()) <= 0:
+        residual = p
+    return int(torch.multinomial(residual, 1, generator=generator)), False
