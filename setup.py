@@ -79,6 +79,10 @@ setup(
             "tokenspeed_demo = tokenspeed_sim.demo:main",
             "tokenspeed_agent = tokenspeed_ros.agent_node:main",
             "tokenspeed_launch = tokenspeed_ros.launcher:main",
+            "tokenspeed_market_bridge = tokenspeed_ros.market_bridge:main",
+            "tokenspeed_market_demo = tokenspeed_ros.market_demo:main",
+            "tokenspeed_market_replay = tokenspeed_sim.market_replay:main",
+            "tokenspeed_market_data = tokenspeed_sim.market_data:main",
         ],
     },
 )
