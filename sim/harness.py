@@ -103,7 +103,6 @@ class LatencyHarness(Node):
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
         self.decisions: dict[int, Decision] = {}
         self.deadlines: dict[int, DeadlineStatus] = {}
-        self.feedback_counts: Counter[str] = Counter()
         self.duplicate_ids = 0
         self.scenario: dict | None = None
         self.started = time.time()
@@ -150,7 +149,6 @@ class LatencyHarness(Node):
         self.deadlines[msg.decision_id] = msg
 
     def _on_feedback(self, msg: ActionFeedback) -> None:
-        self.feedback_counts[msg.state] += 1
         self._feedback.setdefault(msg.decision_id, []).append((msg.state, _secs(msg.header.stamp), msg.detail))
         if self.live and msg.state == "rejected":
             print(f"[{time.time() - self.started:6.1f} s] decision {msg.decision_id:<4} rejected by the robot: "
@@ -218,7 +216,7 @@ class LatencyHarness(Node):
                 "fallback_used": sum(1 for s in statuses if s.fallback_used),
                 "reasons": dict(Counter(s.reason for s in statuses)),
             },
-            "feedback": dict(self.feedback_counts),
+            "feedback": dict(Counter(state for i in in_window for state, _, _ in self._feedback.get(i, []))),
             "duplicate_decision_ids": self.duplicate_ids,
             "task": self.scenario,
             "per_decision": [{**asdict(d), **d.stages(), "in_window": d.received >= self.window_start}

@@ -7,6 +7,7 @@ import time
 
 import pytest
 from rclpy.time import Time
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from sensor_msgs.msg import Image
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, Observation
 
@@ -22,8 +23,8 @@ def test_percentiles():
 
 
 def test_harness_reports_a_short_closed_loop_run(sim_process, ros_node, spin, ros_env, tmp_path):
-    harness = subprocess.Popen([sys.executable, "-m", "tokenspeed_sim.harness", "--duration", "9",
-                                "--out", str(tmp_path)], env=ros_env, cwd=ROOT,
+    harness = subprocess.Popen([sys.executable, "-m", "tokenspeed_sim.harness", "--duration", "6",
+                                "--wait-engine", "30", "--out", str(tmp_path)], env=ros_env, cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         images = []
@@ -31,10 +32,20 @@ def test_harness_reports_a_short_closed_loop_run(sim_process, ros_node, spin, ro
         obs_pub = ros_node.create_publisher(Observation, "agent/observation", 10)
         act_pub = ros_node.create_publisher(ActionCommand, "agent/action", 10)
         dl_pub = ros_node.create_publisher(DeadlineStatus, "agent/deadline_status", 10)
-        # the sim and the harness both listen to agent/action; the harness to the other two
+        diag_pub = ros_node.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        # the sim and the harness both listen to agent/action; the harness to the other three
         assert spin(lambda: act_pub.get_subscription_count() >= 2 and obs_pub.get_subscription_count() >= 1
-                    and dl_pub.get_subscription_count() >= 1 and images, 30)
-        sent = []
+                    and dl_pub.get_subscription_count() >= 1 and diag_pub.get_subscription_count() >= 1 and images, 30)
+        # while the "engine loads": a fallback, not part of the measured window
+        cmd = ActionCommand(decision_id=100, observation_stamp=images[-1].header.stamp, source="fallback",
+                            tool_name="hold", arguments_json="{}")
+        cmd.header.stamp = ros_node.get_clock().now().to_msg()
+        act_pub.publish(cmd)
+        dl_pub.publish(DeadlineStatus(decision_id=100, fallback_used=True, fallback="hold", reason="engine_loading"))
+        spin(lambda: False, 0.5)
+        diag_pub.publish(DiagnosticArray(status=[DiagnosticStatus(
+            name="tokenspeed_agent: engine", values=[KeyValue(key="state", value="ready")])]))
+        spin(lambda: False, 0.5)
         for i in range(1, 7):        # a scripted agent: observe the latest image, decide, publish
             n_images = len(images)
             assert spin(lambda: len(images) > n_images, 5)
@@ -53,7 +64,6 @@ def test_harness_reports_a_short_closed_loop_run(sim_process, ros_node, spin, ro
             dl_pub.publish(DeadlineStatus(decision_id=i, observation_stamp=stamp, met=not fallback,
                                           fallback_used=fallback, fallback="hold" if fallback else "",
                                           reason="deadline_missed" if fallback else "ok"))
-            sent.append(cmd)
         out, _ = harness.communicate(timeout=30)
     finally:
         stop_process(harness)
@@ -61,6 +71,8 @@ def test_harness_reports_a_short_closed_loop_run(sim_process, ros_node, spin, ro
     assert "closed-loop latency" in out and "task:" in out
 
     report = json.loads((tmp_path / "report.json").read_text())
+    assert report["before_window"] == {"decisions": 1, "fallbacks": 1, "reasons": {"engine_loading": 1}}
+    assert 0 < report["engine_ready_after_s"] < 30
     assert report["decisions"] == 6 and report["model_decisions"] == 4 and report["fallbacks"] == 2
     assert report["deadline"] == {"statuses": 6, "met": 4, "missed": 2, "hit_rate": pytest.approx(4 / 6),
                                   "fallback_used": 2, "reasons": {"ok": 4, "deadline_missed": 2}}
@@ -69,8 +81,8 @@ def test_harness_reports_a_short_closed_loop_run(sim_process, ros_node, spin, ro
         assert st["n"] == 4 and 0 <= st["p50"] <= st["p90"] <= st["p99"] <= st["max"], (stage, st)
     assert report["stages"]["ttft_s"]["max"] == pytest.approx(0.02)
     assert report["fallback_end_to_end_s"]["n"] == 2
-    for row in report["per_decision"]:
-        assert row["applied"] is not None and row["outcome"] in ("applied", "done", "preempted")
+    for row in report["per_decision"][1:]:
+        assert row["in_window"] and row["applied"] is not None and row["outcome"] in ("applied", "done", "preempted")
         assert row["end_to_end_s"] == pytest.approx(row["capture_to_published_s"] + row["published_to_applied_s"])
         assert row["capture_to_context_s"] <= row["capture_to_published_s"] + 0.05
     assert report["feedback"]["applied"] == 6
