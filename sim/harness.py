@@ -5,8 +5,10 @@ It never imports `tokenspeed`: everything comes from topics, and all stamps are 
 host (see `tokenspeed_sim.sim_node`). Per decision (one ActionCommand, keyed by decision_id):
 
   capture      ActionCommand.observation_stamp: the sensor reading the decision answers
-  in context   receive time here of the agent/observation echo with that header.stamp (within
-               1 ms; the agent publishes it once observe() has put the reading into the KV cache)
+  in context   receive time here of the first agent/observation echo (published by the agent once
+               observe() has put a reading into the KV cache) stamped at or after the capture stamp
+               (1 ms slack): agents coalesce readings, so a newer reading may stand in for it.
+               None when no such echo arrived before the command did.
   first token  ActionCommand.ttft_s: decide()'s time to first token
   published    ActionCommand.header.stamp
   applied      ActionFeedback(state="applied").header.stamp from the simulator
@@ -41,7 +43,7 @@ from tokenspeed_msgs.msg import ActionCommand, ActionFeedback, DeadlineStatus, O
 
 STAGES = ("capture_to_context_s", "ttft_s", "capture_to_published_s", "published_to_applied_s", "end_to_end_s")
 MAX_REMEMBERED_OBSERVATIONS = 5000
-ECHO_MATCH_NS = 1_000_000   # an echo matches a decision's observation stamp within 1 ms (float-seconds stamps)
+ECHO_MATCH_NS = 1_000_000   # slack when comparing echo stamps with observation stamps (agents may round-trip float seconds)
 
 
 def _secs(stamp) -> float:
@@ -126,11 +128,13 @@ class LatencyHarness(Node):
             if len(self._echo_keys) > MAX_REMEMBERED_OBSERVATIONS:
                 del self._echoes[self._echo_keys.pop(0)]
 
-    def _echo_time(self, stamp_ns: int) -> float | None:
-        """Receive time of the echo whose stamp is nearest to stamp_ns, if within ECHO_MATCH_NS."""
-        i = bisect.bisect_left(self._echo_keys, stamp_ns)
-        near = [k for k in self._echo_keys[max(0, i - 1):i + 1] if abs(k - stamp_ns) <= ECHO_MATCH_NS]
-        return self._echoes[min(near, key=lambda k: abs(k - stamp_ns))] if near else None
+    def _echo_time(self, stamp_ns: int, before: float) -> float | None:
+        """When the context first held a reading at least as new as stamp_ns: the earliest
+        receive time (not after `before`) of an echo stamped >= stamp_ns - ECHO_MATCH_NS, or None."""
+        i = bisect.bisect_left(self._echo_keys, stamp_ns - ECHO_MATCH_NS)
+        times = [self._echoes[k] for k in self._echo_keys[i:i + 500]]
+        first = min(times, default=None)
+        return first if first is not None and first <= before else None
 
     def _on_action(self, msg: ActionCommand) -> None:
         if msg.decision_id in self.decisions:
@@ -183,7 +187,7 @@ class LatencyHarness(Node):
         decisions = [d for d in everything if d.received >= self.window_start]
         early = [d for d in everything if d.received < self.window_start]
         for d in everything:   # echoes, commands and feedback come from different writers, in any order
-            d.in_context = self._echo_time(d.capture_ns)
+            d.in_context = self._echo_time(d.capture_ns, before=d.received)
             for state, stamp, detail in self._feedback.get(d.decision_id, []):
                 if state == "applied" and d.applied is None:
                     d.applied = stamp
