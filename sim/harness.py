@@ -222,6 +222,7 @@ class LatencyHarness(Node):
             },
             "feedback": dict(Counter(state for i in in_window for state, _, _ in self._feedback.get(i, []))),
             "duplicate_decision_ids": self.duplicate_ids,
+            "observation_echoes": len(self._echo_keys),
             "task": self.scenario,
             "per_decision": [{**asdict(d), **d.stages(), "in_window": d.received >= self.window_start}
                              for d in everything],
