@@ -1,0 +1,43 @@
+"""`tokenspeed_demo` end to end: simulator + agent (tiny random-weight model) as separate
+processes over DDS, the harness's table/JSON/PNG, clean exit, no process left behind."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+
+def processes_in_domain(domain: str) -> list[str]:
+    """Command lines of live processes whose environment has ROS_DOMAIN_ID=domain."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if f"ROS_DOMAIN_ID={domain}".encode() in env and "tokenspeed" in cmdline:
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.slow
+def test_demo_runs_the_closed_loop_and_leaves_no_process(ros_env, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tokenspeed_sim.demo", "--duration", "8", "--ready-timeout", "150",
+                          "--out", str(tmp_path), "--set", "tokenspeed_agent.model=tiny-random"],
+                         env=ros_env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "closed-loop latency" in out.stdout and "task: Put the red cube" in out.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["engine_ready_after_s"] is not None and report["decisions"] >= 1
+    assert report["feedback"].get("applied", 0) >= report["decisions"] - 1     # the last may be in flight
+    assert report["task"]["target_object"] == "red_cube"
+    assert (tmp_path / "latency.png").stat().st_size > 10_000
+    log = (tmp_path / "launch.log").read_text()
+    assert "tokenspeed_cobot_sim exit status 0" in log and "tokenspeed_agent exit status 0" in log
+    assert processes_in_domain(ros_env["ROS_DOMAIN_ID"]) == []
