@@ -3,8 +3,9 @@
 Inputs: joint states and camera images (+ CameraInfo) become compact text observations
 (`inputs`, `perception`) streamed into a resident tokenspeed Session on the engine thread
 (`engine_worker`); an optional goal topic adds the task. Decisions are triggered at a fixed rate
-and on events (new goal, changed scene), one at a time; each decision's deadline is measured from
-the newest sensor stamp. The `DeadlineMonitor` publishes each valid, timely tool call as an
+and on events (new goal, changed scene, the robot finishing or rejecting the last call), one at a
+time; while the robot executes a model call, rate and scene triggers wait for its feedback. Each
+decision's deadline is measured from the newest sensor stamp. The `DeadlineMonitor` publishes each valid, timely tool call as an
 `ActionCommand` (plus a `PoseStamped` target for move_to/place) and the safe fallback otherwise.
 Bad input is counted and dropped; missing sensors or a missing engine give fallbacks. Counts and
 latency percentiles go to /diagnostics.
@@ -14,6 +15,7 @@ Run: `tokenspeed_agent --ros-args --params-file launch/config/agent.yaml`.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -26,7 +28,7 @@ from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.time import Time
 from sensor_msgs.msg import CameraInfo, Image, JointState
 from std_msgs.msg import String
-from tokenspeed_msgs.msg import ActionCommand, Observation
+from tokenspeed_msgs.msg import ActionCommand, ActionFeedback, Observation
 
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
 from tokenspeed_ros.engine_worker import EngineWorker, Observed
@@ -77,6 +79,8 @@ class AgentNode(Node):
         self.create_subscription(PoseStamped, p.camera_pose_topic, self._on_camera_pose, latched)
         if p.goal_topic:
             self.create_subscription(String, p.goal_topic, self._on_goal, latched)
+        if p.action_feedback_topic:
+            self.create_subscription(ActionFeedback, p.action_feedback_topic, self._on_feedback, 50)
 
         self._camera_info: CameraInfo | None = None
         self._camera_pose: PoseStamped | None = None
@@ -87,13 +91,15 @@ class AgentNode(Node):
         self._texts: dict[str, str] = {}            # source -> last text sent to the engine
         self._outstanding: int | None = None        # decision id the engine is working on
         self._event_pending = False
+        self._executing: tuple[int, Time] | None = None   # (decision id, when applied) of the robot's current model call
         self._skipped_busy = 0
+        self._skipped_executing = 0
         self._diag_seen_bad = 0
 
         tool_choice = p.tool_choice if p.tool_choice in ("required", "auto") else {"name": p.tool_choice}
         self._wake = self.create_guard_condition(self._on_engine_output)
         self.worker = EngineWorker(model=p.model, threads=p.threads, system=p.system_prompt, tools=tools,
-                                   tool_choice=tool_choice, max_context_tokens=p.max_context_tokens,
+                                   tool_choice=tool_choice, kv_budget=p.kv_budget_tokens,
                                    notify=self._wake.trigger, logger=self.get_logger())
         if p.decision_period_s > 0:
             self.create_timer(p.decision_period_s, lambda: self._trigger("rate"))
@@ -102,9 +108,10 @@ class AgentNode(Node):
         self.get_logger().info(f"tokenspeed_agent up: budget {p.deadline_budget_s} s, fallback {p.fallback}, "
                                f"decision period {p.decision_period_s} s, model {p.model or 'embedded'}")
 
-    def close(self) -> None:
-        """Stop the engine thread (waits for the current step)."""
-        self.worker.close()
+    def close(self) -> bool:
+        """Stop the engine thread; False when it is still inside a load or forward (see
+        EngineWorker.close)."""
+        return self.worker.close()
 
     # ------------------------------------------------------------------ inputs
     def _stamp(self, stamp) -> Time:
@@ -175,6 +182,19 @@ class AgentNode(Node):
         if self._submit("goal", f"goal: {text}", self.get_clock().now(), kind="text") and self.p.decide_on_goal:
             self._trigger("goal")
 
+    def _on_feedback(self, msg: ActionFeedback) -> None:
+        """Track which of our model calls the robot is executing; its end triggers a decision."""
+        if msg.state == "applied":
+            self._executing = (msg.decision_id, self.get_clock().now()) if msg.tool_name not in ("hold", "stop") else None
+        elif self._executing is not None and msg.decision_id == self._executing[0]:
+            self._executing = None
+            self._trigger("feedback")
+
+    def _robot_executing(self) -> bool:
+        if self._executing is None or self.p.decide_while_executing:
+            return False
+        return (self.get_clock().now() - self._executing[1]).nanoseconds * 1e-9 < self.p.execution_timeout_s
+
     # ------------------------------------------------------------------ decisions
     def _missing_sensors(self) -> list[str]:
         now = self.get_clock().now()
@@ -189,10 +209,14 @@ class AgentNode(Node):
         return missing
 
     def _trigger(self, why: str) -> None:
-        """Start a decision now if the engine is free; "rate" triggers also keep safe actions
-        flowing while the engine is stuck past a deadline."""
+        """Start a decision now if the engine is free. `why`: "rate", "scene", "goal",
+        "feedback" or "event" (deferred while the engine was busy). Rate triggers also keep safe
+        actions flowing while the engine is stuck past a deadline."""
         now = self.get_clock().now()
         stamp = self._latest_stamp or now
+        if why in ("rate", "scene") and self._robot_executing():
+            self._skipped_executing += 1
+            return
         if self._outstanding is not None:
             if why == "rate" and not self.monitor.is_pending(self._outstanding):
                 self.monitor.fail_now(stamp, "engine_busy")
@@ -258,8 +282,8 @@ class AgentNode(Node):
             name="tokenspeed_agent: engine", message=w.fault or w.state,
             level={"ready": DiagnosticStatus.OK, "loading": DiagnosticStatus.WARN}.get(w.state, DiagnosticStatus.ERROR),
             values=[KeyValue(key="state", value=w.state), KeyValue(key="context_tokens", value=str(w.context_tokens)),
-                    KeyValue(key="context_resets", value=str(w.context_resets)),
-                    KeyValue(key="triggers_skipped_busy", value=str(self._skipped_busy))])
+                    KeyValue(key="triggers_skipped_busy", value=str(self._skipped_busy)),
+                    KeyValue(key="triggers_skipped_executing", value=str(self._skipped_executing))])
         msg = DiagnosticArray(status=[self.monitor.diagnostic_status("tokenspeed_agent: decisions"), inputs, engine])
         msg.header.stamp = now.to_msg()
         self._diag_pub.publish(msg)
@@ -282,9 +306,13 @@ def main(args: list[str] | None = None) -> int:
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
-        node.close()
+        stopped = node.close()
         node.destroy_node()
         rclpy.try_shutdown()
+    if not stopped:    # the engine thread is mid-forward: skip interpreter finalization
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -6,9 +6,10 @@ prefilled, so the backlog never exceeds one entry per source); at most one decis
 outstanding. Results come back through `drain()`, and `notify()` (a ROS guard condition's
 trigger) wakes the executor to collect them.
 
-The session is kept bounded: when it grows past `max_context_tokens` it is rolled back to the
-checkpoint taken right after the system prompt and tools, and the latest observation of every
-source is observed again (pruning the old history).
+The session's hot KV cache is bounded by the engine's relevance pruning (`kv_budget` tokens):
+sensor readings are observed with kind "sensor" and their source, so a newer reading of the same
+source supersedes the older one first; goals are pinned. Old history moves to the engine's cold
+tier instead of growing the per-token cost.
 """
 from __future__ import annotations
 
@@ -35,46 +36,51 @@ class EngineWorker:
 
     model: path, "tiny-random" or "" (embedded model); threads: CPU threads (0 = engine default);
     system: system prompt; tools: OpenAI tool dicts; tool_choice: passed to decide();
+    kv_budget: hot KV tokens of the session (relevance pruning beyond it);
     notify: called from the engine thread whenever `drain()` has something new; logger: rclpy
     logger. `state` is "loading", "ready" or "fault" (then `fault` says why).
     """
 
     def __init__(self, *, model: str, threads: int, system: str, tools: list[dict], tool_choice,
-                 max_context_tokens: int, notify: Callable[[], None], logger):
+                 kv_budget: int, notify: Callable[[], None], logger):
         self._cfg = dict(model=model or None, threads=threads or None, system=system, tools=tools)
         self._tool_choice = tool_choice
-        self._max_tokens = max_context_tokens
+        self._kv_budget = kv_budget
         self._notify = notify
         self._log = logger
         self.state = "loading"
         self.fault = ""
         self.context_tokens = 0
-        self.context_resets = 0
         self.coalesced = 0          # observations replaced before they were prefilled
         self._cv = threading.Condition()
         self._obs: dict[str, tuple[str, str, float]] = {}  # source -> (text, kind, stamp_s), not yet prefilled
         self._request: tuple[int, float] | None = None     # (decision_id, deadline_at monotonic)
         self._out: list[Observed | ModelResult] = []
-        self._latest: dict[str, tuple[str, str]] = {}      # source -> (text, kind) last in the session
         self._stop = False
         self._session = None
-        self._base = None
         self._thread = threading.Thread(target=self._run, name="tokenspeed-engine", daemon=True)
 
     def start(self) -> None:
         """Start the thread (it loads the model first)."""
         self._thread.start()
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Ask the thread to stop after its current step and wait up to `timeout` seconds."""
+    def close(self, timeout: float = 1.0) -> bool:
+        """Ask the thread to stop after its current step and wait up to `timeout` seconds.
+
+        Returns False when it is still busy (a model load or forward cannot be interrupted);
+        the caller should then end the process with os._exit, since finalizing the interpreter
+        under a running torch thread can abort.
+        """
         with self._cv:
             self._stop = True
             self._cv.notify()
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def observe(self, source: str, text: str, stamp_s: float, kind: str = "sensor") -> None:
-        """Queue an observation (kind "sensor" or "text", as Session.observe); it replaces a
-        queued, not yet prefilled one from the same source."""
+        """Queue an observation: kind "sensor" (superseded by newer readings of the source) or
+        "text" (pinned, e.g. the goal). It replaces a queued, not yet prefilled one from the
+        same source."""
         with self._cv:
             if source in self._obs:
                 self.coalesced += 1
@@ -125,8 +131,8 @@ class EngineWorker:
 
             t0 = time.monotonic()
             engine = tokenspeed.Engine.load(self._cfg["model"], threads=self._cfg["threads"])
-            self._session = engine.session(system=self._cfg["system"], tools=self._cfg["tools"])
-            self._base = self._session.checkpoint()
+            self._session = engine.session(system=self._cfg["system"], tools=self._cfg["tools"],
+                                           kv_budget=self._kv_budget)
             self.context_tokens = self._session.num_tokens
             self.state = "ready"
             self._log.info(f"engine ready in {time.monotonic() - t0:.1f} s "
@@ -140,21 +146,12 @@ class EngineWorker:
         if self._session is None:
             return 0
         try:
-            if self._session.num_tokens > self._max_tokens:
-                self._reset_context()
-            n = self._session.observe(text, role="user", kind=kind, source=source)
-            self._latest[source] = (text, kind)
+            n = self._session.observe(text, role="user", kind=kind, source=source, pin=kind == "text")
             self.context_tokens = self._session.num_tokens
             return n
         except Exception as e:
             self._log.error(f"engine fault in observe({source}): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
             return 0
-
-    def _reset_context(self) -> None:
-        self._session.rollback(self._base)
-        for source, (text, kind) in self._latest.items():
-            self._session.observe(text, role="user", kind=kind, source=source)
-        self.context_resets += 1
 
     def _decide(self, decision_id: int, deadline_at: float) -> ModelResult:
         if self._session is None:

@@ -103,8 +103,8 @@ def run(launch: str, *, duration_s: float | None = None, overrides: list[str] = 
     procs: list[subprocess.Popen] = []
     try:
         for spec, cmd in zip(specs, cmds):
-            print(f"[tokenspeed_launch] {spec.name}: {' '.join(cmd)}", flush=True)
             procs.append(subprocess.Popen(cmd, start_new_session=True))
+            print(f"[tokenspeed_launch] {spec.name} (pid {procs[-1].pid}): {' '.join(cmd)}", flush=True)
         end = None if duration_s is None else time.monotonic() + duration_s
         while not stop["why"]:
             exited = [(s, p) for s, p in zip(specs, procs) if p.poll() is not None]

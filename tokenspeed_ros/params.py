@@ -41,6 +41,8 @@ class AgentParams(BaseModel):
     deadline_status_topic: str = Field("agent/deadline_status", description="tokenspeed_msgs/DeadlineStatus output")
     observation_topic: str = Field("agent/observation", description="tokenspeed_msgs/Observation echoes")
     target_pose_topic: str = Field("agent/target_pose", description="geometry_msgs/PoseStamped for move_to/place calls")
+    action_feedback_topic: str = Field(
+        "sim/action_feedback", description="tokenspeed_msgs/ActionFeedback from the robot; empty disables")
     base_frame: str = Field("base", description="frame_id of target poses (robot base frame)")
 
     # QoS
@@ -54,6 +56,11 @@ class AgentParams(BaseModel):
     decision_period_s: float = Field(1.0, ge=0.0, description="rate trigger period (s); 0 = events only")
     decide_on_goal: bool = Field(True, description="trigger a decision when a new goal arrives")
     decide_on_scene_change: bool = Field(True, description="trigger a decision when the seen objects change")
+    decide_while_executing: bool = Field(
+        False, description="false: no rate/scene decisions while the robot executes the last model call; "
+                           "its done/rejected/preempted feedback triggers the next one")
+    execution_timeout_s: float = Field(
+        30.0, gt=0.0, description="an execution without done/rejected feedback for this long no longer blocks decisions (s)")
     deadline_budget_s: float = Field(
         2.0, gt=0.0, description="observation stamp -> action deadline (s)")
     publish_margin_s: float = Field(
@@ -69,8 +76,8 @@ class AgentParams(BaseModel):
     threads: int = Field(0, ge=0, description="engine CPU threads; 0 = engine default")
     tools_file: str = Field("", description="OpenAI tool list (JSON); empty = launch/config/robot_tools.json")
     system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="system message of the session")
-    max_context_tokens: int = Field(
-        1536, ge=64, description="when the session grows past this, it is reset to system+tools and the latest observations")
+    kv_budget_tokens: int = Field(
+        1024, ge=64, description="hot KV cache of the session, tokens; older observations are pruned by relevance")
 
     # input checks
     stale_after_s: float = Field(2.0, gt=0.0, description="a sensor topic silent this long counts as missing (s)")

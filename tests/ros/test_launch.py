@@ -1,0 +1,125 @@
+"""Launch files and `tokenspeed_launch`: every launch names only executables that are console
+entry points, parameter files that exist, and parameters the nodes declare; the launcher starts
+the same processes and leaves none behind."""
+import ast
+import importlib
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+import yaml
+from rcl_interfaces.srv import ListParameters
+
+from agent_support import BIN, ROOT, stop
+from tokenspeed_ros.launch_spec import LAUNCHES, params_path
+from tokenspeed_ros.params import AgentParams
+
+LAUNCH_FILES = sorted((ROOT / "launch").glob("*.launch.py"))
+
+
+def console_scripts() -> dict[str, str]:
+    """{name: "module:function"} from setup.py's console_scripts."""
+    text = (ROOT / "setup.py").read_text()
+    return dict(re.findall(r'"(\w+)\s*=\s*([\w.]+:\w+)"', text))
+
+
+def yaml_parameters(spec) -> dict:
+    """The ros__parameters a params file gives the node (its own section or `/**`)."""
+    doc = yaml.safe_load(params_path(spec).read_text())
+    out = {}
+    for key in ("/**", spec.name, "/" + spec.name):
+        out.update((doc.get(key) or {}).get("ros__parameters", {}))
+    assert out, f"{spec.params_file} has no ros__parameters for {spec.name}"
+    return out
+
+
+def test_each_launch_file_reads_its_entry_in_the_launch_table():
+    assert {f.name.removesuffix(".launch.py") for f in LAUNCH_FILES} == set(LAUNCHES)
+    for f in LAUNCH_FILES:
+        tree = ast.parse(f.read_text())
+        keys = {n.slice.value for n in ast.walk(tree)
+                if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == "LAUNCHES"}
+        assert keys == {f.name.removesuffix(".launch.py")}, f.name
+        assert any(isinstance(n, ast.FunctionDef) and n.name == "generate_launch_description" for n in tree.body)
+
+
+@pytest.mark.parametrize("spec", sorted({s for specs in LAUNCHES.values() for s in specs}, key=lambda s: s.name),
+                         ids=lambda s: s.name)
+def test_executables_and_parameter_files_exist(spec):
+    scripts = console_scripts()
+    assert spec.executable in scripts, f"{spec.executable} is not a console entry point in setup.py"
+    module, func = scripts[spec.executable].split(":")
+    assert callable(getattr(importlib.import_module(module), func))
+    assert (BIN / spec.executable).exists(), "entry point not installed: run make setup"
+    assert params_path(spec).is_file()
+    yaml_parameters(spec)
+
+
+def test_agent_yaml_parameters_are_declared_and_valid():
+    spec = next(s for s in LAUNCHES["agent"] if s.executable == "tokenspeed_agent")
+    values = yaml_parameters(spec)
+    assert set(values) <= set(AgentParams.model_fields), set(values) - set(AgentParams.model_fields)
+    assert AgentParams(**values) == AgentParams()          # the YAML repeats the declared defaults
+
+
+def test_sim_yaml_parameters_are_declared_by_the_running_node(probe, ros_env):
+    """The sim declares its parameters in code: ask the running node which ones it has."""
+    spec = next(s for s in LAUNCHES["cobot_sim"] if s.executable == "tokenspeed_cobot_sim")
+    proc = subprocess.Popen([str(BIN / spec.executable), "--ros-args", "--params-file", str(params_path(spec))],
+                            env=ros_env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        client = probe.node.create_client(ListParameters, f"/{spec.name}/list_parameters")
+        assert probe.spin_until(client.service_is_ready, 30)
+        future = client.call_async(ListParameters.Request())
+        assert probe.spin_until(future.done, 10)
+        declared = set(future.result().result.names)
+    finally:
+        stop(proc)
+    missing = set(yaml_parameters(spec)) - declared
+    assert not missing, f"{spec.params_file} sets parameters {spec.name} does not declare: {missing}"
+
+
+def test_dry_run_prints_the_table():
+    out = subprocess.run([str(BIN / "tokenspeed_launch"), "cobot_sim", "--dry-run",
+                          "--set", "tokenspeed_agent.model=tiny-random"], capture_output=True, text=True, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == len(LAUNCHES["cobot_sim"])
+    for line, spec in zip(lines, LAUNCHES["cobot_sim"]):
+        assert line.split()[0] == str(BIN / spec.executable)
+        assert f"--params-file {params_path(spec)}" in line and f"__node:={spec.name}" in line
+    assert lines[1].endswith("-p model:=tiny-random")
+
+
+def test_bad_override_is_a_clear_error():
+    out = subprocess.run([str(BIN / "tokenspeed_launch"), "agent", "--set", "nobody.x=1"], capture_output=True, text=True)
+    assert out.returncode == 2 and "NODE.PARAM=VALUE" in out.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_launcher_runs_both_nodes_and_ctrl_c_leaves_no_process(probe, ros_env):
+    from tokenspeed_msgs.msg import ActionCommand
+
+    actions = probe.listen(ActionCommand, "agent/action")
+    launcher = subprocess.Popen([str(BIN / "tokenspeed_launch"), "cobot_sim", "--grace", "10",
+                                 "--set", "tokenspeed_agent.model=/nonexistent.gguf"],
+                                env=ros_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the agent answers with fallbacks (no engine) and the sim is up: both processes run
+    assert probe.spin_until(lambda: actions and probe.node.count_publishers("joint_states") >= 1, 60)
+    launcher.send_signal(signal.SIGINT)
+    out, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, out
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", out)]
+    assert len(pids) == 2, out
+    time.sleep(0.2)
+    assert not [p for p in pids if _alive(p)], out
+    assert "stopping: SIGINT" in out
