@@ -1,0 +1,429 @@
+"""`tokenspeed_market_bridge`: a ZeroMQ market-data feed -> a trading agent under a deadline.
+
+Three threads, none waiting on another:
+
+- feed thread: a ZeroMQ SUB socket (cryptofeed convention, see `market_feed`) drained in batches
+  of up to `max_batch` messages. Every message updates the per-symbol L2 book / trades; features
+  and trigger rules run once per symbol per batch (the rest is counted as `coalesced`), so the
+  loop keeps up with the feed; RCVHWM bounds what queues in between (a publisher that outruns
+  it drops, which shows up as sequence gaps and resyncs). It publishes tokenspeed_msgs/MarketTick
+  summaries and hands triggers (price move, trade burst, timer) to the executor; a newer trigger
+  replaces one not yet taken (`triggers_coalesced`). Silence longer than `feed_gap_s` after the
+  first message raises the feed-gap alarm (counted as "feed_gap", cleared by the next message).
+- executor (main) thread: opens one decision per trigger in the shared `DeadlineMonitor`, whose
+  deadline is the triggering tick's exchange timestamp + `deadline_budget_s`; sends it to the
+  engine when the engine is free (a trigger waiting behind a busy engine is answered "superseded"
+  when a newer one arrives). Every outcome - the model's call in time, or `hold` with the reason
+  (deadline_missed, invalid, engine_fault, ...) - goes out as an ActionCommand + DeadlineStatus on
+  ROS and as JSON on the ZeroMQ PUB socket, topic `{EXCHANGE}-decision-{SYMBOL}`:
+  {"decision_id", "exchange", "symbol", "trigger", "tool", "arguments", "source", "met", "reason",
+  "tick": {features of the tick answered}, "tick_timestamp", "deadline", "published_at",
+  "latency_s", "ttft_s"}  (times: seconds since the epoch; latency = publish - tick timestamp).
+  A result that arrives after its fallback was published is dropped, never sent.
+- engine thread: `EngineWorker` (shared with the robot agent) owns the tokenspeed Session.
+
+Counters and the feed-gap alarm go to /diagnostics and, every `status_period_s`, to ZeroMQ topic
+`status` (JSON). Run: `tokenspeed_market_bridge --ros-args --params-file launch/config/market_bridge.yaml`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import rclpy
+import zmq
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from rcl_interfaces.msg import ParameterDescriptor
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.node import Node
+from rclpy.time import Time
+from tokenspeed_msgs.msg import MarketTick
+
+from tokenspeed_ros.agent_node import load_tools
+from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
+from tokenspeed_ros.engine_worker import EngineWorker
+from tokenspeed_ros.market_feed import FeedLimits, MarketFeed, SymbolState
+from tokenspeed_ros.params import AgentParamsError
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You trade one crypto pair. Each observation summarises its order book and recent trades "
+    "(prices in USD, sizes in BTC, bp = basis point). Reply with exactly one tool call: place_order "
+    "to trade, cancel_order to pull resting orders, or hold to do nothing."
+)
+
+
+class MarketBridgeParams(BaseModel):
+    """Every parameter of `tokenspeed_market_bridge`. Times in seconds (s), sizes in base units."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # ZeroMQ
+    feed_endpoint: str = Field("tcp://127.0.0.1:5555", description="market-data SUB endpoint")
+    feed_bind: bool = Field(True, description="bind the SUB socket (cryptofeed: publishers connect)")
+    subscribe: list[str] = Field([""], description="topic prefixes to subscribe to ('' = all)")
+    rcvhwm: int = Field(100_000, ge=1, description="SUB receive high-water mark, messages")
+    max_batch: int = Field(2000, ge=1, description="messages drained per feed-loop iteration")
+    poll_period_s: float = Field(0.05, gt=0.0, description="feed-loop poll timeout (s)")
+    decision_endpoint: str = Field("tcp://127.0.0.1:5556", description="decision PUB endpoint")
+    decision_bind: bool = Field(True, description="bind the decision PUB socket")
+
+    # ROS topics
+    action_topic: str = Field("market/action", description="tokenspeed_msgs/ActionCommand output")
+    deadline_status_topic: str = Field("market/deadline_status", description="tokenspeed_msgs/DeadlineStatus output")
+    tick_topic: str = Field("market/tick", description="tokenspeed_msgs/MarketTick summaries")
+    tick_period_s: float = Field(0.2, ge=0.0, description="MarketTick period per symbol (s of feed time)")
+    status_period_s: float = Field(1.0, gt=0.0, description="/diagnostics and ZeroMQ status period (s)")
+
+    # input checks
+    price_band: float = Field(0.25, gt=0.0, description="|price/reference - 1| above this is absurd")
+    max_size: float = Field(1000.0, gt=0.0, description="level/trade sizes above this are absurd")
+    max_crossed_msgs: int = Field(100, ge=1, description="a book crossed this long is resynced")
+    feed_gap_s: float = Field(5.0, gt=0.0, description="silence that raises the feed-gap alarm (s)")
+
+    # observations and triggers
+    recent_trades: int = Field(5, ge=0, le=50, description="trades listed in each observation")
+    move_bps: float = Field(5.0, gt=0.0, description="mid move since the last trigger that triggers (bp)")
+    burst_trades: int = Field(5, ge=1, description="trades within burst_window_s that trigger")
+    burst_window_s: float = Field(1.0, gt=0.0, description="trade-burst window (s)")
+    timer_s: float = Field(10.0, ge=0.0, description="trigger when nothing else did for this long (s); 0 = off")
+
+    # decisions and the deadline monitor
+    deadline_budget_s: float = Field(2.0, gt=0.0, description="tick timestamp -> action deadline (s)")
+    publish_margin_s: float = Field(0.02, ge=0.0, description="the engine stops this long before the deadline (s)")
+    monitor_period_s: float = Field(0.01, gt=0.0, description="deadline monitor timer period (s)")
+
+    # engine
+    agent: bool = Field(True, description="run the trading agent; false = feed summaries only")
+    model: str = Field("", description='.gguf file, HF folder or "tiny-random"; empty = embedded SmolLM2-135M')
+    threads: int = Field(0, ge=0, description="engine CPU threads; 0 = engine default")
+    tools_file: str = Field("", description="OpenAI tool list (JSON); empty = launch/config/trading_tools.json")
+    system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="system message of the session")
+    kv_budget_tokens: int = Field(
+        1024, ge=64, description="hot KV cache of the session, tokens; older ticks are pruned by relevance")
+
+    @classmethod
+    def declare(cls, node) -> "MarketBridgeParams":
+        """Declare every field on `node` and return the validated values.
+
+        Raises AgentParamsError naming the bad parameter(s).
+        """
+        node.declare_parameters("", [(name, f.default, ParameterDescriptor(description=f.description or ""))
+                                     for name, f in cls.model_fields.items()])
+        values = {name: node.get_parameter(name).value for name in cls.model_fields}
+        try:
+            return cls(**values)
+        except ValidationError as e:
+            raise AgentParamsError(f"bad tokenspeed_market_bridge parameters: {e}") from None
+
+    def resolved_tools_file(self) -> Path:
+        """`tools_file`, or the repository's/installed trading_tools.json."""
+        if self.tools_file:
+            return Path(self.tools_file)
+        for candidate in (Path(__file__).resolve().parent.parent / "launch" / "config" / "trading_tools.json",
+                          Path(sys.prefix) / "share" / "tokenspeed_ros" / "config" / "trading_tools.json"):
+            if candidate.exists():
+                return candidate
+        raise AgentParamsError("tools_file is empty and no trading_tools.json is installed; set tools_file")
+
+
+@dataclass
+class Trigger:
+    """Why and on which tick a decision was asked: stamp_s = the tick's exchange timestamp (s)."""
+
+    reason: str
+    stamp_s: float
+    features: dict
+
+
+@dataclass
+class _Rules:
+    """Trigger state of one symbol (feed-time seconds)."""
+
+    mid_ref: float
+    last_t: float
+    last_trade_t: float = 0.0
+    last_tick_t: float = -math.inf
+
+
+def observation_text(trigger: Trigger, move_bps: float) -> str:
+    """Compact text for the session, ~60 tokens: the tick's book and trades and why it matters."""
+    f = trigger.features
+    trades = ", ".join(f"{side} {amount:.4f}@{price:.2f}" for side, price, amount in f["trades"]) or "none"
+    return (f"{f['exchange']} {f['symbol']} {trigger.reason}: mid {f['mid']:.2f} ({move_bps:+.1f} bp), "
+            f"spread {f['spread']:.2f} ({f['spread_bps']:.1f} bp), imbalance {f['imbalance']:+.2f}, "
+            f"volatility {f['volatility_bps']:.1f} bp, last trades {trades}")
+
+
+class _ReportingMonitor(DeadlineMonitor):
+    """The shared DeadlineMonitor, also handing every outcome to `on_outcome(decision, command,
+    met, reason)` (command is None for a late result dropped after its fallback)."""
+
+    def __init__(self, node, on_outcome, **kwargs):
+        super().__init__(node, **kwargs)
+        self._on_outcome = on_outcome
+        self._last_command = None
+
+    def _command(self, d, *args, **kwargs):
+        self._last_command = super()._command(d, *args, **kwargs)
+        return self._last_command
+
+    def _publish_status(self, d, *, met: bool, fallback_used: bool, reason: str) -> None:
+        super()._publish_status(d, met=met, fallback_used=fallback_used, reason=reason)
+        cmd, self._last_command = self._last_command, None
+        self._on_outcome(d, cmd if cmd is not None and cmd.decision_id == d.decision_id else None, met, reason)
+
+
+class MarketBridgeNode(Node):
+    """The bridge node; parameters: `MarketBridgeParams`. Raises AgentParamsError on bad parameters
+    or tool file, zmq.ZMQError when an endpoint cannot be bound/connected.
+
+    Attributes read by tests and the demo (executor thread): `feed.counters` (feed records,
+    bad input, "feed_gap"), `counts` (triggers, coalescing, decisions), `outcomes` (recent
+    decision JSON dicts), `feed_alarm` (True while the feed is silent).
+    """
+
+    def __init__(self, **node_kwargs):
+        super().__init__("tokenspeed_market_bridge", **node_kwargs)
+        self.p = p = MarketBridgeParams.declare(self)
+        self.feed = MarketFeed(FeedLimits(price_band=p.price_band, max_size=p.max_size,
+                                          max_crossed_msgs=p.max_crossed_msgs))
+        self.counts: Counter = Counter()
+        self.outcomes: deque = deque(maxlen=10_000)
+        self.feed_alarm = False
+        self._rules: dict[tuple[str, str], _Rules] = {}
+        self._open: dict[int, Trigger] = {}          # decision id -> trigger, until its outcome
+        self._slot: Trigger | None = None            # feed thread -> executor, newest wins
+        self._slot_lock = threading.Lock()
+        self._outstanding: int | None = None         # decision the engine is working on
+        self._queued: int | None = None              # decision waiting for the engine
+        self._stop = threading.Event()
+
+        self._zmq = zmq.Context()
+        self._pub = self._zmq.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 500)
+        (self._pub.bind if p.decision_bind else self._pub.connect)(p.decision_endpoint)
+        self._sub = self._zmq.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.RCVHWM, p.rcvhwm)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        for prefix in p.subscribe:
+            self._sub.setsockopt(zmq.SUBSCRIBE, prefix.encode())
+        (self._sub.bind if p.feed_bind else self._sub.connect)(p.feed_endpoint)
+
+        self.monitor = _ReportingMonitor(self, self._on_outcome, action_topic=p.action_topic,
+                                         status_topic=p.deadline_status_topic, budget_s=p.deadline_budget_s,
+                                         fallback="hold", period_s=p.monitor_period_s)
+        self._tick_pub = self.create_publisher(MarketTick, p.tick_topic, 10)
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self._wake_trigger = self.create_guard_condition(self._on_trigger)
+        self.worker = None
+        if p.agent:
+            tools = load_tools(p.resolved_tools_file())
+            self._wake_engine = self.create_guard_condition(self._on_engine_output)
+            self.worker = EngineWorker(model=p.model, threads=p.threads, system=p.system_prompt, tools=tools,
+                                       tool_choice="required", kv_budget=p.kv_budget_tokens,
+                                       notify=self._notify_engine_output, logger=self.get_logger())
+            self.worker.start()
+        self.create_timer(p.status_period_s, self._publish_status)
+        self._feed_thread = threading.Thread(target=self._feed_loop, name="market-feed", daemon=True)
+        self._feed_thread.start()
+        self.get_logger().info(f"tokenspeed_market_bridge up: feed {p.feed_endpoint}, decisions "
+                               f"{p.decision_endpoint}, budget {p.deadline_budget_s} s, "
+                               f"agent {'on, model ' + (p.model or 'embedded') if p.agent else 'off'}")
+
+    def close(self) -> None:
+        """Stop the feed and engine threads and close the sockets."""
+        self._stop.set()  # also silences the engine thread's notifications from now on
+        self._feed_thread.join(5.0)
+        if self.worker is not None:
+            self.worker.close()
+        self._sub.close()
+        self._pub.close()
+        self._zmq.term()
+
+    # ------------------------------------------------------------------ feed thread
+    def _feed_loop(self) -> None:
+        p = self.p
+        last_rx = None
+        while not self._stop.is_set():
+            if not self._sub.poll(int(p.poll_period_s * 1000)):
+                if not self.feed_alarm and last_rx is not None and time.monotonic() - last_rx > p.feed_gap_s:
+                    self.feed_alarm = True
+                    self.feed.counters["feed_gap"] += 1
+                    self.get_logger().warning(f"feed-gap alarm: no market data for {p.feed_gap_s} s")
+                continue
+            touched: dict[int, SymbolState] = {}
+            n = 0
+            while n < p.max_batch:
+                try:
+                    frames = self._sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                n += 1
+                state = self.feed.handle(frames)
+                if state is not None:
+                    touched[id(state)] = state
+            last_rx = time.monotonic()
+            if self.feed_alarm:
+                self.feed_alarm = False
+                self.get_logger().info("feed resumed")
+            self.counts["messages"] += n
+            self.counts["coalesced"] += n - len(touched)
+            self.counts["max_batch_seen"] = max(self.counts["max_batch_seen"], n)
+            for state in touched.values():
+                self._evaluate(state)
+
+    def _evaluate(self, state: SymbolState) -> None:
+        """Features, MarketTick and trigger rules for one symbol after a batch."""
+        p = self.p
+        f = state.features(p.recent_trades)
+        if f is None:
+            return
+        t = f["timestamp"]
+        rules = self._rules.get((state.exchange, state.symbol))
+        if rules is None:
+            rules = self._rules[(state.exchange, state.symbol)] = _Rules(mid_ref=f["mid"], last_t=t)
+        move_bps = (f["mid"] / rules.mid_ref - 1.0) * 1e4
+        burst = sum(1 for tr in state.trades if tr.timestamp >= t - p.burst_window_s and tr.timestamp > rules.last_trade_t)
+        reason = ("price_move" if abs(move_bps) >= p.move_bps else
+                  "trade_burst" if burst >= p.burst_trades else
+                  "timer" if p.timer_s > 0 and t - rules.last_t >= p.timer_s else None)
+        if reason is not None or t - rules.last_tick_t >= p.tick_period_s:
+            rules.last_tick_t = t
+            self._publish_tick(f)
+        if reason is None:
+            return
+        f["move_bps"] = move_bps
+        rules.mid_ref, rules.last_t = f["mid"], t
+        rules.last_trade_t = state.last_trade.timestamp if state.last_trade else 0.0
+        self.counts[f"trigger_{reason}"] += 1
+        with self._slot_lock:
+            if self._slot is not None:
+                self.counts["triggers_coalesced"] += 1
+            self._slot = Trigger(reason, t, f)
+        self._wake_trigger.trigger()
+
+    def _publish_tick(self, f: dict) -> None:
+        msg = MarketTick(exchange=f["exchange"], symbol=f["symbol"], bid=f["bid"], ask=f["ask"], mid=f["mid"],
+                         spread=f["spread"], imbalance=f["imbalance"], last_trade_price=f["last_trade_price"],
+                         volatility=f["volatility_bps"] * 1e-4)
+        msg.header.stamp = Time(nanoseconds=int(f["timestamp"] * 1e9)).to_msg()
+        msg.header.frame_id = f"{f['exchange']}:{f['symbol']}"
+        self._tick_pub.publish(msg)
+
+    # ------------------------------------------------------------------ executor thread
+    def _notify_engine_output(self) -> None:
+        """Called on the engine thread; a decide() still running at close() must not touch the
+        guard condition of a destroyed node."""
+        if not self._stop.is_set():
+            self._wake_engine.trigger()
+
+    def _on_trigger(self) -> None:
+        with self._slot_lock:
+            trig, self._slot = self._slot, None
+        if trig is None:
+            return
+        d = self.monitor.open(Time(nanoseconds=int(trig.stamp_s * 1e9), clock_type=self.get_clock().clock_type))
+        self._open[d.decision_id] = trig
+        self.counts["decisions_opened"] += 1
+        if self.worker is None or self.worker.state != "ready":
+            state = "no_agent" if self.worker is None else (
+                "engine_fault" if self.worker.state == "fault" else "engine_loading")
+            self.monitor.resolve(ModelResult(d.decision_id, state))
+        elif self._outstanding is None:
+            self._dispatch(d.decision_id)
+        else:
+            if self._queued is not None and self.monitor.is_pending(self._queued):
+                self.monitor.resolve(ModelResult(self._queued, "superseded"))
+            self._queued = d.decision_id
+
+    def _dispatch(self, decision_id: int) -> None:
+        trig = self._open[decision_id]
+        remaining_s = trig.stamp_s + self.p.deadline_budget_s - self.p.publish_margin_s - time.time()
+        self._outstanding = decision_id
+        self.worker.observe("market", observation_text(trig, trig.features["move_bps"]), trig.stamp_s)
+        self.worker.decide(decision_id, time.monotonic() + remaining_s)
+
+    def _on_engine_output(self) -> None:
+        for item in self.worker.drain():
+            if not isinstance(item, ModelResult):
+                continue  # an observation prefilled
+            if item.decision_id == self._outstanding:
+                self._outstanding = None
+            self.monitor.resolve(item)
+        if self._outstanding is None and self._queued is not None:
+            queued, self._queued = self._queued, None
+            if self.monitor.is_pending(queued):
+                self._dispatch(queued)
+
+    def _on_outcome(self, d, cmd, met: bool, reason: str) -> None:
+        """Every decision outcome: count it and publish the decision JSON on ZeroMQ."""
+        self.counts[f"outcome_{reason}"] += 1
+        if cmd is None:
+            return  # a late model result, dropped: its fallback went out at the deadline
+        trig = self._open.pop(d.decision_id, None)
+        now = time.time()
+        stamp_s = d.observation_stamp.nanoseconds * 1e-9
+        f = trig.features if trig else {}
+        out = {"decision_id": d.decision_id, "exchange": f.get("exchange", ""), "symbol": f.get("symbol", ""),
+               "trigger": trig.reason if trig else "", "tool": cmd.tool_name,
+               "arguments": json.loads(cmd.arguments_json), "source": cmd.source, "met": met,
+               "reason": reason, "tick": f, "tick_timestamp": stamp_s,
+               "deadline": d.deadline.nanoseconds * 1e-9, "published_at": now,
+               "latency_s": cmd.decision_latency_s, "ttft_s": cmd.ttft_s}
+        self.outcomes.append(out)
+        topic = f"{out['exchange'] or 'UNKNOWN'}-decision-{out['symbol'] or 'UNKNOWN'}"
+        self._pub.send(topic.encode() + b" " + json.dumps(out).encode())
+
+    def status(self) -> dict:
+        """Feed counters, bridge counts and decision counts as one JSON-able dict."""
+        return {"feed": dict(self.feed.counters), "bridge": dict(self.counts),
+                "decisions": dict(self.monitor.counts), "feed_alarm": self.feed_alarm,
+                "symbols": {f"{ex}-{sym}": {"synced": s.book.synced, "levels": s.book.depth(),
+                                            "trades": len(s.trades)} for (ex, sym), s in list(self.feed.symbols.items())},
+                "engine": self.worker.state if self.worker else "off"}
+
+    def _publish_status(self) -> None:
+        status = self.status()
+        self._pub.send(b"status " + json.dumps(status).encode())
+        feed = DiagnosticStatus(
+            name="tokenspeed_market_bridge: feed",
+            level=DiagnosticStatus.ERROR if self.feed_alarm else DiagnosticStatus.OK,
+            message="feed-gap alarm: no market data" if self.feed_alarm else "receiving",
+            values=[KeyValue(key=k, value=str(v)) for k, v in sorted({**status["feed"], **status["bridge"]}.items())])
+        msg = DiagnosticArray(status=[self.monitor.diagnostic_status("tokenspeed_market_bridge: decisions"), feed])
+        msg.header.stamp = self.get_clock().now().to_msg()
+        self._diag_pub.publish(msg)
+
+
+def main(args: list[str] | None = None) -> int:
+    """Console entry point `tokenspeed_market_bridge`. Returns 0 on a clean shutdown, 2 on bad
+    parameters or an endpoint that cannot be opened."""
+    rclpy.init(args=args)
+    try:
+        node = MarketBridgeNode()
+    except (AgentParamsError, zmq.ZMQError) as e:
+        print(f"tokenspeed_market_bridge: {e}", file=sys.stderr)
+        rclpy.try_shutdown()
+        return 2
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        node.close()
+        node.destroy_node()
+        rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
