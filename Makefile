@@ -15,6 +15,7 @@ MSGS_STAMP  := $(VENV)/.msgs-$(shell cat msgs/CMakeLists.txt msgs/package.xml ms
 # the user cache, never committed); tests fetch it through the same function when it is missing.
 MARKET_STAMP := $(VENV)/.market-data
 PYTEST_ARGS ?=
+DEMO_ARGS   ?=
 
 .PHONY: setup msgs demo test test-all clean
 
@@ -40,9 +41,9 @@ $(MSGS_STAMP): msgs/CMakeLists.txt msgs/package.xml msgs/build.py $(wildcard msg
 $(MARKET_STAMP): | $(STAMP)
 	$(VENV)/bin/tokenspeed_market_data && touch $@ || echo "warning: market capture not fetched (registry unreachable?); replay tests will skip"
 
+# Simulated cobot + agent over DDS for 60 s once the engine is ready; table, out/demo/latency.png.
 demo: setup
-	$(VENV)/bin/tokenspeed call --tools launch/config/robot_tools.json \
-	  --prompt "The red cube is at x=0.42 y=-0.10 on the table. Pick it up."
+	$(VENV)/bin/tokenspeed_demo $(DEMO_ARGS)
 
 test: setup
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)
