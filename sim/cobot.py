@@ -336,7 +336,7 @@ class CobotScene:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:
                 raise CommandRejected(f"{tool}: arguments are not valid JSON: {e}") from None
         if not isinstance(arguments, dict):
             raise CommandRejected(f"{tool}: arguments must be a JSON object, got {type(arguments).__name__}")
@@ -477,3 +477,29 @@ def benchmark(seconds: float = 2.0, config: SceneConfig | None = None) -> dict[s
             scene.render()
         render_ms = (time.perf_counter() - t0) / 10 * 1e3
     return {"step_ms": step_ms, "render_ms": render_ms}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m tokenspeed_sim.cobot`: time physics steps and renders on this machine, and
+    optionally save one camera image as PNG."""
+    import argparse
+
+    import cv2
+
+    ap = argparse.ArgumentParser(description="Time the cobot scene: physics step (with IK) and TinyRenderer camera.")
+    ap.add_argument("--width", type=int, default=320, help="image width, pixels")
+    ap.add_argument("--height", type=int, default=240, help="image height, pixels")
+    ap.add_argument("--seconds", type=float, default=2.0, help="seconds of sim time to step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--png", help="also write the first camera image here")
+    args = ap.parse_args(argv)
+    cfg = SceneConfig(seed=args.seed, image_width=args.width, image_height=args.height)
+    if args.png:
+        with CobotScene(cfg) as scene:
+            cv2.imwrite(args.png, cv2.cvtColor(scene.render(), cv2.COLOR_RGB2BGR))
+    t = benchmark(args.seconds, cfg)
+    print(f"{args.width}x{args.height}: physics step (with IK) {t['step_ms']:.3f} ms, render {t['render_ms']:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -125,6 +125,9 @@ class CobotSimNode(Node):
         except CommandRejected as e:
             events = [Event(msg.decision_id, msg.tool_name, "rejected", str(e))]
             self.get_logger().warning(f"rejected decision {msg.decision_id}: {e}")
+        except Exception as e:   # a simulator bug must not take the robot down: reject and say so
+            events = [Event(msg.decision_id, msg.tool_name, "rejected", f"internal error: {type(e).__name__}: {e}")]
+            self.get_logger().error(f"decision {msg.decision_id} ({msg.tool_name}) failed in the simulator: {e!r}")
         self._publish_events(events)
 
     def _publish_events(self, events: list[Event]) -> None:

@@ -102,6 +102,7 @@ def test_repeating_the_running_command_continues_it(scene):
     ("fly", {}, "unknown tool 'fly'"),
     ("pick", "{not json", "not valid JSON"),
     ("pick", "[1, 2]", "must be a JSON object"),
+    ("pick", "[" * 100_000, "not valid JSON"),
     ("pick", {"object": "purple_cube"}, "is not one of"),
     ("pick", {}, "'object' is a required property"),
     ("place", {"x": 0.9, "y": 0.0}, "x: 0.9 is greater than the maximum of 0.7"),
