@@ -135,3 +135,29 @@ def test_bad_input_is_counted_and_never_crashes_the_node(probe, start_agent):
     log = agent.log_path.read_text()
     assert sum("joint_nonfinite" in line for line in log.splitlines()) == 1     # logged once per kind
     assert "Traceback" not in log
+
+
+def test_robot_executing_a_call_pauses_rate_decisions_until_its_feedback(probe, start_agent):
+    """While the robot reports a model call as applied and not done, rate triggers wait; its
+    "done" feedback triggers the next decision at once."""
+    from tokenspeed_msgs.msg import ActionFeedback
+
+    actions, _, _, diags = listen_all(probe)
+    feedback = probe.node.create_publisher(ActionFeedback, "sim/action_feedback", 10)
+    SensorFeed(probe)
+    agent = start_agent(model="/nonexistent/model.gguf", decision_period_s=0.2)
+    assert probe.spin_until(lambda: len(actions) >= 2 and feedback.get_subscription_count() >= 1, 30), \
+        agent.log_path.read_text()
+
+    def skipped():
+        return int(diagnostics(diags[-1])["tokenspeed_agent: engine"]["triggers_skipped_executing"]) if diags else 0
+
+    executing = actions[-1].decision_id
+    feedback.publish(ActionFeedback(decision_id=executing, tool_name="pick", state="applied"))
+    assert probe.spin_until(lambda: skipped() >= 3, 10)
+    n = len(actions)
+    probe.spin_until(lambda: False, 0.6)
+    assert len(actions) == n                          # rate triggers skipped while executing
+    feedback.publish(ActionFeedback(decision_id=executing, tool_name="pick", state="done"))
+    assert probe.spin_until(lambda: len(actions) > n, 10)
+    assert agent.poll() is None
