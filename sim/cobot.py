@@ -95,7 +95,7 @@ class _Motion:
     tags: list[int]
     segments: list[tuple]
     seg_t: float = 0.0                   # seconds spent in the current segment
-    path_start: np.ndarray | None = None
+    path: tuple[np.ndarray, np.ndarray] | None = None   # (start, goal) of the current Cartesian segment
     log: list[str] = field(default_factory=list)
 
 
@@ -320,7 +320,7 @@ class CobotScene:
             raise
         self.accepted += 1
         cur, events = self._motion, []
-        if cur is not None and (cur.tool, cur.arguments) == (new.tool, new.arguments) and cur.segments[0][0] != "freeze":
+        if cur is not None and (cur.tool, cur.arguments) == (new.tool, new.arguments):
             cur.tags.append(tag)
             return [Event(tag, tool, "applied", f"continues decision {cur.tags[0]}")]
         if cur is not None:
@@ -401,12 +401,12 @@ class CobotScene:
                 m.segments[1:] = [("grip", FINGER_OPEN), ("move", None, LIFT_Z)]
             done = True
         else:  # approach / descend / move: a straight Cartesian path of the gripper point
-            goal = self._segment_goal(kind, arg, rest)
-            if m.path_start is None:
-                m.path_start = self.gripper_position()
-            length = float(np.linalg.norm(goal - m.path_start))
+            if m.path is None:
+                m.path = (self.gripper_position(), self._segment_goal(kind, arg, rest))
+            start, goal = m.path
+            length = float(np.linalg.norm(goal - start))
             s = min(1.0, m.seg_t * EE_SPEED / length) if length > 1e-6 else 1.0
-            self._move_ee(m.path_start + s * (goal - m.path_start), self._grasp_yaw(kind, arg))
+            self._move_ee(start + s * (goal - start), self._grasp_yaw(kind, arg))
             err = float(np.linalg.norm(self.gripper_position() - goal))
             done = s >= 1.0 and (err < REACH_TOL or m.seg_t * EE_SPEED > length + SETTLE_S * EE_SPEED)
             if done and err >= REACH_TOL:
@@ -414,7 +414,7 @@ class CobotScene:
         m.seg_t += dt
         if done:
             m.segments.pop(0)
-            m.seg_t, m.path_start = 0.0, None
+            m.seg_t, m.path = 0.0, None
             if not m.segments:
                 detail = "; ".join(m.log) or "ok"
                 for t in m.tags:
