@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import threading
 import time
@@ -237,15 +238,17 @@ class MarketBridgeNode(Node):
                                f"{p.decision_endpoint}, budget {p.deadline_budget_s} s, "
                                f"agent {'on, model ' + (p.model or 'embedded') if p.agent else 'off'}")
 
-    def close(self) -> None:
-        """Stop the feed and engine threads and close the sockets."""
+    def close(self) -> bool:
+        """Stop the feed and engine threads and close the sockets. Returns False when the engine
+        thread is still inside a load or forward (see EngineWorker.close: end the process with
+        os._exit then)."""
         self._stop.set()  # also silences the engine thread's notifications from now on
         self._feed_thread.join(5.0)
-        if self.worker is not None:
-            self.worker.close()
+        stopped = self.worker.close() if self.worker is not None else True
         self._sub.close()
         self._pub.close()
         self._zmq.term()
+        return stopped
 
     # ------------------------------------------------------------------ feed thread
     def _feed_loop(self) -> None:
@@ -419,9 +422,13 @@ def main(args: list[str] | None = None) -> int:
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
-        node.close()
+        stopped = node.close()
         node.destroy_node()
         rclpy.try_shutdown()
+    if not stopped:  # the engine thread is mid-forward: skip interpreter finalization
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -68,7 +69,7 @@ def summary(node: MarketBridgeNode, received: int, replay_stats: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point. Returns 0 after printing the report, 1 if the replay failed."""
+    """Console entry point. Returns 0 after printing the report, 1 if the replay failed, 130 on Ctrl-C."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=120.0, help="feed seconds to replay")
     ap.add_argument("--start", type=float, default=0.0, help="skip this many feed seconds")
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.connect(decision_ep)
     received = 0
     replay = None
+    code = 0
     try:
         while node.worker.state == "loading":
             executor.spin_once(timeout_sec=0.1)
@@ -111,20 +113,25 @@ def main(argv: list[str] | None = None) -> int:
         out = replay.stdout.read().strip().splitlines()
         if replay.returncode != 0 or not out:
             print(f"tokenspeed_market_demo: replay failed (exit {replay.returncode})", file=sys.stderr)
-            return 1
-        print(summary(node, received, json.loads(out[-1])))
-        return 0
+            code = 1
+        else:
+            print(summary(node, received, json.loads(out[-1])), flush=True)
     except KeyboardInterrupt:
-        return 130
+        code = 130
     finally:
         if replay is not None and replay.poll() is None:
             replay.terminate()
             replay.wait(5)
         sub.close()
-        node.close()
+        stopped = node.close()
         node.destroy_node()
         rclpy.try_shutdown()
         tmp.cleanup()
+    if not stopped:  # the engine thread is mid-forward: skip interpreter finalization
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":
