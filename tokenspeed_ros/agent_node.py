@@ -53,6 +53,20 @@ def load_tools(path) -> list[dict]:
     return tools
 
 
+def target_pose(arguments: dict, frame_id: str, default_z: float) -> PoseStamped | None:
+    """The gripper target of a tool call with a position (move_to, place: "x", "y" and optional
+    "z", metres in `frame_id`; `default_z` when there is no "z"), pointing down; None for calls
+    without a position. The stamp is left for the caller."""
+    if not isinstance(arguments, dict) or "x" not in arguments or "y" not in arguments:
+        return None
+    pose = PoseStamped()
+    pose.header.frame_id = frame_id
+    p = pose.pose.position
+    p.x, p.y, p.z = float(arguments["x"]), float(arguments["y"]), float(arguments.get("z", default_z))
+    pose.pose.orientation.x, pose.pose.orientation.w = 1.0, 0.0      # 180 deg about x: gripper down
+    return pose
+
+
 class AgentNode(Node):
     """The agent node. Parameters: see `AgentParams`. Raises AgentParamsError on bad parameters
     or an unreadable tool file; everything after construction is handled without raising."""
@@ -253,17 +267,10 @@ class AgentNode(Node):
             self._trigger("event")
 
     def _publish_target(self, cmd: ActionCommand) -> None:
-        """A PoseStamped for calls with a position (move_to, place): gripper pointing down."""
-        args = json.loads(cmd.arguments_json)
-        if not isinstance(args, dict) or "x" not in args or "y" not in args:
-            return
-        pose = PoseStamped()
-        pose.header.stamp = cmd.header.stamp
-        pose.header.frame_id = self.p.base_frame
-        pose.pose.position.x, pose.pose.position.y = float(args["x"]), float(args["y"])
-        pose.pose.position.z = float(args.get("z", self.p.object_plane_z))
-        pose.pose.orientation.x, pose.pose.orientation.w = 1.0, 0.0
-        self._pose_pub.publish(pose)
+        pose = target_pose(json.loads(cmd.arguments_json), self.p.base_frame, self.p.object_plane_z)
+        if pose is not None:
+            pose.header.stamp = cmd.header.stamp
+            self._pose_pub.publish(pose)
 
     # ------------------------------------------------------------------ diagnostics
     def _publish_diagnostics(self) -> None:

@@ -3,7 +3,6 @@ deadline fallback with an impossible budget, engine faults, and bad input of eve
 import json
 
 from diagnostic_msgs.msg import DiagnosticArray
-from geometry_msgs.msg import PoseStamped
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CameraInfo, Image, JointState
 from std_msgs.msg import String
@@ -161,3 +160,4 @@ def test_robot_executing_a_call_pauses_rate_decisions_until_its_feedback(probe, 
     feedback.publish(ActionFeedback(decision_id=executing, tool_name="pick", state="done"))
     assert probe.spin_until(lambda: len(actions) > n, 10)
     assert agent.poll() is None
+

@@ -1,4 +1,4 @@
-"""Perception and input checks on real images: the simulator's rendered camera and synthetic ones."""
+"""Perception, input checks and action mapping on real images and messages: the simulator's rendered camera and synthetic ones."""
 import math
 
 import numpy as np
@@ -103,3 +103,15 @@ def test_bad_camera_info_and_pose():
     with pytest.raises(BadInput) as e:
         CameraModel.from_msgs(camera_info(), pose)
     assert e.value.kind == "camera_pose_invalid"
+
+
+def test_target_pose_of_position_calls():
+    from tokenspeed_ros.agent_node import target_pose
+
+    pose = target_pose({"x": 0.5, "y": -0.1, "z": 0.2}, "base", 0.025)
+    p, o = pose.pose.position, pose.pose.orientation
+    assert pose.header.frame_id == "base" and (p.x, p.y, p.z) == (0.5, -0.1, 0.2)
+    assert (o.x, o.y, o.z, o.w) == (1.0, 0.0, 0.0, 0.0)
+    assert target_pose({"x": 0.4, "y": 0.0}, "base", 0.025).pose.position.z == 0.025     # place
+    assert target_pose({"object": "red_cube"}, "base", 0.025) is None                    # pick
+    assert target_pose({}, "base", 0.025) is None                                        # hold
