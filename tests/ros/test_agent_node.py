@@ -2,6 +2,7 @@
 deadline fallback with an impossible budget, engine faults, and bad input of every kind."""
 import json
 
+import pytest
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CameraInfo, Image, JointState
@@ -61,13 +62,19 @@ def test_impossible_budget_gives_the_configured_fallback(probe, start_agent):
     assert agent.poll() is None
 
 
-def test_engine_fault_keeps_the_node_publishing_fallbacks(probe, start_agent):
+@pytest.mark.parametrize("params, state", [
+    (dict(model="/nonexistent/model.gguf"), "fault"),          # Engine.load raises ModelLoadError
+    (dict(model="tiny-random", tool_choice="no_such_tool"), "ready"),   # every decide() raises
+], ids=["load", "decide"])
+def test_engine_faults_keep_the_node_publishing_fallbacks(probe, start_agent, params, state):
     actions, statuses, _, diags = listen_all(probe)
     SensorFeed(probe)
-    agent = start_agent(model="/nonexistent/model.gguf", decision_period_s=0.2)
-    assert probe.spin_until(lambda: sum(s.reason == "engine_fault" for s in statuses) >= 2, 30), agent.log_path.read_text()
+    agent = start_agent(decision_period_s=0.2, **params)
+    assert probe.spin_until(lambda: sum(s.reason == "engine_fault" for s in statuses) >= 2, ENGINE_TIMEOUT), \
+        agent.log_path.read_text()
     assert probe.spin_until(lambda: any(a.source == "fallback" and a.tool_name == "hold" for a in actions), 5)
-    assert probe.spin_until(lambda: diags and diagnostics(diags[-1])["tokenspeed_agent: engine"]["state"] == "fault", 5)
+    assert all(a.source == "fallback" for a in actions)
+    assert probe.spin_until(lambda: diags and diagnostics(diags[-1])["tokenspeed_agent: engine"]["state"] == state, 5)
     assert agent.poll() is None
 
 

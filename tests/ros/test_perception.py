@@ -1,4 +1,5 @@
-"""Perception, input checks and action mapping on real images and messages: the simulator's rendered camera and synthetic ones."""
+"""Perception, input checks and action mapping on real images and messages: the simulator's
+rendered camera and synthetic ones."""
 import math
 
 import numpy as np
