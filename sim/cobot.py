@@ -245,6 +245,24 @@ class CobotScene:
         uvw = self.camera_matrix @ pc
         return float(uvw[0] / uvw[2]), float(uvw[1] / uvw[2])
 
+    def snapshot(self) -> dict:
+        """Everything a camera sees, as plain data: robot joint positions (rad / m) and cube poses
+        (position [3] metres, quaternion xyzw). `restore()` puts a scene of the same config there."""
+        joints = [s[0] for s in p.getJointStates(self.robot, range(p.getNumJoints(self.robot, physicsClientId=self._c)),
+                                                 physicsClientId=self._c)]
+        cubes = {n: p.getBasePositionAndOrientation(b, physicsClientId=self._c) for n, b in self.cubes.items()}
+        return {"joints": joints, "cubes": cubes}
+
+    def restore(self, snapshot: dict) -> None:
+        """Set joint positions and cube poses from `snapshot()` output (no dynamics, no stepping).
+        Raises KeyError/ValueError for a snapshot of a different scene."""
+        if len(snapshot["joints"]) != p.getNumJoints(self.robot, physicsClientId=self._c):
+            raise ValueError("snapshot has a different number of robot joints")
+        for j, q in enumerate(snapshot["joints"]):
+            p.resetJointState(self.robot, j, q, physicsClientId=self._c)
+        for name, (pos, orn) in snapshot["cubes"].items():
+            p.resetBasePositionAndOrientation(self.cubes[name], pos, orn, physicsClientId=self._c)
+
     def object_positions(self) -> dict[str, tuple[float, float, float]]:
         """Ground-truth cube centres in the base frame, metres."""
         return {n: tuple(p.getBasePositionAndOrientation(b, physicsClientId=self._c)[0])

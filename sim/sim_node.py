@@ -10,7 +10,9 @@ Published (all reliable; remap names with `--ros-args -r`):
 - `joint_states` (sensor_msgs/JointState, `joint_state_rate_hz`): 7 arm joints (rad) and 2
   finger joints (m), frame `base`.
 - `camera/image_raw` (sensor_msgs/Image, rgb8, `camera_rate_hz`, depth 2): stamp = the wall time
-  of the scene state that was rendered (taken just before rendering).
+  of the scene state that was rendered. Rendering runs in a child process
+  (`tokenspeed_sim.camera_process`), so it never delays commands or physics; the image is
+  published when ready (render time later), and a frame is skipped if the last is not done.
 - `camera/camera_info` (sensor_msgs/CameraInfo, with every image, same stamp; transient local):
   pinhole, no distortion, K = [f 0 cx; 0 f cy; 0 0 1] with pixel (0, 0) = centre of the top-left
   pixel, P = [K | 0], R = I. frame_id = `camera_optical`.
@@ -45,6 +47,7 @@ from sensor_msgs.msg import CameraInfo, Image, JointState
 from std_msgs.msg import String
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback
 
+from tokenspeed_sim.camera_process import CameraProcess
 from tokenspeed_sim.cobot import DEFAULT_TOOLS, CobotScene, CommandRejected, Event, SceneConfig
 
 LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
@@ -87,7 +90,10 @@ class CobotSimNode(Node):
             tools_file=v["tools_file"] or str(DEFAULT_TOOLS)))
         self._max_catchup_steps = max(1, int(v["max_catchup_s"] * v["physics_rate_hz"]))
         self.overruns = 0
-        self.render_s: list[float] = []     # wall seconds per render, for the log at shutdown
+        self.render_s: list[float] = []     # wall seconds snapshot -> image ready, for the log at shutdown
+        self.frames_skipped = 0
+        self.camera = CameraProcess(self.scene.config)
+        self._frame: tuple | None = None     # (stamp, perf_counter) of the frame being rendered
 
         self.pub_joints = self.create_publisher(JointState, "joint_states", 10)
         self.pub_image = self.create_publisher(Image, "camera/image_raw", 2)
@@ -102,7 +108,7 @@ class CobotSimNode(Node):
         self._steps = 0
         self.create_timer(1.0 / v["tick_rate_hz"], self._tick)
         self.create_timer(1.0 / v["joint_state_rate_hz"], self._publish_joints)
-        self.create_timer(1.0 / v["camera_rate_hz"], self._publish_camera)
+        self.create_timer(1.0 / v["camera_rate_hz"], self._request_frame)
         self.create_timer(1.0 / v["status_rate_hz"], self.publish_status)
         self.pub_goal.publish(String(data=self.scene.goal_text()))
         self._publish_pose()
@@ -118,6 +124,7 @@ class CobotSimNode(Node):
         if due > 0:
             self._publish_events(self.scene.step(due))
             self._steps += due
+        self._publish_frame()
 
     def _on_action(self, msg: ActionCommand) -> None:
         try:
@@ -145,10 +152,20 @@ class CobotSimNode(Node):
         msg.header.frame_id = "base"
         self.pub_joints.publish(msg)
 
-    def _publish_camera(self) -> None:
-        stamp = self.get_clock().now().to_msg()
-        t = time.perf_counter()
-        rgb = self.scene.render()
+    def _request_frame(self) -> None:
+        """Camera timer: snapshot the scene now (the image's stamp) and hand it to the renderer;
+        a frame is skipped while the previous one is still rendering."""
+        if self.camera.busy:
+            self.frames_skipped += 1
+            return
+        self._frame = (self.get_clock().now().to_msg(), time.perf_counter())
+        self.camera.request(self.scene.snapshot())
+
+    def _publish_frame(self) -> None:
+        rgb = self.camera.poll()
+        if rgb is None:
+            return
+        stamp, t = self._frame
         self.render_s.append(time.perf_counter() - t)
         h, w, _ = rgb.shape
         img = Image(height=h, width=w, encoding="rgb8", is_bigendian=0, step=w * 3, data=rgb.tobytes())
@@ -185,13 +202,14 @@ class CobotSimNode(Node):
         return status
 
     def destroy_node(self) -> None:
+        self.camera.close()
         self.scene.close()
         super().destroy_node()
 
 
 def main(args: list[str] | None = None) -> None:
-    """Console entry point `tokenspeed_cobot_sim`: spin the node until SIGINT/SIGTERM, then log
-    the final scenario status and the mean render time."""
+    """Console entry point `tokenspeed_cobot_sim`: spin the node until SIGINT/SIGTERM, then print
+    the final scenario status and the camera/physics timing."""
     rclpy.init(args=args)
     node = None
     try:
@@ -205,8 +223,8 @@ def main(args: list[str] | None = None) -> None:
             mean_ms = 1e3 * sum(renders) / len(renders) if renders else float("nan")
             final = node.scene.scenario_status()
             print(f"[tokenspeed_cobot_sim] final status: {json.dumps(final)}\n"
-                  f"[tokenspeed_cobot_sim] {len(renders)} camera renders, mean {mean_ms:.1f} ms; "
-                  f"{node.overruns} physics overruns", flush=True)
+                  f"[tokenspeed_cobot_sim] {len(renders)} camera renders, snapshot -> image mean {mean_ms:.1f} ms, "
+                  f"{node.frames_skipped} frames skipped; {node.overruns} physics overruns", flush=True)
             node.destroy_node()
         if rclpy.ok():
             rclpy.shutdown()

@@ -125,3 +125,17 @@ def test_bad_config_is_refused():
         CobotScene(SceneConfig(target_object="yellow_cube"))
     with pytest.raises(ValueError, match="too small"):
         CobotScene(SceneConfig(image_width=4))
+
+
+def test_camera_process_renders_what_the_scene_shows(scene):
+    from tokenspeed_sim.camera_process import CameraProcess
+
+    scene.execute("pick", {"object": "blue_cube"})
+    scene.step(500)                                             # arm moved, cube lifted
+    with CameraProcess(scene.config) as camera:
+        assert camera.poll() is None and not camera.busy
+        camera.request(scene.snapshot())
+        with pytest.raises(RuntimeError, match="in flight"):
+            camera.request(scene.snapshot())
+        image = camera.poll(timeout=30)
+    assert image is not None and np.array_equal(image, scene.render())

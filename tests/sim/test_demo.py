@@ -1,6 +1,7 @@
 """`tokenspeed_demo` end to end: simulator + agent (tiny random-weight model) as separate
 processes over DDS, the harness's table/JSON/PNG, clean exit, no process left behind."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,17 +12,17 @@ from conftest import ROOT
 
 
 def processes_in_domain(domain: str) -> list[str]:
-    """Command lines of live processes whose environment has ROS_DOMAIN_ID=domain."""
+    """Command lines of live processes (other than this one) started with ROS_DOMAIN_ID=domain."""
     found = []
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         try:
             env = (proc / "environ").read_bytes().split(b"\0")
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if f"ROS_DOMAIN_ID={domain}".encode() in env and "tokenspeed" in cmdline:
+        if f"ROS_DOMAIN_ID={domain}".encode() in env:
             found.append(cmdline)
     return found
 
