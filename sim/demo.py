@@ -76,7 +76,8 @@ def run(duration_s: float, out_dir: Path, overrides: list[str], ready_timeout_s:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point `tokenspeed_demo`."""
     ap = argparse.ArgumentParser(prog="tokenspeed_demo", description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 2)[2])
     ap.add_argument("--duration", type=float, default=60.0,
                     help="seconds of closed loop measured once the engine is ready (default 60)")
     ap.add_argument("--ready-timeout", type=float, default=180.0,
