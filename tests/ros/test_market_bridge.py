@@ -227,3 +227,30 @@ def test_bridge_keeps_up_with_the_whole_capture_at_10x(ros, tmp_path):
     node, sent = _replay_into_bridge(ros, tmp_path, speed=10.0, duration_s=1800.0)
     _assert_kept_up(node, sent)
     assert node.feed.counters["bad_price"] > 0   # price-0 and 999999999 market orders
+
+
+@pytest.mark.slow
+def test_embedded_model_answers_ticks_with_bounded_trading_calls(ros, tmp_path):
+    """The embedded SmolLM2 with a generous budget: model decisions come back as valid calls of
+    launch/config/trading_tools.json (enums and bounds respected)."""
+    executor, _ = ros
+    node, feed_ep, _ = start_bridge(ros, tmp_path, agent=True, deadline_budget_s=60.0, timer_s=1.0,
+                                    move_bps=1000.0, burst_trades=1000)
+    assert spin_until(executor, lambda: node.worker.state != "loading", 300.0)
+    assert node.worker.state == "ready", node.worker.fault
+    messages, _ = synthetic_messages(seed=5, n=600, exchange=EX, rate_hz=200.0)
+    pub = FeedPublisher(feed_ep)
+    assert pub.wait_for_subscriber(10.0)
+    for msg in messages:
+        pub.send(msg, time.time())
+        executor.spin_once(timeout_sec=1 / 200)
+    assert spin_until(executor, lambda: any(o["source"] == "model" for o in node.outcomes), 240.0), node.status()
+    pub.close()
+    for o in (o for o in node.outcomes if o["source"] == "model"):
+        args = o["arguments"]
+        assert o["met"] and o["tool"] in ("place_order", "cancel_order", "hold")
+        if o["tool"] == "place_order":
+            assert args["side"] in ("buy", "sell") and args["order_type"] in ("limit", "market")
+            assert 0.001 <= args["size"] <= 0.05 and -50 <= args["offset_bps"] <= 50
+        elif o["tool"] == "cancel_order":
+            assert args["scope"] in ("all", "buy", "sell")

@@ -130,3 +130,17 @@ def test_split_message_forms():
     assert split_message([b"BITSTAMP-book-BTC-USD {}"]) == ("BITSTAMP", "book", "BTC-USD", b"{}")
     assert split_message([b"COINBASE-ticker-ETH-USD", b"{}"]) == ("COINBASE", "ticker", "ETH-USD", b"{}")
     assert math.isclose(MarketFeed().limits.price_band, 0.25)
+
+
+def test_seeded_synthetic_glitches_are_counted_exactly():
+    from tokenspeed_sim.market_replay import synthetic_messages
+
+    glitches = {"malformed": 3, "unknown_channel": 2, "bad_price": 2, "absurd_price": 2, "bad_size": 2,
+                "absurd_size": 1, "out_of_order": 3, "crossed": 2}
+    messages, expected = synthetic_messages(seed=11, n=3000, glitches=glitches)
+    feed = MarketFeed()
+    for m in messages:
+        body = m.payload if isinstance(m.payload, bytes) else json.dumps({**m.payload, "timestamp": m.t}).encode()
+        feed.handle([m.topic.encode() + b" " + body])
+    refused = {k: v for k, v in feed.counters.items() if k not in ("book_snapshots", "book_deltas", "trades")}
+    assert refused == expected
