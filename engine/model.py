@@ -63,6 +63,9 @@ class ModelArgs:
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
         """Build from a Hugging Face `config.json` dict (Llama, Mistral, Qwen2 model types)."""
         n_heads = cfg["num_attention_heads"]
+        # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older `rope_scaling`.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
         return cls(
             dim=cfg["hidden_size"],
             n_layers=cfg["num_hidden_layers"],
@@ -72,8 +75,8 @@ class ModelArgs:
             hidden_dim=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
             norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
             max_seq_len=cfg.get("max_position_embeddings", 4096),
             tie_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=cfg.get("model_type") == "qwen2" or cfg.get("attention_bias", False),

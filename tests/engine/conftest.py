@@ -1,0 +1,31 @@
+"""Engine test fixtures: the real embedded model (loaded once per test run) and a tiny random one."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The real SmolLM2-135M-Instruct engine (embedded GGUF, converted cache), fp32."""
+    import tokenspeed
+
+    torch.manual_seed(0)
+    return tokenspeed.Engine.load()
+
+
+@pytest.fixture(scope="session")
+def tiny_engine():
+    """A 2-layer random-weight engine with the real tokenizer (shapes only, fast)."""
+    import tokenspeed
+
+    return tokenspeed.Engine.load("tiny-random")
+
+
+@pytest.fixture(scope="session")
+def robot_tools():
+    """The robot-arm tool set from launch/config/robot_tools.json."""
+    return json.loads((ROOT / "launch" / "config" / "robot_tools.json").read_text())

@@ -1,0 +1,198 @@
+"""Weight loading: tiny random Llama/Qwen2 models written by the test as safetensors folders and as
+GGUF files (F32/F16/Q8_0/Q4_0/Q4_1, Q/K permuted like llama.cpp's converter), compared with
+Hugging Face transformers on the same weights; bad paths give clear errors."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import tokenspeed
+from tokenspeed.weights import ModelLoadError, resolve_model
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+Q = gguf.GGMLQuantizationType
+
+
+def _tiny_hf(kind="llama", **overrides):
+    base = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    base.update(overrides)
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(**base)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**base)
+        model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # HF inits biases to zero: give them values so the test sees them
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+def _copy_tokenizer(dst):
+    src = resolve_model(None).folder  # the embedded model's converted tokenizer
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, dst / name)
+
+
+def _compare(model_path, hf_model, atol=1e-4):
+    engine = tokenspeed.Engine.load(str(model_path))
+    ids = engine.tokenizer.encode("<|im_start|>user\nPick the red cube at x=0.42.<|im_end|>\n")
+    ours = engine.model(torch.tensor(ids), torch.arange(len(ids)), engine.model.new_cache(64), "all")
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < atol
+    return engine
+
+
+@pytest.mark.parametrize("kind,extra", [
+    ("llama", {}),
+    ("llama", {"tie_word_embeddings": True}),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    ("qwen2", {}),
+])
+def test_safetensors_folder_sharded(tmp_path, kind, extra):
+    hf_model = _tiny_hf(kind, **extra)
+    hf_model.save_pretrained(tmp_path, max_shard_size="2MB", safe_serialization=True)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    _copy_tokenizer(tmp_path)
+    engine = _compare(tmp_path, hf_model)
+    assert engine.args.qkv_bias == (kind == "qwen2")
+
+
+def _permute(w, n_head):
+    # llama.cpp convert_hf_to_gguf's Q/K permutation (Hugging Face halves -> interleaved pairs)
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _unpermute(w, n_head):
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(path, hf_model, qtype):
+    """Write hf_model as a llama GGUF with 2-D weights in `qtype`; return the dequantized state."""
+    cfg = hf_model.config
+    src = gguf.GGUFReader(str(tokenspeed.weights.default_model_path()))
+    from tokenspeed.weights import _field
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(_field(src, "tokenizer.ggml.tokens"))
+    w.add_token_types(_field(src, "tokenizer.ggml.token_type"))
+    w.add_token_merges(_field(src, "tokenizer.ggml.merges"))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(_field(src, "tokenizer.chat_template"))
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    block = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+             "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+             "mlp.down_proj.weight": "ffn_down.weight"}
+    dequantized = {}
+    for name, t in hf_model.state_dict().items():
+        arr = t.float().numpy()
+        if name.startswith("model.layers."):
+            _, _, idx, rest = name.split(".", 3)
+            gname = f"blk.{idx}.{block[rest]}"
+        else:
+            gname = names[name]
+        stored = arr
+        if name.endswith("q_proj.weight"):
+            stored = _permute(arr, cfg.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            stored = _permute(arr, cfg.num_key_value_heads)
+        if arr.ndim == 2 and qtype != Q.F32:
+            data = gguf.quants.quantize(np.ascontiguousarray(stored), qtype)
+            w.add_tensor(gname, data, raw_dtype=qtype)
+            back = gguf.quants.dequantize(data, qtype).astype(np.float32)
+            if name.endswith("q_proj.weight"):
+                back = _unpermute(back, cfg.num_attention_heads)
+            elif name.endswith("k_proj.weight"):
+                back = _unpermute(back, cfg.num_key_value_heads)
+            dequantized[name] = torch.from_numpy(back.reshape(arr.shape))
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(stored))
+            dequantized[name] = t.float()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dequantized
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_gguf_file(tmp_path, monkeypatch, qtype):
+    monkeypatch.setenv("TOKENSPEED_CACHE", str(tmp_path / "cache"))
+    hf_model = _tiny_hf()
+    dequantized = _write_gguf(tmp_path / "tiny.gguf", hf_model, qtype)
+    hf_model.load_state_dict(dequantized)  # the reference: transformers on the dequantized weights
+    _compare(tmp_path / "tiny.gguf", hf_model)
+    # The conversion is cached, content-addressed: a second load reuses it.
+    folders = list((tmp_path / "cache" / "models").iterdir())
+    assert len(folders) == 1 and (folders[0] / "config.json").is_file()
+    assert resolve_model(tmp_path / "tiny.gguf").folder == folders[0]
+
+
+def test_embedded_model_loads_and_caches(engine):
+    files = resolve_model(None)
+    cfg = json.loads((files.folder / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 30 and cfg["tie_word_embeddings"] is True
+    assert engine.args.vocab_size == 49152
+
+
+def _missing(p):
+    return p / "missing.gguf"
+
+
+def _empty_folder(p):
+    (p / "empty").mkdir()
+    return p / "empty"
+
+
+def _folder_without_weights(p):
+    (p / "noweights").mkdir()
+    (p / "noweights" / "config.json").write_text("{}")
+    return p / "noweights"
+
+
+def _not_a_model(p):
+    (p / "model.bin").write_bytes(b"\x00" * 64)
+    return p / "model.bin"
+
+
+def _corrupt_gguf(p):
+    (p / "bad.gguf").write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 40)
+    return p / "bad.gguf"
+
+
+@pytest.mark.parametrize("make,needle", [
+    (_missing, "does not exist"),
+    (_empty_folder, "without config.json"),
+    (_folder_without_weights, "no [*].safetensors"),
+    (_not_a_model, "neither a .gguf"),
+    (_corrupt_gguf, "cannot parse GGUF"),
+])
+def test_bad_model_paths(tmp_path, monkeypatch, make, needle):
+    monkeypatch.setenv("TOKENSPEED_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match=needle):
+        tokenspeed.Engine.load(str(make(tmp_path)))
