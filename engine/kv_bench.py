@@ -1,0 +1,243 @@
+"""Accuracy and cost of the relevance-pruned, tiered KV cache (`tokenspeed.kv`) on a real model.
+
+    python -m tokenspeed.kv_bench needle --stream 3000 6000 --facts 10      # (a) needle in a sensor stream
+    python -m tokenspeed.kv_bench agreement --history 4096 --budgets 1024 512  # (b) greedy agreement, KL
+    python -m tokenspeed.kv_bench cost --history 1024 4096 16384 --budget 1024 # ITL / decision TTFT
+
+Each prints a table and, with --json PATH, writes the rows. The functions `needle`, `agreement`
+and `cost` return the rows (lists of dicts) for other benchmarks to call.
+
+Workload: a robot agent whose early context holds safety notes ("part_07 is fragile: always
+grasp it with force 3"), followed by a stream of sensor readings (`kind="sensor"`, three
+sources, superseded by newer readings) interleaved with event-log lines (`kind="text"`, never
+superseded), then one question per note. All text is generated from a seeded RNG.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from .kv import KVConfig
+
+PARTS = [f"part_{i:02d}" for i in range(1, 21)]
+SYSTEM = "You control a robot arm. Follow the operator's safety notes exactly."
+TOOLS = [{"type": "function", "function": {
+    "name": "grasp", "description": "Grasp a part with the gripper.",
+    "parameters": {"type": "object", "properties": {
+        "object": {"type": "string", "enum": PARTS},
+        "force": {"type": "integer", "minimum": 1, "maximum": 9, "description": "Grip force level."}},
+        "required": ["object", "force"], "additionalProperties": False}}}]
+
+
+def _reading(rng: random.Random, i: int) -> tuple[str, str, str]:
+    # (text, kind, source): sensor readings from three sources, with an event-log line between.
+    if i % 2:
+        part, station = rng.choice(PARTS), rng.randint(1, 9)
+        what = rng.choice(["passed inspection at station", "moved on conveyor to station",
+                           "was scanned at station", "waits in the buffer of station"])
+        return f"event {i:05d}: {part} {what} {station}.", "text", ""
+    src = ["joint_states", "wrist_ft", "camera"][(i // 2) % 3]
+    if src == "joint_states":
+        return "joint_states: q=[" + ", ".join(f"{rng.uniform(-2, 2):.3f}" for _ in range(7)) + "]", "sensor", src
+    if src == "wrist_ft":
+        return "wrist_ft: f=[" + ", ".join(f"{rng.uniform(-5, 5):.2f}" for _ in range(3)) + "] N", "sensor", src
+    seen = rng.sample(PARTS, 4)
+    return "camera: " + ", ".join(f"{p} at ({rng.uniform(0.3, 0.7):.2f}, {rng.uniform(-0.3, 0.3):.2f})"
+                                  for p in seen), "sensor", src
+
+
+def _stream(session, rng: random.Random, tokens: int) -> float:
+    """Observe readings until `tokens` more tokens are in the context; returns seconds."""
+    t0, target, i = time.perf_counter(), session.num_tokens + tokens, 0
+    while session.num_tokens < target:
+        text, kind, source = _reading(rng, i)
+        session.observe(text, kind=kind, source=source)
+        i += 1
+    return time.perf_counter() - t0
+
+
+def _session(engine, kv: KVConfig | None):
+    return engine.session(system=SYSTEM, tools=TOOLS, kv_budget=kv, capacity=None if kv else 16384)
+
+
+def needle(engine, configs: dict[str, KVConfig | None], streams=(3000, 6000), facts: int = 10,
+           seed: int = 0, log=print) -> list[dict]:
+    """(a) Needle in a sensor stream: per stream length, `facts` safety notes, then the stream,
+    then one `grasp` question per note (checkpoint / decide / rollback, so questions do not see
+    each other). A case passes when the call names the part and the noted force.
+
+    Returns one row per (config, stream, fact): config, stream (tokens), part, force,
+    status, call, correct (bool), kv (metrics), ttft_ms.
+    """
+    rows = []
+    for si, n_stream in enumerate(streams):
+        rng = random.Random(seed + si)
+        notes = [(p, rng.randint(1, 9)) for p in rng.sample(PARTS, facts)]
+        for name, kv in configs.items():
+            s = _session(engine, kv)
+            for part, force in notes:
+                s.observe(f"Safety note: {part} is fragile. Always grasp {part} with force {force}.")
+            prefill_s = _stream(s, random.Random(seed + 100 + si), n_stream)
+            log(f"# {name} stream {n_stream}: {s.num_tokens} tokens, prefill {prefill_s:.1f} s")
+            for part, force in notes:
+                cp = s.checkpoint()
+                s.observe(f"Grasp {part} now.")
+                d = s.decide(tool_choice="required")
+                ok = d.ok and d.tool_call["arguments"] == {"object": part, "force": force}
+                rows.append(dict(config=name, stream=n_stream, part=part, force=force, status=d.status,
+                                 call=d.tool_call, correct=ok, kv=d.kv, ttft_ms=d.ttft_s * 1e3))
+                log(f"  {name} {part} force {force}: {d.tool_call and d.tool_call['arguments']} "
+                    f"{'ok' if ok else 'WRONG'} kv={d.kv and {k: d.kv[k] for k in ('hot', 'cold', 'recalled')}}")
+                s.rollback(cp)
+    return rows
+
+
+def _teacher_forced_logits(session, prompt: str, tokens: list[int]) -> torch.Tensor:
+    # Logits [len(tokens), V] for each next token after `prompt`, feeding `tokens` one at a time.
+    session.observe(prompt)
+    session._append(session.tok.encode("<|im_start|>assistant\n"), "assistant")
+    feed, session.pending = session.pending, []
+    out = []
+    for t in tokens:
+        out.append(session._forward(feed)[0])
+        feed = [t]
+    return torch.stack(out)
+
+
+def agreement(engine, history: int = 4096, budgets=(1024, 512), cold: int = 4096, gen: int = 48,
+              traces: int = 2, seed: int = 0, log=print) -> list[dict]:
+    """(b) Greedy agreement and KL(full || pruned) of next-token distributions on long agent
+    traces: the full-cache session generates `gen` tokens greedily; each pruned session is fed
+    the same tokens (teacher forcing). Returns rows: trace, budget, cold, agree (fraction of
+    positions with the same argmax), kl_mean, kl_max (nats), hot_fraction."""
+    rows = []
+    for tr in range(traces):
+        question = "Summarise the last events and say which part should be grasped next, and with what force."
+        rng = random.Random(seed + tr)
+        full = _session(engine, None)
+        notes = [(p, rng.randint(1, 9)) for p in rng.sample(PARTS, 5)]
+        for part, force in notes:
+            full.observe(f"Safety note: {part} is fragile. Always grasp {part} with force {force}.")
+        _stream(full, random.Random(seed + 200 + tr), history - full.num_tokens)
+        n_ctx = full.num_tokens
+        ref_tokens, ref_logits = [], []
+        full.observe(question)
+        full._append(full.tok.encode("<|im_start|>assistant\n"), "assistant")
+        feed, full.pending = full.pending, []
+        for _ in range(gen):
+            logits = full._forward(feed)[0]
+            ref_logits.append(logits)
+            feed = [int(logits.argmax())]
+            ref_tokens.append(feed[0])
+        ref = torch.stack(ref_logits)
+        log(f"# trace {tr}: {n_ctx} tokens; full cache says {full.tok.decode(ref_tokens)!r}")
+        for budget in budgets:
+            for c in ((0, cold) if cold else (0,)):
+                s = _session(engine, KVConfig(budget=budget, cold=c))
+                rng = random.Random(seed + tr)
+                for part, force in [(p, rng.randint(1, 9)) for p in rng.sample(PARTS, 5)]:
+                    s.observe(f"Safety note: {part} is fragile. Always grasp {part} with force {force}.")
+                _stream(s, random.Random(seed + 200 + tr), history - s.num_tokens)
+                got = _teacher_forced_logits(s, question, ref_tokens)
+                lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
+                kl = (lp.exp() * (lp - lq)).sum(-1)
+                row = dict(trace=tr, history=n_ctx, budget=budget, cold=c,
+                           agree=float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+                           kl_mean=float(kl.mean()), kl_max=float(kl.max()), hot_fraction=budget / n_ctx,
+                           kv=s.cache.take_metrics())
+                rows.append(row)
+                log(f"  budget {budget} cold {c}: agree {row['agree']:.3f} KL mean {row['kl_mean']:.4f} max {row['kl_max']:.3f}")
+    return rows
+
+
+def cost(engine, histories=(1024, 4096, 16384), budget: int = 1024, decisions: int = 3, seed: int = 0,
+         full_upto: int = 4096, log=print) -> list[dict]:
+    """Decision TTFT and ITL (ms) after `histories` tokens of stream, pruned to `budget` (with a
+    cold tier), and with the full cache for histories <= full_upto. Returns rows: config,
+    history, ttft_ms (median), itl_ms (median over all decode steps), hot, cold (tokens),
+    kv_bytes (hot tier allocation), rss_mb."""
+    import resource
+
+    rows = []
+    for h in histories:
+        for name, kv in (("pruned", KVConfig(budget=budget)), ("full", None)):
+            if kv is None and h > full_upto:
+                continue
+            s = _session(engine, kv)
+            _stream(s, random.Random(seed + h), h - s.num_tokens)
+            ttft, itl = [], []
+            for i in range(decisions):
+                cp = s.checkpoint()
+                s.observe(f"Grasp {PARTS[i]} now.")
+                d = s.decide(tool_choice="required", jump_forward=False)
+                ttft.append(d.ttft_s * 1e3)
+                itl.extend(x * 1e3 for x in d.itl_s)
+                s.rollback(cp)
+            kv_bytes = s.cache.k.numel() * s.cache.k.element_size() * 2
+            row = dict(config=name, history=h, budget=budget if kv else None, ttft_ms=statistics.median(ttft),
+                       itl_ms=statistics.median(itl), hot=s.cache.n,
+                       cold=s.cache.cold.tokens if kv and s.cache.cold is not None else 0,
+                       kv_bytes=kv_bytes, rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+            rows.append(row)
+            log(f"  {name} history {h}: TTFT {row['ttft_ms']:.1f} ms, ITL {row['itl_ms']:.1f} ms, "
+                f"hot {row['hot']}, cold {row['cold']}, KV alloc {kv_bytes / 2**20:.0f} MiB")
+    return rows
+
+
+def main(argv=None) -> int:
+    """Command line: see the module docstring."""
+    from . import Engine
+
+    ap = argparse.ArgumentParser(prog="python -m tokenspeed.kv_bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help=".gguf file or HF folder (default: embedded SmolLM2-135M)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", default=None, help="write the rows to this file")
+    sub = ap.add_subparsers(dest="what", required=True)
+    a = sub.add_parser("needle")
+    a.add_argument("--stream", type=int, nargs="+", default=[3000, 6000], help="stream tokens per session")
+    a.add_argument("--facts", type=int, default=10)
+    a.add_argument("--budget", type=int, default=1024)
+    a.add_argument("--cold", type=int, default=4096)
+    b = sub.add_parser("agreement")
+    b.add_argument("--history", type=int, default=4096)
+    b.add_argument("--budgets", type=int, nargs="+", default=[1024, 512])
+    b.add_argument("--cold", type=int, default=4096)
+    b.add_argument("--gen", type=int, default=48)
+    b.add_argument("--traces", type=int, default=2)
+    c = sub.add_parser("cost")
+    c.add_argument("--history", type=int, nargs="+", default=[1024, 4096, 16384])
+    c.add_argument("--budget", type=int, default=1024)
+    c.add_argument("--decisions", type=int, default=3)
+    args = ap.parse_args(argv)
+    engine = Engine.load(args.model, threads=args.threads)
+    log = lambda *x: print(*x, flush=True)  # noqa: E731
+    if args.what == "needle":
+        configs = {"full": None, "pruned": KVConfig(budget=args.budget, cold=0),
+                   "pruned+cold": KVConfig(budget=args.budget, cold=args.cold)}
+        rows = needle(engine, configs, args.stream, args.facts, log=log)
+        print("\n| config | cases | correct | accuracy |\n|---|---|---|---|")
+        for name in configs:
+            r = [x for x in rows if x["config"] == name]
+            print(f"| {name} | {len(r)} | {sum(x['correct'] for x in r)} | {sum(x['correct'] for x in r) / len(r):.2f} |")
+        full = {(x["stream"], x["part"]): x["correct"] for x in rows if x["config"] == "full"}
+        for name in configs:
+            same = sum(full[(x["stream"], x["part"])] == x["correct"] for x in rows if x["config"] == name)
+            print(f"# {name}: same outcome as full cache in {same}/{len(full)} cases")
+    elif args.what == "agreement":
+        rows = agreement(engine, args.history, args.budgets, args.cold, args.gen, args.traces, log=log)
+    else:
+        rows = cost(engine, args.history, args.budget, args.decisions, log=log)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
