@@ -139,7 +139,7 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, *, threads: int | None = None,
-             dtype: torch.dtype = torch.float32, device: str = "cpu") -> "Engine":
+             dtype: torch.dtype = torch.float32, device: str = "cpu", quantize: str | None = None) -> "Engine":
         """Load a model and keep it resident.
 
         Args:
@@ -149,8 +149,10 @@ class Engine:
             threads: torch intra-op threads (None leaves torch's default).
             dtype: weight and KV-cache dtype.
             device: torch device string.
+            quantize: None, or "int8" for weight-only int8 linears (`tokenspeed.quant`).
         Raises:
             ModelLoadError: bad path or unsupported file.
+            ValueError: unknown quantize mode.
         """
         if threads:
             torch.set_num_threads(threads)
@@ -174,6 +176,10 @@ class Engine:
             except (KeyError, ValueError) as exc:
                 raise ModelLoadError(f"{files.folder}: {exc}") from exc
         net = net.to(device=device, dtype=dtype)
+        if quantize:
+            from .quant import quantize as quantize_model
+
+            quantize_model(net, quantize)
         tok = Tokenizer(files.folder)
         return cls(net, tok, source=model or "embedded", load_s=time.perf_counter() - t0)
 

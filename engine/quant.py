@@ -1,0 +1,114 @@
+"""Weight-only quantized linears, swapped in for `nn.Linear` (gpt-fast style).
+
+`quantize(model, "int8")` replaces every projection of a `Transformer` (QKV, output, gate/up,
+down and the lm_head) with an `Int8Linear`: int8 weights with one fp32 scale per output channel
+(symmetric, scale = max|w_row| / 127). The embedding table stays in the model's dtype (a gather
+reads one row per token); a tied lm_head gets its own int8 copy.
+
+Decode-sized inputs (at most `PACKED_ROWS` rows) run `torch._weight_int8pack_mm`, which reads
+the int8 weights directly (4x fewer bytes than fp32; activations are rounded to bf16 for it);
+larger inputs (prefill) dequantize the weight once per call and use the dtype's GEMM, which is
+faster for many rows. `linear_rows` projects onto a subset of output rows (lm_head logits for
+the few token ids a grammar allows) for both `nn.Linear` and `Int8Linear`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Int8Linear", "quantize", "linear_rows", "MODES", "PACKED_ROWS"]
+
+MODES = ("int8",)
+PACKED_ROWS = 32  # rows up to which the packed int8 kernel beats dequantize + GEMM (measured, 2-core CPU)
+
+
+def _has_int8pack(device: torch.device) -> bool:
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 linear layer with per-output-channel scales.
+
+    Buffers: qweight [out, in] int8, scales [out] fp32, scales_bf16 [out] bf16 (packed kernel),
+    bias [out] or None (kept in the original dtype).
+
+    forward(x [..., in]) -> [..., out] in x's dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        w = weight.detach().float()
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("scales", scales)
+        self.register_buffer("scales_bf16", scales.to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        """Quantize an `nn.Linear` (its weight is not modified)."""
+        return cls(linear.weight, linear.bias)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as [out, in] of `dtype` (scales applied)."""
+        return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= PACKED_ROWS and _has_int8pack(x.device):
+            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.scales_bf16).to(x.dtype)
+        else:
+            y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+def linear_rows(linear: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Project x [M, in] onto the output rows `rows` [K] int64 of an `nn.Linear` or `Int8Linear`.
+
+    Returns [M, K] fp32. Reads K rows of the weight instead of all of them (lm_head logits for
+    the token ids a grammar allows).
+
+    Raises:
+        TypeError: `linear` is neither an `nn.Linear` nor an `Int8Linear`.
+    """
+    if isinstance(linear, Int8Linear):
+        y = F.linear(x.float(), linear.qweight.index_select(0, rows).float()) * linear.scales.index_select(0, rows)
+    elif isinstance(linear, nn.Linear):
+        y = F.linear(x, linear.weight.index_select(0, rows)).float()
+    else:
+        raise TypeError(f"linear_rows needs an nn.Linear or Int8Linear, got {type(linear).__name__}")
+    if linear.bias is not None:
+        y = y + linear.bias.index_select(0, rows).float()
+    return y
+
+
+def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
+    """Replace every `nn.Linear` inside `model` (in place) with its quantized version.
+
+    Call it after moving the model to its device and dtype (a later `.to()` would re-tie a tied
+    lm_head to the float embedding).
+
+    Args:
+        model: a `tokenspeed.Transformer` (any module works).
+        mode: one of `MODES` ("int8").
+    Returns:
+        the same model.
+    Raises:
+        ValueError: unknown mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization {mode!r}; choose one of {MODES}")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8Linear.from_linear(child))
+    return model
