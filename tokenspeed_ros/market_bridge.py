@@ -238,13 +238,13 @@ class MarketBridgeNode(Node):
                                f"{p.decision_endpoint}, budget {p.deadline_budget_s} s, "
                                f"agent {'on, model ' + (p.model or 'embedded') if p.agent else 'off'}")
 
-    def close(self) -> bool:
-        """Stop the feed and engine threads and close the sockets. Returns False when the engine
-        thread is still inside a load or forward (see EngineWorker.close: end the process with
-        os._exit then)."""
+    def close(self, timeout_s: float = 1.0) -> bool:
+        """Stop the feed and engine threads and close the sockets, waiting up to timeout_s
+        seconds for the engine. Returns False when the engine thread is still inside a load or
+        forward (see EngineWorker.close: end the process with os._exit then)."""
         self._stop.set()  # also silences the engine thread's notifications from now on
         self._feed_thread.join(5.0)
-        stopped = self.worker.close() if self.worker is not None else True
+        stopped = self.worker.close(timeout_s) if self.worker is not None else True
         self._sub.close()
         self._pub.close()
         self._zmq.term()

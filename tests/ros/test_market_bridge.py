@@ -32,7 +32,7 @@ def ros(ros_env):
     stopped = True
     for node in nodes:
         if isinstance(node, MarketBridgeNode):
-            stopped &= node.close()
+            stopped &= node.close(timeout_s=120.0)   # a decision may still be running
         node.destroy_node()
     rclpy.try_shutdown()
     assert stopped, "engine thread still busy at teardown"
