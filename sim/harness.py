@@ -255,6 +255,10 @@ def write_plot(report: dict, path: Path) -> None:
     if data:
         ax_d.boxplot(list(data.values()), vert=False, whis=(0, 100))
         ax_d.set_yticks(range(1, len(data) + 1), list(data.keys()), fontsize=8)
+    else:
+        ax_d.text(0.5, 0.5, "no model decisions in the measured window", ha="center", va="center",
+                  transform=ax_d.transAxes)
+        ax_d.set_yticks([])
     ax_d.set_xlabel("latency (ms), whiskers = min/max")
     hit = report["deadline"]["hit_rate"]
     task = report["task"] or {}
