@@ -258,6 +258,7 @@ def write_plot(report: dict, path: Path) -> None:
     else:
         ax_d.text(0.5, 0.5, "no model decisions in the measured window", ha="center", va="center",
                   transform=ax_d.transAxes)
+        ax_d.set_xticks([])
         ax_d.set_yticks([])
     ax_d.set_xlabel("latency (ms), whiskers = min/max")
     hit = report["deadline"]["hit_rate"]
