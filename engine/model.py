@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels.attention import attention_with_mass
+from .kernels.attention import attention_mass
 
 __all__ = ["ModelArgs", "Backend", "KVCache", "Transformer", "rope_tables", "apply_rope"]
 
@@ -123,7 +123,7 @@ class Backend:
     """
 
     attention: callable = field(default=_sdpa_attention)
-    attention_mass: callable = field(default=attention_with_mass)
+    attention_mass: callable = field(default=attention_mass)
     rms_norm: callable = field(default=_rms_norm)
 
 

@@ -5,6 +5,7 @@ hitters, Zhang et al. 2023) needs them: this path materialises the [H, T, S] sco
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,19 +39,19 @@ def attention_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out, p.sum(dim=(0, 1)), lse.view(H, T)
 
 
-def select_attention_with_mass(device: torch.device | str):
-    """The attention-with-mass implementation for `device`: Triton decode on CUDA when
-    Triton is installed (T == 1 only; the torch path otherwise), else the torch reference."""
-    if torch.device(device).type != "cuda":
-        return attention_with_mass
+def attention_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`attention_with_mass`, dispatched: the Triton decode kernel for one query token on CUDA
+    when Triton is installed, the torch reference otherwise. Same arguments and results."""
+    if q.is_cuda and q.shape[2] == 1 and _triton_decode() is not None:
+        return _triton_decode()(q, k, v)
+    return attention_with_mass(q, k, v, mask)
+
+
+@functools.cache
+def _triton_decode():
     try:
         from .triton_decode import decode_attention_with_mass
     except ImportError:
-        return attention_with_mass
-
-    def dispatch(q, k, v, mask):
-        if q.shape[2] == 1:
-            return decode_attention_with_mass(q, k, v)
-        return attention_with_mass(q, k, v, mask)
-
-    return dispatch
+        return None
+    return decode_attention_with_mass
