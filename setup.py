@@ -68,7 +68,8 @@ setup(
             "ros-ament-cmake-ros-core",
             "catkin-pkg",  # ament_cmake_core parses package.xml with it
         ],
-        "test": ["pytest>=8", "pytest-timeout", "transformers>=4.45", "accelerate"],
+        # triton: the decode-attention kernel runs on CUDA and is tested on CPU (TRITON_INTERPRET=1)
+        "test": ["pytest>=8", "pytest-timeout", "transformers>=4.45", "triton>=3.0; platform_system == \"Linux\"", "accelerate"],
         "bench": ["llama-cpp-python", "transformers>=4.45", "psutil"],
     },
     entry_points={
