@@ -89,7 +89,7 @@ class MarketBridgeParams(BaseModel):
     feed_gap_s: float = Field(5.0, gt=0.0, description="silence that raises the feed-gap alarm (s)")
 
     # observations and triggers
-    recent_trades: int = Field(5, ge=0, le=50, description="trades listed in each observation")
+    recent_trades: int = Field(3, ge=0, le=50, description="trades listed in each observation")
     move_bps: float = Field(5.0, gt=0.0, description="mid move since the last trigger that triggers (bp)")
     burst_trades: int = Field(5, ge=1, description="trades within burst_window_s that trigger")
     burst_window_s: float = Field(1.0, gt=0.0, description="trade-burst window (s)")
@@ -154,12 +154,15 @@ class _Rules:
 
 
 def observation_text(trigger: Trigger, move_bps: float) -> str:
-    """Compact text for the session, ~60 tokens: the tick's book and trades and why it matters."""
+    """Compact text for the session (~45 tokens): the tick's book, latest trades, and the trigger.
+
+    Example: "BTC-USD price_move: mid 78325.50 (+6.1bp), spread 1.00, imbalance +0.42,
+    volatility 0.8bp, trades buy 0.1210@78326 sell 0.0500@78325"
+    """
     f = trigger.features
-    trades = ", ".join(f"{side} {amount:.4f}@{price:.2f}" for side, price, amount in f["trades"]) or "none"
-    return (f"{f['exchange']} {f['symbol']} {trigger.reason}: mid {f['mid']:.2f} ({move_bps:+.1f} bp), "
-            f"spread {f['spread']:.2f} ({f['spread_bps']:.1f} bp), imbalance {f['imbalance']:+.2f}, "
-            f"volatility {f['volatility_bps']:.1f} bp, last trades {trades}")
+    trades = " ".join(f"{side} {amount:.4f}@{price:.0f}" for side, price, amount in f["trades"]) or "none"
+    return (f"{f['symbol']} {trigger.reason}: mid {f['mid']:.2f} ({move_bps:+.1f}bp), spread {f['spread']:.2f}, "
+            f"imbalance {f['imbalance']:+.2f}, volatility {f['volatility_bps']:.1f}bp, trades {trades}")
 
 
 class _ReportingMonitor(DeadlineMonitor):
