@@ -44,6 +44,7 @@ class CameraProcess:
         ctx = mp.get_context("spawn")                 # no fork of a process that runs DDS threads
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(config, child), daemon=True, name="tokenspeed_sim_camera")
+        self.busy = False
         self._proc.start()
         child.close()
         try:
@@ -54,7 +55,6 @@ class CameraProcess:
             self.close()
             raise RuntimeError(f"camera process did not start within {_START_TIMEOUT_S:.0f} s "
                                f"(exit code {self._proc.exitcode})")
-        self.busy = False
 
     def request(self, snapshot: dict) -> None:
         """Start rendering a `CobotScene.snapshot()`; returns at once."""
@@ -75,8 +75,10 @@ class CameraProcess:
         """Stop the child (waits up to 5 s, then kills it). Idempotent."""
         if self._proc.is_alive():
             try:
+                if self.busy:   # take the frame in flight, or the child blocks sending it (pipe buffer)
+                    self.poll(timeout=5.0)
                 self._conn.send(None)
-            except (BrokenPipeError, OSError):
+            except (EOFError, OSError):
                 pass
             self._proc.join(5.0)
             if self._proc.is_alive():

@@ -35,11 +35,12 @@ from pathlib import Path
 import numpy as np
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray
-from rclpy.executors import ExternalShutdownException
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback, DeadlineStatus, Observation
+
+from tokenspeed_sim import ros_spin
 
 STAGES = ("capture_to_context_s", "ttft_s", "capture_to_published_s", "published_to_applied_s", "end_to_end_s")
 MAX_REMEMBERED_OBSERVATIONS = 5000
@@ -327,28 +328,18 @@ def listen(duration_s: float, out_dir: Path, stop=None, live: bool = False, wait
     Ends early when `stop()` returns True or on SIGINT, reporting what was seen. live: print each
     decision as it arrives.
     """
-    rclpy.init()
+    ros_spin.init()
     harness = LatencyHarness(live=live)
-
-    def spin_for(seconds: float, until=lambda: False) -> bool:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end and not until():
-            if stop and stop():
-                return False
-            rclpy.spin_once(harness, timeout_sec=0.05)
-        return True
-
     try:
-        try:
-            if wait_engine_s > 0:
-                ok = spin_for(wait_engine_s, until=lambda: harness.engine_ready_at is not None)
-                harness.window_start = time.time()
-                if harness.engine_ready_at is None and ok:
-                    print(f"no engine ready within {wait_engine_s:g} s; measuring anyway", flush=True)
-            if not stop or not stop():
-                spin_for(duration_s)
-        except (KeyboardInterrupt, ExternalShutdownException):
-            pass                     # interrupted: report what was seen so far
+        why = "duration"
+        if wait_engine_s > 0:
+            why = ros_spin.spin(harness, wait_engine_s,
+                                until=lambda: harness.engine_ready_at is not None or bool(stop and stop()))
+            harness.window_start = time.time()
+            if why == "duration":
+                print(f"no engine ready within {wait_engine_s:g} s; measuring anyway", flush=True)
+        if why in ("duration", "until") and not (stop and stop()):
+            ros_spin.spin(harness, duration_s, until=stop)
         report = harness.report()
     finally:
         harness.destroy_node()

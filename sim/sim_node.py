@@ -40,13 +40,13 @@ import time
 
 import rclpy
 from geometry_msgs.msg import PoseStamped
-from rclpy.executors import ExternalShutdownException
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CameraInfo, Image, JointState
 from std_msgs.msg import String
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback
 
+from tokenspeed_sim import ros_spin
 from tokenspeed_sim.camera_process import CameraProcess
 from tokenspeed_sim.cobot import DEFAULT_TOOLS, CobotScene, CommandRejected, Event, SceneConfig
 
@@ -210,13 +210,11 @@ class CobotSimNode(Node):
 def main(args: list[str] | None = None) -> None:
     """Console entry point `tokenspeed_cobot_sim`: spin the node until SIGINT/SIGTERM, then print
     the final scenario status and the camera/physics timing."""
-    rclpy.init(args=args)
+    ros_spin.init(args)
     node = None
     try:
         node = CobotSimNode()
-        rclpy.spin(node)
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
+        ros_spin.spin(node)
     finally:
         if node is not None:
             renders = node.render_s
@@ -226,8 +224,7 @@ def main(args: list[str] | None = None) -> None:
                   f"[tokenspeed_cobot_sim] {len(renders)} camera renders, snapshot -> image mean {mean_ms:.1f} ms, "
                   f"{node.frames_skipped} frames skipped; {node.overruns} physics overruns", flush=True)
             node.destroy_node()
-        if rclpy.ok():
-            rclpy.shutdown()
+        rclpy.try_shutdown()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 robot tools with IK, checks the scenario, and rejects bad commands without moving."""
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -138,4 +139,7 @@ def test_camera_process_renders_what_the_scene_shows(scene):
         with pytest.raises(RuntimeError, match="in flight"):
             camera.request(scene.snapshot())
         image = camera.poll(timeout=30)
-    assert image is not None and np.array_equal(image, scene.render())
+        assert image is not None and np.array_equal(image, scene.render())
+        camera.request(scene.snapshot())          # closing with a frame in flight must not hang
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 5.0 and not camera._proc.is_alive()

@@ -1,0 +1,53 @@
+"""Spinning the simulator's rclpy nodes until SIGINT/SIGTERM, without rclpy's own signal handlers.
+
+rclpy's handlers shut the context down from inside the signal, which races with an executor that
+is building its wait set (`RCLError: the given context is not valid`) and turns a clean Ctrl-C
+into a traceback. Here a signal only sets an event; the loop sees it between spins, and the
+caller shuts rclpy down afterwards.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import rclpy
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.signals import SignalHandlerOptions
+
+SPIN_TIMEOUT_S = 0.05
+
+
+def init(args: list[str] | None = None) -> None:
+    """rclpy.init without rclpy's SIGINT/SIGTERM handlers (use `spin` to stop on signals)."""
+    rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
+
+
+def spin(node, duration_s: float | None = None, until=None) -> str:
+    """Spin `node` in this thread until SIGINT/SIGTERM, `duration_s` seconds, or `until()` is
+    true; returns why it stopped ("SIGINT", "SIGTERM", "duration", "until"). Signal handlers are
+    restored afterwards."""
+    why: list[str] = []
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        why.append(signal.Signals(signum).name)
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    end = None if duration_s is None else time.monotonic() + duration_s
+    try:
+        while not stop.is_set():
+            if end is not None and time.monotonic() >= end:
+                return "duration"
+            if until is not None and until():
+                return "until"
+            executor.spin_once(timeout_sec=SPIN_TIMEOUT_S)
+        return why[0]
+    finally:
+        executor.remove_node(node)
+        executor.shutdown()
+        for s, h in old.items():
+            signal.signal(s, h)
