@@ -223,6 +223,7 @@ class TieredKVCache(KVCache):
         self._staged: list = []      # prefetched pages: (pid, k, v, pos, score) awaiting the exact check
         self._stream = torch.cuda.Stream(device) if torch.device(device or "cpu").type == "cuda" else None
         self._event = None
+        self._floor = 0              # next position after a rollback that lost its newest tokens
         self.totals = dict(evicted=0, recalled=0, cold_dropped=0, prefetch_hits=0, prefetch_misses=0,
                            rollback_lost=0)
         self._since = dict(self.totals)
@@ -252,6 +253,10 @@ class TieredKVCache(KVCache):
         if self.n + T > self.capacity:
             self.evict_to(self.capacity - T)
         super().prepare(T)  # raises if pinned and recent tokens alone leave no room
+
+    def next_position(self) -> int:
+        """Position of the next token: after the newest hot slot, or the rollback point if later."""
+        return max(super().next_position(), self._floor)
 
     # ------------------------------------------------------------ policy
 
@@ -288,7 +293,7 @@ class TieredKVCache(KVCache):
             return
         pos = self.pos[:n]
         pinned, superseded = self._slot_classes(pos)
-        keep = pinned | (pos >= int(pos[-1]) + 1 - cfg.recent)
+        keep = pinned | (pos >= self.next_position() - cfg.recent)
         if protect is not None:
             keep |= protect
         pid = pos // cfg.page
@@ -425,6 +430,7 @@ class TieredKVCache(KVCache):
         snapshot back to the cold tier, and brings back pages evicted since (from the cold tier).
         """
         self._staged = []
+        self._floor = n_tokens
         hot = self.pos[:self.n].cpu()
         self.n = int(torch.searchsorted(hot, torch.tensor(n_tokens)))
         if self.cold is not None:

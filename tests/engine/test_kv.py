@@ -1,0 +1,177 @@
+"""Relevance-pruned, tiered KV cache: eviction order, pins, positions, recall, rollback.
+
+Uses the 2-layer random-weight model (real tokenizer): the properties tested here are exact
+bookkeeping facts, not model quality (the needle benchmark in `tokenspeed.kv_bench` measures
+that with the real model; a short version is the slow test at the end).
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import tokenspeed
+from tokenspeed.kv import KVConfig
+
+TOOLS = json.loads((Path(__file__).resolve().parents[2] / "launch/config/robot_tools.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tokenspeed.Engine.load("tiny-random")
+
+
+def _session(engine, **kw):
+    return engine.session(system="You control a robot arm.", tools=TOOLS[:1], kv_budget=KVConfig(**kw))
+
+
+def _fill(s, n_obs, kind="text", source=""):
+    # n_obs observations of ~40 tokens each
+    for i in range(n_obs):
+        s.observe(f"reading {i}: value {i * 7 % 13} at station {i % 5}, " * 2, kind=kind, source=source)
+
+
+def test_config_rejects_bad_budgets(engine):
+    with pytest.raises(ValueError, match="budget"):
+        KVConfig(budget=50)
+    with pytest.raises(ValueError):
+        KVConfig(budget=1024, decay=1.5)
+    with pytest.raises(ValueError):
+        engine.session(kv_budget=10)
+
+
+def test_budget_holds_and_positions_stay_original(engine):
+    s = _session(engine, budget=300, cold=256)
+    _fill(s, 14)
+    c = s.cache
+    assert s.num_tokens > 500 and c.n <= 300
+    pos = c.pos[:c.n]
+    assert torch.all(pos[1:] > pos[:-1])                        # sorted, unique
+    assert c.next_position() == s.num_tokens                    # the newest token is hot
+    assert int(pos[0]) == 0 and int(pos[3]) == 3                # sinks
+    assert torch.equal(pos[-64:], torch.arange(s.num_tokens - 64, s.num_tokens))  # recent window
+    # Layer-0 keys depend only on token and position: every hot slot equals the full cache's.
+    full = engine.session(system="You control a robot arm.", tools=TOOLS[:1])
+    _fill(full, 14)
+    assert full.tokens == s.tokens
+    torch.testing.assert_close(c.k[0, :, :, :c.n], full.cache.k[0, :, :, pos], rtol=0, atol=0)
+    m = c.take_metrics()
+    assert m["hot"] == c.n and m["evicted"] == s.num_tokens - c.n and m["cold"] <= 256
+
+
+def test_system_prompt_and_caller_pins_survive(engine):
+    s = _session(engine, budget=340, cold=0)
+    n_sys = s.num_tokens
+    _fill(s, 3)
+    s.observe("Remember: part_07 must be grasped with force 3.", pin=True)
+    pinned = next(seg for seg in s.segments if seg.pinned and seg.kind == "text")
+    _fill(s, 12)
+    hot = set(s.cache.pos[:s.cache.n].tolist())
+    assert set(range(n_sys)) <= hot
+    assert set(range(pinned.start, pinned.end)) <= hot
+
+
+def test_superseded_sensor_readings_leave_first(engine):
+    s = _session(engine, budget=400, cold=0)
+    _fill(s, 2)
+    _fill(s, 8, kind="sensor", source="joint_states")
+    c = s.cache
+    c.score[:c.n] = 1.0          # equal relevance: only supersession can explain the order
+    c.score[:c.n][c.pos[:c.n] >= s.segments[-1].start] = 0.0    # ...even against a low score
+    before = set(c.pos[:c.n].tolist())
+    c.evict_to(c.n - 48)
+    gone = before - set(c.pos[:c.n].tolist())
+    old = [seg for seg in s.segments if seg.kind == "sensor"][:-1]
+    assert len(gone) >= 48
+    assert all(any(seg.start <= p < seg.end for seg in old) for p in gone)
+
+
+def test_lowest_relevance_page_goes_first(engine):
+    s = _session(engine, budget=400, cold=512)
+    _fill(s, 8)
+    c = s.cache
+    pos = c.pos[:c.n]
+    c.score[:c.n] = 1.0
+    low_page = int(pos[pos >= 200][0]) // 16
+    c.score[:c.n][pos // 16 == low_page] = 0.01
+    c.evict_to(c.n - 1)
+    assert not bool((c.pos[:c.n] // 16 == low_page).any())
+    assert low_page in c.cold.slot_of
+
+
+def test_recalled_kv_equals_original(engine):
+    s = _session(engine, budget=400, cold=512, recall_threshold=0.01)
+    _fill(s, 8)
+    c = s.cache
+    sel = (c.pos[:c.n] // 16) == 14
+    want_pos = c.pos[:c.n][sel].clone()
+    want_k, want_v = c.k[:, :, :, :c.n][:, :, :, sel].clone(), c.v[:, :, :, :c.n][:, :, :, sel].clone()
+    c.score[:c.n] = 1.0
+    c.score[:c.n][sel] = 0.0
+    c.evict_to(c.n - 1)
+    assert 14 in c.cold.slot_of and not bool(((c.pos[:c.n] // 16) == 14).any())
+    # A query aligned with one of the page's keys, in every layer and head, asks for it back.
+    L, H = c.args.n_layers, c.args.n_heads
+    key = want_k[:, 0, :, 3]                                      # [L, Hkv, D]
+    q = key.repeat_interleave(H // c.args.n_kv_heads, dim=1).unsqueeze(2) * 50.0
+    c._q, c._lse = list(q), list(torch.zeros(L, H, 1))
+    c._prefetch()
+    c.prepare(1)
+    assert c.totals["recalled"] >= want_pos.numel() and c.totals["prefetch_hits"] >= 1
+    sel = torch.isin(c.pos[:c.n], want_pos)
+    assert torch.equal(c.pos[:c.n][sel], want_pos)
+    assert torch.equal(c.k[:, :, :, :c.n][:, :, :, sel], want_k)
+    assert torch.equal(c.v[:, :, :, :c.n][:, :, :, sel], want_v)
+    assert torch.all(c.pos[1:c.n] > c.pos[:c.n - 1])             # merged in position order
+    assert 14 not in c.cold.slot_of
+
+
+def test_rollback_across_evictions_restores_hot_tier_exactly(engine):
+    s = _session(engine, budget=300, cold=2048)
+    _fill(s, 12)
+    c = s.cache
+    cp = s.checkpoint()
+    before = (c.pos[:c.n].clone(), c.k[:, :, :, :c.n].clone(), c.score[:c.n].clone(), list(s.tokens))
+    logits_before = s._forward([42]).clone()
+    s.rollback(cp)
+    _fill(s, 15)                                                  # many evictions after cp
+    assert c.totals["evicted"] > 0 and not torch.equal(c.pos[:c.n], before[0][:c.n])
+    s.rollback(cp)
+    assert torch.equal(c.pos[:c.n], before[0])
+    assert torch.equal(c.k[:, :, :, :c.n], before[1])
+    assert torch.equal(c.score[:c.n], before[2])
+    assert s.tokens == before[3] and c.totals["rollback_lost"] == 0
+    torch.testing.assert_close(s._forward([42]), logits_before, rtol=0, atol=0)
+
+
+def test_rollback_without_cold_tier_reports_lost_tokens(engine):
+    s = _session(engine, budget=300, cold=0)
+    _fill(s, 12)
+    cp = s.checkpoint()
+    _fill(s, 15)
+    s.rollback(cp)
+    assert s.cache.totals["rollback_lost"] > 0
+    assert s.cache.next_position() == s.num_tokens
+
+
+def test_decide_reports_metrics_and_history_outgrows_max_seq_len(engine):
+    s = _session(engine, budget=300, cold=256)
+    long = " ".join(f"w{i}" for i in range(1500))                # ~3000 tokens per observe
+    while s.num_tokens <= engine.args.max_seq_len:               # 4096 for tiny-random
+        s.observe(long, kind="sensor", source="lidar")
+    assert s.cache.n <= 300 and int(s.cache.pos[s.cache.n - 1]) >= engine.args.max_seq_len
+    d = s.decide(deadline=30, max_tokens=8)
+    assert d.kv is not None and d.kv["budget"] == 300 and d.kv["hot"] >= 300 - 64
+    assert set(d.kv) >= {"hot", "cold", "evicted", "recalled", "prefetch_hits", "prefetch_misses"}
+
+
+@pytest.mark.slow
+def test_needle_survives_a_sensor_stream_with_the_real_model():
+    from tokenspeed import kv_bench
+
+    engine = tokenspeed.Engine.load()
+    configs = {"full": None, "pruned+cold": KVConfig(budget=512, cold=4096)}
+    rows = kv_bench.needle(engine, configs, streams=(1200,), facts=3, log=lambda *a: None)
+    full = [r["correct"] for r in rows if r["config"] == "full"]
+    pruned = [r["correct"] for r in rows if r["config"] == "pruned+cold"]
+    assert pruned == full
