@@ -50,6 +50,7 @@ from tokenspeed_msgs.msg import MarketTick
 from tokenspeed_ros.agent_node import load_tools
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
 from tokenspeed_ros.engine_worker import EngineWorker
+from tokenspeed_ros.launch_spec import config_dir
 from tokenspeed_ros.market_feed import FeedLimits, MarketFeed, SymbolState
 from tokenspeed_ros.params import AgentParamsError
 
@@ -124,14 +125,16 @@ class MarketBridgeParams(BaseModel):
             raise AgentParamsError(f"bad tokenspeed_market_bridge parameters: {e}") from None
 
     def resolved_tools_file(self) -> Path:
-        """`tools_file`, or the repository's/installed trading_tools.json."""
+        """`tools_file`, or trading_tools.json in the launch config directory.
+
+        Raises AgentParamsError when tools_file is empty and no config directory exists.
+        """
         if self.tools_file:
             return Path(self.tools_file)
-        for candidate in (Path(__file__).resolve().parent.parent / "launch" / "config" / "trading_tools.json",
-                          Path(sys.prefix) / "share" / "tokenspeed_ros" / "config" / "trading_tools.json"):
-            if candidate.exists():
-                return candidate
-        raise AgentParamsError("tools_file is empty and no trading_tools.json is installed; set tools_file")
+        try:
+            return config_dir() / "trading_tools.json"
+        except FileNotFoundError as e:
+            raise AgentParamsError(f"tools_file is empty and {e}; set tools_file") from None
 
 
 @dataclass
@@ -190,7 +193,8 @@ class MarketBridgeNode(Node):
 
     Attributes read by tests and the demo (executor thread): `feed.counters` (feed records,
     bad input, "feed_gap"), `counts` (triggers, coalescing, decisions), `outcomes` (recent
-    decision JSON dicts), `feed_alarm` (True while the feed is silent).
+    decision JSON dicts), `engine_turn_s` (seconds from handing a decision to the engine to its
+    result, late ones included), `feed_alarm` (True while the feed is silent).
     """
 
     def __init__(self, **node_kwargs):
@@ -206,6 +210,8 @@ class MarketBridgeNode(Node):
         self._slot: Trigger | None = None            # feed thread -> executor, newest wins
         self._slot_lock = threading.Lock()
         self._outstanding: int | None = None         # decision the engine is working on
+        self._dispatched_at = 0.0                    # time.monotonic() of the last dispatch
+        self.engine_turn_s: deque = deque(maxlen=10_000)  # dispatch -> engine result (prefill + decide), s
         self._queued: int | None = None              # decision waiting for the engine
         self._stop = threading.Event()
 
@@ -353,6 +359,7 @@ class MarketBridgeNode(Node):
         trig = self._open[decision_id]
         remaining_s = trig.stamp_s + self.p.deadline_budget_s - self.p.publish_margin_s - time.time()
         self._outstanding = decision_id
+        self._dispatched_at = time.monotonic()
         self.worker.observe("market", observation_text(trig, trig.features["move_bps"]), trig.stamp_s)
         self.worker.decide(decision_id, time.monotonic() + remaining_s)
 
@@ -362,6 +369,7 @@ class MarketBridgeNode(Node):
                 continue  # an observation prefilled
             if item.decision_id == self._outstanding:
                 self._outstanding = None
+                self.engine_turn_s.append(time.monotonic() - self._dispatched_at)
             self.monitor.resolve(item)
         if self._outstanding is None and self._queued is not None:
             queued, self._queued = self._queued, None
