@@ -1,14 +1,14 @@
 """`tokenspeed_agent`: the ROS 2 node that runs an LLM agent on a robot arm under a deadline monitor.
 
-Inputs: joint states and camera images (+ CameraInfo) become compact text observations
-(`inputs`, `perception`) streamed into a resident tokenspeed Session on the engine thread
-(`engine_worker`); an optional goal topic adds the task. Decisions are triggered at a fixed rate
-and on events (new goal, changed scene, the robot finishing or rejecting the last call), one at a
-time; while the robot executes a model call, rate and scene triggers wait for its feedback. Each
-decision's deadline is measured from the newest sensor stamp. The `DeadlineMonitor` publishes each valid, timely tool call as an
-`ActionCommand` (plus a `PoseStamped` target for move_to/place) and the safe fallback otherwise.
-Bad input is counted and dropped; missing sensors or a missing engine give fallbacks. Counts and
-latency percentiles go to /diagnostics.
+Inputs: joint states and camera images (+ CameraInfo and the camera pose) become compact text
+observations (`inputs`, `perception`) streamed into a resident tokenspeed Session on the engine
+thread (`engine_worker`); an optional goal topic adds the task. Decisions are triggered at a fixed
+rate and on events (new goal, changed scene, the robot finishing or rejecting the last call), one
+at a time; while the robot executes a model call, rate and scene triggers wait for its feedback.
+Each decision's deadline is measured from the newest sensor stamp. The `DeadlineMonitor` publishes
+each valid, timely tool call as an `ActionCommand` (plus a `PoseStamped` target for calls with a
+position) and the safe fallback otherwise. Bad input is counted and dropped; missing sensors or a
+missing engine give fallbacks. Counts and latency percentiles go to /diagnostics.
 
 Run: `tokenspeed_agent --ros-args --params-file launch/config/agent.yaml`.
 """
@@ -76,6 +76,20 @@ class AgentNode(Node):
         self.p = p = AgentParams.declare(self)
         tools = load_tools(p.resolved_tools_file())
         self.health = InputHealth(self.get_logger())
+        self._camera_info: CameraInfo | None = None
+        self._camera_pose: PoseStamped | None = None
+        self._camera: CameraModel | None = None     # built when both of the above are valid
+        self._started = self.get_clock().now()
+        self._last_rx: dict[str, Time] = {}         # source -> node time of the last valid message
+        self._latest_stamp: Time | None = None      # newest valid sensor stamp
+        self._texts: dict[str, str] = {}            # source -> last text sent to the engine
+        self._outstanding: int | None = None        # decision id the engine is working on
+        self._event_pending = False                 # an event trigger waits for the engine
+        self._executing: tuple[int, Time] | None = None    # robot's current model call: (id, applied at)
+        self._skipped_busy = 0
+        self._skipped_executing = 0
+        self._diag_seen_bad = 0
+
         self.monitor = DeadlineMonitor(
             self, action_topic=p.action_topic, status_topic=p.deadline_status_topic,
             budget_s=p.deadline_budget_s, fallback=p.fallback, period_s=p.monitor_period_s,
@@ -89,26 +103,13 @@ class AgentNode(Node):
         self.create_subscription(JointState, p.joint_states_topic, self._on_joint_state, sensor_qos)
         self.create_subscription(Image, p.image_topic, self._on_image, sensor_qos)
         self.create_subscription(CameraInfo, p.camera_info_topic, self._on_camera_info, sensor_qos)
-        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
         self.create_subscription(PoseStamped, p.camera_pose_topic, self._on_camera_pose, latched)
         if p.goal_topic:
             self.create_subscription(String, p.goal_topic, self._on_goal, latched)
         if p.action_feedback_topic:
             self.create_subscription(ActionFeedback, p.action_feedback_topic, self._on_feedback, 50)
-
-        self._camera_info: CameraInfo | None = None
-        self._camera_pose: PoseStamped | None = None
-        self._camera: CameraModel | None = None     # built when both of the above are valid
-        self._started = self.get_clock().now()
-        self._last_rx: dict[str, Time] = {}         # source -> node time of the last valid message
-        self._latest_stamp: Time | None = None      # newest valid sensor stamp
-        self._texts: dict[str, str] = {}            # source -> last text sent to the engine
-        self._outstanding: int | None = None        # decision id the engine is working on
-        self._event_pending = False
-        self._executing: tuple[int, Time] | None = None   # (decision id, when applied) of the robot's current model call
-        self._skipped_busy = 0
-        self._skipped_executing = 0
-        self._diag_seen_bad = 0
 
         tool_choice = p.tool_choice if p.tool_choice in ("required", "auto") else {"name": p.tool_choice}
         self._wake = self.create_guard_condition(self._on_engine_output)
@@ -130,8 +131,8 @@ class AgentNode(Node):
     # ------------------------------------------------------------------ inputs
     def _stamp(self, stamp) -> Time:
         now = self.get_clock().now()
-        t = check_stamp(stamp, now.nanoseconds * 1e-9, self.p.max_future_s, self.p.max_age_s)
-        return Time(nanoseconds=int(round(t * 1e9)), clock_type=now.clock_type)
+        check_stamp(stamp, now.nanoseconds * 1e-9, self.p.max_future_s, self.p.max_age_s)
+        return Time.from_msg(stamp, clock_type=now.clock_type)
 
     def _received(self, source: str, stamp: Time) -> None:
         self._last_rx[source] = self.get_clock().now()
