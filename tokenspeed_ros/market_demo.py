@@ -45,13 +45,14 @@ def summary(node: MarketBridgeNode, received: int, replay_stats: dict) -> str:
     for o in outcomes:
         reasons[o["reason"]] = reasons.get(o["reason"], 0) + 1
     feed, counts = node.feed.counters, node.counts
-    bad = {k: feed[k] for k in (*BAD_INPUT_KINDS, "feed_gap") if feed[k]}
+    bad = {k: feed[k] for k in BAD_INPUT_KINDS if feed[k]}
     lines = [
         f"feed: {replay_stats.get('sent', 0)} messages sent by the replay, {counts['messages']} received by the bridge "
         f"({feed['book_snapshots']} snapshots, {feed['book_deltas']} deltas, {feed['trades']} trades, "
         f"{feed['tickers']} tickers), {counts['coalesced']} coalesced into batches (largest batch "
         f"{counts['max_batch_seen']}), {feed['resyncs']} book resyncs",
-        f"bad records handled: {sum(bad.values())} " + json.dumps(bad),
+        f"bad records handled: {sum(bad.values())} " + json.dumps(bad)
+        + f"; feed-gap alarms: {feed['feed_gap']} (the replay's end included)",
         f"triggers: " + json.dumps({k[8:]: v for k, v in counts.items() if k.startswith("trigger_")})
         + f", {counts['triggers_coalesced']} coalesced before the executor took them",
         f"decisions: {len(outcomes)} published ({received} received over ZeroMQ), {len(model)} by the model, "
