@@ -198,10 +198,17 @@ class AgentNode(Node):
             self._trigger("goal")
 
     def _on_feedback(self, msg: ActionFeedback) -> None:
-        """Track which of our model calls the robot is executing; its end triggers a decision."""
+        """Track which call the robot is executing (its end triggers a decision) and tell the
+        model how its calls ended ("robot: pick done (decision 7)", "robot: place rejected (...)")."""
+        moving = msg.tool_name not in ("hold", "stop")
         if msg.state == "applied":
-            self._executing = (msg.decision_id, self.get_clock().now()) if msg.tool_name not in ("hold", "stop") else None
-        elif self._executing is not None and msg.decision_id == self._executing[0]:
+            self._executing = (msg.decision_id, self.get_clock().now()) if moving else None
+            return
+        if moving:
+            detail = f" ({msg.detail})" if msg.detail and msg.detail != "ok" else ""
+            self._submit("robot", f"robot: {msg.tool_name} {msg.state}{detail} (decision {msg.decision_id})",
+                         self.get_clock().now())
+        if self._executing is not None and msg.decision_id == self._executing[0]:
             self._executing = None
             self._trigger("feedback")
 

@@ -145,10 +145,10 @@ def test_bad_input_is_counted_and_never_crashes_the_node(probe, start_agent):
 
 def test_robot_executing_a_call_pauses_rate_decisions_until_its_feedback(probe, start_agent):
     """While the robot reports a model call as applied and not done, rate triggers wait; its
-    "done" feedback triggers the next decision at once."""
+    "done" feedback triggers the next decision at once and becomes an observation."""
     from tokenspeed_msgs.msg import ActionFeedback
 
-    actions, _, _, diags = listen_all(probe)
+    actions, _, observations, diags = listen_all(probe)
     feedback = probe.node.create_publisher(ActionFeedback, "sim/action_feedback", 10)
     SensorFeed(probe)
     agent = start_agent(model="/nonexistent/model.gguf", decision_period_s=0.2)
@@ -166,5 +166,7 @@ def test_robot_executing_a_call_pauses_rate_decisions_until_its_feedback(probe, 
     assert len(actions) == n                          # rate triggers skipped while executing
     feedback.publish(ActionFeedback(decision_id=executing, tool_name="pick", state="done"))
     assert probe.spin_until(lambda: len(actions) > n, 10)
+    assert probe.spin_until(lambda: any(o.source == "robot" for o in observations), 5)
+    assert [o.text for o in observations if o.source == "robot"] == [f"robot: pick done (decision {executing})"]
     assert agent.poll() is None
 
