@@ -115,16 +115,17 @@ class DraftModel(nn.Module):
         super().__init__()
         if args.dim != target.args.dim:
             raise ValueError(f"draft dim {args.dim} must equal the target's {target.args.dim} (shared embeddings)")
-        args = replace(args, vocab_size=target.args.vocab_size, tie_embeddings=False,
-                       max_seq_len=target.args.max_seq_len)
+        # vocab_size is the draft's output vocabulary; its input embedding is the target's module.
+        args = replace(args, vocab_size=len(vocab), tie_embeddings=False, max_seq_len=target.args.max_seq_len)
         p = target.tok_embeddings.weight
         with torch.device("meta"):
             net = Transformer(args)
         net = net.to_empty(device=p.device).to(p.dtype)
-        net.tok_embeddings = target.tok_embeddings
-        net.output = nn.Linear(args.dim, len(vocab), bias=False, device=p.device, dtype=p.dtype)
         with torch.no_grad():
+            for name, w in net.named_parameters():  # small random init (loaded or copied later)
+                w.fill_(1.0) if w.dim() == 1 else w.normal_(0.0, 0.02)
             net.output.weight.copy_(target.output.weight[vocab.to(p.device)])
+        net.tok_embeddings = target.tok_embeddings
         net.output.weight.requires_grad_(False)
         net.tok_embeddings.weight.requires_grad_(False)
         self.net = net
@@ -233,15 +234,16 @@ class DraftState:
         self.cache: KVCache = draft.net.new_cache(capacity)
         self.tokens = np.zeros(capacity, dtype=np.int64)
 
-    def logits(self, context: np.ndarray) -> torch.Tensor:
-        """Draft logits [Vd] (fp32) after `context` [N] int64 (the session's full token sequence)."""
+    def logits(self, context: np.ndarray) -> torch.Tensor | None:
+        """Draft logits [Vd] (fp32) after `context` [N] int64 (the session's full token sequence),
+        or None when the context outgrew the draft's KV capacity (the draft then stays silent)."""
+        if len(context) > self.cache.capacity:
+            return None
         m = min(self.cache.n, len(context))
         diff = np.flatnonzero(self.tokens[:m] != context[:m])
         keep = min(int(diff[0]) if len(diff) else m, len(context) - 1)  # recompute >= 1 token
         self.cache.truncate(keep)
         new = context[keep:]
-        if keep + len(new) > self.cache.capacity:
-            raise ValueError(f"draft KV cache full: {keep} + {len(new)} > {self.cache.capacity}")
         self.tokens[keep:keep + len(new)] = new
         out = None
         for i in range(0, len(new), 512):  # bounded prefill chunks
@@ -409,6 +411,8 @@ class Speculator:
             if tok is None and self.draft is not None:
                 src = MODEL
                 logits = self.draft.logits(full)
+                if logits is None:
+                    break
                 vocab = self.draft.draft.vocab
                 if matcher is not None:
                     logits = logits.masked_fill(~allowed(matcher)[vocab], float("-inf"))
@@ -446,10 +450,11 @@ class Speculator:
         return tokens, sources, qs
 
 
-def _discard(session, n_keep: int) -> None:
-    """Drop KV and token ids after the first n_keep cached tokens (rejected draft tokens)."""
-    session.cache.truncate(n_keep)
-    del session.tokens[n_keep:]
+def _discard(session, n_drop: int) -> None:
+    """Drop the KV and token ids of the last n_drop cached tokens (rejected draft tokens)."""
+    if n_drop:
+        session.cache.truncate(session.cache.n - n_drop)
+        del session.tokens[len(session.tokens) - n_drop:]
 
 
 def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = True, max_tokens: int = 256,
@@ -512,7 +517,6 @@ def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = Tr
         logits = session._forward(ids, torch.arange(len(feed) - 1, len(ids)))  # [len(chain) + 1, V]
         t_fwd = time.perf_counter() - t_fwd
         d.forwards += 1
-        base = len(session.tokens) - len(chain)
         drafted = accepted = 0
         stop = False
         next_feed: list[int] = []
@@ -553,8 +557,8 @@ def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = Tr
             if not ok or (matcher is None and len(out) >= max_tokens):
                 next_feed = [token]  # chosen, not yet in the KV cache
                 break
-        # The walk always breaks at some row: the last row has no proposal. KV keeps base + row
-        # tokens: the fed ones plus the accepted prefix of the chain.
+        # The walk always breaks at some row: the last row has no proposal. The KV keeps the fed
+        # tokens and chain[:row], the accepted prefix.
         now = time.perf_counter()
         if emitted:
             if t_last is None:
@@ -562,7 +566,7 @@ def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = Tr
             else:  # amortised: a step that emits several tokens spreads its time over them
                 d.itl_s.extend([(now - t_last) / emitted] * emitted)
             t_last = now
-        _discard(session, base + row)
+        _discard(session, len(chain) - row)
         if spec.enabled:
             spec.length.record(drafted, accepted, len(ids), t_fwd, t_draft)
         if on_token is not None:

@@ -1,0 +1,117 @@
+"""`tokenspeed draft eval`: acceptance per drafter on the held-out split, through the real loop.
+
+Every held-out conversation is replayed with `Session.decide()` under several speculation
+settings - plain (no drafter: jump-forward only), prompt lookup, the draft model, and both - at a
+fixed proposal length (so acceptance is measured, not hidden by adaptivity), then with the
+default adaptive setting for timing. Reported per setting:
+
+- acceptance_rate: accepted / proposed draft tokens (grammar-forced tokens are not drafts),
+  also per source (lookup, model);
+- decided_tokens: output tokens the model had to decide (not forced by the grammar), and
+  draft_coverage: the share of them that came from accepted drafts;
+- mean_accept_len: tokens emitted per target forward (accepted drafts + the target's own token;
+  forced tokens excluded) and tokens_per_forward (all output tokens, forced included);
+- identical: outputs equal to plain greedy (must be all);
+- total_ms / itl_ms medians over repeats (this machine is shared and noisy).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..speculative import DraftModel, SpecConfig
+from .data import read_data
+
+__all__ = ["evaluate"]
+
+
+def _settings(draft: DraftModel | None, k: int) -> dict[str, SpecConfig | None]:
+    s = {"plain": None, "lookup": SpecConfig(draft=None, max_k=k, adaptive=False)}
+    if draft is not None:
+        s["model"] = SpecConfig(prompt_lookup=False, draft=draft, max_k=k, adaptive=False)
+        s["lookup+model"] = SpecConfig(draft=draft, max_k=k, adaptive=False)
+        s["adaptive"] = SpecConfig(draft=draft)
+    else:
+        s["adaptive"] = SpecConfig(draft=None)
+    return s
+
+
+def evaluate(engine, data: Path, draft: DraftModel | None, *, k: int = 6, limit: int | None = None,
+             repeats: int = 1, families: list[str] | None = None, progress: bool = True) -> dict:
+    """Replay the held-out split under each speculation setting and report (see module doc).
+
+    Args:
+        engine: the target `Engine`. data: dataset file. draft: the draft model or None.
+        k: fixed proposal length for the acceptance settings.
+        limit: most held-out rows. repeats: timing repeats per row and setting.
+        families: restrict to these task families (robot, trading, bfcl).
+    Returns:
+        {"rows": n, "settings": {name: metrics}}.
+    """
+    _, rows = read_data(data, "heldout")
+    rows = [r for r in rows if families is None or r["family"] in families][:limit]
+    saved = engine.speculation
+    settings = _settings(draft, k)
+    stats = {name: {"proposed": 0, "accepted": 0, "by_source": {}, "decided": 0, "output": 0, "forwards": 0,
+"identical": 0, "total_ms": [], "itl_ms": []} for name in settings}
+    plain_text: dict[str, str] = {}
+    sessions: dict[str, tuple] = {}  # setting -> (conversation key, session, checkpoint after system)
+    try:
+        for r in tqdm(rows, desc="draft eval", unit="row", disable=not progress):
+            key = json.dumps([r["system"], r["tools"]], sort_keys=True)
+            for name, cfg in settings.items():
+                if sessions.get(name, (None,))[0] != key:  # a new system prompt/tool set: new session
+                    engine.speculation = cfg
+                    s = engine.session(system=r["system"], tools=r["tools"])
+                    sessions[name] = (key, s, s.checkpoint())
+                _, s, start = sessions[name]
+                s.rollback(start)
+                for m in r["messages"]:
+                    s.observe(m)
+                cp = s.checkpoint()
+                for rep in range(repeats):
+                    s.rollback(cp)
+                    d = s.decide(max_tokens=128)
+                    st = stats[name]
+                    st["total_ms"].append(d.total_s * 1e3)
+                    st["itl_ms"] += [x * 1e3 for x in d.itl_s]
+                    if rep:
+                        continue
+                    n_out = len(engine.tokenizer.encode(d.text)) if d.text else 0
+                    st["proposed"] += d.draft_tokens
+                    st["accepted"] += d.accepted_tokens
+                    for src, (p, a) in d.draft_sources.items():
+                        bs = st["by_source"].setdefault(src, [0, 0])
+                        bs[0] += p
+                        bs[1] += a
+                    st["forwards"] += d.forwards
+                    st["decided"] += d.generated_tokens
+                    st["output"] += n_out
+                    if name == "plain":
+                        plain_text[r["id"]] = d.text
+                    st["identical"] += d.text == plain_text.get(r["id"])
+    finally:
+        engine.speculation = saved
+    report = {}
+    plain_ms = statistics.median(stats["plain"]["total_ms"]) if rows else None
+    for name, st in stats.items():
+        fw = max(st["forwards"], 1)
+        report[name] = {
+            "acceptance_rate": st["accepted"] / st["proposed"] if st["proposed"] else None,
+            "by_source": {src: {"proposed": p, "accepted": a, "rate": a / p if p else None}
+                          for src, (p, a) in st["by_source"].items()},
+            "proposed": st["proposed"], "accepted": st["accepted"],
+            "decided_tokens": st["decided"],
+            "draft_coverage": st["accepted"] / st["decided"] if st["decided"] else None,
+            "forwards": st["forwards"],
+            "mean_accept_len": st["decided"] / fw,
+            "tokens_per_forward": st["output"] / fw,
+            "identical": f"{st['identical']}/{len(rows)}",
+            "total_ms_p50": statistics.median(st["total_ms"]) if st["total_ms"] else None,
+            "itl_ms_p50": statistics.median(st["itl_ms"]) if st["itl_ms"] else None,
+            "speedup_vs_plain": plain_ms / statistics.median(st["total_ms"]) if st["total_ms"] and plain_ms else None,
+        }
+    return {"rows": len(rows), "k": k, "repeats": repeats, "settings": report}

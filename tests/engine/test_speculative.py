@@ -1,0 +1,237 @@
+"""Speculative decoding: lossless greedy output, KV bookkeeping, rejection sampling distribution.
+
+Real SmolLM2-135M for greedy equivalence (robot tool calls, BFCL held-out calls, free text);
+a tiny small-vocabulary Llama for the sampling-distribution test, where the exact target
+distribution can be enumerated.
+"""
+import itertools
+import json
+import math
+import types
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tokenspeed
+from tokenspeed.model import ModelArgs, Transformer
+from tokenspeed.session import Decision, Session
+from tokenspeed.speculative import (AdaptiveLength, DraftModel, PromptLookup, SpecConfig, Speculator, decode)
+
+ROOT = Path(__file__).resolve().parents[2]
+ROBOT_TOOLS = json.loads((ROOT / "launch/config/robot_tools.json").read_text())
+BFCL = Path("/work/shared/bfcl/BFCL_v4_simple_python.json")
+SYSTEM = ("You control a Franka Panda robot arm above a table with a red, a green and a blue cube. "
+          "Reply with exactly one tool call that moves the task forward.")
+ROBOT_PROMPTS = [
+    "The red cube is at x=0.42 y=-0.10 on the table. Pick it up.",
+    "Move the gripper to x=0.5, y=0.1, z=0.2.",
+    "Place the held cube at x=0.55 y=0.05.",
+    "Stop now, a person entered the cell!",
+    "objects blue_cube=(0.61,0.20) green_cube=(0.35,-0.22). Pick the green cube.",
+    "Move above x=0.45 y=-0.15 at height z=0.30.",
+    "Put the cube down at x=0.38, y=0.21.",
+    "Hold position until the camera is clean.",
+    "The blue cube is at x=0.61 y=0.20. Pick the blue cube.",
+    "Move the gripper to x=0.62, y=-0.05, z=0.12.",
+    "Place it at x=0.47 y=-0.27.",
+    "joints q=[0.00,-0.79,0.00,-2.36,0.00,1.57,0.79] (rad). Pick the red cube at x=0.51 y=0.02.",
+]
+TEXT_PROMPTS = ["Name three colours.", "What is 12 + 30?", "Say hello to the robot.",
+                "Write the word 'cube' twice.", "Count from 1 to 5."]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tokenspeed.Engine.load()
+
+
+def rejecting_config(engine) -> SpecConfig:
+    """Prompt lookup plus an untrained draft at a fixed k: many acceptances and many rejections."""
+    vocab = torch.arange(0, 8192)
+    draft = DraftModel.init_from_target(engine.model, vocab, n_layers=1, hidden_dim=256)
+    return SpecConfig(draft=draft, max_k=4, adaptive=False, min_ngram=1)
+
+
+def _decisions(engine, config, prompts, tools, system):
+    engine.speculation = config
+    s = engine.session(system=system, tools=tools)
+    cp = s.checkpoint()
+    out = []
+    for p in prompts:
+        s.rollback(cp)
+        s.observe(p)
+        out.append(s.decide(max_tokens=64))
+    return out
+
+
+def _bfcl_cases(n):
+    rows = [json.loads(line) for line in BFCL.read_text().splitlines()]
+    held = [r for r in rows if int(r["id"].rsplit("_", 1)[1]) % 5 == 0]
+    return held[:n]
+
+
+def _bfcl_tools(row):
+    return [{"type": "function", "function": dict(f, parameters=dict(f["parameters"], type="object"))}
+            for f in row["function"]]
+
+
+def test_greedy_speculative_equals_plain_on_real_prompts(engine):
+    saved = engine.speculation
+    try:
+        configs = {"plain": None, "spec": rejecting_config(engine)}
+        if saved is not None and saved.draft is not None:
+            configs["shipped"] = saved
+        results = {name: _decisions(engine, cfg, ROBOT_PROMPTS, ROBOT_TOOLS, SYSTEM) for name, cfg in configs.items()}
+        for row in _bfcl_cases(4):
+            for name, cfg in configs.items():
+                results[name] += _decisions(engine, cfg, [row["question"][0][0]["content"]], _bfcl_tools(row), None)
+        texts = {}
+        for name, cfg in configs.items():
+            engine.speculation = cfg
+            s = engine.session()
+            texts[name] = []
+            for p in TEXT_PROMPTS:
+                cp = s.checkpoint()
+                texts[name].append(s.generate(p, max_tokens=10))
+                s.rollback(cp)
+    finally:
+        engine.speculation = saved
+    plain = results["plain"]
+    assert len(plain) + len(TEXT_PROMPTS) >= 20
+    assert sum(d.ok for d in plain) >= len(plain) - 2
+    for name in configs:
+        assert [d.text for d in results[name]] == [d.text for d in plain], name
+        assert [d.status for d in results[name]] == [d.status for d in plain], name
+        assert texts[name] == texts["plain"], name
+    spec = results["spec"]
+    assert sum(d.draft_tokens for d in spec) > sum(d.accepted_tokens for d in spec) > 0  # both paths ran
+    assert sum(d.forwards for d in spec) < sum(d.forwards for d in plain)
+
+
+def test_kv_consistent_after_rejections_and_rollback(engine):
+    saved = engine.speculation
+    try:
+        engine.speculation = None
+        plain = engine.session(system=SYSTEM, tools=ROBOT_TOOLS)
+        engine.speculation = rejecting_config(engine)
+        spec = engine.session(system=SYSTEM, tools=ROBOT_TOOLS)
+    finally:
+        engine.speculation = saved
+    for s in (plain, spec):
+        s.observe(ROBOT_PROMPTS[1])
+    cp = spec.checkpoint()
+    d_plain, d_spec = plain.decide(), spec.decide()
+    assert d_spec.text == d_plain.text and d_spec.draft_tokens > d_spec.accepted_tokens
+    for s in (plain, spec):
+        s.observe("Done. Now place it at x=0.40 y=0.12.")  # prefills the answer's tail after the KV
+    assert spec.tokens == plain.tokens and spec.cache.n == plain.cache.n == len(plain.tokens)
+    n = plain.cache.n
+    assert torch.allclose(spec.cache.k[:, :, :, :n], plain.cache.k[:, :, :, :n], atol=1e-4)
+    assert torch.allclose(spec.cache.v[:, :, :, :n], plain.cache.v[:, :, :, :n], atol=1e-4)
+    assert torch.equal(spec.cache.pos[:n], plain.cache.pos[:n])
+    # Roll back over the speculative turn and decide again: same call, same cache length.
+    spec.rollback(cp)
+    again = spec.decide()
+    assert again.text == d_spec.text
+    assert spec.cache.n == len(spec.tokens)
+
+
+def test_prompt_lookup_proposes_continuation_of_latest_match():
+    lookup = PromptLookup(max_ngram=3, min_ngram=1)
+    ctx = np.array([5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 5, 6, 7])
+    assert lookup.propose(ctx) == 9          # latest earlier "5 6 7" was followed by 9
+    assert lookup.propose(np.array([1, 2, 3])) is None
+    with pytest.raises(ValueError):
+        PromptLookup(max_ngram=1, min_ngram=2)
+
+
+def test_adaptive_length_switches_off_when_drafts_fail_and_grows_when_they_pass():
+    good, bad = AdaptiveLength(max_k=8), AdaptiveLength(max_k=8)
+    for _ in range(30):
+        good.record(drafted=6, accepted=6, n_tokens=7, forward_s=0.05, draft_s=0.001)
+        bad.record(drafted=4, accepted=0, n_tokens=5, forward_s=0.07, draft_s=0.02)
+    assert good.choose() >= 6
+    ks = [bad.choose() for _ in range(bad.probe_every)]
+    assert ks[:-1] == [0] * (bad.probe_every - 1) and ks[-1] == 1  # off, with a periodic probe
+
+
+# ------------------------------------------------------------------ sampling distribution
+
+V, PROMPT, N_OUT = 5, [0, 1, 2, 0, 1], 3
+
+
+def _tiny(seed):
+    torch.manual_seed(seed)
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, hidden_dim=64,
+                     vocab_size=V, max_seq_len=64, tie_embeddings=True)
+    net = Transformer(args)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0.0, 0.8 if p.dim() > 1 else 0.1).add_(1.0 if p.dim() == 1 else 0.0)
+    return net.eval()
+
+
+def _tiny_session(model, config):
+    """A Session over a small-vocabulary model: the real Session._forward bookkeeping, no tokenizer."""
+    s = types.SimpleNamespace(model=model, cache=model.new_cache(64), tokens=[], tok=types.SimpleNamespace(stop_ids=[]),
+                              _mask=None, speculator=Speculator(config, 64))
+    s._forward = Session._forward.__get__(s)
+    return s
+
+
+def _exact_distribution(model):
+    """P(x1..xN | PROMPT) for all V^N outputs (temperature 1)."""
+    probs = {}
+    for seq in itertools.product(range(V), repeat=N_OUT):
+        cache = model.new_cache(64)
+        ids = torch.tensor(PROMPT + list(seq[:-1]))
+        logits = model(ids, torch.arange(len(ids)), cache, "all")[len(PROMPT) - 1:]
+        p = torch.softmax(logits, -1)
+        probs[seq] = float(torch.prod(p[torch.arange(N_OUT), torch.tensor(seq)]))
+    return probs
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models are dominated by thread start-up on a busy machine: run them on one thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_rejection_sampling_preserves_target_distribution(one_thread):
+    target = _tiny(1)
+    draft = DraftModel(target, replace(target.args, n_layers=1), torch.arange(V))
+    other = _tiny(2)  # a different model's layers: q != p
+    with torch.no_grad():
+        for mine, theirs in zip(draft.net.layers.parameters(), other.layers.parameters()):
+            mine.copy_(theirs)
+        draft.net.norm.copy_(other.norm)
+    config = SpecConfig(draft=draft, max_k=N_OUT, adaptive=False, min_ngram=1)
+    exact = _exact_distribution(target)
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)  # the draft's own samples
+    n = 2000
+    counts = dict.fromkeys(exact, 0)
+    drafted = accepted = 0
+    for _ in range(n):
+        s = _tiny_session(target, config)
+        d = Decision(status="text")
+        out, _ = decode(s, list(PROMPT), d, max_tokens=N_OUT, temperature=1.0, generator=gen)
+        counts[tuple(out)] += 1
+        drafted, accepted = drafted + d.draft_tokens, accepted + d.accepted_tokens
+    assert 0 < accepted < drafted  # rejections happened, so the residual distribution was used
+    # Pearson chi-square over cells with expected count >= 5 (the rest pooled).
+    big = [k for k in exact if exact[k] * n >= 5]
+    obs = [counts[k] for k in big] + [n - sum(counts[k] for k in big)]
+    exp = [exact[k] * n for k in big] + [n - sum(exact[k] * n for k in big)]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
+    dof = len(obs) - 1
+    # Wilson-Hilferty approximation of the chi-square 0.999 quantile.
+    z = 3.09
+    limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < limit, (chi2, limit, dof)
