@@ -254,3 +254,56 @@ def test_embedded_model_answers_ticks_with_bounded_trading_calls(ros, tmp_path):
             assert 0.001 <= args["size"] <= 0.05 and -50 <= args["offset_bps"] <= 50
         elif o["tool"] == "cancel_order":
             assert args["scope"] in ("all", "buy", "sell")
+
+
+def test_bridge_process_with_its_params_file(probe, ros_env, tmp_path):
+    """`tokenspeed_market_bridge` as its own process with launch/config/market_bridge.yaml, fed
+    by the replay process: MarketTick and /diagnostics over DDS, status JSON over ZeroMQ, the
+    feed-gap alarm when the replay ends, and a clean SIGINT shutdown."""
+    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+
+    from agent_support import BIN, ROOT, stop
+
+    try:
+        fetch_bitstamp_capture()
+    except MarketDataUnavailable as e:
+        pytest.skip(f"market capture not cached and registry unreachable: {e}")
+    feed_ep, decision_ep = f"ipc://{tmp_path}/feed", f"ipc://{tmp_path}/decisions"
+    ticks = probe.listen(MarketTick, "market/tick")
+    diags = probe.listen(DiagnosticArray, "/diagnostics")
+    log = tmp_path / "bridge.log"
+    bridge = subprocess.Popen(
+        [str(BIN / "tokenspeed_market_bridge"), "--ros-args", "--params-file",
+         str(ROOT / "launch" / "config" / "market_bridge.yaml"), "-p", "agent:=false", "-p", "feed_gap_s:=1.0",
+         "-p", f"feed_endpoint:={feed_ep}", "-p", f"decision_endpoint:={decision_ep}"],
+        env=ros_env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"status ")
+    sub.connect(decision_ep)
+    try:
+        replay = subprocess.run([str(BIN / "tokenspeed_market_replay"), "--endpoint", feed_ep, "--speed", "10",
+                                 "--duration", "20"], env=ros_env, capture_output=True, text=True, timeout=120)
+        assert replay.returncode == 0, replay.stderr
+        sent = json.loads(replay.stdout.strip().splitlines()[-1])
+
+        def feed_status():
+            for arr in reversed(diags):
+                for s in arr.status:
+                    if s.name == "tokenspeed_market_bridge: feed":
+                        return s
+            return None
+
+        assert probe.spin_until(lambda: feed_status() is not None
+                                 and feed_status().level == DiagnosticStatus.ERROR, 30.0), log.read_text()
+        values = {kv.key: kv.value for kv in feed_status().values}
+        assert int(values["messages"]) == sent["sent"] and int(values["feed_gap"]) == 1
+        assert "feed-gap alarm" in feed_status().message
+        assert ticks and all(t.exchange == "BITSTAMP" and t.symbol == "BTC-USD" and t.bid < t.ask for t in ticks)
+        status = {}
+        while not status.get("feed_alarm") and sub.poll(5000):   # the newest status has the alarm
+            status = json.loads(sub.recv().split(b" ", 1)[1])
+        assert status["feed_alarm"] and status["feed"]["book_deltas"] > 0 and status["engine"] == "off"
+        assert status["bridge"]["messages"] == sent["sent"]
+    finally:
+        sub.close()
+        assert stop(bridge) == 0, log.read_text()
