@@ -2,6 +2,7 @@
 
     tokenspeed call --tools tools.json --prompt "Pick up the red cube."   # one tool call + timings
     tokenspeed generate --prompt "Write a haiku about robots."             # streams text
+    tokenspeed draft build-data|train|eval                                 # draft-model recipe
     tokenspeed <subcommand> --help
 
 `--model` takes a .gguf file, a Hugging Face safetensors folder, or nothing (the embedded
@@ -96,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=cmd_generate)
+
+    from .draft import add_parser as add_draft_parser
+    add_draft_parser(sub)  # tokenspeed draft build-data | train | eval
     return parser
 
 
