@@ -358,6 +358,9 @@ class MarketBridgeNode(Node):
     def _dispatch(self, decision_id: int) -> None:
         trig = self._open[decision_id]
         remaining_s = trig.stamp_s + self.p.deadline_budget_s - self.p.publish_margin_s - time.time()
+        if remaining_s <= 0:  # a stale tick (or one that waited for the engine): no engine work
+            self.monitor.resolve(ModelResult(decision_id, "deadline_missed", reason="no time left to decide"))
+            return
         self._outstanding = decision_id
         self._dispatched_at = time.monotonic()
         self.worker.observe("market", observation_text(trig, trig.features["move_bps"]), trig.stamp_s)

@@ -33,7 +33,7 @@ BAD_INPUT_KINDS = (
     "unknown_channel",  # a channel other than CHANNELS
     "seq_gap",          # book sequence jumped forward: book dropped until the next snapshot
     "out_of_order",     # book sequence or trade timestamp went backwards: update ignored
-    "crossed",          # a book update left bid >= ask (counted once per crossed episode)
+    "crossed",          # a book left bid >= ask (once per crossed episode), or a crossed ticker
     "bad_price",        # price <= 0, NaN or infinite
     "absurd_price",     # price outside the band around the reference price
     "bad_size",         # size < 0 (or 0 in a snapshot/trade), NaN or infinite
