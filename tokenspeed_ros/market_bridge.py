@@ -363,7 +363,8 @@ class MarketBridgeNode(Node):
             return
         self._outstanding = decision_id
         self._dispatched_at = time.monotonic()
-        self.worker.observe("market", observation_text(trig, trig.features["move_bps"]), trig.stamp_s)
+        self.worker.observe(f"market:{trig.features['symbol']}", observation_text(trig, trig.features["move_bps"]),
+                            trig.stamp_s)
         self.worker.decide(decision_id, time.monotonic() + remaining_s)
 
     def _on_engine_output(self) -> None:
