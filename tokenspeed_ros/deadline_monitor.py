@@ -82,7 +82,8 @@ class DeadlineMonitor:
             event_callbacks=PublisherEventCallbacks(deadline=self._on_qos_deadline,
                                                     incompatible_qos=self._on_incompatible_qos))
         self._status_pub = node.create_publisher(DeadlineStatus, status_topic, 10)
-        self._timer = node.create_timer(period_s, self.check)
+        self._timer = node.create_timer(period_s, self.check)   # runs only while decisions are open
+        self._timer.cancel()
         self._next_id = 1
         self._pending: dict[int, Decision] = {}
         self._expired: OrderedDict[int, Decision] = OrderedDict()
@@ -107,6 +108,8 @@ class DeadlineMonitor:
         d = Decision(self._next_id, observation_stamp, observation_stamp + self.budget)
         self._next_id += 1
         self._pending[d.decision_id] = d
+        if self._timer.is_canceled():
+            self._timer.reset()
         return d
 
     def fail_now(self, observation_stamp: Time, reason: str) -> None:
@@ -115,10 +118,13 @@ class DeadlineMonitor:
         self._fall_back(self._pending.pop(d.decision_id), reason)
 
     def check(self) -> None:
-        """Timer callback: every open decision past its deadline gets the fallback now."""
+        """Timer callback: every open decision past its deadline gets the fallback now; the
+        timer stops when no decision is open."""
         now = self._clock.now()
         for d in [d for d in self._pending.values() if now > d.deadline]:
             self._fall_back(self._pending.pop(d.decision_id), "deadline_missed")
+        if not self._pending:
+            self._timer.cancel()
 
     def resolve(self, result: ModelResult) -> ActionCommand | None:
         """Apply the engine's result for an open decision; returns the published model command,

@@ -106,9 +106,10 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ engine thread
     def _emit(self, item) -> None:
-        with self._cv:
+        with self._cv:      # after close() the node and its guard condition may be gone
             self._out.append(item)
-        self._notify()
+            if not self._stop:
+                self._notify()
 
     def _run(self) -> None:
         self._load()
@@ -140,7 +141,9 @@ class EngineWorker:
         except Exception as e:  # any failure leaves the node running on fallbacks
             self.state, self.fault = "fault", f"{type(e).__name__}: {e}"
             self._log.error(f"engine failed to load, every decision falls back: {self.fault}")
-        self._notify()
+        with self._cv:
+            if not self._stop:
+                self._notify()
 
     def _observe(self, source: str, text: str, kind: str) -> int:
         if self._session is None:
