@@ -1,0 +1,69 @@
+"""Benchmarks: `tokenspeed bench aal` (Agent Action Latency, against llama.cpp and transformers)
+and `tokenspeed bench gpu` (the same decode path on CUDA against the HBM floor).
+
+    tokenspeed bench aal --quick            # small workload, a minute or two on 2 cores
+    tokenspeed bench aal --threads 2        # the full 10-call, ~4K-token run with all peers
+    tokenspeed bench gpu                    # CUDA: Llama-3.1-8B-shaped random weights + the real model
+
+Peers are an optional extra: `pip install -e ".[bench]"` (llama-cpp-python builds from source).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["add_parser", "main"]
+
+
+def _cmd_aal(args) -> int:
+    from .aal import run_aal
+    from .report import print_table
+
+    try:
+        report = run_aal(Path(args.out), quick=args.quick, seed=args.seed, threads=args.threads,
+                         workload=Path(args.workload) if args.workload else None,
+                         engines=args.engines.split(",") if args.engines else None, bfcl_dir=args.bfcl)
+    except (RuntimeError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_table(report)
+    print(f"# wrote {Path(args.out) / 'report.json'} and {Path(args.out) / 'aal.png'}", file=sys.stderr)
+    return 0
+
+
+def _cmd_gpu(args) -> int:
+    from .gpu import run_gpu
+
+    run_gpu(device=args.device, quick=args.quick, out=Path(args.out) if args.out else None)
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `bench` (with `aal` and `gpu`) on an argparse subparsers object; returns it."""
+    p = subparsers.add_parser("bench", help="benchmarks: aal (agent action latency), gpu")
+    sub = p.add_subparsers(dest="bench", required=True)
+    a = sub.add_parser("aal", help="Agent Action Latency: TokenSpeed vs llama.cpp vs transformers, one run")
+    a.add_argument("--quick", action="store_true", help="small workload (2 calls, ~1.4K tokens); skips a missing llama.cpp")
+    a.add_argument("--threads", type=int, default=2, help="CPU threads for every engine (default 2)")
+    a.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    a.add_argument("--workload", default=None, help="run this workload JSON instead of generating one")
+    a.add_argument("--engines", default=None,
+                   help="comma-separated subset of tokenspeed:int8,tokenspeed,llama.cpp,transformers")
+    a.add_argument("--bfcl", default=None, help="BFCL data folder (default: shared/bfcl beside the repository)")
+    a.add_argument("--out", default="bench-out/aal", help="output folder (default bench-out/aal)")
+    a.set_defaults(func=_cmd_aal)
+    g = sub.add_parser("gpu", help="decode TTFT/ITL vs the memory-bandwidth floor (CUDA; CPU with small shapes)")
+    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    g.add_argument("--quick", action="store_true", help="small shapes and few tokens (CPU tests)")
+    g.add_argument("--out", default=None, help="write the results as JSON here")
+    g.set_defaults(func=_cmd_gpu)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tokenspeed.bench ...` / `tokenspeed bench ...` entry."""
+    parser = argparse.ArgumentParser(prog="tokenspeed")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench"] + list(sys.argv[1:] if argv is None else argv))
+    return args.func(args)

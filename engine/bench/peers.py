@@ -1,0 +1,328 @@
+"""The engines of the AAL benchmark, each run in its own process (peak RSS is per engine).
+
+Run as a script so a peer's process imports only what that engine needs (the llama.cpp process
+never imports torch):
+
+    python engine/bench/peers.py ENGINE JOB.json OUT.json
+
+ENGINE is "tokenspeed" (optionally "tokenspeed:int8"), "llama.cpp" or "transformers". JOB.json
+is written by `tokenspeed.bench.aal`: the workload, the token ids every engine feeds (system
+prompt, each observation, the assistant trigger and end), the call schema of each decision, the
+thread count and model paths. OUT.json receives one record per decision plus the short-context
+decode measurement (see `Recorder`).
+
+Every engine answers greedily and keeps its own answer in its context, as an agent does.
+Timings are `time.perf_counter()` seconds, stored in milliseconds.
+"""
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>[", "]</tool_call>"
+
+
+def check_call(text: str, tools: list[dict], expect_name: str | None = None) -> tuple[dict | None, bool]:
+    """Parse `<tool_call>[{"name", "arguments"}]</tool_call>` and validate it against the tools.
+
+    Returns (call or None, valid): valid means parseable, a known tool, and arguments that
+    satisfy its JSON schema (jsonschema Draft 2020-12), and the expected tool when one is given.
+    """
+    import jsonschema
+
+    text = text.strip()
+    if not (text.startswith(CALL_OPEN) and text.endswith(CALL_CLOSE)):
+        return None, False
+    try:
+        call = json.loads(text[len(CALL_OPEN):-len(CALL_CLOSE)])
+    except json.JSONDecodeError:
+        return None, False
+    if not isinstance(call, dict) or not isinstance(call.get("arguments"), dict):
+        return None, False
+    call = {"name": call.get("name"), "arguments": call["arguments"]}
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    if call["name"] not in schemas or (expect_name and call["name"] != expect_name):
+        return call, False
+    try:
+        jsonschema.validate(call["arguments"], schemas[call["name"]])
+    except jsonschema.ValidationError:
+        return call, False
+    return call, True
+
+
+class Recorder:
+    """Collects an engine's per-decision records and writes OUT.json.
+
+    Record keys: turn, expect, text, tool_call, valid, status, context_tokens (before the
+    decision), new_prompt_tokens (tokens the engine processed at decision time), output_tokens,
+    forwards, forced_tokens, ttft_ms, itl_ms (list), decide_ms, observe_ms, turn_ms.
+    """
+
+    def __init__(self, engine: str, config: str, threads: int):
+        self.out = {"engine": engine, "config": config, "threads": threads, "turns": [], "cold_ttft_ms": [],
+                    "short_itl_ms": [], "spec_acceptance": None, "load_s": None, "weight_bytes": None}
+
+    def turn(self, **record) -> None:
+        self.out["turns"].append(record)
+
+    def write(self, path: str) -> None:
+        self.out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        Path(path).write_text(json.dumps(self.out, indent=1))
+
+
+def _ms(seconds: float) -> float:
+    return seconds * 1e3
+
+
+def _expected_name(turn: dict) -> str | None:
+    choice = turn["tool_choice"]
+    return choice.get("name") if isinstance(choice, dict) else None
+
+
+# ------------------------------------------------------------------------------------- TokenSpeed
+
+def run_tokenspeed(job: dict, out: str, quantize: str | None) -> None:
+    """TokenSpeed: one warm session; observations are prefilled by observe() as they arrive
+    (timed as observe_ms), then decide() is timed (TTFT, ITL, forwards, jump-forward tokens)."""
+    import torch
+
+    import tokenspeed
+
+    torch.set_num_threads(job["threads"])
+    t0 = time.perf_counter()
+    engine = tokenspeed.Engine.load(job["model_gguf"], threads=job["threads"], quantize=quantize)
+    rec = Recorder("tokenspeed" + (f"-{quantize}" if quantize else "-fp32"),
+                   f"torch {torch.__version__}, {quantize or 'fp32'} weights, warm session, jump-forward on",
+                   torch.get_num_threads())
+    rec.out["load_s"] = time.perf_counter() - t0
+    rec.out["weight_bytes"] = _linear_bytes(engine.model)
+    wl = job["workload"]
+    session = engine.session(system=wl["system"], tools=wl["tools"])
+    for i, turn in enumerate(wl["turns"]):
+        t0 = time.perf_counter()
+        for o in turn["observations"]:
+            session.observe(o["content"], role=o["role"], kind=o["kind"], source=o["source"])
+        t1 = time.perf_counter()
+        context = session.num_tokens
+        d = session.decide(tool_choice=turn["tool_choice"], max_tokens=wl["max_tokens"])
+        t2 = time.perf_counter()
+        call, valid = check_call(d.text, wl["tools"], _expected_name(turn))
+        rec.turn(turn=i, expect=turn["expect"], text=d.text, tool_call=call, valid=valid and d.status == "ok",
+                 status=d.status, context_tokens=context,
+                 new_prompt_tokens=d.prefill_tokens, output_tokens=d.forced_tokens + d.generated_tokens,
+                 forwards=d.forwards, forced_tokens=d.forced_tokens, ttft_ms=_ms(d.ttft_s),
+                 itl_ms=[_ms(x) for x in d.itl_s], decide_ms=_ms(t2 - t1), observe_ms=_ms(t1 - t0),
+                 turn_ms=_ms(t2 - t0), spec=getattr(d, "spec", None))
+    short = engine.session(system=job["short_system"])
+    stamps = []
+    short.generate(wl["short_prompt"], max_tokens=wl["short_tokens"], on_token=lambda _: stamps.append(time.perf_counter()))
+    rec.out["short_itl_ms"] = [_ms(b - a) for a, b in zip(stamps, stamps[1:])]
+    rec.write(out)
+
+
+def _linear_bytes(model) -> int:
+    # Bytes of every projection weight (what one decode step reads), lm_head included once.
+    total = 0
+    for m in model.modules():
+        for name in ("weight", "qweight", "scales"):
+            t = m._parameters.get(name) if name == "weight" else m._buffers.get(name)
+            if t is not None and type(m).__name__ in ("Linear", "Int8Linear"):
+                total += t.numel() * t.element_size()
+    return total
+
+
+# -------------------------------------------------------------------------------------- llama.cpp
+
+def _gbnf(schema: dict) -> str:
+    # The call's JSON schema through llama.cpp's own converter, wrapped in the call markers.
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    body = json_schema_to_gbnf(json.dumps(schema))
+    body = body.replace("root ::=", "call-body ::=", 1)
+    return f'root ::= "{CALL_OPEN}" call-body "{CALL_CLOSE}"\n{body}'
+
+
+def run_llamacpp(job: dict, out: str) -> None:
+    """llama.cpp via llama-cpp-python: `Llama.generate` on token ids (the same ids as TokenSpeed),
+    greedy, its JSON-schema grammar (GBNF from the call schema), and its automatic KV prefix
+    reuse within one `Llama` object (observations are processed at decision time). Cold TTFT is
+    measured afterwards on selected decisions with the cache reset (full prompt processing)."""
+    import llama_cpp
+    from llama_cpp import Llama, LlamaGrammar
+
+    threads, n_batch = job["threads"], 512
+    t0 = time.perf_counter()
+    llm = Llama(model_path=job["model_gguf"], n_ctx=job["n_ctx"], n_threads=threads, n_threads_batch=threads,
+                n_batch=n_batch, n_ubatch=n_batch, seed=0, verbose=False)
+    rec = Recorder("llama.cpp", f"llama-cpp-python {llama_cpp.__version__}, Q4_1 GGUF, n_batch={n_batch}, "
+                   "GBNF from JSON schema, automatic KV prefix reuse, greedy", threads)
+    rec.out["load_s"] = time.perf_counter() - t0
+    rec.out["weight_bytes"] = job["gguf_bytes"]
+    wl, stop = job["workload"], set(job["stop_ids"])
+
+    def decide(prompt: list[int], schema: dict, max_tokens: int):
+        grammar = LlamaGrammar.from_string(_gbnf(schema), verbose=False)
+        cached = 0
+        for a, b in zip(llm._input_ids[:llm.n_tokens], prompt):
+            if a != b:
+                break
+            cached += 1
+        new = len(prompt) - min(cached, len(prompt) - 1)
+        t0 = time.perf_counter()
+        stamps, ids, text = [], [], ""
+        for tok in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, grammar=grammar):
+            stamps.append(time.perf_counter())
+            if tok in stop:
+                break
+            ids.append(tok)
+            text = llm.detokenize(ids, special=True).decode("utf-8", errors="replace")
+            if text.endswith(CALL_CLOSE) or len(ids) >= max_tokens:
+                break
+        return ids, text, t0, stamps, new, math.ceil(new / n_batch) + len(stamps) - 1
+
+    context = list(job["system_ids"])
+    llm.eval(context)  # the static system prompt + tools are cached before the turn, as for TokenSpeed
+    prompts = []
+    for i, (turn, jt) in enumerate(zip(wl["turns"], job["turns"])):
+        t_turn = time.perf_counter()
+        for ids in jt["obs_ids"]:
+            context += ids
+        prompt = context + job["trigger_ids"]
+        prompts.append(prompt)
+        ids, text, t0, stamps, new, forwards = decide(prompt, jt["schema"], wl["max_tokens"])
+        t_end = time.perf_counter()
+        call, valid = check_call(text, wl["tools"], _expected_name(turn))
+        rec.turn(turn=i, expect=turn["expect"], text=text, tool_call=call, valid=valid,
+                 status="ok" if valid else "invalid", context_tokens=len(context), new_prompt_tokens=new,
+                 output_tokens=len(ids), forwards=forwards, forced_tokens=0,
+                 ttft_ms=_ms(stamps[0] - t0) if stamps else None,
+                 itl_ms=[_ms(b - a) for a, b in zip(stamps, stamps[1:])], decide_ms=_ms(t_end - t0),
+                 observe_ms=0.0, turn_ms=_ms(t_end - t_turn))
+        context = prompt + ids + job["end_ids"]
+    for i in job["cold_turns"]:
+        if i < len(prompts):
+            llm.reset()
+            t0 = time.perf_counter()
+            next(llm.generate(prompts[i], temp=0.0, top_k=1, repeat_penalty=1.0,
+                              grammar=LlamaGrammar.from_string(_gbnf(job["turns"][i]["schema"]), verbose=False)))
+            rec.out["cold_ttft_ms"].append({"turn": i, "context_tokens": len(prompts[i]),
+                                            "ttft_ms": _ms(time.perf_counter() - t0)})
+    llm.reset()
+    stamps = []
+    for n, _ in enumerate(llm.generate(job["short_ids"], temp=0.0, top_k=1, repeat_penalty=1.0)):
+        stamps.append(time.perf_counter())
+        if n + 1 >= wl["short_tokens"]:
+            break
+    rec.out["short_itl_ms"] = [_ms(b - a) for a, b in zip(stamps, stamps[1:])]
+    rec.write(out)
+
+
+# ----------------------------------------------------------------------------------- transformers
+
+def run_transformers(job: dict, out: str) -> None:
+    """Hugging Face transformers `generate()`: fp32 eager, greedy, a DynamicCache kept across
+    decisions (prefix reuse: only new tokens are processed), stopping at `</tool_call>`. It has
+    no grammar: validity of its outputs is counted."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, DynamicCache, StoppingCriteria, StoppingCriteriaList
+    from transformers.generation.streamers import BaseStreamer
+
+    torch.set_num_threads(job["threads"])
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(job["hf_folder"], dtype=torch.float32).eval()
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(job["hf_folder"]) / "tokenizer.json"))
+    rec = Recorder("transformers", f"transformers {transformers.__version__}, fp32 eager, DynamicCache reused "
+                   "across decisions, greedy, no grammar (stop at </tool_call>)", torch.get_num_threads())
+    rec.out["load_s"] = time.perf_counter() - t0
+    rec.out["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: counted once
+    wl, stop_ids = job["workload"], job["stop_ids"]
+
+    class Stamps(BaseStreamer):
+        def __init__(self):
+            self.times, self.calls = [], 0
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls > 1:  # the first put is the prompt
+                self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    class StopAtClose(StoppingCriteria):
+        def __init__(self, start: int):
+            self.start = start
+
+        def __call__(self, input_ids, scores, **kwargs):
+            tail = tok.decode(input_ids[0, max(self.start, input_ids.shape[1] - 8):].tolist(), skip_special_tokens=False)
+            return torch.tensor([tail.endswith(CALL_CLOSE)])
+
+    def generate(prompt: list[int], cache, max_new: int, min_new: int = 0):
+        ids = torch.tensor([prompt])
+        streamer = Stamps()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            res = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                 max_new_tokens=max_new, min_new_tokens=min_new, do_sample=False,
+                                 eos_token_id=stop_ids, pad_token_id=stop_ids[0], streamer=streamer,
+                                 stopping_criteria=StoppingCriteriaList([StopAtClose(len(prompt))]),
+                                 return_dict_in_generate=True)
+        new = res.sequences[0, len(prompt):].tolist()
+        return [t for t in new if t not in stop_ids], t0, streamer.times, res.past_key_values
+
+    cache = DynamicCache()
+    context = list(job["system_ids"])
+    with torch.no_grad():
+        model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True)
+    for i, (turn, jt) in enumerate(zip(wl["turns"], job["turns"])):
+        t_turn = time.perf_counter()
+        for ids in jt["obs_ids"]:
+            context += ids
+        prompt = context + job["trigger_ids"]
+        cached = cache.get_seq_length()
+        out_ids, t0, stamps, cache = generate(prompt, cache, wl["max_tokens"])
+        t_end = time.perf_counter()
+        text = tok.decode(out_ids, skip_special_tokens=False)
+        call, valid = check_call(text, wl["tools"], _expected_name(turn))
+        rec.turn(turn=i, expect=turn["expect"], text=text, tool_call=call, valid=valid,
+                 status="ok" if valid else "invalid", context_tokens=len(context),
+                 new_prompt_tokens=len(prompt) - cached, output_tokens=len(stamps), forwards=len(stamps),
+                 forced_tokens=0, ttft_ms=_ms(stamps[0] - t0) if stamps else None,
+                 itl_ms=[_ms(b - a) for a, b in zip(stamps, stamps[1:])], decide_ms=_ms(t_end - t0),
+                 observe_ms=0.0, turn_ms=_ms(t_end - t_turn))
+        context = prompt + out_ids + job["end_ids"]
+    n = wl["short_tokens"]
+    _, _, stamps, _ = generate(job["short_ids"], DynamicCache(), n, min_new=n)
+    rec.out["short_itl_ms"] = [_ms(b - a) for a, b in zip(stamps, stamps[1:])]
+    rec.write(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Script entry: `peers.py ENGINE JOB.json OUT.json` (see the module docstring)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    engine, job_path, out = argv
+    job = json.loads(Path(job_path).read_text())
+    if engine.startswith("tokenspeed"):
+        run_tokenspeed(job, out, engine.partition(":")[2] or None)
+    elif engine == "llama.cpp":
+        run_llamacpp(job, out)
+    elif engine == "transformers":
+        run_transformers(job, out)
+    else:
+        print(f"unknown engine {engine!r}: tokenspeed[:int8], llama.cpp or transformers", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""AAL report: per-engine metrics, physical floors, ratios against peers, targets, JSON/PNG/table.
+
+Definitions (all from the same run):
+- decision TTFT: decision start -> first answer token available (TokenSpeed: `Decision.ttft_s`,
+  which includes the forced jump-forward prefix of the call; peers: first sampled token). For
+  TokenSpeed the history was observed (prefilled) before the decision; peers process the new
+  observations inside the decision (llama.cpp and transformers reuse their cached prefix).
+- cold TTFT (llama.cpp): the same decision with its cache reset (the whole prompt processed).
+- ITL: time between consecutive sampled tokens of the decisions; short-context ITL: the same in
+  an unconstrained greedy generation after a ~40-token prompt.
+- turn: the 10-call agent turn end to end (observations + decisions), milliseconds.
+- tokens/s: answer tokens (sampled + forced) per second of decision time.
+- floor: bytes of weights one decode step reads / measured memory bandwidth (ms per token).
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+__all__ = ["percentile", "summarize", "ratios", "targets", "agreement", "write_report", "print_table",
+           "OURS", "TARGETS"]
+
+OURS = "tokenspeed-int8"
+# (name, our metric, peer, peer metric, bound): ours / peer <= bound, p50s from one run.
+TARGETS = [
+    ("ITL short context <= 1.0x llama.cpp", "itl_short_p50_ms", "llama.cpp", "itl_short_p50_ms", 1.0),
+    ("warm decision TTFT <= 0.1x llama.cpp cold TTFT", "ttft_p50_ms", "llama.cpp", "cold_ttft_p50_ms", 0.1),
+    ("warm decision TTFT <= 0.5x llama.cpp TTFT with prefix reuse", "ttft_p50_ms", "llama.cpp", "ttft_p50_ms", 0.5),
+    ("10-call turn <= 0.5x llama.cpp", "turn_ms", "llama.cpp", "turn_ms", 0.5),
+]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]) of `values`; None when empty."""
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    return vals[min(len(vals) - 1, max(0, math.ceil(q / 100 * len(vals)) - 1))]
+
+
+def summarize(run: dict, bandwidth_gbs: float) -> dict:
+    """Metrics of one engine's OUT.json record (see `peers.Recorder`); times in ms, memory in MiB."""
+    turns = run["turns"]
+    itl = [x for t in turns for x in t["itl_ms"]]
+    decide_s = sum(t["decide_ms"] for t in turns) / 1e3
+    out_tokens = sum(t["output_tokens"] for t in turns)
+    cold = [c["ttft_ms"] for c in run.get("cold_ttft_ms", [])]
+    floor = run["weight_bytes"] / (bandwidth_gbs * 1e9) * 1e3 if run.get("weight_bytes") else None
+    return {
+        "engine": run["engine"], "config": run["config"], "threads": run["threads"],
+        "calls": len(turns), "valid_calls": sum(bool(t["valid"]) for t in turns),
+        "ttft_p50_ms": percentile([t["ttft_ms"] for t in turns], 50),
+        "ttft_p90_ms": percentile([t["ttft_ms"] for t in turns], 90),
+        "cold_ttft_p50_ms": percentile(cold, 50),
+        "itl_p50_ms": percentile(itl, 50), "itl_p90_ms": percentile(itl, 90),
+        "itl_short_p50_ms": percentile(run.get("short_itl_ms", []), 50),
+        "floor_ms": floor,
+        "turn_ms": sum(t["turn_ms"] for t in turns),
+        "tokens_per_s": out_tokens / decide_s if decide_s > 0 else None,
+        "peak_rss_mb": run.get("peak_rss_mb"),
+        "forwards_per_call": statistics.mean(t["forwards"] for t in turns) if turns else None,
+        "jump_forward_tokens": sum(t["forced_tokens"] for t in turns),
+        "output_tokens": out_tokens,
+        "context_tokens_last": turns[-1]["context_tokens"] if turns else None,
+        "spec_acceptance": run.get("spec_acceptance"),
+        "weight_mb": run["weight_bytes"] / 2**20 if run.get("weight_bytes") else None,
+        "load_s": run.get("load_s"),
+    }
+
+
+def ratios(summaries: dict[str, dict], ours: str = OURS) -> dict[str, dict]:
+    """ours / peer for TTFT, ITL, short ITL and turn time, per peer (None where a side is missing)."""
+    keys = ["ttft_p50_ms", "itl_p50_ms", "itl_short_p50_ms", "turn_ms"]
+    mine = summaries.get(ours)
+    out = {}
+    for name, s in summaries.items():
+        if name == ours or mine is None:
+            continue
+        out[name] = {k: (mine[k] / s[k] if mine.get(k) and s.get(k) else None) for k in keys}
+        if s.get("cold_ttft_p50_ms") and mine.get("ttft_p50_ms"):
+            out[name]["ttft_vs_cold"] = mine["ttft_p50_ms"] / s["cold_ttft_p50_ms"]
+    return out
+
+
+def targets(summaries: dict[str, dict], ours: str = OURS) -> list[dict]:
+    """The issue's targets as [{"target", "ratio", "met"}] (ratio None when a side is missing)."""
+    res = []
+    for name, k_ours, peer, k_peer, bound in TARGETS:
+        a, b = summaries.get(ours, {}).get(k_ours), summaries.get(peer, {}).get(k_peer)
+        r = a / b if a and b else None
+        res.append({"target": name, "ratio": r, "bound": bound, "met": r is not None and r <= bound})
+    return res
+
+
+def agreement(runs: dict[str, dict], a: str = OURS, b: str = "tokenspeed-fp32") -> dict | None:
+    """Share of decisions where two engines produced the same tool call (quality guard)."""
+    if a not in runs or b not in runs:
+        return None
+    pairs = list(zip(runs[a]["turns"], runs[b]["turns"]))
+    same = sum(x["tool_call"] == y["tool_call"] for x, y in pairs)
+    return {"engines": [a, b], "same_calls": same, "calls": len(pairs), "rate": same / len(pairs) if pairs else None,
+            "valid": {a: sum(bool(x["valid"]) for x, _ in pairs), b: sum(bool(y["valid"]) for _, y in pairs)}}
+
+
+def write_report(report: dict, out_dir: Path) -> tuple[Path, Path]:
+    """Write report.json and aal.png (matplotlib Agg) into out_dir; returns both paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "report.json"
+    json_path.write_text(json.dumps(report, indent=1))
+    s = report["summary"]
+    names = list(s)
+    panels = [("decision TTFT p50 (ms)", "ttft_p50_ms", None), ("ITL p50 (ms)", "itl_p50_ms", "floor_ms"),
+              ("ITL short context p50 (ms)", "itl_short_p50_ms", "floor_ms"), ("10-call turn (s)", "turn_ms", None)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4))
+    for ax, (title, key, floor_key) in zip(axes, panels):
+        vals = [(s[n].get(key) or 0) / (1e3 if key == "turn_ms" else 1) for n in names]
+        bars = ax.bar(range(len(names)), vals, color=["#1f77b4" if n.startswith("tokenspeed") else "#999999" for n in names])
+        if floor_key:
+            for i, n in enumerate(names):
+                if s[n].get(floor_key):
+                    ax.hlines(s[n][floor_key], i - 0.4, i + 0.4, colors="red", linestyles="dashed")
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_yscale("log" if key in ("ttft_p50_ms", "turn_ms") else "linear")
+    fig.suptitle(f"Agent Action Latency - {report['machine']['threads']} threads, "
+                 f"{report['machine']['bandwidth_gbs']:.1f} GB/s (red: weight-read floor)", fontsize=10)
+    fig.tight_layout()
+    png_path = out_dir / "aal.png"
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return json_path, png_path
+
+
+def _fmt(v, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def print_table(report: dict) -> None:
+    """Print the per-engine table, the ratio table and the targets with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=200)
+    m = report["machine"]
+    t = Table(title=f"AAL: {report['workload']['calls']} calls, context to {report['workload']['context_tokens_last']} "
+                    f"tokens, {m['threads']} threads, bandwidth {m['bandwidth_gbs']:.1f} GB/s")
+    cols = [("engine", "engine", 0), ("TTFT p50", "ttft_p50_ms", 1), ("TTFT p90", "ttft_p90_ms", 1),
+            ("cold TTFT", "cold_ttft_p50_ms", 0), ("ITL p50", "itl_p50_ms", 2), ("ITL p90", "itl_p90_ms", 2),
+            ("ITL short", "itl_short_p50_ms", 2), ("floor/tok", "floor_ms", 2), ("turn ms", "turn_ms", 0),
+            ("tok/s", "tokens_per_s", 1), ("RSS MiB", "peak_rss_mb", 0), ("fwd/call", "forwards_per_call", 1),
+            ("jump-fwd", "jump_forward_tokens", 0), ("valid", "valid_calls", 0)]
+    for label, _, _ in cols:
+        t.add_column(label, justify="left" if label == "engine" else "right")
+    for s in report["summary"].values():
+        t.add_row(*[_fmt(s.get(k), d) if k != "engine" else s[k] for _, k, d in cols])
+    console.print(t)
+    r = Table(title=f"ratios {OURS} / peer (lower is better)")
+    for label in ("peer", "TTFT", "TTFT vs cold", "ITL", "ITL short", "turn"):
+        r.add_column(label, justify="right")
+    for peer, x in report["ratios"].items():
+        r.add_row(peer, *[_fmt(x.get(k), 3) for k in ("ttft_p50_ms", "ttft_vs_cold", "itl_p50_ms", "itl_short_p50_ms", "turn_ms")])
+    console.print(r)
+    for tg in report["targets"]:
+        mark = "MET" if tg["met"] else ("n/a" if tg["ratio"] is None else "MISSED")
+        console.print(f"  [{mark}] {tg['target']}: {_fmt(tg['ratio'], 3)}")
+    if report.get("agreement"):
+        a = report["agreement"]
+        console.print(f"  quality guard: int8 vs fp32 greedy calls agree on {a['same_calls']}/{a['calls']} decisions; "
+                      f"valid {a['valid']}")
+    for note in report.get("notes", []):
+        console.print(f"  note: {note}")

@@ -1,0 +1,114 @@
+"""AAL benchmark: deterministic workload, identical prompts across engines, call validation,
+report maths, the quick end-to-end run (no speed assertions) and the GPU script on CPU."""
+import importlib.util
+import json
+
+import pytest
+
+import tokenspeed
+from tokenspeed.bench import main as bench_main
+from tokenspeed.bench.aal import build_job
+from tokenspeed.bench.gpu import run_gpu
+from tokenspeed.bench.peers import check_call
+from tokenspeed.bench.report import agreement, percentile, summarize, targets
+from tokenspeed.bench.workload import Workload, bfcl_tool, build_workload
+
+
+def test_workload_is_deterministic_and_round_trips(tmp_path):
+    a, b = build_workload(seed=3), build_workload(seed=3)
+    assert a.to_json() == b.to_json()
+    assert build_workload(seed=4).to_json() != a.to_json()
+    assert len(a.turns) == 10 and len(build_workload(seed=3, quick=True).turns) == 2
+    names = [t["function"]["name"] for t in a.tools]
+    assert {"pick", "place", "place_order"} <= set(names) and len(names) == len(set(names))
+    assert Workload.load(a.save(tmp_path / "w.json")).to_json() == a.to_json()
+    with pytest.raises(ValueError):
+        build_workload(n_calls=-1)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not an AAL workload"):
+        Workload.load(tmp_path / "bad.json")
+
+
+def test_bfcl_schemas_become_bounded_json_schema():
+    tool = bfcl_tool({"name": "math.hypot", "description": "d", "parameters": {
+        "type": "dict", "properties": {"x": {"type": "float"}, "n": {"type": "integer"}, "s": {"type": "string"}},
+        "required": ["x", "missing"]}})
+    p = tool["function"]["parameters"]
+    assert p["type"] == "object" and p["required"] == ["x"] and p["additionalProperties"] is False
+    assert p["properties"]["x"]["type"] == "number" and "maximum" in p["properties"]["x"]
+    assert "maximum" in p["properties"]["n"] and p["properties"]["s"]["maxLength"] > 0
+    tokenspeed.Engine.load("tiny-random").session(tools=[tool])  # compiles in TokenSpeed's grammar
+
+
+def test_job_feeds_peers_the_ids_a_tokenspeed_session_holds():
+    wl = build_workload(seed=0, quick=True)
+    job = build_job(wl, threads=1, cold_turns=[1])
+    engine = tokenspeed.Engine.load("tiny-random")  # same tokenizer as the real model
+    session = engine.session(system=wl.system, tools=wl.tools)
+    assert session.tokens == job["system_ids"]
+    expected = list(job["system_ids"])
+    for obs, ids in zip(wl.turns[0].observations, job["turns"][0]["obs_ids"]):
+        session.observe(obs.content, role=obs.role, kind=obs.kind, source=obs.source)
+        expected += ids
+    assert session.tokens == expected
+    assert job["turns"][1]["schema"]["properties"]["name"] == {"const": wl.turns[1].expect}  # named choice
+    assert "oneOf" in job["turns"][0]["schema"]
+
+
+def test_check_call_validates_against_the_tool_schema():
+    tools = build_workload(seed=0, quick=True).tools
+    ok = '<tool_call>[{"name": "pick", "arguments": {"object": "red_cube"}}]</tool_call>'
+    assert check_call(ok, tools) == ({"name": "pick", "arguments": {"object": "red_cube"}}, True)
+    assert check_call(ok, tools, expect_name="place")[1] is False
+    assert check_call(ok.replace("red_cube", "pink_cube"), tools)[1] is False
+    assert check_call('<tool_call>[{"name": "pick"', tools) == (None, False)
+
+
+def _run(engine, ttfts, itl, turn_ms, calls):
+    return {"engine": engine, "config": "", "threads": 2, "weight_bytes": 140e6, "peak_rss_mb": 100.0,
+            "short_itl_ms": itl, "cold_ttft_ms": [{"turn": 0, "context_tokens": 4000, "ttft_ms": 30000.0}],
+            "turns": [{"ttft_ms": t, "itl_ms": itl, "decide_ms": 100.0, "turn_ms": turn_ms, "output_tokens": 10,
+                       "forwards": 5, "forced_tokens": 4, "valid": True, "context_tokens": 1000, "tool_call": c}
+                      for t, c in zip(ttfts, calls)]}
+
+
+def test_report_percentiles_ratios_targets_and_agreement():
+    assert percentile([5, 1, 4, 2, 3], 50) == 3 and percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90) == 9
+    assert percentile([], 50) is None
+    runs = {"tokenspeed-int8": _run("tokenspeed-int8", [50, 60, 70], [10.0], 300, [{"a": 1}, {"b": 2}, {"c": 3}]),
+            "tokenspeed-fp32": _run("tokenspeed-fp32", [50, 60, 70], [20.0], 600, [{"a": 1}, {"b": 2}, {"x": 0}]),
+            "llama.cpp": _run("llama.cpp", [1000, 1200, 1500], [15.0], 3000, [{}, {}, {}])}
+    s = {k: summarize(r, bandwidth_gbs=14.0) for k, r in runs.items()}
+    assert s["tokenspeed-int8"]["ttft_p50_ms"] == 60 and s["tokenspeed-int8"]["floor_ms"] == pytest.approx(10.0)
+    assert s["llama.cpp"]["turn_ms"] == 9000 and s["tokenspeed-int8"]["jump_forward_tokens"] == 12
+    met = {t["target"]: t["met"] for t in targets(s)}
+    assert all(met.values()), targets(s)
+    a = agreement(runs)
+    assert a["same_calls"] == 2 and a["calls"] == 3
+
+
+@pytest.mark.timeout(1200)
+def test_quick_aal_runs_every_engine_and_writes_the_report(tmp_path, capsys):
+    assert bench_main(["aal", "--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    engines = set(report["summary"])
+    expected = {"tokenspeed-int8", "tokenspeed-fp32", "transformers"}
+    if importlib.util.find_spec("llama_cpp") is not None:
+        expected.add("llama.cpp")
+    assert engines == expected
+    for s in report["summary"].values():
+        assert s["calls"] == 2 and s["ttft_p50_ms"] > 0 and s["peak_rss_mb"] > 0 and s["floor_ms"] > 0
+    # TokenSpeed's grammar guarantees schema-valid calls; jump-forward skips forwards.
+    assert report["summary"]["tokenspeed-int8"]["valid_calls"] == 2
+    assert report["summary"]["tokenspeed-int8"]["jump_forward_tokens"] > 0
+    assert report["agreement"]["calls"] == 2
+    assert (tmp_path / "aal.png").stat().st_size > 10_000
+    assert "ratios tokenspeed-int8 / peer" in capsys.readouterr().out
+
+
+def test_gpu_script_runs_on_cpu_with_small_shapes(tmp_path):
+    res = run_gpu(device="cpu", quick=True, out=tmp_path / "gpu.json")
+    assert len(res["rows"]) == 4 and res["bandwidth_gbs"] > 0
+    for r in res["rows"]:
+        assert r["ttft_ms"] > 0 and r["itl_p50_ms"] > 0 and r["floor_ctx_ms"] >= r["floor_ms"] > 0
+    assert json.loads((tmp_path / "gpu.json").read_text())["rows"][0]["model"].startswith("tiny-shape")
