@@ -3,6 +3,7 @@
     tokenspeed call --tools tools.json --prompt "Pick up the red cube."   # one tool call + timings
     tokenspeed generate --prompt "Write a haiku about robots."             # streams text
     tokenspeed draft build-data|train|eval                                 # draft-model recipe
+    tokenspeed bench aal [--quick] | gpu                                   # latency benchmark vs peers
     tokenspeed <subcommand> --help
 
 `--model` takes a .gguf file, a Hugging Face safetensors folder, or nothing (the embedded
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .draft import add_parser as add_draft_parser
     add_draft_parser(sub)  # tokenspeed draft build-data | train | eval
+
+    from .bench import add_parser as add_bench_parser
+    add_bench_parser(sub)  # tokenspeed bench aal | gpu
     return parser
 
 
