@@ -308,3 +308,16 @@ def test_bridge_process_with_its_params_file(probe, ros_env, tmp_path):
     finally:
         sub.close()
         assert stop(bridge) == 0, log.read_text()
+
+
+def test_params_file_lists_every_parameter_with_valid_values():
+    import yaml
+
+    from agent_support import ROOT
+    from tokenspeed_ros.market_bridge import MarketBridgeParams
+
+    values = yaml.safe_load((ROOT / "launch" / "config" / "market_bridge.yaml").read_text())["/**"]["ros__parameters"]
+    assert set(values) == set(MarketBridgeParams.model_fields) - {"system_prompt"}
+    MarketBridgeParams(**values)
+    tools = json.loads((ROOT / "launch" / "config" / "trading_tools.json").read_text())
+    assert [t["function"]["name"] for t in tools] == ["place_order", "cancel_order", "hold"]
