@@ -10,6 +10,8 @@ Three threads, none waiting on another:
   summaries and hands triggers (price move, trade burst, timer) to the executor; a newer trigger
   replaces one not yet taken (`triggers_coalesced`). Silence longer than `feed_gap_s` after the
   first message raises the feed-gap alarm (counted as "feed_gap", cleared by the next message).
+  While the engine has nothing to do, the symbol's state is streamed into the session every
+  `stream_period_s` (streaming prefill), so a decision prefills only its trigger line.
 - executor (main) thread: opens one decision per trigger in the shared `DeadlineMonitor`, whose
   deadline is the triggering tick's exchange timestamp + `deadline_budget_s`; sends it to the
   engine when the engine is free (a trigger waiting behind a busy engine is answered "superseded"
@@ -95,6 +97,8 @@ class MarketBridgeParams(BaseModel):
     burst_trades: int = Field(5, ge=1, description="trades within burst_window_s that trigger")
     burst_window_s: float = Field(1.0, gt=0.0, description="trade-burst window (s)")
     timer_s: float = Field(10.0, ge=0.0, description="trigger when nothing else did for this long (s); 0 = off")
+    stream_period_s: float = Field(
+        2.0, ge=0.0, description="prefill the market state this often while the engine is idle (s); 0 = off")
 
     # decisions and the deadline monitor
     deadline_budget_s: float = Field(2.0, gt=0.0, description="tick timestamp -> action deadline (s)")
@@ -139,11 +143,13 @@ class MarketBridgeParams(BaseModel):
 
 @dataclass
 class Trigger:
-    """Why and on which tick a decision was asked: stamp_s = the tick's exchange timestamp (s)."""
+    """Why and on which tick a decision was asked: stamp_s = the tick's exchange timestamp (s);
+    streamed = the symbol's state was prefilled within stream_period_s before it."""
 
     reason: str
     stamp_s: float
     features: dict
+    streamed: bool = False
 
 
 @dataclass
@@ -154,18 +160,29 @@ class _Rules:
     last_t: float
     last_trade_t: float = 0.0
     last_tick_t: float = -math.inf
+    last_stream_t: float = -math.inf
 
 
-def observation_text(trigger: Trigger, move_bps: float) -> str:
-    """Compact text for the session (~45 tokens): the tick's book, latest trades, and the trigger.
+def state_text(f: dict) -> str:
+    """The market state of one symbol as prefilled into the session (~40 tokens).
 
-    Example: "BTC-USD price_move: mid 78325.50 (+6.1bp), spread 1.00, imbalance +0.42,
-    volatility 0.8bp, trades buy 0.1210@78326 sell 0.0500@78325"
+    Example: "BTC-USD book: mid 78325.50, spread 1.00, imbalance +0.42, volatility 0.8bp,
+    trades buy 0.1210@78326 sell 0.0500@78325"
+    """
+    trades = " ".join(f"{side} {amount:.4f}@{price:.0f}" for side, price, amount in f["trades"]) or "none"
+    return (f"{f['symbol']} book: mid {f['mid']:.2f}, spread {f['spread']:.2f}, imbalance {f['imbalance']:+.2f}, "
+            f"volatility {f['volatility_bps']:.1f}bp, trades {trades}")
+
+
+def trigger_text(trigger: Trigger) -> str:
+    """What is prefilled when a decision starts: only the trigger line (~15 tokens) when the state
+    was streamed in moments before, else the state too.
+
+    Example: "BTC-USD price_move: mid 78325.50 (+6.1bp since the last decision)"
     """
     f = trigger.features
-    trades = " ".join(f"{side} {amount:.4f}@{price:.0f}" for side, price, amount in f["trades"]) or "none"
-    return (f"{f['symbol']} {trigger.reason}: mid {f['mid']:.2f} ({move_bps:+.1f}bp), spread {f['spread']:.2f}, "
-            f"imbalance {f['imbalance']:+.2f}, volatility {f['volatility_bps']:.1f}bp, trades {trades}")
+    line = f"{f['symbol']} {trigger.reason}: mid {f['mid']:.2f} ({f['move_bps']:+.1f}bp since the last decision)"
+    return line if trigger.streamed else f"{state_text(f)}\n{line}"
 
 
 class _ReportingMonitor(DeadlineMonitor):
@@ -213,6 +230,7 @@ class MarketBridgeNode(Node):
         self._dispatched_at = 0.0                    # time.monotonic() of the last dispatch
         self.engine_turn_s: deque = deque(maxlen=10_000)  # dispatch -> engine result (prefill + decide), s
         self._queued: int | None = None              # decision waiting for the engine
+        self._streaming = False                      # a streamed state is waiting or being prefilled
         self._stop = threading.Event()
 
         self._zmq = zmq.Context()
@@ -310,6 +328,7 @@ class MarketBridgeNode(Node):
             rules.last_tick_t = t
             self._publish_tick(f)
         if reason is None:
+            self._stream(rules, f)
             return
         f["move_bps"] = move_bps
         rules.mid_ref, rules.last_t = f["mid"], t
@@ -318,8 +337,21 @@ class MarketBridgeNode(Node):
         with self._slot_lock:
             if self._slot is not None:
                 self.counts["triggers_coalesced"] += 1
-            self._slot = Trigger(reason, t, f)
+            self._slot = Trigger(reason, t, f, streamed=t - rules.last_stream_t <= p.stream_period_s)
         self._wake_trigger.trigger()
+
+    def _stream(self, rules: _Rules, f: dict) -> None:
+        """Streaming prefill: hand the state to the engine every stream_period_s while it has no
+        decision and no other state to prefill, so a decision only prefills its trigger line."""
+        p = self.p
+        if (p.stream_period_s <= 0 or self.worker is None or self.worker.state != "ready"
+                or f["timestamp"] - rules.last_stream_t < p.stream_period_s
+                or self._outstanding is not None or self._queued is not None or self._streaming):
+            return
+        rules.last_stream_t = f["timestamp"]
+        self._streaming = True            # cleared when the engine reports it prefilled
+        self.counts["states_streamed"] += 1
+        self.worker.observe(f"market:{f['symbol']}", state_text(f), f["timestamp"])
 
     def _publish_tick(self, f: dict) -> None:
         msg = MarketTick(exchange=f["exchange"], symbol=f["symbol"], bid=f["bid"], ask=f["ask"], mid=f["mid"],
@@ -363,14 +395,14 @@ class MarketBridgeNode(Node):
             return
         self._outstanding = decision_id
         self._dispatched_at = time.monotonic()
-        self.worker.observe(f"market:{trig.features['symbol']}", observation_text(trig, trig.features["move_bps"]),
-                            trig.stamp_s)
+        self.worker.observe(f"trigger:{trig.features['symbol']}", trigger_text(trig), trig.stamp_s)
         self.worker.decide(decision_id, time.monotonic() + remaining_s)
 
     def _on_engine_output(self) -> None:
         for item in self.worker.drain():
-            if not isinstance(item, ModelResult):
-                continue  # an observation prefilled
+            if not isinstance(item, ModelResult):   # an observation prefilled
+                self._streaming &= not item.source.startswith("market:")
+                continue
             if item.decision_id == self._outstanding:
                 self._outstanding = None
                 self.engine_turn_s.append(time.monotonic() - self._dispatched_at)

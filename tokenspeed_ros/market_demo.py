@@ -54,7 +54,8 @@ def summary(node: MarketBridgeNode, received: int, replay_stats: dict) -> str:
         f"bad records handled: {sum(bad.values())} " + json.dumps(bad)
         + f"; feed-gap alarms: {feed['feed_gap']} (the replay's end included)",
         f"triggers: " + json.dumps({k[8:]: v for k, v in counts.items() if k.startswith("trigger_")})
-        + f", {counts['triggers_coalesced']} coalesced before the executor took them",
+        + f", {counts['triggers_coalesced']} coalesced before the executor took them; "
+        f"{counts['states_streamed']} book states prefilled between decisions",
         f"decisions: {len(outcomes)} published ({received} received over ZeroMQ), {len(model)} by the model, "
         f"{len(outcomes) - len(model)} hold fallbacks; outcomes " + json.dumps(reasons),
         f"deadline hit rate: {met}/{len(outcomes)} = {met / max(1, len(outcomes)):.1%} "
@@ -62,7 +63,7 @@ def summary(node: MarketBridgeNode, received: int, replay_stats: dict) -> str:
         f"tick-to-decision latency, all decisions: {_percentiles_ms([o['latency_s'] for o in outcomes])}",
         f"tick-to-decision latency, model decisions: {_percentiles_ms([o['latency_s'] for o in model])}",
         f"time to first token, model decisions: {_percentiles_ms([o['ttft_s'] for o in model if o['ttft_s']])}",
-        f"engine turn (prefill of the tick + decide), late ones included: {_percentiles_ms(list(node.engine_turn_s))}; "
+        f"engine turn (a streamed prefill still running, the trigger line, decide), late ones included: {_percentiles_ms(list(node.engine_turn_s))}; "
         f"{node.monitor.counts['late_result_dropped']} late model results dropped",
     ]
     for o in model[:3]:
