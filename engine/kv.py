@@ -19,12 +19,14 @@ prefix with one position per slot):
 - Cold tier: evicted pages are copied to host memory (pinned on CUDA) with per-page key
   min/max summaries; it holds at most `cold` tokens and, when full, drops superseded pages
   first, then the lowest score at eviction time. `cold=0` drops evicted entries.
-- Recall (Quest-style): after each forward the last query of every layer and head bounds each
+- Recall (Quest-style): after each forward the last (up to 32) queries of every layer and head
+  - an observation's own tokens when it is prefilled, the current token when decoding - bound each
   cold page's best possible score, sum_d max(q_d * kmin_d, q_d * kmax_d) / sqrt(D); pages whose
   bound could take more than `recall_threshold` of the softmax (against the forward's
-  log-sum-exp) are prefetched, at most `max_recall_pages`. Before the next forward the exact
+  log-sum-exp) are prefetched (the best 4 x `max_recall_pages`). Before the next forward the exact
   scores of the prefetched keys decide: a page whose best exact probability passes the
-  threshold is merged back into the hot tier (a prefetch hit), the others are discarded (a
+  threshold is merged back into the hot tier (a prefetch hit) together with the rest of its
+  observation (segments up to 8 pages: a fact comes back whole), the others are discarded (a
   miss). On CUDA the host->device copies run on a side stream (pinned memory, non_blocking)
   and overlap the rest of the forward and the sampling; on CPU the "copy" is the host tensor
   itself, so recall is synchronous.
@@ -40,6 +42,7 @@ to `capacity` (budget + `reserve`); only a full cache forces an eviction mid-dec
 """
 from __future__ import annotations
 
+import bisect
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -239,7 +242,7 @@ class TieredKVCache(KVCache):
             self.score[start:S] = 0.0
         self.score[:S] += mass / (self.args.n_layers * self.args.n_heads)
         if self.cold is not None and self.cold.slot_of:
-            r = min(T, 4)  # the last few queries predict the next forward's
+            r = min(T, 32)  # an observation's own queries, or the decode step's one query
             self._q[layer] = q[0, :, -r:].float().clone()
             self._lse[layer] = lse[:, -r:].clone()
             if layer == self.args.n_layers - 1:
@@ -362,7 +365,7 @@ class TieredKVCache(KVCache):
         ok = bound > math.log(cfg.recall_threshold)
         if not bool(ok.any()):
             return
-        cand = torch.argsort(bound, descending=True)[: 2 * cfg.max_recall_pages]
+        cand = torch.argsort(bound, descending=True)[: 4 * cfg.max_recall_pages]
         cand = [pids[i] for i in cand.tolist() if bool(ok[i])]
         staged = []
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
@@ -396,26 +399,45 @@ class TieredKVCache(KVCache):
         best = cold.exact_scores(kp, counts, q, lse)
         hits = [i for i in torch.argsort(best, descending=True).tolist()
                 if float(best[i]) > cfg.recall_threshold][: cfg.max_recall_pages]
-        room, fits = self.capacity - self.n, []
-        for i in hits:
-            if staged[i][3].shape[0] <= room:
-                fits.append(i)
-                room -= staged[i][3].shape[0]
-        hits = fits
         self.totals["prefetch_hits"] += len(hits)
         self.totals["prefetch_misses"] += len(staged) - len(hits)
-        if not hits:
+        # pid -> (k, v, pos, initial score): a hit page starts with its eviction score, at least
+        # its predicted probability; the rest of its observation comes back with it.
+        chosen = {staged[i][0]: (*staged[i][1:], max(float(cold.score[cold.slot_of[staged[i][0]]]), float(best[i])))
+                  for i in hits}
+        for pid in list(chosen):
+            for sib in self._segment_pages(pid):
+                if sib not in chosen and sib in cold.slot_of:
+                    sl = cold.slot_of[sib]
+                    c = int(cold.count[sl])
+                    chosen[sib] = (cold.k[sl, :, :, :c].to(self.k.device), cold.v[sl, :, :, :c].to(self.v.device),
+                                   cold.pos[sl, :c].clone(), float(cold.score[sl]))
+        room, take = self.capacity - self.n, []
+        for pid, (_, _, pos, _) in chosen.items():
+            if pos.shape[0] <= room:
+                take.append(pid)
+                room -= pos.shape[0]
+        if not take:
             return
-        k = torch.cat([staged[i][1] for i in hits], dim=2)
-        v = torch.cat([staged[i][2] for i in hits], dim=2)
-        pos = torch.cat([staged[i][3] for i in hits])
-        # A recalled page starts with the score it was evicted with, at least its predicted mass.
-        score = torch.cat([torch.full((staged[i][3].shape[0],), max(float(cold.score[cold.slot_of[staged[i][0]]]),
-                                                                    float(best[i])))
-                           for i in hits])
-        cold.remove([staged[i][0] for i in hits])
+        k = torch.cat([chosen[p][0] for p in take], dim=2)
+        v = torch.cat([chosen[p][1] for p in take], dim=2)
+        pos = torch.cat([chosen[p][2] for p in take])
+        score = torch.cat([torch.full((chosen[p][2].shape[0],), chosen[p][3]) for p in take])
+        cold.remove(take)
         self._insert(k, v, pos, score)
         self.totals["recalled"] += pos.shape[0]
+
+    def _segment_pages(self, pid: int) -> list[int]:
+        # Pages of the (short, <= 8 pages) observations that overlap page `pid`.
+        page, lo, hi = self.config.page, pid * self.config.page, (pid + 1) * self.config.page
+        out = []
+        i = bisect.bisect_right([g.start for g in self.segments], lo) - 1
+        for g in self.segments[max(i, 0):]:
+            if g.start >= hi:
+                break
+            if g.end > lo and g.end - g.start <= 8 * page:
+                out.extend(range(g.start // page, (g.end - 1) // page + 1))
+        return out
 
     # ------------------------------------------------------------ rollback and metrics
 
