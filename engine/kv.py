@@ -19,8 +19,8 @@ prefix with one position per slot):
 - Cold tier: evicted pages are copied to host memory (pinned on CUDA) with per-page key
   min/max summaries; it holds at most `cold` tokens and, when full, drops superseded pages
   first, then the lowest score at eviction time. `cold=0` drops evicted entries.
-- Recall (Quest-style): after each forward the last (up to 32) queries of every layer and head
-  - an observation's own tokens when it is prefilled, the current token when decoding - bound each
+- Recall (Quest-style): after each forward the queries of its last `recall_queries` tokens (an
+  observation's tail when prefilling, the current token when decoding), per layer and head, bound each
   cold page's best possible score, sum_d max(q_d * kmin_d, q_d * kmax_d) / sqrt(D); pages whose
   bound could take more than `recall_threshold` of the softmax (against the forward's
   log-sum-exp) are prefetched (the best 4 x `max_recall_pages`). Before the next forward the exact
@@ -66,7 +66,8 @@ class KVConfig:
         page: tokens per eviction/recall page.
         decay: per-new-token decay of relevance scores, in (0, 1].
         recall_threshold: softmax probability a cold page must be able to reach to be recalled.
-        max_recall_pages: pages recalled at most per forward.
+        max_recall_pages: pages recalled at most per forward (plus the rest of their observations).
+        recall_queries: newest tokens of a forward whose queries score the cold pages.
         reserve: extra hot capacity for prefill chunks and decisions before eviction is forced.
     Raises (on construction):
         ValueError: a size or rate is out of range.
@@ -78,8 +79,9 @@ class KVConfig:
     sinks: int = 4
     page: int = 16
     decay: float = 0.995
-    recall_threshold: float = 0.05
-    max_recall_pages: int = 4
+    recall_threshold: float = 0.1
+    max_recall_pages: int = 2
+    recall_queries: int = 8
     reserve: int = 768
 
     def __post_init__(self):
@@ -88,8 +90,9 @@ class KVConfig:
         if self.budget < self.sinks + self.recent + 2 * self.page:
             raise ValueError(f"KVConfig: budget {self.budget} must exceed sinks + recent + 2 pages "
                              f"({self.sinks + self.recent + 2 * self.page} tokens)")
-        if self.cold < 0 or self.reserve < self.page or self.max_recall_pages < 0:
-            raise ValueError(f"KVConfig: cold >= 0, reserve >= page, max_recall_pages >= 0 (got {self})")
+        if self.cold < 0 or self.reserve < self.page or self.max_recall_pages < 0 or self.recall_queries < 1:
+            raise ValueError(f"KVConfig: need cold >= 0, reserve >= page, max_recall_pages >= 0, "
+                             f"recall_queries >= 1 (got {self})")
         if not 0.0 < self.decay <= 1.0 or not 0.0 < self.recall_threshold < 1.0:
             raise ValueError(f"KVConfig: decay in (0, 1], recall_threshold in (0, 1) (got {self})")
 
@@ -242,7 +245,7 @@ class TieredKVCache(KVCache):
             self.score[start:S] = 0.0
         self.score[:S] += mass / (self.args.n_layers * self.args.n_heads)
         if self.cold is not None and self.cold.slot_of:
-            r = min(T, 32)  # an observation's own queries, or the decode step's one query
+            r = min(T, self.config.recall_queries)  # the newest tokens' queries
             self._q[layer] = q[0, :, -r:].float().clone()
             self._lse[layer] = lse[:, -r:].clone()
             if layer == self.args.n_layers - 1:

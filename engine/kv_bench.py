@@ -1,6 +1,6 @@
 """Accuracy and cost of the relevance-pruned, tiered KV cache (`tokenspeed.kv`) on a real model.
 
-    python -m tokenspeed.kv_bench needle --stream 3000 6000 --facts 10      # (a) needle in a sensor stream
+    python -m tokenspeed.kv_bench needle --stream 3000 3000 3000 3000 --facts 5  # (a) 20 cases
     python -m tokenspeed.kv_bench agreement --history 4096 --budgets 1024 512  # (b) greedy agreement, KL
     python -m tokenspeed.kv_bench cost --history 1024 4096 16384 --budget 1024 # ITL / decision TTFT
 
@@ -10,7 +10,9 @@ and `cost` return the rows (lists of dicts) for other benchmarks to call.
 Workload: a robot agent whose early context holds safety notes ("part_07 is fragile: always
 grasp it with force 3"), followed by a stream of sensor readings (`kind="sensor"`, three
 sources, superseded by newer readings) interleaved with event-log lines (`kind="text"`, never
-superseded), then one question per note. All text is generated from a seeded RNG.
+superseded), then one question per note. All text is generated from a seeded RNG. The event
+lines do not name parts: with part names in them the 135M model already fails with the full
+cache, which would make the comparison vacuous.
 """
 from __future__ import annotations
 
@@ -38,10 +40,8 @@ TOOLS = [{"type": "function", "function": {
 def _reading(rng: random.Random, i: int) -> tuple[str, str, str]:
     # (text, kind, source): sensor readings from three sources, with an event-log line between.
     if i % 2:
-        part, station = rng.choice(PARTS), rng.randint(1, 9)
-        what = rng.choice(["passed inspection at station", "moved on conveyor to station",
-                           "was scanned at station", "waits in the buffer of station"])
-        return f"event {i:05d}: {part} {what} {station}.", "text", ""
+        return (f"event {i:05d}: conveyor {rng.randint(1, 4)} at {rng.uniform(0.1, 0.9):.2f} m/s, station "
+                f"{rng.randint(1, 9)} at {rng.uniform(20, 40):.1f} C, {rng.randint(0, 30)} items queued.", "text", "")
     src = ["joint_states", "wrist_ft", "camera"][(i // 2) % 3]
     if src == "joint_states":
         return "joint_states: q=[" + ", ".join(f"{rng.uniform(-2, 2):.3f}" for _ in range(7)) + "]", "sensor", src
@@ -52,13 +52,17 @@ def _reading(rng: random.Random, i: int) -> tuple[str, str, str]:
                                   for p in seen), "sensor", src
 
 
-def _stream(session, rng: random.Random, tokens: int) -> float:
-    """Observe readings until `tokens` more tokens are in the context; returns seconds."""
+def _stream(session, rng: random.Random, tokens: int, batch: int = 1) -> float:
+    """Observe readings until `tokens` more tokens are in the context; returns seconds.
+    batch > 1 joins that many readings into one text observation (faster prefill)."""
     t0, target, i = time.perf_counter(), session.num_tokens + tokens, 0
     while session.num_tokens < target:
-        text, kind, source = _reading(rng, i)
-        session.observe(text, kind=kind, source=source)
-        i += 1
+        readings = [_reading(rng, i + j) for j in range(batch)]
+        i += batch
+        if batch == 1:
+            session.observe(readings[0][0], kind=readings[0][1], source=readings[0][2])
+        else:
+            session.observe("\n".join(r[0] for r in readings))
     return time.perf_counter() - t0
 
 
@@ -66,7 +70,7 @@ def _session(engine, kv: KVConfig | None):
     return engine.session(system=SYSTEM, tools=TOOLS, kv_budget=kv, capacity=None if kv else 16384)
 
 
-def needle(engine, configs: dict[str, KVConfig | None], streams=(3000, 6000), facts: int = 10,
+def needle(engine, configs: dict[str, KVConfig | None], streams=(3000, 3000, 3000, 3000), facts: int = 5,
            seed: int = 0, log=print) -> list[dict]:
     """(a) Needle in a sensor stream: per stream length, `facts` safety notes, then the stream,
     then one `grasp` question per note (checkpoint / decide / rollback, so questions do not see
@@ -124,7 +128,7 @@ def agreement(engine, history: int = 4096, budgets=(1024, 512), cold: int = 4096
         notes = [(p, rng.randint(1, 9)) for p in rng.sample(PARTS, 5)]
         for part, force in notes:
             full.observe(f"Safety note: {part} is fragile. Always grasp {part} with force {force}.")
-        _stream(full, random.Random(seed + 200 + tr), history - full.num_tokens)
+        _stream(full, random.Random(seed + 200 + tr), history - full.num_tokens, batch=4)
         n_ctx = full.num_tokens
         ref_tokens, ref_logits = [], []
         full.observe(question)
@@ -143,7 +147,7 @@ def agreement(engine, history: int = 4096, budgets=(1024, 512), cold: int = 4096
                 rng = random.Random(seed + tr)
                 for part, force in [(p, rng.randint(1, 9)) for p in rng.sample(PARTS, 5)]:
                     s.observe(f"Safety note: {part} is fragile. Always grasp {part} with force {force}.")
-                _stream(s, random.Random(seed + 200 + tr), history - s.num_tokens)
+                _stream(s, random.Random(seed + 200 + tr), history - s.num_tokens, batch=4)
                 got = _teacher_forced_logits(s, question, ref_tokens)
                 lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
                 kl = (lp.exp() * (lp - lq)).sum(-1)
@@ -158,10 +162,11 @@ def agreement(engine, history: int = 4096, budgets=(1024, 512), cold: int = 4096
 
 def cost(engine, histories=(1024, 4096, 16384), budget: int = 1024, decisions: int = 3, seed: int = 0,
          full_upto: int = 4096, log=print) -> list[dict]:
-    """Decision TTFT and ITL (ms) after `histories` tokens of stream, pruned to `budget` (with a
-    cold tier), and with the full cache for histories <= full_upto. Returns rows: config,
+    """Decision TTFT and ITL (ms) after `histories` tokens of stream (8 readings per observation),
+    pruned to `budget` (with a cold tier), and with the full cache for histories <= full_upto.
+    Decisions run without jump-forward so every token is a decode step. Returns rows: config,
     history, ttft_ms (median), itl_ms (median over all decode steps), hot, cold (tokens),
-    kv_bytes (hot tier allocation), rss_mb."""
+    kv_bytes (hot tier allocation), rss_mb (peak resident set of the process)."""
     import resource
 
     rows = []
@@ -170,7 +175,7 @@ def cost(engine, histories=(1024, 4096, 16384), budget: int = 1024, decisions: i
             if kv is None and h > full_upto:
                 continue
             s = _session(engine, kv)
-            _stream(s, random.Random(seed + h), h - s.num_tokens)
+            _stream(s, random.Random(seed + h), h - s.num_tokens, batch=8)
             ttft, itl = [], []
             for i in range(decisions):
                 cp = s.checkpoint()
@@ -200,10 +205,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the rows to this file")
     sub = ap.add_subparsers(dest="what", required=True)
     a = sub.add_parser("needle")
-    a.add_argument("--stream", type=int, nargs="+", default=[3000, 6000], help="stream tokens per session")
-    a.add_argument("--facts", type=int, default=10)
+    a.add_argument("--stream", type=int, nargs="+", default=[3000, 3000, 3000, 3000],
+                   help="stream tokens per session (one session each, with its own notes)")
+    a.add_argument("--facts", type=int, default=5, help="safety notes per session")
     a.add_argument("--budget", type=int, default=1024)
     a.add_argument("--cold", type=int, default=4096)
+    a.add_argument("--configs", nargs="+", default=["full", "pruned", "pruned+cold"],
+                   choices=["full", "pruned", "pruned+cold"])
     b = sub.add_parser("agreement")
     b.add_argument("--history", type=int, default=4096)
     b.add_argument("--budgets", type=int, nargs="+", default=[1024, 512])
@@ -220,13 +228,14 @@ def main(argv=None) -> int:
     if args.what == "needle":
         configs = {"full": None, "pruned": KVConfig(budget=args.budget, cold=0),
                    "pruned+cold": KVConfig(budget=args.budget, cold=args.cold)}
+        configs = {k: v for k, v in configs.items() if k in args.configs}
         rows = needle(engine, configs, args.stream, args.facts, log=log)
         print("\n| config | cases | correct | accuracy |\n|---|---|---|---|")
         for name in configs:
             r = [x for x in rows if x["config"] == name]
             print(f"| {name} | {len(r)} | {sum(x['correct'] for x in r)} | {sum(x['correct'] for x in r) / len(r):.2f} |")
         full = {(x["stream"], x["part"]): x["correct"] for x in rows if x["config"] == "full"}
-        for name in configs:
+        for name in configs if full else ():
             same = sum(full[(x["stream"], x["part"])] == x["correct"] for x in rows if x["config"] == name)
             print(f"# {name}: same outcome as full cache in {same}/{len(full)} cases")
     elif args.what == "agreement":
