@@ -226,7 +226,8 @@ class TieredKVCache(KVCache):
         self.segments: list = []
         self._q: list[torch.Tensor | None] = [None] * args.n_layers    # last queries per layer [H, R, D]
         self._lse: list[torch.Tensor | None] = [None] * args.n_layers  # their log-sum-exp [H, R]
-        self._staged: list = []      # prefetched pages: (pid, k, v, pos, score) awaiting the exact check
+        self._staged: list = []      # prefetched pages (pid, k, v, pos) awaiting the exact check
+        self._staged_q = None        # the queries and log-sum-exp that shortlisted them
         self._stream = torch.cuda.Stream(device) if torch.device(device or "cpu").type == "cuda" else None
         self._event = None
         self._floor = 0              # next position after a rollback that lost its newest tokens
@@ -292,7 +293,7 @@ class TieredKVCache(KVCache):
         """Move whole pages out of the hot tier until at most `target` slots remain.
 
         protect: optional [n] bool of slots that must stay. Pinned and recent tokens are never
-        evicted, so fewer slots may remain when they alone exceed `target`.
+        evicted, so more slots remain when they alone exceed `target`.
         """
         n, cfg = self.n, self.config
         if n <= target:
@@ -392,6 +393,9 @@ class TieredKVCache(KVCache):
             torch.cuda.current_stream().wait_event(self._event)
             self._event = None
         cfg, cold = self.config, self.cold
+        staged = [st for st in staged if st[0] in cold.slot_of]  # the cold tier may have dropped some
+        if not staged:
+            return
         q, lse = self._staged_q
         page = cfg.page
         kp = torch.zeros(len(staged), *staged[0][1].shape[:2], page, staged[0][1].shape[-1],
