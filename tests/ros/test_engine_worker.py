@@ -1,0 +1,68 @@
+"""EngineWorker with the real engine (tiny-random): readings that arrive faster than the engine
+prefills them are coalesced (the backlog never exceeds one per source), decisions run on the
+engine thread, and a load failure leaves a usable worker in state "fault"."""
+import json
+import threading
+import time
+
+from rclpy.logging import get_logger
+
+from agent_support import ROOT
+from tokenspeed_ros.deadline_monitor import ModelResult
+from tokenspeed_ros.engine_worker import EngineWorker, Observed
+
+TOOLS = json.loads((ROOT / "launch" / "config" / "robot_tools.json").read_text())
+
+
+def make_worker(model: str, woke: threading.Event) -> EngineWorker:
+    return EngineWorker(model=model, threads=0, system="You control a robot arm.", tools=TOOLS,
+                        tool_choice={"name": "hold"}, kv_budget=1024, notify=woke.set, logger=get_logger("test"))
+
+
+def collect(worker: EngineWorker, woke: threading.Event, until, timeout: float) -> list:
+    out, end = [], time.monotonic() + timeout
+    while time.monotonic() < end and not until(out):
+        woke.wait(0.1)
+        woke.clear()
+        out += worker.drain()
+    return out
+
+
+def test_readings_coalesce_and_decisions_run_on_the_engine_thread():
+    woke = threading.Event()
+    worker = make_worker("tiny-random", woke)
+    worker.start()
+    try:
+        assert collect(worker, woke, lambda _: worker.state != "loading", 120) == []
+        assert worker.state == "ready", worker.fault
+        texts = [f"joints q=[{i / 100:.2f},0.00] (rad)" for i in range(60)]
+        for i, text in enumerate(texts):
+            worker.observe("joint_states", text, stamp_s=float(i))
+        worker.observe("goal", "goal: hold still", stamp_s=60.0, kind="text")
+        worker.decide(7, time.monotonic() + 60.0)
+        out = collect(worker, woke, lambda items: any(isinstance(i, ModelResult) for i in items), 120)
+    finally:
+        assert worker.close(timeout=30.0)
+    seen = [o for o in out if isinstance(o, Observed) and o.source == "joint_states"]
+    assert 1 <= len(seen) < len(texts)
+    assert seen[-1].text == texts[-1] and seen[-1].stamp_s == 59.0 and seen[-1].tokens > 0
+    assert worker.coalesced == len(texts) - len(seen)
+    result = next(o for o in out if isinstance(o, ModelResult))
+    assert (result.decision_id, result.status, result.tool_call) == (7, "ok", {"name": "hold", "arguments": {}})
+    assert out.index(result) > out.index(seen[-1])         # the decision saw the latest reading
+
+
+def test_load_failure_gives_engine_fault_results():
+    woke = threading.Event()
+    worker = make_worker("/nonexistent/model.gguf", woke)
+    worker.start()
+    try:
+        collect(worker, woke, lambda _: worker.state != "loading", 30)
+        assert worker.state == "fault" and "ModelLoadError" in worker.fault
+        worker.observe("camera", "objects none visible", stamp_s=1.0)
+        worker.decide(1, time.monotonic() + 1.0)
+        out = collect(worker, woke, lambda items: len(items) >= 2, 10)
+    finally:
+        assert worker.close()
+    assert out[0] == Observed("camera", "objects none visible", 1.0, 0)
+    assert out[1].status == "engine_fault" and "ModelLoadError" in out[1].reason
