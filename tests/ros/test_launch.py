@@ -123,3 +123,11 @@ def test_launcher_runs_both_nodes_and_ctrl_c_leaves_no_process(probe, ros_env):
     time.sleep(0.2)
     assert not [p for p in pids if _alive(p)], out
     assert "stopping: SIGINT" in out
+
+
+def test_a_node_failing_ends_the_launch_with_its_status(ros_env):
+    """Bad parameters: the agent exits 2 with a message naming the parameter; the launch stops."""
+    out = subprocess.run([str(BIN / "tokenspeed_launch"), "agent", "--set", "tokenspeed_agent.fallback=explode"],
+                         env=ros_env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "fallback" in out.stderr and "tokenspeed_agent exited with status 2" in out.stdout
