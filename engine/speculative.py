@@ -122,8 +122,11 @@ class DraftModel(nn.Module):
             net = Transformer(args)
         net = net.to_empty(device=p.device).to(p.dtype)
         with torch.no_grad():
-            for name, w in net.named_parameters():  # small random init (loaded or copied later)
-                w.fill_(1.0) if w.dim() == 1 else w.normal_(0.0, 0.02)
+            for w in net.parameters():  # small random init (loaded or copied later)
+                if w.dim() == 1:
+                    w.fill_(1.0)
+                else:
+                    w.normal_(0.0, 0.02)
             net.output.weight.copy_(target.output.weight[vocab.to(p.device)])
         net.tok_embeddings = target.tok_embeddings
         net.output.weight.requires_grad_(False)
@@ -191,11 +194,14 @@ class DraftModel(nn.Module):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"draft model {path} does not exist")
-        with safe_open(str(path), "pt") as f:
-            raw = (f.metadata() or {}).get("tokenspeed_draft")
-            if raw is None:
-                raise ValueError(f"{path} is not a tokenspeed draft (no 'tokenspeed_draft' metadata)")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        try:
+            with safe_open(str(path), "pt") as f:
+                raw = (f.metadata() or {}).get("tokenspeed_draft")
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ValueError(f"{path} is not a readable safetensors file: {exc}") from exc
+        if raw is None:
+            raise ValueError(f"{path} is not a tokenspeed draft (no 'tokenspeed_draft' metadata)")
         meta = json.loads(raw)
         if meta["target"] != fingerprint(target):
             raise ValueError(f"{path} was trained for another target model (fingerprint {meta['target']})")

@@ -42,7 +42,7 @@ def cmd_train(args) -> int:
     from .train import train
 
     report = train(_engine(args), Path(args.data), Path(args.out), epochs=args.epochs, lr=args.lr,
-                   n_layers=args.layers, hidden_dim=args.hidden, vocab_size=args.vocab,
+                   n_layers=args.layers, hidden_dim=args.hidden, vocab_size=args.vocab, aux_weight=args.aux_weight,
                    checkpoint_every=args.checkpoint_every, resume=args.resume, seed=args.seed,
                    install=DEFAULT_DRAFT if args.install else None)
     print(json.dumps(report, indent=1))
@@ -52,7 +52,7 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     """Acceptance and speed per drafter on the held-out split."""
     from ..speculative import DEFAULT_DRAFT, DraftModel
-    from .evaluate import evaluate
+    from .evaluate import evaluate, verify_cost
 
     engine = _engine(args)
     path = Path(args.draft) if args.draft else DEFAULT_DRAFT
@@ -60,6 +60,8 @@ def cmd_eval(args) -> int:
     report = evaluate(engine, Path(args.data), draft, k=args.k, limit=args.limit, repeats=args.repeats,
                       families=args.family)
     report["draft"] = None if draft is None else str(path)
+    if args.verify_cost:
+        report["verify_forward_ms"] = verify_cost(engine)
     text = json.dumps(report, indent=1)
     if args.json:
         Path(args.json).write_text(text)
@@ -109,6 +111,7 @@ def add_parser(sub) -> None:
     p.add_argument("--layers", type=int, default=1, help="draft decoder layers")
     p.add_argument("--hidden", type=int, default=768, help="draft SwiGLU width")
     p.add_argument("--vocab", type=int, default=4096, help="draft output vocabulary (tokens)")
+    p.add_argument("--aux-weight", type=float, default=0.0, help="loss weight of grammar-forced tokens")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--install", action="store_true", help="also write the package's default draft")
@@ -123,6 +126,7 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="most held-out rows")
     p.add_argument("--repeats", type=int, default=3, help="timing repeats per row and setting")
     p.add_argument("--family", action="append", choices=["robot", "trading", "bfcl"], help="only these")
+    p.add_argument("--verify-cost", action="store_true", help="also time target forwards over 1..16 tokens")
     p.add_argument("--json", default=None, help="also write the report here")
     p.set_defaults(func=_guarded(cmd_eval))
 

@@ -187,6 +187,7 @@ def build_data(engine, tasks: list[Task], out: Path, max_tokens: int = 128) -> d
             row = dict(asdict(task), prompt_ids=prompt_ids, output_ids=output_ids,
                        forced=forced_mask(matcher, output_ids), text=d.text)
             f.write(json.dumps(row) + "\n")
+            f.flush()  # an interrupted run leaves a usable file
             written[task.split] += 1
     return {"written": written, "skipped": skipped, "path": str(out)}
 

@@ -13,6 +13,9 @@ default adaptive setting for timing. Reported per setting:
   forced tokens excluded) and tokens_per_forward (all output tokens, forced included);
 - identical: outputs equal to plain greedy (must be all);
 - total_ms / itl_ms medians over repeats (this machine is shared and noisy).
+
+`verify_cost` measures the target forward time against the number of tokens verified at once:
+the basis for a single chain rather than a token tree (a tree verifies more tokens per forward).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from tqdm import tqdm
 from ..speculative import DraftModel, SpecConfig
 from .data import read_data
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "verify_cost"]
 
 
 def _settings(draft: DraftModel | None, k: int) -> dict[str, SpecConfig | None]:
@@ -115,3 +118,29 @@ def evaluate(engine, data: Path, draft: DraftModel | None, *, k: int = 6, limit:
             "speedup_vs_plain": plain_ms / statistics.median(st["total_ms"]) if st["total_ms"] and plain_ms else None,
         }
     return {"rows": len(rows), "k": k, "repeats": repeats, "settings": report}
+
+
+def verify_cost(engine, sizes=(1, 2, 4, 8, 16), context: int = 600, repeats: int = 7) -> dict:
+    """Median milliseconds of one target forward over T new tokens after `context` cached tokens.
+
+    Returns {T: ms}. Random token ids (cost does not depend on them).
+    """
+    import time
+
+    import torch
+
+    model = engine.model
+    cache = model.new_cache(context + max(sizes))
+    ids = torch.randint(0, engine.args.vocab_size, (context + max(sizes),))
+    model(ids[:context], torch.arange(context), cache, "none")
+    out = {}
+    for T in sizes:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(ids[context:context + T], torch.arange(context, context + T), cache, "all")
+            times.append((time.perf_counter() - t0) * 1e3)
+            cache.truncate(context)
+        out[T] = round(statistics.median(times), 2)
+    return out
+

@@ -3,8 +3,8 @@
 The draft (`tokenspeed.speculative.DraftModel`) is one or two Llama decoder layers between the
 target's frozen token embeddings and the target's frozen lm_head rows for a reduced vocabulary.
 Its layers start as slices of the target's first layers. Loss: cross-entropy against the
-target's greedy token at every output position the draft will be asked about (grammar-forced
-positions are skipped: they are never drafted by a model). One sequence per step (the full
+target's greedy token at every output position the draft will be asked about; grammar-forced
+positions (never drafted by a model) weigh `aux_weight`. One sequence per step (the full
 context - system prompt, tool schemas, observations - then the call), AdamW, cosine decay.
 
 CPU-feasible: ~0.2-1 s per step on 2 cores for a 1-layer draft. Checkpoints (weights, optimizer,
@@ -44,16 +44,20 @@ def draft_vocab(rows: list[dict], size: int, stop_ids: list[int]) -> torch.Tenso
     return torch.tensor(sorted(ids), dtype=torch.long)
 
 
-def _example(row: dict, index: torch.Tensor):
-    """(tokens [T], logit rows [K], targets [K] in draft-vocab indices) for one dataset row."""
+def _example(row: dict, index: torch.Tensor, aux_weight: float):
+    """(tokens [T], logit rows [K], targets [K] in draft-vocab indices, weights [K]) for one row:
+    decided output tokens weigh 1, grammar-forced ones `aux_weight` (0 drops them)."""
     ids = row["prompt_ids"] + row["output_ids"]
     p0 = len(row["prompt_ids"])
-    rows, targets = [], []
+    rows, targets, weights = [], [], []
     for j, (t, forced) in enumerate(zip(row["output_ids"], row["forced"])):
-        if not forced and index[t] >= 0:
+        w = aux_weight if forced else 1.0
+        if w > 0 and index[t] >= 0:
             rows.append(p0 + j - 1)
             targets.append(int(index[t]))
-    return torch.tensor(ids), torch.tensor(rows, dtype=torch.long), torch.tensor(targets, dtype=torch.long)
+            weights.append(w)
+    return (torch.tensor(ids), torch.tensor(rows, dtype=torch.long), torch.tensor(targets, dtype=torch.long),
+            torch.tensor(weights))
 
 
 def _logits(draft: DraftModel, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -96,7 +100,8 @@ def _index(draft: DraftModel) -> torch.Tensor:
 
 
 def train(engine, data: Path, out_dir: Path, *, epochs: float = 2.0, lr: float = 1e-3, n_layers: int = 1,
-          hidden_dim: int = 768, vocab_size: int = 4096, checkpoint_every: int = 100, resume: bool = False,
+          hidden_dim: int = 768, vocab_size: int = 4096, aux_weight: float = 0.0, checkpoint_every: int = 100,
+          resume: bool = False,
           seed: int = 0, install: Path | None = None, progress: bool = True) -> dict:
     """Train a draft for `engine`'s target on the dataset's train split.
 
@@ -107,6 +112,8 @@ def train(engine, data: Path, out_dir: Path, *, epochs: float = 2.0, lr: float =
         epochs: passes over the train split (fractional allowed).
         lr: peak AdamW learning rate. n_layers, hidden_dim: draft architecture.
         vocab_size: draft output vocabulary size (tokens).
+        aux_weight: loss weight of grammar-forced output tokens (never drafted by the model, but
+            extra signal about where in the call it is); decided tokens weigh 1.
         checkpoint_every: steps between checkpoints.
         resume: continue from `out_dir/checkpoint.pt` if present.
         install: also write the final draft there (e.g. the package's default draft path).
@@ -150,19 +157,21 @@ def train(engine, data: Path, out_dir: Path, *, epochs: float = 2.0, lr: float =
     loss_ema = None
     bar = tqdm(total=total, initial=step, desc="draft train", unit="step", disable=not progress)
     while step < total:
-        tokens, rows_k, targets = _example(train_rows[schedule[step]], index)
+        tokens, rows_k, targets, weights = _example(train_rows[schedule[step]], index, aux_weight)
         step += 1
         bar.update(1)
         if len(rows_k) == 0:
             continue
         for g in opt.param_groups:  # linear warm-up (20 steps), cosine decay to 10%
             g["lr"] = lr * min(1.0, step / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total)))
-        loss = torch.nn.functional.cross_entropy(_logits(draft, tokens, rows_k), targets)
+        ce = torch.nn.functional.cross_entropy(_logits(draft, tokens, rows_k), targets, reduction="none")
+        loss = (ce * weights).sum() / weights.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        loss_ema = float(loss) if loss_ema is None else 0.95 * loss_ema + 0.05 * float(loss)
+        value = loss.item()
+        loss_ema = value if loss_ema is None else 0.95 * loss_ema + 0.05 * value
         bar.set_postfix(loss=f"{loss_ema:.3f}")
         if step % checkpoint_every == 0 or step == total:
             torch.save({"weights": draft.trainable_state(), "optimizer": opt.state_dict(), "step": step,
@@ -171,7 +180,7 @@ def train(engine, data: Path, out_dir: Path, *, epochs: float = 2.0, lr: float =
     draft.eval()
     report = {"steps": step, "train_rows": len(train_rows), "heldout_rows": len(held_rows),
               "seconds": round(time.perf_counter() - t0, 1), "train_loss_ema": loss_ema,
-              "n_layers": n_layers, "hidden_dim": hidden_dim, "vocab": len(vocab),
+              "n_layers": n_layers, "hidden_dim": hidden_dim, "vocab": len(vocab), "aux_weight": aux_weight,
               "heldout_agreement": heldout_report(draft, held_rows)}
     final = out_dir / "draft.safetensors"
     draft.save(final, extra=report)

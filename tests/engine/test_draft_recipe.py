@@ -1,0 +1,65 @@
+"""The draft recipe end to end on a tiny configuration: build-data with the real target (a few
+robot, trading and BFCL tasks), train a small draft with a checkpoint and a resume, evaluate it
+on the held-out split, and load it into a speculating session."""
+import json
+
+import pytest
+
+import tokenspeed
+from tokenspeed.draft import main
+from tokenspeed.draft.data import read_data
+from tokenspeed.speculative import DraftModel, SpecConfig
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tokenspeed.Engine.load()
+
+
+def test_recipe_end_to_end(tmp_path, engine, capsys):
+    data = tmp_path / "data.jsonl"
+    assert main(["build-data", "--out", str(data), "--robot", "2", "--trading", "2", "--bfcl-limit", "2"]) == 0
+    header, rows = read_data(data)
+    assert {r["split"] for r in rows} == {"train", "heldout"}  # index 0 of each family is held out
+    assert {r["family"] for r in rows} == {"robot", "trading", "bfcl"}
+    for r in rows:
+        assert len(r["forced"]) == len(r["output_ids"]) and 0 < sum(r["forced"]) < len(r["forced"])
+        assert engine.tokenizer.decode(r["output_ids"]) == r["text"]
+    capsys.readouterr()
+
+    out = tmp_path / "run"
+    small = ["--data", str(data), "--out", str(out), "--hidden", "64", "--vocab", "512", "--checkpoint-every", "1"]
+    assert main(["train", *small, "--epochs", "1"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(["train", *small, "--epochs", "2", "--resume"]) == 0  # continues from the checkpoint
+    second = json.loads(capsys.readouterr().out)
+    assert second["steps"] == 2 * first["steps"] == 2 * first["train_rows"]
+    assert second["heldout_agreement"]["overall"]["tokens"] > 0
+
+    assert main(["eval", "--data", str(data), "--draft", str(out / "draft.safetensors"), "--repeats", "1",
+                 "--k", "3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    settings = report["settings"]
+    assert report["rows"] == 3 and set(settings) == {"plain", "lookup", "model", "lookup+model", "adaptive"}
+    for name, s in settings.items():
+        assert s["identical"] == "3/3", name  # lossless: every setting reproduces plain greedy
+    assert settings["model"]["proposed"] > 0 and settings["plain"]["proposed"] == 0
+
+    draft = DraftModel.load(out / "draft.safetensors", engine.model)
+    saved = engine.speculation
+    engine.speculation = SpecConfig(draft=draft)
+    try:
+        assert engine.session().generate("Say yes.", max_tokens=4)
+    finally:
+        engine.speculation = saved
+
+
+def test_draft_errors_are_clear(tmp_path, engine, capsys):
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["train", "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path)])
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a file")
+    with pytest.raises(ValueError, match="not a readable safetensors"):
+        DraftModel.load(bad, engine.model)
+    with pytest.raises(FileNotFoundError):
+        DraftModel.load(tmp_path / "none.safetensors", engine.model)
