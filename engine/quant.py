@@ -1,5 +1,11 @@
 """Weight-only quantized linears, swapped in for `nn.Linear` (gpt-fast style).
 
+`quantize(model, "int4")` replaces every block projection with an `Int4Linear`: 4-bit codes in
+groups of 32 input channels with a scale and a minimum per group - the layout of GGUF Q4_1, so a
+model converted from a Q4_1 file gets its original codes back exactly (only the group scale and
+minimum are rounded to bf16) - run by `torch._weight_int4pack_mm_for_cpu` (CPU only). The lm_head
+becomes an `Int8Linear` (GGUF files usually keep it at 8 bits).
+
 `quantize(model, "int8")` replaces every projection of a `Transformer` (QKV, output, gate/up,
 down and the lm_head) with an `Int8Linear`: int8 weights with one fp32 scale per output channel
 (symmetric, scale = max|w_row| / 127). The embedding table stays in the model's dtype (a gather
@@ -17,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Int8Linear", "quantize", "linear_rows", "MODES", "PACKED_ROWS"]
+__all__ = ["Int8Linear", "Int4Linear", "quantize", "linear_rows", "MODES", "PACKED_ROWS"]
 
-MODES = ("int8",)
+MODES = ("int8", "int4")
 PACKED_ROWS = 32  # rows up to which the packed int8 kernel beats dequantize + GEMM (measured, 2-core CPU)
 
 
@@ -71,6 +77,49 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
+class Int4Linear(nn.Module):
+    """Weight-only 4-bit linear layer, asymmetric groups of `group_size` input channels (GGUF Q4_1 layout).
+
+    w[n, k] = code[n, k] * scale[n, g] + min[n, g] with g = k // group_size, codes in 0..15.
+    Buffers: packed (`torch._convert_weight_to_int4pack_for_cpu` layout), scale_zeros
+    [in / group_size, out, 2] bf16 (the kernel's (code - 8) * scale + zero form), bias or None.
+
+    forward(x [..., in]) -> [..., out] in x's dtype (activations rounded to bf16 for the kernel).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32):
+        super().__init__()
+        w = weight.detach().float()
+        n, k = w.shape
+        if not self.supports(w.shape, group_size):
+            raise ValueError(f"Int4Linear needs in_features divisible by {group_size} and out_features by 8, got {n}x{k}")
+        wg = w.reshape(n, k // group_size, group_size)
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        codes = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).reshape(n, k)
+        zero = lo + 8 * scale
+        self.in_features, self.out_features, self.group_size = k, n, group_size
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))
+        self.register_buffer("scale_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @staticmethod
+    def supports(shape: tuple[int, int], group_size: int = 32) -> bool:
+        """Whether a weight of `shape` [out, in] fits the packed int4 kernel."""
+        return shape[1] % group_size == 0 and shape[0] % 8 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).to(torch.bfloat16), self.packed,
+                                              self.group_size, self.scale_zeros).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group_size}"
+
+
 def linear_rows(linear: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Project x [M, in] onto the output rows `rows` [K] int64 of an `nn.Linear` or `Int8Linear`.
 
@@ -99,16 +148,23 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
 
     Args:
         model: a `tokenspeed.Transformer` (any module works).
-        mode: one of `MODES` ("int8").
+        mode: "int8" (every linear `Int8Linear`) or "int4" (`Int4Linear` where the shape fits, the
+            lm_head - a child named "output" - and any other linear `Int8Linear`).
     Returns:
         the same model.
     Raises:
-        ValueError: unknown mode.
+        ValueError: unknown mode, or "int4" on a model that is not on the CPU.
     """
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r}; choose one of {MODES}")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
+            if not isinstance(child, nn.Linear):
+                continue
+            if mode == "int4" and child.weight.device.type != "cpu":
+                raise ValueError("int4 quantization runs on the CPU only; use int8 or the float model on this device")
+            if mode == "int4" and name != "output" and Int4Linear.supports(child.weight.shape):
+                setattr(parent, name, Int4Linear(child.weight, child.bias))
+            else:
                 setattr(parent, name, Int8Linear.from_linear(child))
     return model

@@ -149,7 +149,7 @@ class Engine:
             threads: torch intra-op threads (None leaves torch's default).
             dtype: weight and KV-cache dtype.
             device: torch device string.
-            quantize: None, or "int8" for weight-only int8 linears (`tokenspeed.quant`).
+            quantize: None, "int8" or "int4" (CPU) for weight-only quantized linears (`tokenspeed.quant`).
         Raises:
             ModelLoadError: bad path or unsupported file.
             ValueError: unknown quantize mode.

@@ -3,8 +3,9 @@
 1. Generate (or load) the workload (`workload.py`), tokenize it once with the model's own
    tokenizer and chat template into a job file, so every engine is fed the same token ids.
 2. Measure the machine's memory read bandwidth (torch sum over 256 MiB with the run's threads).
-3. Run each engine in its own process (`peers.py`): TokenSpeed int8 and fp32 (the quality
-   guard compares their calls), llama.cpp and transformers, same GGUF model, same threads.
+3. Run each engine in its own process (`peers.py`): TokenSpeed int4 (the GGUF's Q4_1 codes) and
+   fp32 (the quality guard compares their calls), llama.cpp and transformers, same GGUF model,
+   same threads.
 4. Summarise, compare, print a rich table, write report.json and aal.png (`report.py`).
 """
 from __future__ import annotations
@@ -22,9 +23,10 @@ from pathlib import Path
 from . import report as rep
 from .workload import Workload, build_workload
 
-__all__ = ["ENGINES", "LLAMA_CPP_INSTALL", "build_job", "measure_bandwidth", "run_aal"]
+__all__ = ["ENGINES", "DEFAULT_ENGINES", "LLAMA_CPP_INSTALL", "build_job", "measure_bandwidth", "run_aal"]
 
-ENGINES = ["tokenspeed:int8", "tokenspeed", "llama.cpp", "transformers"]
+ENGINES = ["tokenspeed:int4", "tokenspeed:int8", "tokenspeed", "llama.cpp", "transformers"]
+DEFAULT_ENGINES = ["tokenspeed:int4", "tokenspeed", "llama.cpp", "transformers"]
 LLAMA_CPP_INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install -e ".[bench]"   '
                      "(llama-cpp-python has no binary wheel here: it builds from source, ~10 min on 2 cores)")
 SHORT_SYSTEM = "You are a helpful assistant."
@@ -32,7 +34,7 @@ _PEERS = Path(__file__).with_name("peers.py")
 
 
 def _name(engine: str) -> str:
-    return {"tokenspeed:int8": "tokenspeed-int8", "tokenspeed": "tokenspeed-fp32"}.get(engine, engine)
+    return engine.replace(":", "-") if ":" in engine else {"tokenspeed": "tokenspeed-fp32"}.get(engine, engine)
 
 
 def measure_bandwidth(threads: int, mib: int = 256, repeats: int = 5) -> float:
@@ -108,7 +110,8 @@ def run_aal(out_dir: Path, quick: bool = False, seed: int = 0, threads: int = 2,
         quick: small workload (tests); a missing llama-cpp-python is then skipped with a note.
         seed: workload seed; workload: load this workload JSON instead of generating one.
         threads: CPU threads for every engine (torch intra-op threads, llama.cpp n_threads).
-        engines: subset of `ENGINES` (default all).
+        engines: subset of `ENGINES` (default `DEFAULT_ENGINES`: TokenSpeed int4 - the GGUF's own
+            Q4_1 codes - and fp32 for the quality guard, llama.cpp, transformers).
         timeout_s: per-engine process timeout, seconds.
     Returns:
         the report dict.
@@ -117,7 +120,7 @@ def run_aal(out_dir: Path, quick: bool = False, seed: int = 0, threads: int = 2,
             it), or an engine process failed (its stderr tail is in the message).
         ValueError: unknown engine name.
     """
-    engines = list(engines or ENGINES)
+    engines = list(engines or DEFAULT_ENGINES)
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         raise ValueError(f"unknown engines {unknown}; choose from {ENGINES}")

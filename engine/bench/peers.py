@@ -5,10 +5,10 @@ never imports torch):
 
     python engine/bench/peers.py ENGINE JOB.json OUT.json
 
-ENGINE is "tokenspeed" (optionally "tokenspeed:int8"), "llama.cpp" or "transformers". JOB.json
-is written by `tokenspeed.bench.aal`: the workload, the token ids every engine feeds (system
-prompt, each observation, the assistant trigger and end), the call schema of each decision, the
-thread count and model paths. OUT.json receives one record per decision plus the short-context
+ENGINE is "tokenspeed" (fp32; "tokenspeed:int4" / "tokenspeed:int8" quantized), "llama.cpp" or
+"transformers". JOB.json is written by `tokenspeed.bench.aal`: the workload, the token ids every
+engine feeds (system prompt, each observation, the assistant trigger and end), the call schema
+of each decision, the thread count and model paths. OUT.json receives one record per decision plus the short-context
 decode measurement (see `Recorder`).
 
 Every engine answers greedily and keeps its own answer in its context, as an agent does.
@@ -125,13 +125,12 @@ def run_tokenspeed(job: dict, out: str, quantize: str | None) -> None:
 
 
 def _linear_bytes(model) -> int:
-    # Bytes of every projection weight (what one decode step reads), lm_head included once.
+    # Bytes of every projection (what one decode step reads), lm_head included once.
     total = 0
     for m in model.modules():
-        for name in ("weight", "qweight", "scales"):
-            t = m._parameters.get(name) if name == "weight" else m._buffers.get(name)
-            if t is not None and type(m).__name__ in ("Linear", "Int8Linear"):
-                total += t.numel() * t.element_size()
+        if type(m).__name__ in ("Linear", "Int8Linear", "Int4Linear"):
+            tensors = list(m._parameters.values()) + list(m._buffers.values())
+            total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return total
 
 
@@ -319,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     elif engine == "transformers":
         run_transformers(job, out)
     else:
-        print(f"unknown engine {engine!r}: tokenspeed[:int8], llama.cpp or transformers", file=sys.stderr)
+        print(f"unknown engine {engine!r}: tokenspeed[:int4|:int8], llama.cpp or transformers", file=sys.stderr)
         return 2
     return 0
 

@@ -22,7 +22,7 @@ from pathlib import Path
 __all__ = ["percentile", "summarize", "ratios", "targets", "agreement", "write_report", "print_table",
            "OURS", "TARGETS"]
 
-OURS = "tokenspeed-int8"
+OURS = "tokenspeed-int4"
 # (name, our metric, peer, peer metric, bound): ours / peer <= bound, p50s from one run.
 TARGETS = [
     ("ITL short context <= 1.0x llama.cpp", "itl_short_p50_ms", "llama.cpp", "itl_short_p50_ms", 1.0),
@@ -172,10 +172,10 @@ def print_table(report: dict) -> None:
     console.print(r)
     for tg in report["targets"]:
         mark = "MET" if tg["met"] else ("n/a" if tg["ratio"] is None else "MISSED")
-        console.print(f"  [{mark}] {tg['target']}: {_fmt(tg['ratio'], 3)}")
+        console.print(f"  {mark}: {tg['target']} (ratio {_fmt(tg['ratio'], 3)})", markup=False)
     if report.get("agreement"):
         a = report["agreement"]
-        console.print(f"  quality guard: int8 vs fp32 greedy calls agree on {a['same_calls']}/{a['calls']} decisions; "
-                      f"valid {a['valid']}")
+        console.print(f"  quality guard: {a['engines'][0]} vs {a['engines'][1]} greedy calls agree on "
+                      f"{a['same_calls']}/{a['calls']} decisions; valid {a['valid']}", markup=False)
     for note in report.get("notes", []):
-        console.print(f"  note: {note}")
+        console.print(f"  note: {note}", markup=False)

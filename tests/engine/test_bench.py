@@ -75,12 +75,12 @@ def _run(engine, ttfts, itl, turn_ms, calls):
 def test_report_percentiles_ratios_targets_and_agreement():
     assert percentile([5, 1, 4, 2, 3], 50) == 3 and percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90) == 9
     assert percentile([], 50) is None
-    runs = {"tokenspeed-int8": _run("tokenspeed-int8", [50, 60, 70], [10.0], 300, [{"a": 1}, {"b": 2}, {"c": 3}]),
+    runs = {"tokenspeed-int4": _run("tokenspeed-int4", [50, 60, 70], [10.0], 300, [{"a": 1}, {"b": 2}, {"c": 3}]),
             "tokenspeed-fp32": _run("tokenspeed-fp32", [50, 60, 70], [20.0], 600, [{"a": 1}, {"b": 2}, {"x": 0}]),
             "llama.cpp": _run("llama.cpp", [1000, 1200, 1500], [15.0], 3000, [{}, {}, {}])}
     s = {k: summarize(r, bandwidth_gbs=14.0) for k, r in runs.items()}
-    assert s["tokenspeed-int8"]["ttft_p50_ms"] == 60 and s["tokenspeed-int8"]["floor_ms"] == pytest.approx(10.0)
-    assert s["llama.cpp"]["turn_ms"] == 9000 and s["tokenspeed-int8"]["jump_forward_tokens"] == 12
+    assert s["tokenspeed-int4"]["ttft_p50_ms"] == 60 and s["tokenspeed-int4"]["floor_ms"] == pytest.approx(10.0)
+    assert s["llama.cpp"]["turn_ms"] == 9000 and s["tokenspeed-int4"]["jump_forward_tokens"] == 12
     met = {t["target"]: t["met"] for t in targets(s)}
     assert all(met.values()), targets(s)
     a = agreement(runs)
@@ -92,18 +92,18 @@ def test_quick_aal_runs_every_engine_and_writes_the_report(tmp_path, capsys):
     assert bench_main(["aal", "--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     engines = set(report["summary"])
-    expected = {"tokenspeed-int8", "tokenspeed-fp32", "transformers"}
+    expected = {"tokenspeed-int4", "tokenspeed-fp32", "transformers"}
     if importlib.util.find_spec("llama_cpp") is not None:
         expected.add("llama.cpp")
     assert engines == expected
     for s in report["summary"].values():
         assert s["calls"] == 2 and s["ttft_p50_ms"] > 0 and s["peak_rss_mb"] > 0 and s["floor_ms"] > 0
     # TokenSpeed's grammar guarantees schema-valid calls; jump-forward skips forwards.
-    assert report["summary"]["tokenspeed-int8"]["valid_calls"] == 2
-    assert report["summary"]["tokenspeed-int8"]["jump_forward_tokens"] > 0
+    assert report["summary"]["tokenspeed-int4"]["valid_calls"] == 2
+    assert report["summary"]["tokenspeed-int4"]["jump_forward_tokens"] > 0
     assert report["agreement"]["calls"] == 2
     assert (tmp_path / "aal.png").stat().st_size > 10_000
-    assert "ratios tokenspeed-int8 / peer" in capsys.readouterr().out
+    assert "ratios tokenspeed-int4 / peer" in capsys.readouterr().out
 
 
 def test_gpu_script_runs_on_cpu_with_small_shapes(tmp_path):

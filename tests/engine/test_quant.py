@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import tokenspeed
-from tokenspeed.quant import PACKED_ROWS, Int8Linear, linear_rows, quantize
+from tokenspeed.quant import PACKED_ROWS, Int4Linear, Int8Linear, linear_rows, quantize
 
 
 @pytest.mark.parametrize("rows", [1, PACKED_ROWS + 5])  # packed decode kernel and the dequantize path
@@ -17,6 +17,23 @@ def test_int8_linear_matches_fp32(rows):
     assert out.shape == ref.shape and out.dtype == torch.float32
     assert (out - ref).norm() / ref.norm() < 0.02
     assert q.qweight.dtype == torch.int8 and q.qweight.shape == (160, 96)
+
+
+def test_int4_linear_recovers_q4_1_codes_exactly():
+    # Weights on a Q4_1 grid (per group of 32: code * d + m, codes spanning 0..15) come back exactly,
+    # up to the bf16 rounding of the group scale/minimum and of the activations in the kernel.
+    torch.manual_seed(0)
+    codes = torch.randint(0, 16, (64, 128)).float()
+    codes[:, ::32], codes[:, 1::32] = 0, 15
+    d, m = torch.rand(64, 4, 1) * 0.01 + 0.001, torch.randn(64, 4, 1) * 0.01
+    w = (codes.view(64, 4, 32) * d + m).view(64, 128)
+    d, m = d.bfloat16().float(), m.bfloat16().float()
+    lin = Int4Linear(w)
+    x = torch.randn(3, 128)
+    ref = x.bfloat16().float() @ (codes.view(64, 4, 32) * d + m).view(64, 128).T
+    assert (lin(x) - ref).norm() / ref.norm() < 0.01
+    with pytest.raises(ValueError, match="divisible"):
+        Int4Linear(torch.randn(8, 40))
 
 
 def test_linear_rows_equals_selected_columns():
@@ -32,22 +49,22 @@ def test_linear_rows_equals_selected_columns():
         linear_rows(nn.Identity(), x, rows)
 
 
-def test_quantize_swaps_every_linear_and_rejects_unknown_mode():
-    engine = tokenspeed.Engine.load("tiny-random")
-    model = engine.model
-    cache, cache_q = model.new_cache(64), None
+@pytest.mark.parametrize("mode,tol", [("int8", 0.05), ("int4", 0.2)])  # random weights: int4 is coarse
+def test_quantize_swaps_every_linear_and_rejects_unknown_mode(mode, tol):
+    model = tokenspeed.Engine.load("tiny-random").model
     tokens = torch.arange(10, 20)
-    ref = model(tokens, torch.arange(10), cache, "all")
-    quantize(model, "int8")
+    ref = model(tokens, torch.arange(10), model.new_cache(64), "all")
+    quantize(model, mode)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    cache_q = model.new_cache(64)
-    out = model(tokens, torch.arange(10), cache_q, "all")
-    assert (out - ref).norm() / ref.norm() < 0.05
+    assert isinstance(model.output, Int8Linear)
+    assert isinstance(model.layers[0].feed_forward.w13, Int4Linear if mode == "int4" else Int8Linear)
+    out = model(tokens, torch.arange(10), model.new_cache(64), "all")
+    assert (out - ref).norm() / ref.norm() < tol
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize(model, "int3")
 
 
-def test_int8_engine_makes_the_same_robot_calls_as_fp32():
+def test_quantized_engines_make_the_same_robot_calls_as_fp32():
     tools = [{"type": "function", "function": {"name": "pick", "description": "Grasp a cube.", "parameters": {
         "type": "object", "properties": {"object": {"type": "string", "enum": ["red_cube", "green_cube", "blue_cube"]}},
         "required": ["object"]}}},
@@ -58,7 +75,7 @@ def test_int8_engine_makes_the_same_robot_calls_as_fp32():
                                                    "required": ["x", "y"]}}}]
     prompts = ["The green cube is at x=0.42 y=-0.10. Pick up the green cube.", "Move the gripper to x=0.5 y=0.2."]
     calls = {}
-    for mode in (None, "int8"):
+    for mode in (None, "int4"):
         engine = tokenspeed.Engine.load(quantize=mode)
         calls[mode] = []
         for p in prompts:
@@ -67,4 +84,4 @@ def test_int8_engine_makes_the_same_robot_calls_as_fp32():
             d = s.decide()
             assert d.status == "ok", d.reason
             calls[mode].append(d.tool_call)
-    assert calls["int8"] == calls[None]
+    assert calls["int4"] == calls[None]
