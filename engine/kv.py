@@ -36,6 +36,8 @@ prefix with one position per slot):
 - Rollback: `snapshot()` records the hot positions and scores (O(budget)); `restore()` drops
   everything after the checkpoint and brings the recorded hot set back from the cold tier
   (tokens the cold tier has dropped meanwhile cannot come back: counted as `rollback_lost`).
+- Superseded sensor readings are never recalled: recall would otherwise churn on them (a new
+  reading attends strongly to its older, textually similar predecessors).
 
 Decisions never evict: between observe() calls the hot tier may grow by a decision's tokens up
 to `capacity` (budget + `reserve`); only a full cache forces an eviction mid-decision.
@@ -139,11 +141,14 @@ class ColdTier:
         """Store page `pid` (k, v [L, Hkv, c, D] on the compute device, pos [c]); returns tokens
         dropped to make room (the victim is a superseded page first, then the lowest score)."""
         dropped = 0
+        if pid in self.slot_of:  # the kept head of a page cut by a rollback: replaced by its new copy
+            dropped = int(self.count[self.slot_of[pid]])
+            self.remove([pid])
         if not self.free:
             used = torch.tensor(list(self.slot_of.values()))
             key = self.score[used] - 1e9 * self.superseded[used].float()
             victim = int(used[int(key.argmin())])
-            dropped = int(self.count[victim])
+            dropped += int(self.count[victim])
             self.remove([p for p, s in self.slot_of.items() if s == victim])
         s = self.free.pop()
         c = pos.shape[0]
@@ -171,12 +176,11 @@ class ColdTier:
             else:
                 self.count[s] = keep  # min/max over the old superset still bound the keys
 
-    def bound_scores(self, q: torch.Tensor, lse: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """Quest upper bound (minus log-sum-exp) of each stored page's best score.
+    def bound_scores(self, pids: list[int], q: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Quest upper bound (minus log-sum-exp) of the best score in each of the stored pages `pids`.
 
-        q: [L, H, R, D] fp32 queries, lse: [L, H, R]. Returns (page ids, bound [P] fp32).
+        q: [L, H, R, D] fp32 queries, lse: [L, H, R]. Returns bound [P] fp32.
         """
-        pids = list(self.slot_of)
         slots = torch.tensor([self.slot_of[p] for p in pids], device=self.kmin.device)
         L, H, R, D = q.shape
         Hkv = self.kmin.shape[2]
@@ -185,7 +189,7 @@ class ColdTier:
         kmax = self.kmax[slots].permute(1, 2, 3, 0)
         ub = (qg.clamp(min=0) @ kmax + qg.clamp(max=0) @ kmin) / math.sqrt(D)  # [L, Hkv, G*R, P]
         ub = ub - lse.reshape(L, Hkv, -1, 1)
-        return pids, ub.amax(dim=(0, 1, 2))
+        return ub.amax(dim=(0, 1, 2))
 
     def exact_scores(self, kp: torch.Tensor, counts: torch.Tensor, q: torch.Tensor,
                      lse: torch.Tensor) -> torch.Tensor:
@@ -365,7 +369,16 @@ class TieredKVCache(KVCache):
         # After a forward: shortlist cold pages by their Quest bound and start copying them in.
         cfg, cold = self.config, self.cold
         q, lse = torch.stack(self._q), torch.stack(self._lse)            # [L, H, R, D], [L, H, R]
-        pids, bound = cold.bound_scores(q, lse)
+        # Superseded sensor readings stay cold: a newer reading of the same source replaced them.
+        pids = list(cold.slot_of)
+        slots = torch.tensor([cold.slot_of[p] for p in pids])
+        pos, valid = cold.pos[slots], torch.arange(cfg.page) < cold.count[slots].unsqueeze(1)
+        _, sup = self._slot_classes(pos.flatten().to(self.pos.device))
+        sup = (sup.view(pos.shape).cpu() | ~valid).all(dim=1)
+        pids = [p for p, x in zip(pids, sup.tolist()) if not x]
+        if not pids:
+            return
+        bound = cold.bound_scores(pids, q, lse)
         ok = bound > math.log(cfg.recall_threshold)
         if not bool(ok.any()):
             return
