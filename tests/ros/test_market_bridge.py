@@ -295,6 +295,7 @@ def test_bridge_process_with_its_params_file(probe, ros_env, tmp_path):
     sub.setsockopt(zmq.SUBSCRIBE, b"status ")
     sub.connect(decision_ep)
     try:
+        assert probe.spin_until(lambda: probe.node.count_publishers("market/tick") > 0, 30.0), log.read_text()
         replay = subprocess.run([str(BIN / "tokenspeed_market_replay"), "--endpoint", feed_ep, "--speed", "10",
                                  "--duration", "20"], env=ros_env, capture_output=True, text=True, timeout=120)
         assert replay.returncode == 0, replay.stderr
