@@ -290,7 +290,7 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                logits_for: str | torch.Tensor = "last") -> torch.Tensor:
+                logits_for: str | torch.Tensor = "last", head: bool = True) -> torch.Tensor:
         """Append T tokens to the cache and return logits.
 
         Args:
@@ -299,8 +299,10 @@ class Transformer(nn.Module):
             cache: the KV cache; slots [cache.n, cache.n + T) are written and cache.n advances by T.
             logits_for: "last" -> logits [1, vocab] of the last token; "all" -> [T, vocab];
                 an int64 index tensor [K] -> [K, vocab] for those rows; "none" -> None (prefill).
+            head: False -> the final normalised hidden states [K, dim] of those rows instead of
+                logits (the caller projects only the vocabulary rows it needs).
         Returns:
-            fp32 logits as above.
+            fp32 logits (or hidden states) as above.
         Raises:
             ValueError: the cache has no room for T more tokens.
         """
@@ -326,7 +328,8 @@ class Transformer(nn.Module):
             h = h[0, -1:] if logits_for == "last" else h[0]
         else:
             h = h[0, logits_for]
-        return self.output(b.rms_norm(h, self.norm, eps)).float()
+        h = b.rms_norm(h, self.norm, eps)
+        return self.output(h).float() if head else h
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face Llama/Qwen2 names into this module (fusing QKV and gate/up).

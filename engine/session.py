@@ -18,6 +18,7 @@ import torch
 from .grammar import TokenMask, ToolGrammar, ToolSchemaError, normalize_tools, parse_tool_call, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
+from .quant import linear_rows
 from .speculative import SpecConfig, Speculator, decode
 from .tokenizer import Tokenizer
 from .weights import ModelLoadError, load_model_files, resolve_model
@@ -25,6 +26,7 @@ from .weights import ModelLoadError, load_model_files, resolve_model
 __all__ = ["Engine", "Session", "Decision", "Checkpoint", "Segment"]
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the attention mask and activations
+LM_HEAD_ROWS = 4096  # grammar allows at most this many ids next -> project only those lm_head rows
 
 
 @dataclass
@@ -242,6 +244,7 @@ class Session:
         if self.kv is not None:
             self.cache.segments = self.segments  # pins and sensor supersession come from here
         self._mask = TokenMask(self.tok.vocab_size)
+        self._rows_matcher = None  # the running decision's grammar (see _lm_head_rows)
         self.speculator = Speculator(engine.speculation, self.model.args.max_seq_len)
         self._system_text = tools_system_prompt(system, tools)
         self._append(self._render([{"role": "system", "content": self._system_text}]), "system", pinned=True)
@@ -273,15 +276,30 @@ class Session:
         # Prefill/decode `ids` at the next positions; returns logits [1, V] for the last one.
         pos0 = self.cache.next_position()
         self.model.ensure_rope(pos0 + len(ids))  # pruned sessions outgrow max_seq_len
+        rows = self._lm_head_rows(logits_for)
         out = None
         for i in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[i:i + PREFILL_CHUNK]
             last = i + PREFILL_CHUNK >= len(ids)
             t = torch.tensor(chunk, dtype=torch.long)
             pos = torch.arange(pos0 + i, pos0 + i + len(chunk), dtype=torch.long)
-            out = self.model(t, pos, self.cache, logits_for if last else "none")
+            out = self.model(t, pos, self.cache, logits_for if last else "none", head=rows is None)
         self.tokens.extend(ids)
+        if rows is not None:  # logits of the allowed ids only; the rest stay -inf (the mask's value)
+            logits = torch.full((1, self.model.args.vocab_size), float("-inf"))
+            logits[:, rows] = linear_rows(self.model.output, out, rows)
+            out = logits
         return out
+
+    def _lm_head_rows(self, logits_for) -> torch.Tensor | None:
+        # During decide(), a single-row forward whose grammar allows few ids reads only those
+        # lm_head rows (vocab 49152 x dim is a fifth of the model's bytes per token).
+        single = (isinstance(logits_for, str) and logits_for == "last") or (
+            isinstance(logits_for, torch.Tensor) and logits_for.numel() == 1)
+        if self._rows_matcher is None or not single or self._rows_matcher.is_stopped():
+            return None
+        rows = self._mask.allowed(self._rows_matcher).nonzero().flatten()
+        return rows if 0 < len(rows) <= LM_HEAD_ROWS else None
 
     def _flush(self) -> None:
         if self.pending:
@@ -373,8 +391,12 @@ class Session:
         prefill = self.pending + []
         self.pending = []
         d = Decision(status="invalid")
-        out, feed = decode(self, prefill, d, matcher=matcher, jump_forward=jump_forward, max_tokens=max_tokens,
-                           deadline_at=deadline_at, t0=t0)
+        self._rows_matcher = matcher
+        try:
+            out, feed = decode(self, prefill, d, matcher=matcher, jump_forward=jump_forward, max_tokens=max_tokens,
+                               deadline_at=deadline_at, t0=t0)
+        finally:
+            self._rows_matcher = None
         d.prefill_tokens = len(prefill)
         d.text = self.tok.decode(out)
         if deadline_at is not None and time.monotonic() >= deadline_at and d.status != "deadline_missed":

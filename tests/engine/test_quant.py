@@ -85,3 +85,24 @@ def test_quantized_engines_make_the_same_robot_calls_as_fp32():
             assert d.status == "ok", d.reason
             calls[mode].append(d.tool_call)
     assert calls["int4"] == calls[None]
+
+
+def test_decisions_read_only_the_allowed_lm_head_rows_with_the_same_result(monkeypatch):
+    import tokenspeed.session as session_mod
+
+    engine = tokenspeed.Engine.load("tiny-random")
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {"type": "object", "properties": {
+        "object": {"type": "string", "enum": ["red_cube", "green_cube", "blue_cube"]},
+        "speed": {"type": "integer", "minimum": 1, "maximum": 90}}, "required": ["object", "speed"]}}}]
+    seen = []
+    real = session_mod.linear_rows
+    monkeypatch.setattr(session_mod, "linear_rows", lambda lin, x, rows: seen.append(len(rows)) or real(lin, x, rows))
+    results, default = {}, session_mod.LM_HEAD_ROWS
+    for limit in (default, 0):  # 0: always the full lm_head
+        monkeypatch.setattr(session_mod, "LM_HEAD_ROWS", limit)
+        s = engine.session(system="You control a robot arm.", tools=tools)
+        s.observe("Pick up the red cube slowly.")
+        d = s.decide(max_tokens=40)
+        results[limit] = (d.status, d.text)
+    assert seen and max(seen) <= default  # the rows path ran, on small allowed sets
+    assert results[0] == results[default] and results[0][0] == "ok"
