@@ -28,7 +28,7 @@ class AgentParamsError(ValueError):
 class AgentParams(BaseModel):
     """Every parameter of `tokenspeed_agent`. Times in seconds, distances in metres, sizes in pixels."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)   # strict: no bool -> 1.0
 
     # topics (relative names: they follow the node's namespace)
     joint_states_topic: str = Field("joint_states", description="sensor_msgs/JointState input")
@@ -99,11 +99,13 @@ class AgentParams(BaseModel):
     def declare(cls, node) -> "AgentParams":
         """Declare every field on `node` (an rclpy Node) and return the validated values.
 
+        Parameters are declared with dynamic typing and validated here (strictly, except that an
+        integer is accepted for a float), so a wrong type gets a message naming the parameter.
         Raises AgentParamsError naming the bad parameter(s).
         """
         fields = cls.model_fields
         node.declare_parameters("", [
-            (name, f.default, ParameterDescriptor(description=f.description or ""))
+            (name, f.default, ParameterDescriptor(description=f.description or "", dynamic_typing=True))
             for name, f in fields.items()
         ])
         values = {name: node.get_parameter(name).value for name in fields}
