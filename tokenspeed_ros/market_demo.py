@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start", type=float, default=0.0, help="skip this many feed seconds")
     ap.add_argument("--speed", type=float, default=1.0, help="replay speed (feed s per wall s)")
     ap.add_argument("--model", default="", help='"" = embedded SmolLM2-135M, or a path / "tiny-random"')
-    ap.add_argument("--threads", type=int, default=0, help="engine CPU threads (0 = engine default)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="engine CPU threads; 1 keeps latency steady on a shared CPU, 0 = engine default")
     ap.add_argument("--budget", type=float, default=2.0, help="deadline from the tick timestamp, s")
     ap.add_argument("--move-bps", type=float, default=2.0, help="price-move trigger, basis points")
     ap.add_argument("--timer", type=float, default=5.0, help="timer trigger, s (0 = off)")
