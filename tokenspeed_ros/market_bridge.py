@@ -66,7 +66,7 @@ DEFAULT_SYSTEM_PROMPT = (
 class MarketBridgeParams(BaseModel):
     """Every parameter of `tokenspeed_market_bridge`. Times in seconds (s), sizes in base units."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)   # strict: no bool -> 1.0
 
     # ZeroMQ
     feed_endpoint: str = Field("tcp://127.0.0.1:5555", description="market-data SUB endpoint")
@@ -116,12 +116,14 @@ class MarketBridgeParams(BaseModel):
 
     @classmethod
     def declare(cls, node) -> "MarketBridgeParams":
-        """Declare every field on `node` and return the validated values.
+        """Declare every field on `node` and return the validated values (declared with dynamic
+        typing and validated here, as AgentParams does: an integer is fine for a float).
 
         Raises AgentParamsError naming the bad parameter(s).
         """
-        node.declare_parameters("", [(name, f.default, ParameterDescriptor(description=f.description or ""))
-                                     for name, f in cls.model_fields.items()])
+        node.declare_parameters("", [
+            (name, f.default, ParameterDescriptor(description=f.description or "", dynamic_typing=True))
+            for name, f in cls.model_fields.items()])
         values = {name: node.get_parameter(name).value for name in cls.model_fields}
         try:
             return cls(**values)

@@ -335,3 +335,14 @@ def test_params_file_lists_every_parameter_with_valid_values():
     MarketBridgeParams(**values)
     tools = json.loads((ROOT / "launch" / "config" / "trading_tools.json").read_text())
     assert [t["function"]["name"] for t in tools] == ["place_order", "cancel_order", "hold"]
+
+
+def test_bad_parameters_are_refused_by_name(ros, tmp_path):
+    from tokenspeed_ros.params import AgentParamsError
+
+    node, _, _ = start_bridge(ros, tmp_path, timer_s=5, deadline_budget_s=1)   # ints for floats are fine
+    assert (node.p.timer_s, node.p.deadline_budget_s) == (5.0, 1.0)
+    with pytest.raises(AgentParamsError, match="deadline_budget_s"):
+        MarketBridgeNode(parameter_overrides=[Parameter("deadline_budget_s", value=True)])
+    with pytest.raises(AgentParamsError, match="price_band"):
+        MarketBridgeNode(parameter_overrides=[Parameter("price_band", value=-1.0)])
