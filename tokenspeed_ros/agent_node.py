@@ -22,6 +22,7 @@ import time
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from geometry_msgs.msg import PoseStamped
+from rcl_interfaces.msg import SetParametersResult
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
@@ -74,6 +75,8 @@ class AgentNode(Node):
     def __init__(self, **node_kwargs):
         super().__init__("tokenspeed_agent", **node_kwargs)
         self.p = p = AgentParams.declare(self)
+        self.add_on_set_parameters_callback(lambda _: SetParametersResult(
+            successful=False, reason="tokenspeed_agent reads its parameters at start-up; restart it to change them"))
         tools = load_tools(p.resolved_tools_file())
         self.health = InputHealth(self.get_logger())
         self._camera_info: CameraInfo | None = None
