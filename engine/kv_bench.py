@@ -1,5 +1,6 @@
 """Accuracy and cost of the relevance-pruned, tiered KV cache (`tokenspeed.kv`) on a real model.
 
+    tokenspeed bench kv needle ...  (same as python -m tokenspeed.kv_bench needle ...)
     python -m tokenspeed.kv_bench needle --stream 3000 3000 3000 3000 --facts 5  # (a) 20 cases
     python -m tokenspeed.kv_bench agreement --history 4096 --budgets 1024 512  # (b) greedy agreement, KL
     python -m tokenspeed.kv_bench cost --history 1024 4096 16384 --budget 1024 # ITL / decision TTFT

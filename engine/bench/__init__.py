@@ -4,6 +4,7 @@ and `tokenspeed bench gpu` (the same decode path on CUDA against the HBM floor).
     tokenspeed bench aal --quick            # small workload, a minute or two on 2 cores
     tokenspeed bench aal --threads 2        # the full 10-call, ~4K-token run with all peers
     tokenspeed bench gpu                    # CUDA: Llama-3.1-8B-shaped random weights + the real model
+    tokenspeed bench kv needle|agreement|cost   # pruned KV cache accuracy and cost (tokenspeed.kv_bench)
 
 Peers are an optional extra: `pip install -e ".[bench]"` (llama-cpp-python builds from source).
 """
@@ -39,8 +40,14 @@ def _cmd_gpu(args) -> int:
     return 0
 
 
+def _cmd_kv(args) -> int:
+    from ..kv_bench import main as kv_main
+
+    return kv_main(args.kv_args)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `bench` (with `aal` and `gpu`) on an argparse subparsers object; returns it."""
+    """Register `bench` (with `aal`, `gpu` and `kv`) on an argparse subparsers object; returns it."""
     p = subparsers.add_parser("bench", help="benchmarks: aal (agent action latency), gpu")
     sub = p.add_subparsers(dest="bench", required=True)
     a = sub.add_parser("aal", help="Agent Action Latency: TokenSpeed vs llama.cpp vs transformers, one run")
@@ -59,6 +66,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--quick", action="store_true", help="small shapes and few tokens (CPU tests)")
     g.add_argument("--out", default=None, help="write the results as JSON here")
     g.set_defaults(func=_cmd_gpu)
+    k = sub.add_parser("kv", help="pruned, tiered KV cache: needle / agreement / cost (see tokenspeed.kv_bench)",
+                       add_help=False)
+    k.add_argument("kv_args", nargs=argparse.REMAINDER, help="arguments of python -m tokenspeed.kv_bench")
+    k.set_defaults(func=_cmd_kv)
     return p
 
 
