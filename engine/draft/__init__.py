@@ -123,7 +123,7 @@ def add_parser(sub) -> None:
     p.add_argument("--draft", default=None, help="draft .safetensors (default: the shipped one)")
     p.add_argument("--no-draft", action="store_true", help="evaluate prompt lookup and grammar runs only")
     p.add_argument("--k", type=int, default=6, help="fixed proposal length for the acceptance settings")
-    p.add_argument("--limit", type=int, default=None, help="most held-out rows")
+    p.add_argument("--limit", type=int, default=None, help="most held-out rows per task family")
     p.add_argument("--repeats", type=int, default=3, help="timing repeats per row and setting")
     p.add_argument("--family", action="append", choices=["robot", "trading", "bfcl"], help="only these")
     p.add_argument("--verify-cost", action="store_true", help="also time target forwards over 1..16 tokens")

@@ -49,13 +49,19 @@ def evaluate(engine, data: Path, draft: DraftModel | None, *, k: int = 6, limit:
     Args:
         engine: the target `Engine`. data: dataset file. draft: the draft model or None.
         k: fixed proposal length for the acceptance settings.
-        limit: most held-out rows. repeats: timing repeats per row and setting.
+        limit: most held-out rows per task family. repeats: timing repeats per row and setting.
         families: restrict to these task families (robot, trading, bfcl).
     Returns:
         {"rows": n, "settings": {name: metrics}}.
     """
     _, rows = read_data(data, "heldout")
-    rows = [r for r in rows if families is None or r["family"] in families][:limit]
+    picked, per_family = [], {}
+    for r in rows:
+        n = per_family.get(r["family"], 0)
+        if (families is None or r["family"] in families) and (limit is None or n < limit):
+            per_family[r["family"]] = n + 1
+            picked.append(r)
+    rows = picked
     saved = engine.speculation
     settings = _settings(draft, k)
     stats = {name: {"proposed": 0, "accepted": 0, "by_source": {}, "decided": 0, "output": 0, "forwards": 0,

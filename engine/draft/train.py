@@ -164,10 +164,13 @@ def train(engine, data: Path, out_dir: Path, *, epochs: float = 2.0, lr: float =
             continue
         for g in opt.param_groups:  # linear warm-up (20 steps), cosine decay to 10%
             g["lr"] = lr * min(1.0, step / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total)))
-        ce = torch.nn.functional.cross_entropy(_logits(draft, tokens, rows_k), targets, reduction="none")
-        loss = (ce * weights).sum() / weights.sum()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        # Each layer writes its keys/values into one shared cache tensor that earlier layers'
+        # saved attention inputs view: let autograd copy those saved tensors on write.
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            ce = torch.nn.functional.cross_entropy(_logits(draft, tokens, rows_k), targets, reduction="none")
+            loss = (ce * weights).sum() / weights.sum()
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         value = loss.item()
