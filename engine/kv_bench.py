@@ -1,9 +1,9 @@
 """Accuracy and cost of the relevance-pruned, tiered KV cache (`tokenspeed.kv`) on a real model.
 
-    tokenspeed bench kv needle ...  (same as python -m tokenspeed.kv_bench needle ...)
-    python -m tokenspeed.kv_bench needle --stream 3000 3000 3000 3000 --facts 5  # (a) 20 cases
-    python -m tokenspeed.kv_bench agreement --history 4096 --budgets 1024 512  # (b) greedy agreement, KL
-    python -m tokenspeed.kv_bench cost --history 1024 4096 16384 --budget 1024 # ITL / decision TTFT
+    tokenspeed bench kv needle --stream 600 600 --facts 1 --budget 512   # (a) one case per stream
+    tokenspeed bench kv agreement --history 4096 --budgets 1024 512      # (b) greedy agreement, KL
+    tokenspeed bench kv cost --history 1024 4096 16384 --budget 1024     # ITL / decision TTFT
+    (or python -m tokenspeed.kv_bench ...; --model, --threads, --json PATH after the subcommand)
 
 Each prints a table and, with --json PATH, writes the rows. The functions `needle`, `agreement`
 and `cost` return the rows (lists of dicts) for other benchmarks to call.
@@ -200,12 +200,13 @@ def main(argv=None) -> int:
     """Command line: see the module docstring."""
     from . import Engine
 
-    ap = argparse.ArgumentParser(prog="python -m tokenspeed.kv_bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help=".gguf file or HF folder (default: embedded SmolLM2-135M)")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", default=None, help="write the rows to this file")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", default=None, help=".gguf file or HF folder (default: embedded SmolLM2-135M)")
+    common.add_argument("--threads", type=int, default=None)
+    common.add_argument("--json", default=None, help="write the rows to this file")
+    ap = argparse.ArgumentParser(prog="tokenspeed bench kv", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
-    a = sub.add_parser("needle")
+    a = sub.add_parser("needle", parents=[common], help="(a) needle in a sensor stream")
     a.add_argument("--stream", type=int, nargs="+", default=[3000, 3000, 3000, 3000],
                    help="stream tokens per session (one session each, with its own notes)")
     a.add_argument("--facts", type=int, default=5, help="safety notes per session")
@@ -213,13 +214,13 @@ def main(argv=None) -> int:
     a.add_argument("--cold", type=int, default=4096)
     a.add_argument("--configs", nargs="+", default=["full", "pruned", "pruned+cold"],
                    choices=["full", "pruned", "pruned+cold"])
-    b = sub.add_parser("agreement")
+    b = sub.add_parser("agreement", parents=[common], help="(b) greedy agreement and KL vs the full cache")
     b.add_argument("--history", type=int, default=4096)
     b.add_argument("--budgets", type=int, nargs="+", default=[1024, 512])
     b.add_argument("--cold", type=int, default=4096)
     b.add_argument("--gen", type=int, default=48)
     b.add_argument("--traces", type=int, default=2)
-    c = sub.add_parser("cost")
+    c = sub.add_parser("cost", parents=[common], help="decision TTFT / ITL vs history length")
     c.add_argument("--history", type=int, nargs="+", default=[1024, 4096, 16384])
     c.add_argument("--budget", type=int, default=1024)
     c.add_argument("--decisions", type=int, default=3)
