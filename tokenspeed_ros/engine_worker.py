@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import jsonschema
+
 from tokenspeed_ros.deadline_monitor import ModelResult
 
 
@@ -29,6 +31,28 @@ class Observed:
     text: str
     stamp_s: float          # sensor stamp, seconds
     tokens: int
+
+
+class CallChecker:
+    """Validates a tool call against its tool's JSON schema before it may reach the robot: the
+    engine's grammar already constrains decoding; this is the independent check at the
+    boundary. tools: OpenAI tool dicts."""
+
+    def __init__(self, tools: list[dict]):
+        self._validators = {t["function"]["name"]: jsonschema.Draft202012Validator(
+            t["function"].get("parameters", {"type": "object"})) for t in tools}
+
+    def problem(self, call: dict) -> str | None:
+        """None when `call` ({"name", "arguments"}) names a known tool with valid arguments,
+        else why not."""
+        validator = self._validators.get(call.get("name"))
+        if validator is None:
+            return f"unknown tool {call.get('name')!r}"
+        error = jsonschema.exceptions.best_match(validator.iter_errors(call.get("arguments")))
+        if error is not None:
+            where = "/".join(str(p) for p in error.absolute_path) or "arguments"
+            return f"{call['name']}: {where}: {error.message}"
+        return None
 
 
 class EngineWorker:
@@ -45,6 +69,7 @@ class EngineWorker:
                  kv_budget: int, notify: Callable[[], None], logger):
         self._cfg = dict(model=model or None, threads=threads or None, system=system, tools=tools)
         self._tool_choice = tool_choice
+        self._checker = CallChecker(tools)
         self._kv_budget = kv_budget
         self._notify = notify
         self._log = logger
@@ -160,9 +185,15 @@ class EngineWorker:
         if self._session is None:
             return ModelResult(decision_id, "engine_fault", reason=self.fault or "engine not loaded")
         try:
+            before = self._session.checkpoint()
             d = self._session.decide(tool_choice=self._tool_choice, deadline_at=deadline_at)
+            status, call, reason = d.status, d.tool_call, d.reason or ""
+            problem = self._checker.problem(call) if status == "ok" else None
+            if problem is not None:     # never executed, and not left in the context as if it were
+                self._session.rollback(before)
+                status, call, reason = "invalid", None, problem
         except Exception as e:
             self._log.error(f"engine fault in decide(): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
             return ModelResult(decision_id, "engine_fault", reason=f"{type(e).__name__}: {e}")
         self.context_tokens = self._session.num_tokens
-        return ModelResult(decision_id, d.status, d.tool_call, d.reason or "", d.ttft_s or 0.0, d.total_s or 0.0)
+        return ModelResult(decision_id, status, call, reason, d.ttft_s or 0.0, d.total_s or 0.0)

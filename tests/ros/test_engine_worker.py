@@ -66,3 +66,15 @@ def test_load_failure_gives_engine_fault_results():
         assert worker.close()
     assert out[0] == Observed("camera", "objects none visible", 1.0, 0)
     assert out[1].status == "engine_fault" and "ModelLoadError" in out[1].reason
+
+
+def test_calls_outside_the_tool_schema_are_caught():
+    from tokenspeed_ros.engine_worker import CallChecker
+
+    check = CallChecker(TOOLS).problem
+    assert check({"name": "place", "arguments": {"x": 0.5, "y": 0.0}}) is None
+    assert check({"name": "hold", "arguments": {}}) is None
+    assert "x" in check({"name": "place", "arguments": {"x": 2.0, "y": 0.0}})          # beyond maximum 0.7
+    assert "required" in check({"name": "place", "arguments": {"x": 0.5}})
+    assert check({"name": "pick", "arguments": {"object": "purple_cube"}}) is not None
+    assert check({"name": "fly", "arguments": {}}) == "unknown tool 'fly'"
