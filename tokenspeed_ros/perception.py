@@ -2,8 +2,9 @@
 
 Pipeline per image: RGB -> HSV -> one mask per cube colour -> largest connected component ->
 pixel centroid -> ray through the pinhole camera -> intersection with the plane of cube centres.
-Intrinsics come from sensor_msgs/CameraInfo (K); the camera pose from a geometry_msgs/PoseStamped
-of the optical frame in the robot base frame (the simulator publishes it latched on camera/pose).
+Intrinsics come from sensor_msgs/CameraInfo (K; lens distortion is ignored: feed rectified
+images); the camera pose from a geometry_msgs/PoseStamped of the optical frame in the robot base
+frame (the simulator publishes it latched on camera/pose).
 """
 from __future__ import annotations
 
