@@ -424,16 +424,13 @@ class Speculator:
             if looked is not None and matcher is not None and matcher.validate_tokens([looked]) != 1:
                 looked = None
             tok, src, q = looked, LOOKUP, None
-            if self.draft is not None:
-                logits = self.draft.logits(full)
-                if logits is None:
-                    break
+            logits = self.draft.logits(full) if self.draft is not None else None
+            if logits is not None:
                 vocab = self.draft.draft.vocab
                 if matcher is not None:
                     logits = logits.masked_fill(~allowed(matcher)[vocab], float("-inf"))
-                if torch.isinf(logits).all():
-                    break
-                probs = torch.softmax(logits / max(temperature, 1e-6) if temperature > 0 else logits, dim=-1)
+            if logits is not None and not torch.isinf(logits).all():  # the model has a proposal
+                probs = torch.softmax(logits / temperature if temperature > 0 else logits, dim=-1)
                 best = int(probs.argmax())
                 # The model's proposal wins unless it is unsure and the context offers a copy.
                 if looked is None or float(probs[best]) >= self.config.lookup_below:
