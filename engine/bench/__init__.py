@@ -4,6 +4,7 @@ and `tokenspeed bench gpu` (the same decode path on CUDA against the HBM floor).
     tokenspeed bench aal --quick            # small workload, a minute or two on 2 cores
     tokenspeed bench aal --threads 2        # the full 10-call, ~4K-token run with all peers
     tokenspeed bench gpu                    # CUDA: Llama-3.1-8B-shaped random weights + the real model
+    tokenspeed bench profile                # torch.profiler table of one int4 decode step
     tokenspeed bench kv needle|agreement|cost   # pruned KV cache accuracy and cost (tokenspeed.kv_bench)
 
 Peers are an optional extra: `pip install -e ".[bench]"` (llama-cpp-python builds from source).
@@ -46,9 +47,17 @@ def _cmd_kv(args) -> int:
     return kv_main(args.kv_args)
 
 
+def _cmd_profile(args) -> int:
+    from .profile import profile_decode
+
+    profile_decode(args.model, quantize=None if args.quantize == "none" else args.quantize, threads=args.threads,
+                   steps=args.steps)
+    return 0
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `bench` (with `aal`, `gpu` and `kv`) on an argparse subparsers object; returns it."""
-    p = subparsers.add_parser("bench", help="benchmarks: aal (agent action latency), gpu")
+    p = subparsers.add_parser("bench", help="benchmarks: aal (agent action latency), gpu, profile")
     sub = p.add_subparsers(dest="bench", required=True)
     a = sub.add_parser("aal", help="Agent Action Latency: TokenSpeed vs llama.cpp vs transformers, one run")
     a.add_argument("--quick", action="store_true", help="small workload (2 calls, ~1.4K tokens); skips a missing llama.cpp")
@@ -66,6 +75,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--quick", action="store_true", help="small shapes and few tokens (CPU tests)")
     g.add_argument("--out", default=None, help="write the results as JSON here")
     g.set_defaults(func=_cmd_gpu)
+    f = sub.add_parser("profile", help="torch.profiler table of one decode step (what limits ITL)")
+    f.add_argument("--model", default=None, help="a .gguf file or safetensors folder (default: embedded model)")
+    f.add_argument("--quantize", default="int4", choices=["int4", "int8", "none"])
+    f.add_argument("--threads", type=int, default=1)
+    f.add_argument("--steps", type=int, default=10, help="decode steps profiled")
+    f.set_defaults(func=_cmd_profile)
     k = sub.add_parser("kv", help="pruned, tiered KV cache: needle / agreement / cost (see tokenspeed.kv_bench)",
                        add_help=False)
     k.add_argument("kv_args", nargs=argparse.REMAINDER, help="arguments of python -m tokenspeed.kv_bench")

@@ -10,6 +10,7 @@ from tokenspeed.bench import main as bench_main
 from tokenspeed.bench.aal import build_job
 from tokenspeed.bench.gpu import run_gpu
 from tokenspeed.bench.peers import check_call
+from tokenspeed.bench.profile import profile_decode
 from tokenspeed.bench.report import agreement, percentile, summarize, targets
 from tokenspeed.bench.workload import Workload, bfcl_tool, build_workload
 
@@ -112,3 +113,8 @@ def test_gpu_script_runs_on_cpu_with_small_shapes(tmp_path):
     for r in res["rows"]:
         assert r["ttft_ms"] > 0 and r["itl_p50_ms"] > 0 and r["floor_ctx_ms"] >= r["floor_ms"] > 0
     assert json.loads((tmp_path / "gpu.json").read_text())["rows"][0]["model"].startswith("tiny-shape")
+
+
+def test_profile_reports_ops_and_matmul_share():
+    res = profile_decode("tiny-random", quantize="int4", steps=2, context=16, rows=5)
+    assert res["ops_per_token"] > 50 and 0 < res["matmul_share"] < 1 and len(res["top"]) == 5
