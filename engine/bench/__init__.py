@@ -48,7 +48,7 @@ def _cmd_kv(args) -> int:
 
 
 def _cmd_profile(args) -> int:
-    from .profile import profile_decode
+    from .decode_profile import profile_decode
 
     profile_decode(args.model, quantize=None if args.quantize == "none" else args.quantize, threads=args.threads,
                    steps=args.steps)

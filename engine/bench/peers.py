@@ -1,7 +1,8 @@
 """The engines of the AAL benchmark, each run in its own process (peak RSS is per engine).
 
 Run as a script so a peer's process imports only what that engine needs (the llama.cpp process
-never imports torch):
+never imports torch); this folder is then first on sys.path, so no module here may share a name
+with a standard-library module:
 
     python engine/bench/peers.py ENGINE JOB.json OUT.json
 

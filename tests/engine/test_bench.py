@@ -10,7 +10,7 @@ from tokenspeed.bench import main as bench_main
 from tokenspeed.bench.aal import build_job
 from tokenspeed.bench.gpu import run_gpu
 from tokenspeed.bench.peers import check_call
-from tokenspeed.bench.profile import profile_decode
+from tokenspeed.bench.decode_profile import profile_decode
 from tokenspeed.bench.report import agreement, percentile, summarize, targets
 from tokenspeed.bench.workload import Workload, bfcl_tool, build_workload
 
