@@ -60,7 +60,8 @@ class Recorder:
 
     Record keys: turn, expect, text, tool_call, valid, status, context_tokens (before the
     decision), new_prompt_tokens (tokens the engine processed at decision time), output_tokens,
-    forwards, forced_tokens, ttft_ms, itl_ms (list), decide_ms, observe_ms, turn_ms.
+    forwards, forced_tokens, ttft_ms, itl_ms (list), decide_ms, observe_ms, turn_ms; TokenSpeed
+    adds draft_tokens and accepted_tokens (speculation), summed into spec_acceptance.
     """
 
     def __init__(self, engine: str, config: str, threads: int):
@@ -117,7 +118,10 @@ def run_tokenspeed(job: dict, out: str, quantize: str | None) -> None:
                  new_prompt_tokens=d.prefill_tokens, output_tokens=d.forced_tokens + d.generated_tokens,
                  forwards=d.forwards, forced_tokens=d.forced_tokens, ttft_ms=_ms(d.ttft_s),
                  itl_ms=[_ms(x) for x in d.itl_s], decide_ms=_ms(t2 - t1), observe_ms=_ms(t1 - t0),
-                 turn_ms=_ms(t2 - t0), spec=getattr(d, "spec", None))
+                 turn_ms=_ms(t2 - t0), draft_tokens=d.draft_tokens, accepted_tokens=d.accepted_tokens)
+    drafted = sum(t["draft_tokens"] for t in rec.out["turns"])
+    if drafted:
+        rec.out["spec_acceptance"] = sum(t["accepted_tokens"] for t in rec.out["turns"]) / drafted
     short = engine.session(system=job["short_system"])
     stamps = []
     short.generate(wl["short_prompt"], max_tokens=wl["short_tokens"], on_token=lambda _: stamps.append(time.perf_counter()))

@@ -158,7 +158,7 @@ def print_table(report: dict) -> None:
             ("cold TTFT", "cold_ttft_p50_ms", 0), ("ITL p50", "itl_p50_ms", 2), ("ITL p90", "itl_p90_ms", 2),
             ("ITL short", "itl_short_p50_ms", 2), ("floor/tok", "floor_ms", 2), ("turn ms", "turn_ms", 0),
             ("tok/s", "tokens_per_s", 1), ("RSS MiB", "peak_rss_mb", 0), ("fwd/call", "forwards_per_call", 1),
-            ("jump-fwd", "jump_forward_tokens", 0), ("valid", "valid_calls", 0)]
+            ("jump-fwd", "jump_forward_tokens", 0), ("spec acc", "spec_acceptance", 2), ("valid", "valid_calls", 0)]
     for label, _, _ in cols:
         t.add_column(label, justify="left" if label == "engine" else "right")
     for s in report["summary"].values():
