@@ -33,6 +33,8 @@ def test_model_decisions_with_the_real_engine(probe, start_agent):
     assert (model.tool_name, json.loads(model.arguments_json)) == ("hold", {})
     assert model.decision_latency_s > 0 and model.ttft_s >= 0    # every token is forced: no sampled first token
     assert probe.spin_until(lambda: any(s.met and s.decision_id == model.decision_id for s in statuses), 5)
+    # the echoes were published before the command, but topics are not ordered with each other
+    assert probe.spin_until(lambda: {"camera", "goal", "joint_states"} <= {o.source for o in observations}, 5)
     seen = {o.source: o for o in observations}
     assert seen["camera"].text == "objects blue_cube=(0.40,-0.10) red_cube=(0.50,0.10)"
     assert seen["camera"].tokens > 0 and seen["goal"].text == "goal: Hold the arm still."
