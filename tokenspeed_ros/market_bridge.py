@@ -37,13 +37,12 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from pathlib import Path
+from typing import ClassVar
 
 import rclpy
 import zmq
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from rcl_interfaces.msg import ParameterDescriptor
+from pydantic import Field
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.time import Time
@@ -52,9 +51,8 @@ from tokenspeed_msgs.msg import MarketTick
 from tokenspeed_ros.agent_node import load_tools
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
 from tokenspeed_ros.engine_worker import EngineWorker
-from tokenspeed_ros.launch_spec import config_dir
 from tokenspeed_ros.market_feed import FeedLimits, MarketFeed, SymbolState
-from tokenspeed_ros.params import AgentParamsError
+from tokenspeed_ros.params import AgentParamsError, NodeParams
 
 DEFAULT_SYSTEM_PROMPT = (
     "You trade one crypto pair. Each observation summarises its order book and recent trades "
@@ -63,10 +61,11 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
-class MarketBridgeParams(BaseModel):
+class MarketBridgeParams(NodeParams):
     """Every parameter of `tokenspeed_market_bridge`. Times in seconds (s), sizes in base units."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)   # strict: no bool -> 1.0
+    NODE: ClassVar[str] = "tokenspeed_market_bridge"
+    DEFAULT_TOOLS: ClassVar[str] = "trading_tools.json"
 
     # ZeroMQ
     feed_endpoint: str = Field("tcp://127.0.0.1:5555", description="market-data SUB endpoint")
@@ -113,34 +112,6 @@ class MarketBridgeParams(BaseModel):
     system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="system message of the session")
     kv_budget_tokens: int = Field(
         1024, ge=64, description="hot KV cache of the session, tokens; older ticks are pruned by relevance")
-
-    @classmethod
-    def declare(cls, node) -> "MarketBridgeParams":
-        """Declare every field on `node` and return the validated values (declared with dynamic
-        typing and validated here, as AgentParams does: an integer is fine for a float).
-
-        Raises AgentParamsError naming the bad parameter(s).
-        """
-        node.declare_parameters("", [
-            (name, f.default, ParameterDescriptor(description=f.description or "", dynamic_typing=True))
-            for name, f in cls.model_fields.items()])
-        values = {name: node.get_parameter(name).value for name in cls.model_fields}
-        try:
-            return cls(**values)
-        except ValidationError as e:
-            raise AgentParamsError(f"bad tokenspeed_market_bridge parameters: {e}") from None
-
-    def resolved_tools_file(self) -> Path:
-        """`tools_file`, or trading_tools.json in the launch config directory.
-
-        Raises AgentParamsError when tools_file is empty and no config directory exists.
-        """
-        if self.tools_file:
-            return Path(self.tools_file)
-        try:
-            return config_dir() / "trading_tools.json"
-        except FileNotFoundError as e:
-            raise AgentParamsError(f"tools_file is empty and {e}; set tools_file") from None
 
 
 @dataclass

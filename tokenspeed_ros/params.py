@@ -1,18 +1,20 @@
-"""The agent node's ROS parameters: declared in one place, with defaults, units and validation.
+"""ROS parameters of the TokenSpeed nodes: each node's parameters are one pydantic table.
 
-`AgentParams` is the single table. `AgentParams.declare(node)` declares every field as a ROS
-parameter (default and description from the field) and returns the validated values;
-`launch/config/agent.yaml` repeats the defaults for users to edit, and the launch-file test checks
-that every key there is a field here.
+`NodeParams` is the shared base: `declare(node)` declares every field as a ROS parameter (default
+and description from the field) and returns the validated values; `resolved_tools_file()` finds
+the node's tool list. `AgentParams` is the agent's table (the market bridge's,
+`MarketBridgeParams`, lives in market_bridge.py). `launch/config/*.yaml` repeat the defaults for
+users to edit, and the launch-file test checks that every key there is a field of the table.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from rcl_interfaces.msg import ParameterDescriptor
+
+from tokenspeed_ros.launch_spec import config_dir
 
 DEFAULT_SYSTEM_PROMPT = (
     "You control a Franka Panda robot arm above a table with a red, a green and a blue cube. "
@@ -25,10 +27,54 @@ class AgentParamsError(ValueError):
     """A parameter value is out of range or inconsistent; the message names the parameter."""
 
 
-class AgentParams(BaseModel):
+class NodeParams(BaseModel):
+    """Base of a node's parameter table: frozen, no unknown keys, strict types (no bool -> 1.0).
+
+    Subclasses set NODE (the node name, used in error messages) and DEFAULT_TOOLS (the tool list
+    in the config directory used when the `tools_file` field is empty).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    NODE: ClassVar[str]
+    DEFAULT_TOOLS: ClassVar[str]
+
+    @classmethod
+    def declare(cls, node):
+        """Declare every field on `node` (an rclpy Node) and return the validated values.
+
+        Parameters are declared with dynamic typing and validated here (strictly, except that an
+        integer is accepted for a float), so a wrong type gets a message naming the parameter.
+        Raises AgentParamsError naming the bad parameter(s).
+        """
+        fields = cls.model_fields
+        node.declare_parameters("", [
+            (name, f.default, ParameterDescriptor(description=f.description or "", dynamic_typing=True))
+            for name, f in fields.items()
+        ])
+        values = {name: node.get_parameter(name).value for name in fields}
+        try:
+            return cls(**values)
+        except ValidationError as e:
+            raise AgentParamsError(f"bad {cls.NODE} parameters: {e}") from None
+
+    def resolved_tools_file(self) -> Path:
+        """The tool list to load: the `tools_file` field, or DEFAULT_TOOLS in the config directory
+        (launch_spec.config_dir). Raises AgentParamsError when tools_file is empty and there is no
+        config directory."""
+        if self.tools_file:
+            return Path(self.tools_file)
+        try:
+            return config_dir() / self.DEFAULT_TOOLS
+        except FileNotFoundError as e:
+            raise AgentParamsError(f"tools_file is empty and {e}; set tools_file") from None
+
+
+class AgentParams(NodeParams):
     """Every parameter of `tokenspeed_agent`. Times in seconds, distances in metres, sizes in pixels."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)   # strict: no bool -> 1.0
+    NODE: ClassVar[str] = "tokenspeed_agent"
+    DEFAULT_TOOLS: ClassVar[str] = "robot_tools.json"
 
     # topics (relative names: they follow the node's namespace)
     joint_states_topic: str = Field("joint_states", description="sensor_msgs/JointState input")
@@ -94,33 +140,3 @@ class AgentParams(BaseModel):
         if self.publish_margin_s >= self.deadline_budget_s:
             raise ValueError("publish_margin_s must be smaller than deadline_budget_s")
         return self
-
-    @classmethod
-    def declare(cls, node) -> "AgentParams":
-        """Declare every field on `node` (an rclpy Node) and return the validated values.
-
-        Parameters are declared with dynamic typing and validated here (strictly, except that an
-        integer is accepted for a float), so a wrong type gets a message naming the parameter.
-        Raises AgentParamsError naming the bad parameter(s).
-        """
-        fields = cls.model_fields
-        node.declare_parameters("", [
-            (name, f.default, ParameterDescriptor(description=f.description or "", dynamic_typing=True))
-            for name, f in fields.items()
-        ])
-        values = {name: node.get_parameter(name).value for name in fields}
-        try:
-            return cls(**values)
-        except ValidationError as e:
-            raise AgentParamsError(f"bad tokenspeed_agent parameters: {e}") from None
-
-    def resolved_tools_file(self) -> Path:
-        """The tool list to load: `tools_file`, or the repository's/installed robot_tools.json."""
-        if self.tools_file:
-            return Path(self.tools_file)
-        here = Path(__file__).resolve().parent
-        for candidate in (here.parent / "launch" / "config" / "robot_tools.json",
-                          Path(sys.prefix) / "share" / "tokenspeed_ros" / "config" / "robot_tools.json"):
-            if candidate.exists():
-                return candidate
-        raise AgentParamsError("tools_file is empty and no robot_tools.json is installed; set tools_file")
