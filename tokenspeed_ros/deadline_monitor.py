@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,18 +63,23 @@ class DeadlineMonitor:
 
     node: the rclpy Node that owns the publishers and the timer; budget_s: observation stamp ->
     action deadline (seconds); fallback: one of FALLBACKS; period_s: timer period (seconds);
-    qos_deadline_s: QoS deadline offered on the command topic (0 disables). Not thread-safe:
-    call from the node's executor thread. Raises ValueError for an unknown fallback.
+    qos_deadline_s: QoS deadline offered on the command topic (0 disables); on_outcome: called
+    after every DeadlineStatus is published, as on_outcome(command, status) with the
+    ActionCommand published for that decision, or None for a late result dropped after its
+    fallback went out. Not thread-safe: call from the node's executor thread (on_outcome runs
+    there too). Raises ValueError for an unknown fallback.
     """
 
     def __init__(self, node, *, action_topic: str, status_topic: str, budget_s: float, fallback: str,
-                 period_s: float, qos_depth: int = 10, qos_deadline_s: float = 0.0):
+                 period_s: float, qos_depth: int = 10, qos_deadline_s: float = 0.0,
+                 on_outcome: Callable[[ActionCommand | None, DeadlineStatus], None] | None = None):
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback {fallback!r} is not one of {FALLBACKS}")
         self._node = node
         self._clock = node.get_clock()
         self.budget = Duration(seconds=budget_s)
         self.fallback = fallback
+        self._on_outcome = on_outcome
         qos = QoSProfile(depth=qos_depth, reliability=ReliabilityPolicy.RELIABLE)
         if qos_deadline_s > 0:
             qos.deadline = Duration(seconds=qos_deadline_s)
@@ -134,7 +140,7 @@ class DeadlineMonitor:
             late = self._expired.get(result.decision_id)
             if late is not None:
                 self.counts["late_result_dropped"] += 1
-                self._publish_status(late, met=False, fallback_used=True, reason="late_result_dropped")
+                self._publish_status(late, None, met=False, fallback_used=True, reason="late_result_dropped")
             return None
         if result.ttft_s:
             self.ttft_s.append(result.ttft_s)
@@ -148,7 +154,7 @@ class DeadlineMonitor:
                             ActionCommand.SOURCE_MODEL, result.ttft_s)
         self._last_valid = (cmd.tool_name, cmd.arguments_json)
         self.counts["met"] += 1
-        self._publish_status(d, met=True, fallback_used=False, reason="ok")
+        self._publish_status(d, cmd, met=True, fallback_used=False, reason="ok")
         return cmd
 
     def _fall_back(self, d: Decision, reason: str) -> None:
@@ -156,13 +162,13 @@ class DeadlineMonitor:
             tool, args = self._last_valid
         else:
             tool, args = ("stop", "{}") if self.fallback == "stop" else ("hold", "{}")
-        self._command(d, tool, args, ActionCommand.SOURCE_FALLBACK, 0.0)
+        cmd = self._command(d, tool, args, ActionCommand.SOURCE_FALLBACK, 0.0)
         self.counts["fallback"] += 1
         self.counts[reason] += 1
         self._expired[d.decision_id] = d
         while len(self._expired) > EXPIRED_KEPT:
             self._expired.popitem(last=False)
-        self._publish_status(d, met=False, fallback_used=True, reason=reason)
+        self._publish_status(d, cmd, met=False, fallback_used=True, reason=reason)
 
     def _command(self, d: Decision, tool: str, args_json: str, source: str, ttft_s: float) -> ActionCommand:
         now = self._clock.now()
@@ -175,7 +181,8 @@ class DeadlineMonitor:
         self.latency_s.append(cmd.decision_latency_s)
         return cmd
 
-    def _publish_status(self, d: Decision, *, met: bool, fallback_used: bool, reason: str) -> None:
+    def _publish_status(self, d: Decision, cmd: ActionCommand | None, *, met: bool, fallback_used: bool,
+                        reason: str) -> None:
         now = self._clock.now()
         msg = DeadlineStatus(decision_id=d.decision_id, observation_stamp=d.observation_stamp.to_msg(),
                              deadline=d.deadline.to_msg(), met=met, fallback_used=fallback_used,
@@ -183,6 +190,8 @@ class DeadlineMonitor:
                              latency_s=(now - d.observation_stamp).nanoseconds * 1e-9)
         msg.header.stamp = now.to_msg()
         self._status_pub.publish(msg)
+        if self._on_outcome is not None:
+            self._on_outcome(cmd, msg)
 
     def _on_qos_deadline(self, event) -> None:
         self.counts["qos_deadline_missed"] = event.total_count

@@ -46,7 +46,7 @@ from pydantic import Field
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.time import Time
-from tokenspeed_msgs.msg import MarketTick
+from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, MarketTick
 
 from tokenspeed_ros.agent_node import load_tools
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
@@ -158,25 +158,6 @@ def trigger_text(trigger: Trigger) -> str:
     return line if trigger.streamed else f"{state_text(f)}\n{line}"
 
 
-class _ReportingMonitor(DeadlineMonitor):
-    """The shared DeadlineMonitor, also handing every outcome to `on_outcome(decision, command,
-    met, reason)` (command is None for a late result dropped after its fallback)."""
-
-    def __init__(self, node, on_outcome, **kwargs):
-        super().__init__(node, **kwargs)
-        self._on_outcome = on_outcome
-        self._last_command = None
-
-    def _command(self, d, *args, **kwargs):
-        self._last_command = super()._command(d, *args, **kwargs)
-        return self._last_command
-
-    def _publish_status(self, d, *, met: bool, fallback_used: bool, reason: str) -> None:
-        super()._publish_status(d, met=met, fallback_used=fallback_used, reason=reason)
-        cmd, self._last_command = self._last_command, None
-        self._on_outcome(d, cmd if cmd is not None and cmd.decision_id == d.decision_id else None, met, reason)
-
-
 class MarketBridgeNode(Node):
     """The bridge node; parameters: `MarketBridgeParams`. Raises AgentParamsError on bad parameters
     or tool file, zmq.ZMQError when an endpoint cannot be bound/connected.
@@ -217,9 +198,9 @@ class MarketBridgeNode(Node):
             self._sub.setsockopt(zmq.SUBSCRIBE, prefix.encode())
         (self._sub.bind if p.feed_bind else self._sub.connect)(p.feed_endpoint)
 
-        self.monitor = _ReportingMonitor(self, self._on_outcome, action_topic=p.action_topic,
-                                         status_topic=p.deadline_status_topic, budget_s=p.deadline_budget_s,
-                                         fallback="hold", period_s=p.monitor_period_s)
+        self.monitor = DeadlineMonitor(self, action_topic=p.action_topic, status_topic=p.deadline_status_topic,
+                                       budget_s=p.deadline_budget_s, fallback="hold", period_s=p.monitor_period_s,
+                                       on_outcome=self._on_outcome)
         self._tick_pub = self.create_publisher(MarketTick, p.tick_topic, 10)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._wake_trigger = self.create_guard_condition(self._on_trigger)
@@ -385,20 +366,22 @@ class MarketBridgeNode(Node):
             if self.monitor.is_pending(queued):
                 self._dispatch(queued)
 
-    def _on_outcome(self, d, cmd, met: bool, reason: str) -> None:
-        """Every decision outcome: count it and publish the decision JSON on ZeroMQ."""
-        self.counts[f"outcome_{reason}"] += 1
+    def _on_outcome(self, cmd: ActionCommand | None, status: DeadlineStatus) -> None:
+        """DeadlineMonitor hook, every decision outcome: count it and publish the decision JSON
+        on ZeroMQ."""
+        self.counts[f"outcome_{status.reason}"] += 1
         if cmd is None:
             return  # a late model result, dropped: its fallback went out at the deadline
-        trig = self._open.pop(d.decision_id, None)
+        trig = self._open.pop(status.decision_id, None)
         now = time.time()
-        stamp_s = d.observation_stamp.nanoseconds * 1e-9
+        stamp_s = Time.from_msg(status.observation_stamp).nanoseconds * 1e-9
+        deadline_s = Time.from_msg(status.deadline).nanoseconds * 1e-9
         f = trig.features if trig else {}
-        out = {"decision_id": d.decision_id, "exchange": f.get("exchange", ""), "symbol": f.get("symbol", ""),
+        out = {"decision_id": status.decision_id, "exchange": f.get("exchange", ""), "symbol": f.get("symbol", ""),
                "trigger": trig.reason if trig else "", "tool": cmd.tool_name,
-               "arguments": json.loads(cmd.arguments_json), "source": cmd.source, "met": met,
-               "reason": reason, "tick": f, "tick_timestamp": stamp_s,
-               "deadline": d.deadline.nanoseconds * 1e-9, "published_at": now,
+               "arguments": json.loads(cmd.arguments_json), "source": cmd.source, "met": status.met,
+               "reason": status.reason, "tick": f, "tick_timestamp": stamp_s,
+               "deadline": deadline_s, "published_at": now,
                "latency_s": cmd.decision_latency_s, "ttft_s": cmd.ttft_s}
         self.outcomes.append(out)
         topic = f"{out['exchange'] or 'UNKNOWN'}-decision-{out['symbol'] or 'UNKNOWN'}"

@@ -3,6 +3,7 @@ on time, late, invalid, and with each fallback kind; QoS deadline events are cou
 import json
 
 import pytest
+from rclpy.duration import Duration
 from rclpy.time import Time
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus
 
@@ -87,3 +88,19 @@ def test_qos_deadline_events_are_counted(probe):
 def test_unknown_fallback_is_rejected(probe):
     with pytest.raises(ValueError, match="fallback"):
         DeadlineMonitor(probe.node, action_topic="a", status_topic="s", budget_s=1.0, fallback="explode", period_s=0.1)
+
+
+def test_on_outcome_hook_sees_each_command_with_its_status(probe):
+    outcomes = []
+    monitor = DeadlineMonitor(probe.node, action_topic="agent/action", status_topic="agent/deadline_status",
+                              budget_s=0.05, fallback="hold", period_s=0.01,
+                              on_outcome=lambda cmd, status: outcomes.append((cmd, status)))
+    ok = monitor.open(now(probe) + Duration(seconds=5.0))
+    monitor.resolve(ModelResult(ok.decision_id, "ok", {"name": "pick", "arguments": {"object": "red_cube"}}))
+    late = monitor.open(now(probe))
+    assert probe.spin_until(lambda: len(outcomes) >= 2, 5)        # the timer fired the fallback
+    monitor.resolve(ModelResult(late.decision_id, "ok", {"name": "pick", "arguments": {"object": "red_cube"}}))
+    got = [(c and (c.decision_id, c.source, c.tool_name), s.decision_id, s.met, s.reason) for c, s in outcomes]
+    assert got == [((ok.decision_id, "model", "pick"), ok.decision_id, True, "ok"),
+                   ((late.decision_id, "fallback", "hold"), late.decision_id, False, "deadline_missed"),
+                   (None, late.decision_id, False, "late_result_dropped")]
