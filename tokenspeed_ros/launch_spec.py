@@ -29,10 +29,12 @@ class NodeSpec:
 
 AGENT = NodeSpec("tokenspeed_agent", "tokenspeed_agent", "agent.yaml")
 COBOT_SIM = NodeSpec("tokenspeed_cobot_sim", "tokenspeed_cobot_sim", "cobot_sim.yaml")
+MARKET_BRIDGE = NodeSpec("tokenspeed_market_bridge", "tokenspeed_market_bridge", "market_bridge.yaml")
 
 LAUNCHES: dict[str, tuple[NodeSpec, ...]] = {
     "agent": (AGENT,),                  # launch/agent.launch.py: the agent alone, for a real robot
     "cobot_sim": (COBOT_SIM, AGENT),    # launch/cobot_sim.launch.py: simulated cobot + agent
+    "market": (MARKET_BRIDGE,),         # launch/market.launch.py: the market bridge (feeds connect to it)
 }
 
 

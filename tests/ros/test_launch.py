@@ -15,9 +15,11 @@ from rcl_interfaces.srv import ListParameters
 
 from agent_support import BIN, ROOT, stop
 from tokenspeed_ros.launch_spec import LAUNCHES, params_path
+from tokenspeed_ros.market_bridge import MarketBridgeParams
 from tokenspeed_ros.params import AgentParams
 
 LAUNCH_FILES = sorted((ROOT / "launch").glob("*.launch.py"))
+ALL_SPECS = sorted({s for specs in LAUNCHES.values() for s in specs}, key=lambda s: s.name)
 
 
 def console_scripts() -> dict[str, str]:
@@ -46,8 +48,7 @@ def test_each_launch_file_reads_its_entry_in_the_launch_table():
         assert any(isinstance(n, ast.FunctionDef) and n.name == "generate_launch_description" for n in tree.body)
 
 
-@pytest.mark.parametrize("spec", sorted({s for specs in LAUNCHES.values() for s in specs}, key=lambda s: s.name),
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)
 def test_executables_and_parameter_files_exist(spec):
     scripts = console_scripts()
     assert spec.executable in scripts, f"{spec.executable} is not a console entry point in setup.py"
@@ -58,16 +59,21 @@ def test_executables_and_parameter_files_exist(spec):
     yaml_parameters(spec)
 
 
-def test_agent_yaml_parameters_are_declared_and_valid():
-    spec = next(s for s in LAUNCHES["agent"] if s.executable == "tokenspeed_agent")
+# Nodes that declare their parameters from one pydantic table: checked without starting them.
+PARAM_TABLES = {"tokenspeed_agent": AgentParams, "tokenspeed_market_bridge": MarketBridgeParams}
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)
+def test_yaml_parameters_are_declared_by_the_node(spec, probe, ros_env):
     values = yaml_parameters(spec)
-    assert set(values) <= set(AgentParams.model_fields), set(values) - set(AgentParams.model_fields)
-    assert AgentParams(**values) == AgentParams()          # the YAML repeats the declared defaults
-
-
-def test_sim_yaml_parameters_are_declared_by_the_running_node(probe, ros_env):
-    """The sim declares its parameters in code: ask the running node which ones it has."""
-    spec = next(s for s in LAUNCHES["cobot_sim"] if s.executable == "tokenspeed_cobot_sim")
+    table = PARAM_TABLES.get(spec.executable)
+    if table is not None:
+        fields = set(table.model_fields)
+        assert set(values) <= fields, f"{spec.params_file} sets undeclared parameters: {set(values) - fields}"
+        assert fields - {"system_prompt"} <= set(values), f"{spec.params_file} lacks {fields - set(values)}"
+        assert table(**values) == table()          # the YAML repeats the declared defaults
+        return
+    # the node declares its parameters in code: ask the running node which ones it has
     proc = subprocess.Popen([str(BIN / spec.executable), "--ros-args", "--params-file", str(params_path(spec))],
                             env=ros_env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
@@ -78,7 +84,7 @@ def test_sim_yaml_parameters_are_declared_by_the_running_node(probe, ros_env):
         declared = set(future.result().result.names)
     finally:
         stop(proc)
-    missing = set(yaml_parameters(spec)) - declared
+    missing = set(values) - declared
     assert not missing, f"{spec.params_file} sets parameters {spec.name} does not declare: {missing}"
 
 
@@ -106,23 +112,47 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def launch_until_ready_then_ctrl_c(probe, ros_env, launch: str, overrides: list[str], ready) -> str:
+    """Run `tokenspeed_launch <launch>` until `ready()` holds (spinning the probe), SIGINT it and
+    check it exits 0 leaving none of its processes alive; returns its output."""
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    launcher = subprocess.Popen([str(BIN / "tokenspeed_launch"), launch, "--grace", "10", *sets],
+                                env=ros_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert probe.spin_until(ready, 60)
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        out, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, out
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", out)]
+    assert len(pids) == len(LAUNCHES[launch]), out
+    time.sleep(0.2)
+    assert not [p for p in pids if _alive(p)], out
+    assert "stopping: SIGINT" in out
+    return out
+
+
 def test_launcher_runs_both_nodes_and_ctrl_c_leaves_no_process(probe, ros_env):
     from tokenspeed_msgs.msg import ActionCommand
 
     actions = probe.listen(ActionCommand, "agent/action")
-    launcher = subprocess.Popen([str(BIN / "tokenspeed_launch"), "cobot_sim", "--grace", "10",
-                                 "--set", "tokenspeed_agent.model=/nonexistent.gguf"],
-                                env=ros_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     # the agent answers with fallbacks (no engine) and the sim is up: both processes run
-    assert probe.spin_until(lambda: actions and probe.node.count_publishers("joint_states") >= 1, 60)
-    launcher.send_signal(signal.SIGINT)
-    out, _ = launcher.communicate(timeout=60)
-    assert launcher.returncode == 0, out
-    pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", out)]
-    assert len(pids) == 2, out
-    time.sleep(0.2)
-    assert not [p for p in pids if _alive(p)], out
-    assert "stopping: SIGINT" in out
+    launch_until_ready_then_ctrl_c(probe, ros_env, "cobot_sim", ["tokenspeed_agent.model=/nonexistent.gguf"],
+                                   lambda: actions and probe.node.count_publishers("joint_states") >= 1)
+
+
+def test_market_launch_runs_the_bridge(probe, ros_env, tmp_path):
+    """`tokenspeed_launch market` (feed summaries only, endpoints private to the test) brings the
+    bridge up with launch/config/market_bridge.yaml: its tick publisher and diagnostics appear."""
+    from diagnostic_msgs.msg import DiagnosticArray
+
+    diags = probe.listen(DiagnosticArray, "/diagnostics")
+    node = "tokenspeed_market_bridge"
+    overrides = [f"{node}.agent=false", f"{node}.feed_endpoint=ipc://{tmp_path}/feed",
+                 f"{node}.decision_endpoint=ipc://{tmp_path}/decisions"]
+    launch_until_ready_then_ctrl_c(probe, ros_env, "market", overrides,
+                                   lambda: diags and probe.node.count_publishers("market/tick") >= 1)
+    assert any(s.name == f"{node}: feed" for arr in diags for s in arr.status)
 
 
 def test_a_node_failing_ends_the_launch_with_its_status(ros_env):
