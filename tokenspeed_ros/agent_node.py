@@ -15,15 +15,12 @@ Run: `tokenspeed_agent --ros-args --params-file launch/config/agent.yaml`.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
-import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from geometry_msgs.msg import PoseStamped
 from rcl_interfaces.msg import SetParametersResult
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.time import Time
@@ -32,7 +29,7 @@ from std_msgs.msg import String
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback, Observation
 
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
-from tokenspeed_ros.engine_worker import EngineWorker, Observed
+from tokenspeed_ros.engine_worker import EngineWorker, Observed, run_engine_node
 from tokenspeed_ros.inputs import BadInput, InputHealth, check_stamp, image_to_rgb, joint_state_text
 from tokenspeed_ros.params import AgentParams, AgentParamsError
 from tokenspeed_ros.perception import CameraModel, locate_cubes, objects_text
@@ -310,28 +307,7 @@ class AgentNode(Node):
 def main(args: list[str] | None = None) -> int:
     """Console entry point `tokenspeed_agent`. Returns 0 on a clean shutdown (Ctrl-C / SIGTERM),
     2 on bad parameters."""
-    rclpy.init(args=args)
-    try:
-        node = AgentNode()
-    except AgentParamsError as e:
-        print(f"tokenspeed_agent: {e}", file=sys.stderr)
-        rclpy.try_shutdown()
-        return 2
-    executor = SingleThreadedExecutor()
-    executor.add_node(node)
-    try:
-        executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        stopped = node.close()
-        node.destroy_node()
-        rclpy.try_shutdown()
-    if not stopped:    # the engine thread is mid-forward: skip interpreter finalization
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
+    return run_engine_node("tokenspeed_agent", AgentNode, (AgentParamsError,), args)
 
 
 if __name__ == "__main__":

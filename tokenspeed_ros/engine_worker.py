@@ -13,12 +13,16 @@ tier instead of growing the per-token cost.
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import jsonschema
+import rclpy
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 
 from tokenspeed_ros.deadline_monitor import ModelResult
 
@@ -197,3 +201,38 @@ class EngineWorker:
             return ModelResult(decision_id, "engine_fault", reason=f"{type(e).__name__}: {e}")
         self.context_tokens = self._session.num_tokens
         return ModelResult(decision_id, status, call, reason, d.ttft_s or 0.0, d.total_s or 0.0)
+
+
+def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception], ...],
+                    args: list[str] | None = None) -> int:
+    """Body of a console entry point for a node that owns an EngineWorker (the agent, the market
+    bridge): rclpy.init(args), `make_node()`, spin until Ctrl-C / SIGTERM / shutdown, then
+    `node.close()` (returns False while the engine thread is inside a load or forward) and
+    destroy it.
+
+    Returns 0 on a clean shutdown, 2 when make_node() raises one of `errors` (printed on stderr
+    as "<name>: <error>"). When the engine thread is still busy, the process ends with
+    os._exit(0) after flushing stdout/stderr: interpreter finalization would wait on it.
+    """
+    rclpy.init(args=args)
+    try:
+        node = make_node()
+    except errors as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        rclpy.try_shutdown()
+        return 2
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        stopped = node.close()
+        node.destroy_node()
+        rclpy.try_shutdown()
+    if not stopped:    # the engine thread is mid-forward: skip interpreter finalization
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import threading
 import time
@@ -39,18 +38,16 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import ClassVar
 
-import rclpy
 import zmq
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from pydantic import Field
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.time import Time
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, MarketTick
 
 from tokenspeed_ros.agent_node import load_tools
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
-from tokenspeed_ros.engine_worker import EngineWorker
+from tokenspeed_ros.engine_worker import EngineWorker, run_engine_node
 from tokenspeed_ros.market_feed import FeedLimits, MarketFeed, SymbolState
 from tokenspeed_ros.params import AgentParamsError, NodeParams
 
@@ -411,28 +408,7 @@ class MarketBridgeNode(Node):
 def main(args: list[str] | None = None) -> int:
     """Console entry point `tokenspeed_market_bridge`. Returns 0 on a clean shutdown, 2 on bad
     parameters or an endpoint that cannot be opened."""
-    rclpy.init(args=args)
-    try:
-        node = MarketBridgeNode()
-    except (AgentParamsError, zmq.ZMQError) as e:
-        print(f"tokenspeed_market_bridge: {e}", file=sys.stderr)
-        rclpy.try_shutdown()
-        return 2
-    executor = SingleThreadedExecutor()
-    executor.add_node(node)
-    try:
-        executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        stopped = node.close()
-        node.destroy_node()
-        rclpy.try_shutdown()
-    if not stopped:  # the engine thread is mid-forward: skip interpreter finalization
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
+    return run_engine_node("tokenspeed_market_bridge", MarketBridgeNode, (AgentParamsError, zmq.ZMQError), args)
 
 
 if __name__ == "__main__":
