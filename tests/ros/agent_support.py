@@ -1,21 +1,15 @@
 """Helpers for the ROS tests: an rclpy probe node in the test process that publishes sensor data
-and records what the agent publishes, a synthetic camera, and process control."""
+and records what the agent publishes, and a synthetic camera."""
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
+from support import ROOT, spin_until
+
 AGENT_PARAMS = ROOT / "launch" / "config" / "agent.yaml"
-BIN = Path(sys.executable).parent
 
 # A synthetic camera: 320x240, f = 200 px, 1 m above (0.5, 0) looking straight down; image right
 # is the robot's right (-y), image down is towards the robot (-x).
@@ -23,18 +17,6 @@ WIDTH, HEIGHT, FOCAL = 320, 240, 200.0
 CAMERA_POSITION = (0.5, 0.0, 1.0)
 CAMERA_QUATERNION = (math.sqrt(0.5), -math.sqrt(0.5), 0.0, 0.0)     # (x, y, z, w)
 CUBE_Z = 0.025
-
-
-def stop(proc: subprocess.Popen, timeout: float = 10.0) -> int:
-    """SIGINT the process group, SIGKILL after `timeout` seconds; returns the exit status."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode
 
 
 class Probe:
@@ -59,12 +41,7 @@ class Probe:
 
     def spin_until(self, predicate, timeout: float) -> bool:
         """Spin until `predicate()` is true (returns True) or `timeout` seconds pass (False)."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if predicate():
-                return True
-            self.executor.spin_once(timeout_sec=0.05)
-        return bool(predicate())
+        return spin_until(self.executor, predicate, timeout)
 
     def close(self) -> None:
         self.executor.shutdown()

@@ -4,7 +4,8 @@ import subprocess
 
 import pytest
 
-from agent_support import AGENT_PARAMS, BIN, ROOT, Probe, stop
+from agent_support import AGENT_PARAMS, Probe
+from support import BIN, ROOT, stop
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import time
 
 from rclpy.logging import get_logger
 
-from agent_support import ROOT
+from support import ROOT
 from tokenspeed_ros.deadline_monitor import ModelResult
 from tokenspeed_ros.engine_worker import EngineWorker, Observed
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from rcl_interfaces.srv import ListParameters
 
-from agent_support import BIN, ROOT, stop
+from support import BIN, ROOT, stop
 from tokenspeed_ros.launch_spec import LAUNCHES, params_path
 from tokenspeed_ros.market_bridge import MarketBridgeParams
 from tokenspeed_ros.params import AgentParams

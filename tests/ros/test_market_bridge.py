@@ -16,6 +16,7 @@ from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, MarketTick
 
+from support import BIN, ROOT, spin_until, stop
 from tokenspeed_ros.market_bridge import MarketBridgeNode
 from tokenspeed_sim.market_data import MarketDataUnavailable, fetch_bitstamp_capture
 from tokenspeed_sim.market_replay import FeedMessage, FeedPublisher, synthetic_messages
@@ -38,6 +39,15 @@ def ros(ros_env):
     assert stopped, "engine thread still busy at teardown"
 
 
+@pytest.fixture
+def bitstamp_capture():
+    """The real Bitstamp capture is cached (downloaded if needed), else the test is skipped."""
+    try:
+        fetch_bitstamp_capture()
+    except MarketDataUnavailable as e:
+        pytest.skip(f"market capture not cached and registry unreachable: {e}")
+
+
 def start_bridge(ros, tmp_path, **params) -> tuple[MarketBridgeNode, str, str]:
     executor, nodes = ros
     feed, decisions = f"ipc://{tmp_path}/feed", f"ipc://{tmp_path}/decisions"
@@ -46,15 +56,6 @@ def start_bridge(ros, tmp_path, **params) -> tuple[MarketBridgeNode, str, str]:
     nodes.append(node)
     executor.add_node(node)
     return node, feed, decisions
-
-
-def spin_until(executor, cond, timeout_s: float) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        executor.spin_once(timeout_sec=0.02)
-    return cond()
 
 
 def book(seq, bids, asks):
@@ -200,10 +201,6 @@ def test_missed_deadline_publishes_hold_never_a_late_order(ros, tmp_path):
 
 def _replay_into_bridge(ros, tmp_path, speed: float, duration_s: float):
     executor, _ = ros
-    try:
-        fetch_bitstamp_capture()
-    except MarketDataUnavailable as e:
-        pytest.skip(f"market capture not cached and registry unreachable: {e}")
     node, feed_ep, _ = start_bridge(ros, tmp_path)
     replay = subprocess.run([sys.executable, "-m", "tokenspeed_sim.market_replay", "--endpoint", feed_ep,
                              "--speed", str(speed), "--duration", str(duration_s)],
@@ -231,11 +228,13 @@ def _assert_kept_up(node, sent):
     assert c["absurd_price"] > 0 and c["crossed"] > 0 and c["absurd_size"] > 0
 
 
+@pytest.mark.usefixtures("bitstamp_capture")
 def test_bridge_keeps_up_with_the_real_capture_at_10x(ros, tmp_path):
     node, sent = _replay_into_bridge(ros, tmp_path, speed=10.0, duration_s=60.0)
     _assert_kept_up(node, sent)
 
 
+@pytest.mark.usefixtures("bitstamp_capture")
 @pytest.mark.slow
 def test_bridge_keeps_up_with_the_whole_capture_at_10x(ros, tmp_path):
     node, sent = _replay_into_bridge(ros, tmp_path, speed=10.0, duration_s=1800.0)
@@ -270,18 +269,13 @@ def test_embedded_model_answers_ticks_with_bounded_trading_calls(ros, tmp_path):
             assert args["scope"] in ("all", "buy", "sell")
 
 
+@pytest.mark.usefixtures("bitstamp_capture")
 def test_bridge_process_with_its_params_file(probe, ros_env, tmp_path):
     """`tokenspeed_market_bridge` as its own process with launch/config/market_bridge.yaml, fed
     by the replay process: MarketTick and /diagnostics over DDS, status JSON over ZeroMQ, the
     feed-gap alarm when the replay ends, and a clean SIGINT shutdown."""
     from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 
-    from agent_support import BIN, ROOT, stop
-
-    try:
-        fetch_bitstamp_capture()
-    except MarketDataUnavailable as e:
-        pytest.skip(f"market capture not cached and registry unreachable: {e}")
     feed_ep, decision_ep = f"ipc://{tmp_path}/feed", f"ipc://{tmp_path}/decisions"
     ticks = probe.listen(MarketTick, "market/tick")
     diags = probe.listen(DiagnosticArray, "/diagnostics")

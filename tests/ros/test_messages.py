@@ -6,7 +6,7 @@ import sys
 from builtin_interfaces.msg import Time
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback, DeadlineStatus, Observation
 
-from agent_support import stop
+from support import stop
 
 RELAY = """
 import rclpy

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from support import ROOT
 
 
 def processes_in_domain(domain: str) -> list[str]:

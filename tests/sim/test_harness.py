@@ -3,7 +3,6 @@ agent peer (this test) over DDS: it matches every decision's stamps and writes J
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 from rclpy.time import Time
@@ -11,7 +10,7 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from sensor_msgs.msg import Image
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, Observation
 
-from conftest import ROOT, stop_process
+from support import ROOT, stop
 from tokenspeed_sim.harness import percentiles
 
 
@@ -25,7 +24,7 @@ def test_percentiles():
 def test_harness_reports_a_short_closed_loop_run(sim_process, ros_node, spin, ros_env, tmp_path):
     harness = subprocess.Popen([sys.executable, "-m", "tokenspeed_sim.harness", "--duration", "6",
                                 "--wait-engine", "30", "--out", str(tmp_path)], env=ros_env, cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         images = []
         ros_node.create_subscription(Image, "camera/image_raw", images.append, 2)
@@ -66,7 +65,7 @@ def test_harness_reports_a_short_closed_loop_run(sim_process, ros_node, spin, ro
                                           reason="deadline_missed" if fallback else "ok"))
         out, _ = harness.communicate(timeout=30)
     finally:
-        stop_process(harness)
+        stop(harness)
     assert harness.returncode == 0, out
     assert "closed-loop latency" in out and "task:" in out
 

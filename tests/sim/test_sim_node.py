@@ -10,7 +10,7 @@ from sensor_msgs.msg import CameraInfo, Image, JointState
 from std_msgs.msg import String
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback
 
-from conftest import stop_process
+from support import stop
 
 LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 
@@ -66,6 +66,6 @@ def test_sim_node_publishes_sensors_and_executes_commands(sim_process, ros_node,
     assert spin(lifted, 5)
     assert json.loads(got["sim/scenario_status"].data)["commands_rejected"] == 2
 
-    assert stop_process(sim_process) == 0                      # clean exit on SIGINT
+    assert stop(sim_process) == 0                      # clean exit on SIGINT
     out = sim_process.stdout.read()
     assert "final status" in out and "Traceback" not in out

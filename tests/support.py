@@ -1,0 +1,37 @@
+"""Helpers shared by the ROS and simulator tests: repository paths, stopping a child process,
+spinning an rclpy executor until a condition holds. (tests/ is on sys.path through tests/conftest.py.)"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent          # the venv's console entry points
+
+
+def stop(proc: subprocess.Popen, timeout: float = 10.0) -> int:
+    """SIGINT the process group, SIGKILL it after `timeout` seconds; returns the exit status.
+    Start the process with `start_new_session=True` (its own group)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+def spin_until(executor, predicate, timeout: float) -> bool:
+    """Spin the rclpy `executor` until `predicate()` is true (returns True) or `timeout` seconds
+    pass (returns predicate())."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        executor.spin_once(timeout_sec=0.02)
+    return bool(predicate())
