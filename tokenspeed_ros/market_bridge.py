@@ -103,12 +103,8 @@ class MarketBridgeParams(NodeParams):
 
     # engine
     agent: bool = Field(True, description="run the trading agent; false = feed summaries only")
-    model: str = Field("", description='.gguf file, HF folder or "tiny-random"; empty = embedded SmolLM2-135M')
-    threads: int = Field(0, ge=0, description="engine CPU threads; 0 = engine default")
-    tools_file: str = Field("", description="OpenAI tool list (JSON); empty = launch/config/trading_tools.json")
     system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="system message of the session")
-    kv_budget_tokens: int = Field(
-        1024, ge=64, description="hot KV cache of the session, tokens; older ticks are pruned by relevance")
+    # model, threads, tools_file, kv_budget_tokens: see NodeParams
 
 
 @dataclass

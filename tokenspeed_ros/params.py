@@ -28,7 +28,8 @@ class AgentParamsError(ValueError):
 
 
 class NodeParams(BaseModel):
-    """Base of a node's parameter table: frozen, no unknown keys, strict types (no bool -> 1.0).
+    """Base of a node's parameter table: frozen, no unknown keys, strict types (no bool -> 1.0),
+    and the engine parameters every node with an EngineWorker has.
 
     Subclasses set NODE (the node name, used in error messages) and DEFAULT_TOOLS (the tool list
     in the config directory used when the `tools_file` field is empty).
@@ -38,6 +39,13 @@ class NodeParams(BaseModel):
 
     NODE: ClassVar[str]
     DEFAULT_TOOLS: ClassVar[str]
+
+    # engine
+    model: str = Field("", description='.gguf file, HF folder or "tiny-random"; empty = embedded SmolLM2-135M')
+    threads: int = Field(0, ge=0, description="engine CPU threads; 0 = engine default")
+    tools_file: str = Field("", description="OpenAI tool list (JSON); empty = the node's default in launch/config")
+    kv_budget_tokens: int = Field(
+        1024, ge=64, description="hot KV cache of the session, tokens; older context is pruned by relevance")
 
     @classmethod
     def declare(cls, node):
@@ -117,13 +125,8 @@ class AgentParams(NodeParams):
     tool_choice: str = Field("required", description='decide() tool_choice: "required", "auto" or a tool name')
     diagnostics_period_s: float = Field(1.0, gt=0.0, description="/diagnostics publish period (s)")
 
-    # engine
-    model: str = Field("", description='.gguf file, HF folder or "tiny-random"; empty = embedded SmolLM2-135M')
-    threads: int = Field(0, ge=0, description="engine CPU threads; 0 = engine default")
-    tools_file: str = Field("", description="OpenAI tool list (JSON); empty = launch/config/robot_tools.json")
+    # engine (model, threads, tools_file, kv_budget_tokens: see NodeParams)
     system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="system message of the session")
-    kv_budget_tokens: int = Field(
-        1024, ge=64, description="hot KV cache of the session, tokens; older observations are pruned by relevance")
 
     # input checks
     stale_after_s: float = Field(2.0, gt=0.0, description="a sensor topic silent this long counts as missing (s)")
