@@ -23,7 +23,7 @@ from pathlib import Path
 from . import report as rep
 from .workload import Workload, build_workload
 
-__all__ = ["ENGINES", "DEFAULT_ENGINES", "LLAMA_CPP_INSTALL", "build_job", "measure_bandwidth", "run_aal"]
+__all__ = ["ENGINES", "DEFAULT_ENGINES", "LLAMA_CPP_INSTALL", "build_job", "measure_bandwidth", "run_aal", "make_report"]
 
 ENGINES = ["tokenspeed:int4", "tokenspeed:int8", "tokenspeed", "llama.cpp", "transformers"]
 DEFAULT_ENGINES = ["tokenspeed:int4", "tokenspeed", "llama.cpp", "transformers"]
@@ -134,7 +134,7 @@ def run_aal(out_dir: Path, quick: bool = False, seed: int = 0, threads: int = 2,
     wl = Workload.load(workload) if workload else build_workload(seed, quick=quick, bfcl_dir=bfcl_dir)
     wl.save(out_dir / "workload.json")
     n = len(wl.turns)
-    cold = sorted({n - 1} if quick else {0, n // 2, n - 1})
+    cold = sorted({n - 1} if quick else {0, n // 2, n - 1})  # llama.cpp decisions re-run with a reset cache
     job_path = out_dir / "job.json"
     job_path.write_text(json.dumps(build_job(wl, threads, cold)))
     bandwidth = measure_bandwidth(threads)
@@ -150,18 +150,23 @@ def run_aal(out_dir: Path, quick: bool = False, seed: int = 0, threads: int = 2,
             raise RuntimeError(f"{engine} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         runs[_name(engine)] = json.loads(out.read_text())
         print(f"#   done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    summary = {name: rep.summarize(r, bandwidth) for name, r in runs.items()}
+    report = make_report(runs, bandwidth, threads, wl, notes)
+    rep.write_report(report, out_dir)
+    return report
+
+
+def make_report(runs: dict[str, dict], bandwidth_gbs: float, threads: int, wl: Workload, notes: list[str]) -> dict:
+    """The report dict from the engines' records (`peers.Recorder` outputs keyed by engine name)."""
+    summary = {name: rep.summarize(r, bandwidth_gbs) for name, r in runs.items()}
     firsts = {name: r["turns"][0]["context_tokens"] for name, r in runs.items() if r["turns"]}
     if len(set(firsts.values())) > 1:
-        notes.append(f"engines saw different first prompts (tokens): {firsts}")
-    report = {
-        "command": "tokenspeed bench aal" + (" --quick" if quick else ""),
-        "machine": {"threads": threads, "bandwidth_gbs": bandwidth, "cpu": platform.processor() or platform.machine(),
+        notes = notes + [f"engines saw different first prompts (tokens): {firsts}"]
+    return {
+        "command": f"tokenspeed bench aal --threads {threads}" + (" --quick" if wl.quick else ""),
+        "machine": {"threads": threads, "bandwidth_gbs": bandwidth_gbs, "cpu": platform.processor() or platform.machine(),
                     "cores": os.cpu_count(), "load_avg": os.getloadavg()},
-        "workload": {"seed": wl.seed, "quick": quick, "calls": n,
+        "workload": {"seed": wl.seed, "quick": wl.quick, "calls": len(wl.turns),
                      "context_tokens_last": max((s["context_tokens_last"] or 0) for s in summary.values())},
         "summary": summary, "ratios": rep.ratios(summary), "targets": rep.targets(summary),
         "agreement": rep.agreement(runs), "notes": notes,
     }
-    rep.write_report(report, out_dir)
-    return report

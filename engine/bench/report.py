@@ -10,6 +10,7 @@ Definitions (all from the same run):
   an unconstrained greedy generation after a ~40-token prompt.
 - turn: the 10-call agent turn end to end (observations + decisions), milliseconds.
 - tokens/s: answer tokens (sampled + forced) per second of decision time.
+- valid: schema-valid calls; right tool: valid calls of the tool the request asked for.
 - floor: bytes of weights one decode step reads / measured memory bandwidth (ms per token).
 """
 from __future__ import annotations
@@ -51,6 +52,8 @@ def summarize(run: dict, bandwidth_gbs: float) -> dict:
     return {
         "engine": run["engine"], "config": run["config"], "threads": run["threads"],
         "calls": len(turns), "valid_calls": sum(bool(t["valid"]) for t in turns),
+        "expected_tool_calls": sum(bool(t["valid"] and (t["tool_call"] or {}).get("name") == t.get("expect"))
+                                   for t in turns),
         "ttft_p50_ms": percentile([t["ttft_ms"] for t in turns], 50),
         "ttft_p90_ms": percentile([t["ttft_ms"] for t in turns], 90),
         "cold_ttft_p50_ms": percentile(cold, 50),
@@ -158,7 +161,8 @@ def print_table(report: dict) -> None:
             ("cold TTFT", "cold_ttft_p50_ms", 0), ("ITL p50", "itl_p50_ms", 2), ("ITL p90", "itl_p90_ms", 2),
             ("ITL short", "itl_short_p50_ms", 2), ("floor/tok", "floor_ms", 2), ("turn ms", "turn_ms", 0),
             ("tok/s", "tokens_per_s", 1), ("RSS MiB", "peak_rss_mb", 0), ("fwd/call", "forwards_per_call", 1),
-            ("jump-fwd", "jump_forward_tokens", 0), ("spec acc", "spec_acceptance", 2), ("valid", "valid_calls", 0)]
+            ("jump-fwd", "jump_forward_tokens", 0), ("spec acc", "spec_acceptance", 2), ("valid", "valid_calls", 0),
+            ("right tool", "expected_tool_calls", 0)]
     for label, _, _ in cols:
         t.add_column(label, justify="left" if label == "engine" else "right")
     for s in report["summary"].values():
