@@ -236,15 +236,6 @@ class CobotScene:
         camera frame as R.T @ (P - position); pixel = K @ that / depth."""
         return self.camera_position.copy(), _quat_from_matrix(self.camera_rotation)
 
-    def project(self, point: np.ndarray) -> tuple[float, float]:
-        """Base-frame point [3] (metres) -> pixel (u, v) = (column, row), (0, 0) = centre of the
-        top-left pixel. Raises ValueError for points behind the camera."""
-        pc = self.camera_rotation.T @ (np.asarray(point, float) - self.camera_position)
-        if pc[2] <= 0:
-            raise ValueError(f"point {point} is behind the camera")
-        uvw = self.camera_matrix @ pc
-        return float(uvw[0] / uvw[2]), float(uvw[1] / uvw[2])
-
     def snapshot(self) -> dict:
         """Everything a camera sees, as plain data: robot joint positions (rad / m) and cube poses
         (position [3] metres, quaternion xyzw). `restore()` puts a scene of the same config there."""

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 
+from tokenspeed_ros.perception import CameraModel, quaternion_matrix
 from tokenspeed_sim.cobot import CUBE_HALF, CUBES, WORKSPACE_X, WORKSPACE_Y, CobotScene, CommandRejected, SceneConfig
 
 
@@ -40,10 +41,15 @@ def test_scene_is_seeded_and_inside_the_workspace():
 
 
 def test_camera_sees_each_cube_where_ground_truth_says(scene):
+    """The agent's pinhole model (tokenspeed_ros.perception) built from the camera the sim
+    publishes (K, optical-frame pose) finds each cube's colour where the ground truth puts it."""
     img = scene.render()
     assert img.shape == (240, 320, 3) and img.dtype == np.uint8
+    position, quat = scene.camera_pose()
+    model = CameraModel(K=scene.camera_matrix, R=quaternion_matrix(np.array(quat)), position=position,
+                        width=320, height=240)
     for name, xyz in scene.object_positions().items():
-        u, v = scene.project(xyz)
+        u, v = model.project(xyz)
         assert 0 <= u < 320 and 0 <= v < 240
         patch = img[int(round(v)) - 1:int(round(v)) + 2, int(round(u)) - 1:int(round(u)) + 2].reshape(-1, 3)
         channel = int(np.argmax(CUBES[name]))            # the cube's dominant colour channel
@@ -53,7 +59,7 @@ def test_camera_sees_each_cube_where_ground_truth_says(scene):
     # the camera pose is a proper rotation and K maps the optical axis to the image centre
     r = scene.camera_rotation
     assert np.allclose(r.T @ r, np.eye(3), atol=1e-9) and np.isclose(np.linalg.det(r), 1.0)
-    u, v = scene.project(np.array(scene.config.camera_target))
+    u, v = model.project(np.array(scene.config.camera_target))
     assert abs(u - 159.5) < 1e-6 and abs(v - 119.5) < 1e-6
 
 
