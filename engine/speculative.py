@@ -131,7 +131,9 @@ class DraftModel(nn.Module):
                     w.fill_(1.0)
                 else:
                     w.normal_(0.0, 0.02)
-            net.output.weight.copy_(target.output.weight[vocab.to(p.device)])
+            head = target.output  # an nn.Linear, or a quantized linear (tokenspeed.quant)
+            w = head.dequantized(p.dtype) if hasattr(head, "dequantized") else head.weight
+            net.output.weight.copy_(w[vocab.to(p.device)])
         net.tok_embeddings = target.tok_embeddings
         net.output.weight.requires_grad_(False)
         net.tok_embeddings.weight.requires_grad_(False)

@@ -16,6 +16,7 @@ def engine():
     return tokenspeed.Engine.load()
 
 
+@pytest.mark.slow
 def test_recipe_end_to_end(tmp_path, engine, capsys):
     data = tmp_path / "data.jsonl"
     assert main(["build-data", "--out", str(data), "--robot", "2", "--trading", "2", "--bfcl-limit", "2"]) == 0
