@@ -196,6 +196,51 @@ def cost(engine, histories=(1024, 4096, 16384), budget: int = 1024, decisions: i
     return rows
 
 
+def llamacpp_cost(engine, histories=(1024, 4096, 16384), decisions: int = 3, threads: int = 2, gen: int = 16,
+                  seed: int = 0, log=print) -> list[dict]:
+    """The same decision after the same histories with llama.cpp (llama-cpp-python, the embedded
+    Q4_1 GGUF, full KV cache, automatic prefix reuse): the history is evaluated untimed, then each
+    decision prompt (question + assistant header) is timed to its first token and `gen` greedy
+    tokens (no grammar). Needs the `bench` extra. Returns rows like `cost` (config "llama.cpp")."""
+    from llama_cpp import Llama
+
+    from .grammar import tools_system_prompt
+    from .weights import default_model_path
+
+    tok = engine.tokenizer
+    system = [{"role": "system", "content": tools_system_prompt(SYSTEM, TOOLS)}]
+    head = tok.render_chat(system)
+
+    def ids(messages):  # tokens of messages rendered after the system turn (as Session does)
+        return tok.encode(tok.render_chat(system + messages)[len(head):])
+
+    rows = []
+    for h in histories:
+        rng, context, i = random.Random(seed + h), tok.encode(head), 0
+        while len(context) < h:
+            context += ids([{"role": "user", "content": "\n".join(_reading(rng, i + j)[0] for j in range(8))}])
+            i += 8
+        llm = Llama(model_path=str(default_model_path()), n_ctx=len(context) + 512, n_threads=threads,
+                    n_threads_batch=threads, n_batch=512, seed=0, verbose=False)
+        llm.eval(context)
+        ttft, itl = [], []
+        for d in range(decisions):
+            prompt = context + ids([{"role": "user", "content": f"Grasp {PARTS[d]} now."}]) + tok.encode("<|im_start|>assistant\n")
+            t0, stamps = time.perf_counter(), []
+            for _ in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
+                stamps.append(time.perf_counter())
+                if len(stamps) >= gen:
+                    break
+            ttft.append((stamps[0] - t0) * 1e3)
+            itl.extend((b - a) * 1e3 for a, b in zip(stamps, stamps[1:]))
+        row = dict(config="llama.cpp", history=len(context), budget=None, ttft_ms=statistics.median(ttft),
+                   itl_ms=statistics.median(itl), hot=len(context), cold=0)
+        rows.append(row)
+        log(f"  llama.cpp history {len(context)}: TTFT {row['ttft_ms']:.1f} ms, ITL {row['itl_ms']:.1f} ms")
+        del llm
+    return rows
+
+
 def main(argv=None) -> int:
     """Command line: see the module docstring."""
     from . import Engine
@@ -224,6 +269,7 @@ def main(argv=None) -> int:
     c.add_argument("--history", type=int, nargs="+", default=[1024, 4096, 16384])
     c.add_argument("--budget", type=int, default=1024)
     c.add_argument("--decisions", type=int, default=3)
+    c.add_argument("--llamacpp", action="store_true", help="also time llama.cpp at the same histories")
     args = ap.parse_args(argv)
     engine = Engine.load(args.model, threads=args.threads)
     log = lambda *x: print(*x, flush=True)  # noqa: E731
@@ -244,6 +290,8 @@ def main(argv=None) -> int:
         rows = agreement(engine, args.history, args.budgets, args.cold, args.gen, args.traces, log=log)
     else:
         rows = cost(engine, args.history, args.budget, args.decisions, log=log)
+        if args.llamacpp:
+            rows += llamacpp_cost(engine, args.history, args.decisions, threads=args.threads or 2, log=log)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)
