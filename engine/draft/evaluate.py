@@ -65,7 +65,7 @@ def evaluate(engine, data: Path, draft: DraftModel | None, *, k: int = 6, limit:
     saved = engine.speculation
     settings = _settings(draft, k)
     stats = {name: {"proposed": 0, "accepted": 0, "by_source": {}, "decided": 0, "output": 0, "forwards": 0,
-"identical": 0, "total_ms": [], "itl_ms": []} for name in settings}
+                    "identical": 0, "total_ms": [], "itl_ms": []} for name in settings}
     plain_text: dict[str, str] = {}
     sessions: dict[str, tuple] = {}  # setting -> (conversation key, session, checkpoint after system)
     try:
@@ -89,7 +89,7 @@ def evaluate(engine, data: Path, draft: DraftModel | None, *, k: int = 6, limit:
                     st["itl_ms"] += [x * 1e3 for x in d.itl_s]
                     if rep:
                         continue
-                    n_out = len(engine.tokenizer.encode(d.text)) if d.text else 0
+                    n_out = d.forced_tokens + d.generated_tokens  # a tool call ends by grammar, not a stop token
                     st["proposed"] += d.draft_tokens
                     st["accepted"] += d.accepted_tokens
                     for src, (p, a) in d.draft_sources.items():
