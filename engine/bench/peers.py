@@ -71,6 +71,16 @@ class Recorder:
     def turn(self, **record) -> None:
         self.out["turns"].append(record)
 
+    def short(self, wall: list[float], cpu: list[float]) -> None:
+        """Short-context decode: token timestamps, wall (perf_counter) and process CPU (process_time).
+
+        CPU ms per token (all the process's threads) is immune to other processes taking the
+        cores, which wall-clock ITL on a shared machine is not.
+        """
+        self.out["short_itl_ms"] = [_ms(b - a) for a, b in zip(wall, wall[1:])]
+        if len(cpu) > 1:
+            self.out["short_cpu_ms_per_token"] = _ms(cpu[-1] - cpu[0]) / (len(cpu) - 1)
+
     def write(self, path: str) -> None:
         self.out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         Path(path).write_text(json.dumps(self.out, indent=1))
@@ -123,9 +133,10 @@ def run_tokenspeed(job: dict, out: str, quantize: str | None) -> None:
     if drafted:
         rec.out["spec_acceptance"] = sum(t["accepted_tokens"] for t in rec.out["turns"]) / drafted
     short = engine.session(system=job["short_system"])
-    stamps = []
-    short.generate(wl["short_prompt"], max_tokens=wl["short_tokens"], on_token=lambda _: stamps.append(time.perf_counter()))
-    rec.out["short_itl_ms"] = [_ms(b - a) for a, b in zip(stamps, stamps[1:])]
+    stamps, cpu = [], []
+    short.generate(wl["short_prompt"], max_tokens=wl["short_tokens"],
+                   on_token=lambda _: (stamps.append(time.perf_counter()), cpu.append(time.process_time())))
+    rec.short(stamps, cpu)
     rec.write(out)
 
 
@@ -216,12 +227,13 @@ def run_llamacpp(job: dict, out: str) -> None:
             rec.out["cold_ttft_ms"].append({"turn": i, "context_tokens": len(prompts[i]),
                                             "ttft_ms": _ms(time.perf_counter() - t0)})
     llm.reset()
-    stamps = []
+    stamps, cpu = [], []
     for n, _ in enumerate(llm.generate(job["short_ids"], temp=0.0, top_k=1, repeat_penalty=1.0)):
         stamps.append(time.perf_counter())
+        cpu.append(time.process_time())
         if n + 1 >= wl["short_tokens"]:
             break
-    rec.out["short_itl_ms"] = [_ms(b - a) for a, b in zip(stamps, stamps[1:])]
+    rec.short(stamps, cpu)
     rec.write(out)
 
 
@@ -250,12 +262,13 @@ def run_transformers(job: dict, out: str) -> None:
 
     class Stamps(BaseStreamer):
         def __init__(self):
-            self.times, self.calls = [], 0
+            self.times, self.cpu, self.calls = [], [], 0
 
         def put(self, value):
             self.calls += 1
             if self.calls > 1:  # the first put is the prompt
                 self.times.append(time.perf_counter())
+                self.cpu.append(time.process_time())
 
         def end(self):
             pass
@@ -279,7 +292,7 @@ def run_transformers(job: dict, out: str) -> None:
                                  stopping_criteria=StoppingCriteriaList([StopAtClose(len(prompt))]),
                                  return_dict_in_generate=True)
         new = res.sequences[0, len(prompt):].tolist()
-        return [t for t in new if t not in stop_ids], t0, streamer.times, res.past_key_values
+        return [t for t in new if t not in stop_ids], t0, streamer, res.past_key_values
 
     cache = DynamicCache()
     context = list(job["system_ids"])
@@ -291,7 +304,8 @@ def run_transformers(job: dict, out: str) -> None:
             context += ids
         prompt = context + job["trigger_ids"]
         cached = cache.get_seq_length()
-        out_ids, t0, stamps, cache = generate(prompt, cache, wl["max_tokens"])
+        out_ids, t0, streamer, cache = generate(prompt, cache, wl["max_tokens"])
+        stamps = streamer.times
         t_end = time.perf_counter()
         text = tok.decode(out_ids, skip_special_tokens=False)
         call, valid = check_call(text, wl["tools"], _expected_name(turn))
@@ -303,8 +317,8 @@ def run_transformers(job: dict, out: str) -> None:
                  observe_ms=0.0, turn_ms=_ms(t_end - t_turn))
         context = prompt + out_ids + job["end_ids"]
     n = wl["short_tokens"]
-    _, _, stamps, _ = generate(job["short_ids"], DynamicCache(), n, min_new=n)
-    rec.out["short_itl_ms"] = [_ms(b - a) for a, b in zip(stamps, stamps[1:])]
+    _, _, streamer, _ = generate(job["short_ids"], DynamicCache(), n, min_new=n)
+    rec.short(streamer.times, streamer.cpu)
     rec.write(out)
 
 

@@ -7,7 +7,8 @@ Definitions (all from the same run):
   observations inside the decision (llama.cpp and transformers reuse their cached prefix).
 - cold TTFT (llama.cpp): the same decision with its cache reset (the whole prompt processed).
 - ITL: time between consecutive sampled tokens of the decisions; short-context ITL: the same in
-  an unconstrained greedy generation after a ~40-token prompt.
+  an unconstrained greedy generation after a ~40-token prompt; CPU/tok short: process CPU time
+  per token there (all threads), which other processes on a shared machine do not inflate.
 - turn: the 10-call agent turn end to end (observations + decisions), milliseconds.
 - tokens/s: answer tokens (sampled + forced) per second of decision time.
 - valid: schema-valid calls; right tool: valid calls of the tool the request asked for.
@@ -59,6 +60,7 @@ def summarize(run: dict, bandwidth_gbs: float) -> dict:
         "cold_ttft_p50_ms": percentile(cold, 50),
         "itl_p50_ms": percentile(itl, 50), "itl_p90_ms": percentile(itl, 90),
         "itl_short_p50_ms": percentile(run.get("short_itl_ms", []), 50),
+        "cpu_ms_per_token_short": run.get("short_cpu_ms_per_token"),
         "floor_ms": floor,
         "turn_ms": sum(t["turn_ms"] for t in turns),
         "tokens_per_s": out_tokens / decide_s if decide_s > 0 else None,
@@ -75,7 +77,7 @@ def summarize(run: dict, bandwidth_gbs: float) -> dict:
 
 def ratios(summaries: dict[str, dict], ours: str = OURS) -> dict[str, dict]:
     """ours / peer for TTFT, ITL, short ITL and turn time, per peer (None where a side is missing)."""
-    keys = ["ttft_p50_ms", "itl_p50_ms", "itl_short_p50_ms", "turn_ms"]
+    keys = ["ttft_p50_ms", "itl_p50_ms", "itl_short_p50_ms", "cpu_ms_per_token_short", "turn_ms"]
     mine = summaries.get(ours)
     out = {}
     for name, s in summaries.items():
@@ -159,7 +161,8 @@ def print_table(report: dict) -> None:
                     f"tokens, {m['threads']} threads, bandwidth {m['bandwidth_gbs']:.1f} GB/s")
     cols = [("engine", "engine", 0), ("TTFT p50", "ttft_p50_ms", 1), ("TTFT p90", "ttft_p90_ms", 1),
             ("cold TTFT", "cold_ttft_p50_ms", 0), ("ITL p50", "itl_p50_ms", 2), ("ITL p90", "itl_p90_ms", 2),
-            ("ITL short", "itl_short_p50_ms", 2), ("floor/tok", "floor_ms", 2), ("turn ms", "turn_ms", 0),
+            ("ITL short", "itl_short_p50_ms", 2), ("CPU/tok short", "cpu_ms_per_token_short", 2),
+            ("floor/tok", "floor_ms", 2), ("turn ms", "turn_ms", 0),
             ("tok/s", "tokens_per_s", 1), ("RSS MiB", "peak_rss_mb", 0), ("fwd/call", "forwards_per_call", 1),
             ("jump-fwd", "jump_forward_tokens", 0), ("spec acc", "spec_acceptance", 2), ("valid", "valid_calls", 0),
             ("right tool", "expected_tool_calls", 0)]
@@ -169,10 +172,11 @@ def print_table(report: dict) -> None:
         t.add_row(*[_fmt(s.get(k), d) if k != "engine" else s[k] for _, k, d in cols])
     console.print(t)
     r = Table(title=f"ratios {OURS} / peer (lower is better)")
-    for label in ("peer", "TTFT", "TTFT vs cold", "ITL", "ITL short", "turn"):
+    for label in ("peer", "TTFT", "TTFT vs cold", "ITL", "ITL short", "CPU/tok short", "turn"):
         r.add_column(label, justify="right")
     for peer, x in report["ratios"].items():
-        r.add_row(peer, *[_fmt(x.get(k), 3) for k in ("ttft_p50_ms", "ttft_vs_cold", "itl_p50_ms", "itl_short_p50_ms", "turn_ms")])
+        r.add_row(peer, *[_fmt(x.get(k), 3) for k in ("ttft_p50_ms", "ttft_vs_cold", "itl_p50_ms", "itl_short_p50_ms",
+                                                      "cpu_ms_per_token_short", "turn_ms")])
     console.print(r)
     for tg in report["targets"]:
         mark = "MET" if tg["met"] else ("n/a" if tg["ratio"] is None else "MISSED")
