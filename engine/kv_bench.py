@@ -165,34 +165,40 @@ def cost(engine, histories=(1024, 4096, 16384), budget: int = 1024, decisions: i
          full_upto: int = 4096, log=print) -> list[dict]:
     """Decision TTFT and ITL (ms) after `histories` tokens of stream (8 readings per observation),
     pruned to `budget` (with a cold tier), and with the full cache for histories <= full_upto.
-    Decisions run without jump-forward so every token is a decode step. Returns rows: config,
-    history, ttft_ms (median), itl_ms (median over all decode steps), hot, cold (tokens),
-    kv_bytes (hot tier allocation), rss_mb (peak resident set of the process)."""
+    All sessions are built first, then their decisions run interleaved (round-robin), so that
+    load drift on a shared machine hits every configuration alike. Decisions run without
+    jump-forward so every token is a decode step. Returns rows: config, history, ttft_ms
+    (median), itl_ms (median over all decode steps), hot, cold (tokens), kv_bytes (hot tier
+    allocation), rss_mb (peak resident set of the process)."""
     import resource
 
-    rows = []
+    sessions = []
     for h in histories:
         for name, kv in (("pruned", KVConfig(budget=budget)), ("full", None)):
             if kv is None and h > full_upto:
                 continue
             s = _session(engine, kv)
-            _stream(s, random.Random(seed + h), h - s.num_tokens, batch=8)
-            ttft, itl = [], []
-            for i in range(decisions):
-                cp = s.checkpoint()
-                s.observe(f"Grasp {PARTS[i]} now.")
-                d = s.decide(tool_choice="required", jump_forward=False)
-                ttft.append(d.ttft_s * 1e3)
-                itl.extend(x * 1e3 for x in d.itl_s)
-                s.rollback(cp)
-            kv_bytes = s.cache.k.numel() * s.cache.k.element_size() * 2
-            row = dict(config=name, history=h, budget=budget if kv else None, ttft_ms=statistics.median(ttft),
-                       itl_ms=statistics.median(itl), hot=s.cache.n,
-                       cold=s.cache.cold.tokens if kv and s.cache.cold is not None else 0,
-                       kv_bytes=kv_bytes, rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-            rows.append(row)
-            log(f"  {name} history {h}: TTFT {row['ttft_ms']:.1f} ms, ITL {row['itl_ms']:.1f} ms, "
-                f"hot {row['hot']}, cold {row['cold']}, KV alloc {kv_bytes / 2**20:.0f} MiB")
+            prefill_s = _stream(s, random.Random(seed + h), h - s.num_tokens, batch=8)
+            log(f"# {name} history {s.num_tokens}: prefill {prefill_s:.1f} s")
+            sessions.append((name, h, kv, s, [], []))
+    for i in range(decisions):
+        for name, h, kv, s, ttft, itl in sessions:
+            cp = s.checkpoint()
+            s.observe(f"Grasp {PARTS[i % len(PARTS)]} now.")
+            d = s.decide(tool_choice="required", jump_forward=False)
+            ttft.append(d.ttft_s * 1e3)
+            itl.extend(x * 1e3 for x in d.itl_s)
+            s.rollback(cp)
+    rows = []
+    for name, h, kv, s, ttft, itl in sessions:
+        kv_bytes = s.cache.k.numel() * s.cache.k.element_size() * 2
+        row = dict(config=name, history=h, budget=budget if kv else None, ttft_ms=statistics.median(ttft),
+                   itl_ms=statistics.median(itl), hot=s.cache.n,
+                   cold=s.cache.cold.tokens if kv and s.cache.cold is not None else 0,
+                   kv_bytes=kv_bytes, rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        rows.append(row)
+        log(f"  {name} history {h}: TTFT {row['ttft_ms']:.1f} ms, ITL {row['itl_ms']:.1f} ms, "
+            f"hot {row['hot']}, cold {row['cold']}, KV alloc {kv_bytes / 2**20:.0f} MiB")
     return rows
 
 
