@@ -120,6 +120,28 @@ def parse_tool_call(text: str) -> dict | None:
     return {"name": call.get("name"), "arguments": call["arguments"]}
 
 
+def _parse_tool_choice(tool_choice) -> tuple[str, list[str] | None]:
+    """tool_choice -> (mode "required" | "auto", tool names or None for all).
+
+    Raises:
+        ToolSchemaError: malformed tool_choice.
+    """
+    if tool_choice in ("required", "auto"):
+        return tool_choice, None
+    if isinstance(tool_choice, dict):
+        if tool_choice.get("type") == "allowed_tools":
+            spec = tool_choice.get("allowed_tools", {})
+            mode = spec.get("mode", "required")
+            entries = spec.get("tools")
+            if mode not in ("required", "auto") or not isinstance(entries, list) or not entries:
+                raise ToolSchemaError("allowed_tools needs mode 'required' or 'auto' and a non-empty tools list")
+            return mode, [e.get("function", e).get("name") if isinstance(e, dict) else e for e in entries]
+        name = tool_choice.get("function", tool_choice).get("name")
+        if isinstance(name, str):
+            return "required", [name]
+    raise ToolSchemaError(f"tool_choice must be 'auto', 'required', {{'name': ...}} or allowed_tools, got {tool_choice!r}")
+
+
 @dataclass
 class ToolGrammar:
     """A compiled grammar for one decision: a tool call (or free text, for tool_choice="auto").
@@ -130,13 +152,17 @@ class ToolGrammar:
     grammar: str
     ll_tokenizer: object
     vocab_size: int
+    mode: str = "required"  # "auto": the answer may be text instead of a call
 
     @classmethod
     def build(cls, ll_tokenizer, vocab_size: int, tools: list[dict], tool_choice="required") -> "ToolGrammar":
         """Compile the grammar for `tools` (normalized) and `tool_choice`.
 
         tool_choice: "required" (one call to any tool), "auto" (a call or free text),
-        {"name": "..."} or {"type": "function", "function": {"name": "..."}} (that tool).
+        {"name": "..."} or {"type": "function", "function": {"name": "..."}} (that tool), or
+        OpenAI's allowed-tools form {"type": "allowed_tools", "allowed_tools": {"mode":
+        "required" | "auto", "tools": [{"type": "function", "function": {"name": ...}}, ...]}}
+        (one call to one of those tools, e.g. the tools whose preconditions hold now).
 
         Raises:
             ToolSchemaError: no tools, or tool_choice names an unknown tool or is malformed.
@@ -145,20 +171,17 @@ class ToolGrammar:
 
         if not tools:
             raise ToolSchemaError("decide() needs tools: pass tools=[...] to engine.session()")
-        chosen = tools
-        if isinstance(tool_choice, dict):
-            name = tool_choice.get("function", tool_choice).get("name")
-            chosen = [t for t in tools if t["function"]["name"] == name]
-            if not chosen:
-                raise ToolSchemaError(f"tool_choice names unknown tool {name!r}; "
-                                      f"known: {[t['function']['name'] for t in tools]}")
-        elif tool_choice not in ("required", "auto"):
-            raise ToolSchemaError(f"tool_choice must be 'auto', 'required' or {{'name': ...}}, got {tool_choice!r}")
+        known = {t["function"]["name"]: t for t in tools}
+        mode, names = _parse_tool_choice(tool_choice)
+        unknown = [n for n in names or () if n not in known]
+        if unknown:
+            raise ToolSchemaError(f"tool_choice names unknown tool {unknown[0]!r}; known: {list(known)}")
+        chosen = [known[n] for n in names] if names else tools
         variants = [_call_schema(t["function"]) for t in chosen]
         schema = {"oneOf": variants} if len(variants) > 1 else variants[0]
         schema["x-guidance"] = dict(_JSON_STYLE, coerce_one_of=True)
         lark = f'call: "{CALL_OPEN}" body "{CALL_CLOSE}"\nbody: %json {json.dumps(schema)}\n'
-        if tool_choice == "auto":
+        if mode == "auto":
             lark = "start: call | text\ntext: /[^<][^\\x00]*/\n" + lark
         else:
             lark = "start: call\n" + lark
@@ -166,7 +189,7 @@ class ToolGrammar:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer)
         if is_error:
             raise ToolSchemaError(f"tool-call grammar does not compile: {messages[0]}")
-        return cls(grammar=grammar, ll_tokenizer=ll_tokenizer, vocab_size=vocab_size)
+        return cls(grammar=grammar, ll_tokenizer=ll_tokenizer, vocab_size=vocab_size, mode=mode)
 
     def matcher(self):
         """A fresh `llguidance.LLMatcher` for this grammar."""

@@ -370,7 +370,8 @@ class Session:
         the output is token-for-token the plain greedy output.
 
         Args:
-            tool_choice: "required", "auto" (call or text) or {"name": tool}.
+            tool_choice: "required", "auto" (call or text), {"name": tool}, or OpenAI's
+                {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}} (see `ToolGrammar.build`).
             deadline: seconds from now; or deadline_at: absolute `time.monotonic()` time.
             max_tokens: most tokens the answer may take.
             jump_forward: append forced tokens without a model call (off: one forward per token).
@@ -405,7 +406,7 @@ class Session:
             call = parse_tool_call(d.text)
             if call is not None:
                 d.status, d.tool_call = "ok", call
-            elif tool_choice == "auto":
+            elif grammar.mode == "auto":
                 d.status = "text"
             else:
                 d.reason = f"output is not a tool call: {d.text[:80]!r}"

@@ -119,6 +119,11 @@ def test_named_tool_choice_and_auto(engine, robot_tools):
     d = s.decide(tool_choice={"name": "hold"})
     assert d.status == "ok" and d.tool_call == {"name": "hold", "arguments": {}}
     s.rollback(cp)
+    allowed = {"type": "allowed_tools", "allowed_tools": {
+        "mode": "required", "tools": [{"type": "function", "function": {"name": n}} for n in ("place", "stop")]}}
+    d = s.decide(tool_choice=allowed)
+    assert d.status == "ok" and d.tool_call["name"] in ("place", "stop")
+    s.rollback(cp)
     d = s.decide(tool_choice="auto", max_tokens=40)
     assert d.status in ("ok", "text", "invalid")
     if d.status == "text":
@@ -161,6 +166,10 @@ def test_bad_tool_choice(tiny_engine, robot_tools):
         s.decide(tool_choice={"name": "fly"})
     with pytest.raises(ToolSchemaError, match="tool_choice must be"):
         s.decide(tool_choice="sometimes")
+    with pytest.raises(ToolSchemaError, match="unknown tool 'fly'"):
+        s.decide(tool_choice={"type": "allowed_tools", "allowed_tools": {"tools": ["pick", "fly"]}})
+    with pytest.raises(ToolSchemaError, match="non-empty tools list"):
+        s.decide(tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": []}})
     with pytest.raises(ToolSchemaError, match="needs tools"):
         tiny_engine.session().decide()
 
