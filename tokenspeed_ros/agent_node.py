@@ -5,7 +5,13 @@ observations (`inputs`, `perception`) streamed into a resident tokenspeed Sessio
 thread (`engine_worker`); an optional goal topic adds the task. Decisions are triggered at a fixed
 rate and on events (new goal, changed scene, the robot finishing or rejecting the last call), one
 at a time; while the robot executes a model call, rate and scene triggers wait for its feedback.
-Each decision's deadline is measured from the newest sensor stamp. The `DeadlineMonitor` publishes
+Each decision's deadline is measured from the newest sensor stamp.
+
+The node tracks what the gripper holds from the robot's ActionFeedback (`GripperState`) and
+masks actions by precondition: each decision may only call the tools configured for the current
+state (`tools_when_empty` / `tools_when_holding`, OpenAI allowed_tools). Right before each
+decision it streams a state line into the context ("objects ...; gripper holding red_cube; task:
+..."), so a small model reads the state and the task last. The `DeadlineMonitor` publishes
 each valid, timely tool call as an `ActionCommand` (plus a `PoseStamped` target for calls with a
 position) and the safe fallback otherwise. Bad input is counted and dropped; missing sensors or a
 missing engine give fallbacks. Counts and latency percentiles go to /diagnostics.
@@ -15,8 +21,10 @@ Run: `tokenspeed_agent --ros-args --params-file launch/config/agent.yaml`.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
+from collections import OrderedDict
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from geometry_msgs.msg import PoseStamped
@@ -35,6 +43,54 @@ from tokenspeed_ros.params import AgentParams, AgentParamsError
 from tokenspeed_ros.perception import CameraModel, locate_cubes, objects_text
 
 SENSORS = ("joint_states", "camera")    # sources that must be fresh for the engine to decide
+CALLS_KEPT = 256                        # published calls remembered to interpret the robot's feedback
+
+
+class GripperState:
+    """What the gripper holds, from the robot's feedback on the agent's own calls.
+
+    Feedback names only the decision, so `sent()` records each published call (decision id ->
+    tool and arguments) and `feedback()` applies the robot's reports: a pick "done" -> holding
+    its object (unless the detail says the grasp failed); a place "done" -> empty; a pick
+    rejected because the gripper is "already holding X" -> holding X; a place rejected for "not
+    holding" -> empty (the robot's own word corrects a missed event). Feedback is exact in time
+    and names the object, which finger positions cannot (a closed gripper does not say which
+    cube it holds, and is ambiguous while the fingers move). Not thread-safe (executor thread).
+    """
+
+    def __init__(self):
+        self.holding: str | None = None           # object name, or None when empty
+        self._calls: OrderedDict[int, tuple[str, dict]] = OrderedDict()
+
+    def sent(self, decision_id: int, tool: str, arguments_json: str) -> None:
+        """Record a call published to the robot (arguments as JSON text)."""
+        try:
+            arguments = json.loads(arguments_json or "{}")
+        except json.JSONDecodeError:
+            arguments = {}
+        self._calls[decision_id] = (tool, arguments if isinstance(arguments, dict) else {})
+        while len(self._calls) > CALLS_KEPT:
+            self._calls.popitem(last=False)
+
+    def feedback(self, decision_id: int, tool: str, state: str, detail: str) -> bool:
+        """Apply one ActionFeedback (state "applied", "done", "preempted" or "rejected");
+        returns True when what the gripper holds changed."""
+        before = self.holding
+        if state == "done" and tool == "pick" and "fail" not in detail:
+            _, arguments = self._calls.get(decision_id, (tool, {}))
+            self.holding = arguments.get("object") or self.holding
+        elif state == "done" and tool == "place":
+            self.holding = None
+        elif state == "rejected" and tool == "pick":
+            held = re.search(r"already holding (\w+)", detail)
+            self.holding = held.group(1) if held else self.holding
+        elif state == "rejected" and tool == "place" and "not holding" in detail:
+            self.holding = None
+        return self.holding != before
+
+    def text(self) -> str:
+        """"gripper empty" or "gripper holding <object>"."""
+        return "gripper empty" if self.holding is None else f"gripper holding {self.holding}"
 
 
 def load_tools(path) -> list[dict]:
@@ -89,11 +145,15 @@ class AgentNode(Node):
         self._skipped_busy = 0
         self._skipped_executing = 0
         self._diag_seen_bad = 0
+        self.gripper = GripperState()
+        p.check_tool_names([t["function"]["name"] for t in tools])
 
         self.monitor = DeadlineMonitor(
             self, action_topic=p.action_topic, status_topic=p.deadline_status_topic,
             budget_s=p.deadline_budget_s, fallback=p.fallback, period_s=p.monitor_period_s,
-            qos_depth=p.command_qos_depth, qos_deadline_s=p.command_qos_deadline_s)
+            qos_depth=p.command_qos_depth, qos_deadline_s=p.command_qos_deadline_s,
+            on_outcome=lambda cmd, _: cmd is not None and self.gripper.sent(
+                cmd.decision_id, cmd.tool_name, cmd.arguments_json))
         self._obs_pub = self.create_publisher(Observation, p.observation_topic, 10)
         self._pose_pub = self.create_publisher(PoseStamped, p.target_pose_topic, 10)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
@@ -111,10 +171,9 @@ class AgentNode(Node):
         if p.action_feedback_topic:
             self.create_subscription(ActionFeedback, p.action_feedback_topic, self._on_feedback, 50)
 
-        tool_choice = p.tool_choice if p.tool_choice in ("required", "auto") else {"name": p.tool_choice}
         self._wake = self.create_guard_condition(self._on_engine_output)
         self.worker = EngineWorker(model=p.model, threads=p.threads, system=p.system_prompt, tools=tools,
-                                   tool_choice=tool_choice, kv_budget=p.kv_budget_tokens,
+                                   tool_choice=self._tool_choice(), kv_budget=p.kv_budget_tokens,
                                    notify=self._wake.trigger, logger=self.get_logger())
         if p.decision_period_s > 0:
             self.create_timer(p.decision_period_s, lambda: self._trigger("rate"))
@@ -201,6 +260,8 @@ class AgentNode(Node):
         """Track which call the robot is executing (its end triggers a decision) and tell the
         model how its calls ended ("robot: pick done (decision 7)", "robot: place rejected (...)")."""
         moving = msg.tool_name not in ("hold", "stop")
+        if self.gripper.feedback(msg.decision_id, msg.tool_name, msg.state, msg.detail):
+            self.get_logger().info(f"{self.gripper.text()} (decision {msg.decision_id} {msg.tool_name} {msg.state})")
         if msg.state == "applied":
             self._executing = (msg.decision_id, self.get_clock().now()) if moving else None
             return
@@ -218,6 +279,26 @@ class AgentNode(Node):
         return (self.get_clock().now() - self._executing[1]).nanoseconds * 1e-9 < self.p.execution_timeout_s
 
     # ------------------------------------------------------------------ decisions
+    def _tool_choice(self):
+        """decide()'s tool_choice for the current gripper state: the tools_when_empty /
+        tools_when_holding subset in OpenAI's allowed_tools form (mode = the tool_choice
+        parameter), all tools when that list is empty, or the one tool tool_choice names."""
+        if self.p.tool_choice not in ("required", "auto"):
+            return {"name": self.p.tool_choice}
+        names = self.p.tools_when_empty if self.gripper.holding is None else self.p.tools_when_holding
+        if not names:
+            return self.p.tool_choice
+        return {"type": "allowed_tools", "allowed_tools": {
+            "mode": self.p.tool_choice, "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
+
+    def _state_text(self) -> str:
+        """The state line restated before each decision: "<objects>; <gripper>; task: <goal>"."""
+        parts = [self._texts.get("camera", "objects unknown"), self.gripper.text()]
+        goal = self._texts.get("goal")
+        if goal:
+            parts.append("task: " + goal.removeprefix("goal: "))
+        return "; ".join(parts)
+
     def _missing_sensors(self) -> list[str]:
         now = self.get_clock().now()
         missing = []
@@ -255,7 +336,10 @@ class AgentNode(Node):
         d = self.monitor.open(stamp)
         remaining_s = (d.deadline - now).nanoseconds * 1e-9 - self.p.publish_margin_s
         self._outstanding = d.decision_id
-        self.worker.decide(d.decision_id, time.monotonic() + remaining_s)
+        if self.p.restate_before_decisions:     # prefilled just before the decision (not re-prefilled
+            # when it is still the context's last message); its echo carries the decision's stamp
+            self.worker.observe("state", self._state_text(), stamp.nanoseconds * 1e-9)
+        self.worker.decide(d.decision_id, time.monotonic() + remaining_s, self._tool_choice())
 
     def _on_engine_output(self) -> None:
         for item in self.worker.drain():

@@ -3,7 +3,8 @@
 ROS callbacks never block on inference: they hand observations and decision requests to this
 thread and return. Observations are coalesced per source (a newer reading replaces one not yet
 prefilled, so the backlog never exceeds one entry per source); at most one decision request is
-outstanding. Results come back through `drain()`, and `notify()` (a ROS guard condition's
+outstanding. A reading identical to the last entry of the context is not prefilled again (it
+is echoed with 0 tokens). Results come back through `drain()`, and `notify()` (a ROS guard condition's
 trigger) wakes the executor to collect them.
 
 The session's hot KV cache is bounded by the engine's relevance pruning (`kv_budget` tokens):
@@ -63,7 +64,8 @@ class EngineWorker:
     """A daemon thread that loads the engine, prefills observations and runs decisions.
 
     model: path, "tiny-random" or "" (embedded model); threads: CPU threads (0 = engine default);
-    system: system prompt; tools: OpenAI tool dicts; tool_choice: passed to decide();
+    system: system prompt; tools: OpenAI tool dicts; tool_choice: passed to decide() unless a
+    request brings its own;
     kv_budget: hot KV tokens of the session (relevance pruning beyond it);
     notify: called from the engine thread whenever `drain()` has something new; logger: rclpy
     logger. `state` is "loading", "ready" or "fault" (then `fault` says why).
@@ -83,7 +85,8 @@ class EngineWorker:
         self.coalesced = 0          # observations replaced before they were prefilled
         self._cv = threading.Condition()
         self._obs: dict[str, tuple[str, str, float]] = {}  # source -> (text, kind, stamp_s), not yet prefilled
-        self._request: tuple[int, float] | None = None     # (decision_id, deadline_at monotonic)
+        self._request: tuple[int, float, object] | None = None  # (decision_id, deadline_at monotonic, tool_choice)
+        self._last_entry: tuple[str, str] | None = None    # (source, text) of the context's last message
         self._out: list[Observed | ModelResult] = []
         self._stop = False
         self._session = None
@@ -109,22 +112,25 @@ class EngineWorker:
     def observe(self, source: str, text: str, stamp_s: float, kind: str = "sensor") -> None:
         """Queue an observation: kind "sensor" (superseded by newer readings of the source) or
         "text" (pinned, e.g. the goal). It replaces a queued, not yet prefilled one from the
-        same source."""
+        same source and goes to the back of the queue (observations queued before a decide()
+        request are prefilled before it, in the order of their latest observe())."""
         with self._cv:
-            if source in self._obs:
+            if self._obs.pop(source, None) is not None:
                 self.coalesced += 1
             self._obs[source] = (text, kind, stamp_s)
             self._cv.notify()
 
-    def decide(self, decision_id: int, deadline_at: float) -> None:
-        """Request a decision that must finish by `deadline_at` (time.monotonic() seconds).
+    def decide(self, decision_id: int, deadline_at: float, tool_choice=None) -> None:
+        """Request a decision that must finish by `deadline_at` (time.monotonic() seconds), with
+        `tool_choice` (as Session.decide; None = the worker's default), e.g. OpenAI's
+        allowed_tools form for the tools whose preconditions hold now.
 
         Raises RuntimeError if a request is still queued (callers keep one outstanding).
         """
         with self._cv:
             if self._request is not None:
                 raise RuntimeError("a decision request is already queued")
-            self._request = (decision_id, deadline_at)
+            self._request = (decision_id, deadline_at, self._tool_choice if tool_choice is None else tool_choice)
             self._cv.notify()
 
     def drain(self) -> list[Observed | ModelResult]:
@@ -175,22 +181,25 @@ class EngineWorker:
                 self._notify()
 
     def _observe(self, source: str, text: str, kind: str) -> int:
-        if self._session is None:
+        if self._session is None or self._last_entry == (source, text):
             return 0
         try:
             n = self._session.observe(text, role="user", kind=kind, source=source, pin=kind == "text")
             self.context_tokens = self._session.num_tokens
+            self._last_entry = (source, text)
             return n
         except Exception as e:
             self._log.error(f"engine fault in observe({source}): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
             return 0
 
-    def _decide(self, decision_id: int, deadline_at: float) -> ModelResult:
+    def _decide(self, decision_id: int, deadline_at: float, tool_choice) -> ModelResult:
         if self._session is None:
             return ModelResult(decision_id, "engine_fault", reason=self.fault or "engine not loaded")
         try:
             before = self._session.checkpoint()
-            d = self._session.decide(tool_choice=self._tool_choice, deadline_at=deadline_at)
+            d = self._session.decide(tool_choice=tool_choice, deadline_at=deadline_at)
+            if d.status == "ok":
+                self._last_entry = None      # the call is the context's last message now
             status, call, reason = d.status, d.tool_call, d.reason or ""
             problem = self._checker.problem(call) if status == "ok" else None
             if problem is not None:     # never executed, and not left in the context as if it were

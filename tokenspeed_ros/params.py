@@ -123,6 +123,15 @@ class AgentParams(NodeParams):
     fallback: Literal["hold", "stop", "last_valid"] = Field(
         "hold", description="safe action published when a decision misses its deadline or fails")
     tool_choice: str = Field("required", description='decide() tool_choice: "required", "auto" or a tool name')
+    tools_when_empty: list[str] = Field(
+        ["pick", "move_to", "hold", "stop"], description="tools a decision may call while the gripper holds "
+        "nothing (action masking by precondition, OpenAI allowed_tools); empty = every tool")
+    tools_when_holding: list[str] = Field(
+        ["place", "move_to", "hold", "stop"], description="tools a decision may call while the gripper holds a "
+        "cube; empty = every tool")
+    restate_before_decisions: bool = Field(
+        True, description="observe a state line (objects, gripper, task) right before each decision, so the "
+                          "model reads the state and the task last")
     diagnostics_period_s: float = Field(1.0, gt=0.0, description="/diagnostics publish period (s)")
 
     # engine (model, threads, tools_file, kv_budget_tokens: see NodeParams)
@@ -142,4 +151,19 @@ class AgentParams(NodeParams):
     def _check(self) -> "AgentParams":
         if self.publish_margin_s >= self.deadline_budget_s:
             raise ValueError("publish_margin_s must be smaller than deadline_budget_s")
+        for name in ("tools_when_empty", "tools_when_holding"):
+            names = getattr(self, name)
+            if len(set(names)) != len(names):
+                raise ValueError(f"{name} lists a tool twice: {names}")
         return self
+
+    def check_tool_names(self, known: list[str]) -> None:
+        """Check tools_when_empty / tools_when_holding against the loaded tool names `known`.
+
+        Raises AgentParamsError naming the parameter and the unknown tool.
+        """
+        for name in ("tools_when_empty", "tools_when_holding"):
+            unknown = [t for t in getattr(self, name) if t not in known]
+            if unknown:
+                raise AgentParamsError(f"bad {self.NODE} parameters: {name} names unknown tool "
+                                       f"{unknown[0]!r}; tools in the tool file: {known}")
