@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..speculative import DraftModel, SpecConfig
+from ..speculative import DraftModel, SpecConfig, Speculator
 from .data import read_data
 
 __all__ = ["evaluate", "verify_cost"]
@@ -67,16 +67,18 @@ def evaluate(engine, data: Path, draft: DraftModel | None, *, k: int = 6, limit:
     stats = {name: {"proposed": 0, "accepted": 0, "by_source": {}, "decided": 0, "output": 0, "forwards": 0,
                     "identical": 0, "total_ms": [], "itl_ms": []} for name in settings}
     plain_text: dict[str, str] = {}
-    sessions: dict[str, tuple] = {}  # setting -> (conversation key, session, checkpoint after system)
+    key = s = start = None
+    speculators: dict[str, Speculator] = {}  # per setting, kept over the rows of one conversation
     try:
         for r in tqdm(rows, desc="draft eval", unit="row", disable=not progress):
-            key = json.dumps([r["system"], r["tools"]], sort_keys=True)
-            for name, cfg in settings.items():
-                if sessions.get(name, (None,))[0] != key:  # a new system prompt/tool set: new session
-                    engine.speculation = cfg
-                    s = engine.session(system=r["system"], tools=r["tools"])
-                    sessions[name] = (key, s, s.checkpoint())
-                _, s, start = sessions[name]
+            if json.dumps([r["system"], r["tools"]], sort_keys=True) != key:  # new system prompt/tools
+                key = json.dumps([r["system"], r["tools"]], sort_keys=True)
+                engine.speculation = None
+                s = engine.session(system=r["system"], tools=r["tools"])
+                start = s.checkpoint()
+                speculators = {name: Speculator(cfg, s.model.args.max_seq_len) for name, cfg in settings.items()}
+            for name in settings:
+                s.speculator = speculators[name]  # one session (one prefill) serves every setting
                 s.rollback(start)
                 for m in r["messages"]:
                     s.observe(m)
