@@ -90,7 +90,7 @@ def test_report_percentiles_ratios_targets_and_agreement():
 
 @pytest.mark.timeout(1200)
 def test_quick_aal_runs_every_engine_and_writes_the_report(tmp_path, capsys):
-    assert bench_main(["aal", "--quick", "--out", str(tmp_path)]) == 0
+    assert bench_main(["aal", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     engines = set(report["summary"])
     expected = {"tokenspeed-int4", "tokenspeed-fp32", "transformers"}
