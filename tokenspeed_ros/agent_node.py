@@ -138,7 +138,9 @@ class AgentNode(Node):
         self._started = self.get_clock().now()
         self._last_rx: dict[str, Time] = {}         # source -> node time of the last valid message
         self._latest_stamp: Time | None = None      # newest valid sensor stamp
-        self._texts: dict[str, str] = {}            # source -> last text sent to the engine
+        self._texts: dict[str, str] = {}            # source -> newest text (sent to the engine, or held)
+        self._held: dict[str, tuple[Time, str]] = {}  # source -> (stamp, kind) of a reading held back
+        self._state_queued = ""                     # the last state line given to the engine
         self._outstanding: int | None = None        # decision id the engine is working on
         self._event_pending = False                 # an event trigger waits for the engine
         self._executing: tuple[int, Time] | None = None    # robot's current model call: (id, applied at)
@@ -174,7 +176,8 @@ class AgentNode(Node):
         self._wake = self.create_guard_condition(self._on_engine_output)
         self.worker = EngineWorker(model=p.model, threads=p.threads, system=p.system_prompt, tools=tools,
                                    tool_choice=self._tool_choice(), kv_budget=p.kv_budget_tokens,
-                                   notify=self._wake.trigger, logger=self.get_logger())
+                                   notify=self._wake.trigger, logger=self.get_logger(),
+                                   repeat_slack=p.restate_slack_tokens)
         if p.decision_period_s > 0:
             self.create_timer(p.decision_period_s, lambda: self._trigger("rate"))
         self.create_timer(p.diagnostics_period_s, self._publish_diagnostics)
@@ -199,12 +202,38 @@ class AgentNode(Node):
             self._latest_stamp = stamp
 
     def _submit(self, source: str, text: str, stamp: Time, kind: str = "sensor") -> bool:
-        """Send a changed observation to the engine; returns False when the text is unchanged."""
+        """Send a changed observation to the engine; returns False when the text is unchanged.
+        While the robot executes a model call, sensor readings are held back (unless
+        observe_while_executing): nothing decides then, and the engine stays free for the
+        decision that the call's feedback triggers; the newest one goes in after that decision."""
         if self._texts.get(source) == text:
             return False
         self._texts[source] = text
-        self.worker.observe(source, text, stamp.nanoseconds * 1e-9, kind)
+        if source in SENSORS and not self.p.observe_while_executing and self._robot_executing():
+            self._held[source] = (stamp, kind)
+        else:
+            self._held.pop(source, None)
+            self.worker.observe(source, text, stamp.nanoseconds * 1e-9, kind)
+            if source != "joint_states":
+                self._queue_state(stamp)
         return True
+
+    def _queue_state(self, stamp: Time, force: bool = False) -> None:
+        """Stream the state line in after a reading that changed it (or after any, with force), so
+        that between decisions it is prefilled ahead of the next decision, which then restates
+        it for free."""
+        text = self._state_text()
+        if self.p.restate_before_decisions and (force or text != self._state_queued):
+            self._state_queued = text
+            self.worker.observe("state", text, stamp.nanoseconds * 1e-9)
+
+    def _release_held(self) -> None:
+        """Queue the newest held-back readings (the engine prefills them after a pending decision)."""
+        for source, (stamp, kind) in self._held.items():
+            self.worker.observe(source, self._texts[source], stamp.nanoseconds * 1e-9, kind)
+        if self._held:
+            self._queue_state(max(stamp for stamp, _ in self._held.values()), force=True)
+        self._held.clear()
 
     def _on_joint_state(self, msg: JointState) -> None:
         try:
@@ -214,7 +243,8 @@ class AgentNode(Node):
             self.health.report(e, self.p.joint_states_topic)
             return
         self._received("joint_states", stamp)
-        self._submit("joint_states", text, stamp)
+        if self.p.joint_states_in_context:
+            self._submit("joint_states", text, stamp)
 
     def _on_camera_info(self, msg: CameraInfo) -> None:
         old = self._camera_info
@@ -336,10 +366,12 @@ class AgentNode(Node):
         d = self.monitor.open(stamp)
         remaining_s = (d.deadline - now).nanoseconds * 1e-9 - self.p.publish_margin_s
         self._outstanding = d.decision_id
-        if self.p.restate_before_decisions:     # prefilled just before the decision (not re-prefilled
-            # when it is still the context's last message); its echo carries the decision's stamp
-            self.worker.observe("state", self._state_text(), stamp.nanoseconds * 1e-9)
-        self.worker.decide(d.decision_id, time.monotonic() + remaining_s, self._tool_choice())
+        # the state line is prefilled just before the decision (queued readings wait behind it; it is
+        # not prefilled again while it is the context's last message); its echo carries the decision's stamp
+        self._state_queued = self._state_text()
+        restate = ("state", self._state_queued, stamp.nanoseconds * 1e-9) if self.p.restate_before_decisions else None
+        self.worker.decide(d.decision_id, time.monotonic() + remaining_s, self._tool_choice(), restate)
+        self._release_held()
 
     def _on_engine_output(self) -> None:
         for item in self.worker.drain():

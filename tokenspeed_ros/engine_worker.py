@@ -3,8 +3,11 @@
 ROS callbacks never block on inference: they hand observations and decision requests to this
 thread and return. Observations are coalesced per source (a newer reading replaces one not yet
 prefilled, so the backlog never exceeds one entry per source); at most one decision request is
-outstanding. A reading identical to the last entry of the context is not prefilled again (it
-is echoed with 0 tokens). Results come back through `drain()`, and `notify()` (a ROS guard condition's
+outstanding. A reading identical to its source's previous one, with at most `repeat_slack`
+tokens of other observations after that one, is not prefilled again (it is echoed with 0
+tokens). A decision request may bring its own observation (a state line that stands for the
+queued readings): then only that line is prefilled before the decision, and queued readings
+wait; readings are prefilled one at a time, so a request waits for at most one observe(). Results come back through `drain()`, and `notify()` (a ROS guard condition's
 trigger) wakes the executor to collect them.
 
 The session's hot KV cache is bounded by the engine's relevance pruning (`kv_budget` tokens):
@@ -66,13 +69,14 @@ class EngineWorker:
     model: path, "tiny-random" or "" (embedded model); threads: CPU threads (0 = engine default);
     system: system prompt; tools: OpenAI tool dicts; tool_choice: passed to decide() unless a
     request brings its own;
-    kv_budget: hot KV tokens of the session (relevance pruning beyond it);
+    kv_budget: hot KV tokens of the session (relevance pruning beyond it); repeat_slack: see above
+    (tokens; 0 = only when the reading is still the context's last observation);
     notify: called from the engine thread whenever `drain()` has something new; logger: rclpy
     logger. `state` is "loading", "ready" or "fault" (then `fault` says why).
     """
 
     def __init__(self, *, model: str, threads: int, system: str, tools: list[dict], tool_choice,
-                 kv_budget: int, notify: Callable[[], None], logger):
+                 kv_budget: int, notify: Callable[[], None], logger, repeat_slack: int = 0):
         self._cfg = dict(model=model or None, threads=threads or None, system=system, tools=tools)
         self._tool_choice = tool_choice
         self._checker = CallChecker(tools)
@@ -85,8 +89,11 @@ class EngineWorker:
         self.coalesced = 0          # observations replaced before they were prefilled
         self._cv = threading.Condition()
         self._obs: dict[str, tuple[str, str, float]] = {}  # source -> (text, kind, stamp_s), not yet prefilled
-        self._request: tuple[int, float, object] | None = None  # (decision_id, deadline_at monotonic, tool_choice)
-        self._last_entry: tuple[str, str] | None = None    # (source, text) of the context's last message
+        self._request: tuple | None = None   # (decision_id, deadline_at, tool_choice, restate, queued at)
+        self._prefill = [0, 0, 0.0]     # observations, tokens, seconds prefilled since the last decision
+        self._repeat_slack = repeat_slack
+        self._observed = 0                                 # tokens observed so far (decisions not counted)
+        self._previous: dict[str, tuple[str, int]] = {}    # source -> (text, self._observed after it)
         self._out: list[Observed | ModelResult] = []
         self._stop = False
         self._session = None
@@ -120,17 +127,22 @@ class EngineWorker:
             self._obs[source] = (text, kind, stamp_s)
             self._cv.notify()
 
-    def decide(self, decision_id: int, deadline_at: float, tool_choice=None) -> None:
+    def decide(self, decision_id: int, deadline_at: float, tool_choice=None,
+               restate: tuple[str, str, float] | None = None) -> None:
         """Request a decision that must finish by `deadline_at` (time.monotonic() seconds), with
         `tool_choice` (as Session.decide; None = the worker's default), e.g. OpenAI's
         allowed_tools form for the tools whose preconditions hold now.
 
+        restate: (source, text, stamp_s) of a "sensor" observation prefilled right before the
+        decision (skipped when it is already the context's last message); queued readings are
+        then prefilled after the decision. None: queued readings are prefilled first.
         Raises RuntimeError if a request is still queued (callers keep one outstanding).
         """
         with self._cv:
             if self._request is not None:
                 raise RuntimeError("a decision request is already queued")
-            self._request = (decision_id, deadline_at, self._tool_choice if tool_choice is None else tool_choice)
+            self._request = (decision_id, deadline_at, self._tool_choice if tool_choice is None else tool_choice,
+                             restate, time.monotonic())
             self._cv.notify()
 
     def drain(self) -> list[Observed | ModelResult]:
@@ -154,12 +166,28 @@ class EngineWorker:
                     self._cv.wait()
                 if self._stop:
                     return
-                obs, self._obs = self._obs, {}
                 request, self._request = self._request, None
-            for source, (text, kind, stamp_s) in obs.items():
-                self._emit(Observed(source, text, stamp_s, self._observe(source, text, kind)))
+                if request is not None and request[3] is not None:     # the state line stands for the queue
+                    source, text, stamp_s = request[3]
+                    self._obs.pop(source, None)
+                    batch = [(source, (text, "sensor", stamp_s))]
+                elif request is not None:                                # everything queued, then decide
+                    batch, self._obs = list(self._obs.items()), {}
+                else:                                                    # one reading, then look again
+                    source = next(iter(self._obs))
+                    batch = [(source, self._obs.pop(source))]
+            for source, (text, kind, stamp_s) in batch:
+                self._prefill_one(source, text, kind, stamp_s)
             if request is not None:
                 self._emit(self._decide(*request))
+
+    def _prefill_one(self, source: str, text: str, kind: str, stamp_s: float) -> None:
+        t0 = time.monotonic()
+        n = self._observe(source, text, kind)
+        self._prefill[0] += n > 0
+        self._prefill[1] += n
+        self._prefill[2] += time.monotonic() - t0
+        self._emit(Observed(source, text, stamp_s, n))
 
     def _load(self) -> None:
         try:
@@ -181,25 +209,27 @@ class EngineWorker:
                 self._notify()
 
     def _observe(self, source: str, text: str, kind: str) -> int:
-        if self._session is None or self._last_entry == (source, text):
+        previous = self._previous.get(source)
+        if self._session is None or (previous is not None and previous[0] == text
+                                     and self._observed - previous[1] <= self._repeat_slack):
             return 0
         try:
             n = self._session.observe(text, role="user", kind=kind, source=source, pin=kind == "text")
             self.context_tokens = self._session.num_tokens
-            self._last_entry = (source, text)
+            self._observed += n
+            self._previous[source] = (text, self._observed)
             return n
         except Exception as e:
             self._log.error(f"engine fault in observe({source}): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
             return 0
 
-    def _decide(self, decision_id: int, deadline_at: float, tool_choice) -> ModelResult:
+    def _decide(self, decision_id: int, deadline_at: float, tool_choice, restate, queued_at: float) -> ModelResult:
         if self._session is None:
             return ModelResult(decision_id, "engine_fault", reason=self.fault or "engine not loaded")
+        started = time.monotonic()
         try:
             before = self._session.checkpoint()
             d = self._session.decide(tool_choice=tool_choice, deadline_at=deadline_at)
-            if d.status == "ok":
-                self._last_entry = None      # the call is the context's last message now
             status, call, reason = d.status, d.tool_call, d.reason or ""
             problem = self._checker.problem(call) if status == "ok" else None
             if problem is not None:     # never executed, and not left in the context as if it were
@@ -209,6 +239,15 @@ class EngineWorker:
             self._log.error(f"engine fault in decide(): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
             return ModelResult(decision_id, "engine_fault", reason=f"{type(e).__name__}: {e}")
         self.context_tokens = self._session.num_tokens
+        n_obs, n_tok, prefill_s = self._prefill
+        self._prefill = [0, 0, 0.0]
+        self._log.info(
+            f"decision {decision_id}: {status} {call['name'] if call else reason}; queued -> decide "
+            f"{(started - queued_at) * 1e3:.0f} ms, budget left {(deadline_at - started) * 1e3:.0f} ms; since the last "
+            f"decision {n_obs} observations, {n_tok} tokens prefilled in {prefill_s * 1e3:.0f} ms"
+            f"{f' ({prefill_s * 1e3 / n_tok:.1f} ms/token)' if n_tok else ''}; decide ttft {d.ttft_s * 1e3:.0f} ms, "
+            f"total {d.total_s * 1e3:.0f} ms, {d.forwards} forwards, {d.generated_tokens} generated + "
+            f"{d.forced_tokens} forced tokens, context {self.context_tokens} tokens")
         return ModelResult(decision_id, status, call, reason, d.ttft_s or 0.0, d.total_s or 0.0)
 
 

@@ -113,6 +113,10 @@ class AgentParams(NodeParams):
     decide_while_executing: bool = Field(
         False, description="false: no rate/scene decisions while the robot executes the last model call; "
                            "its done/rejected/preempted feedback triggers the next one")
+    observe_while_executing: bool = Field(
+        False, description="false: joint and camera readings are held back while the robot executes a model "
+                           "call (nothing decides then), so the engine is free when its feedback triggers a "
+                           "decision; the newest readings go in after that decision")
     execution_timeout_s: float = Field(
         30.0, gt=0.0, description="an execution without done/rejected feedback for this long no longer blocks decisions (s)")
     deadline_budget_s: float = Field(
@@ -132,6 +136,12 @@ class AgentParams(NodeParams):
     restate_before_decisions: bool = Field(
         True, description="observe a state line (objects, gripper, task) right before each decision, so the "
                           "model reads the state and the task last")
+    joint_states_in_context: bool = Field(
+        False, description="stream joint-state lines into the context (~57 tokens per changed reading); the tools "
+                           "work in table coordinates, so by default joint states only keep the sensor check fresh")
+    restate_slack_tokens: int = Field(
+        64, ge=0, description="the state line is not prefilled again before a decision while at most this many "
+                              "tokens of other observations followed it (tokens; a joint-state line is ~57)")
     diagnostics_period_s: float = Field(1.0, gt=0.0, description="/diagnostics publish period (s)")
 
     # engine (model, threads, tools_file, kv_budget_tokens: see NodeParams)
