@@ -213,27 +213,31 @@ class AgentNode(Node):
             self._held[source] = (stamp, kind)
         else:
             self._held.pop(source, None)
-            self.worker.observe(source, text, stamp.nanoseconds * 1e-9, kind)
-            if source != "joint_states":
-                self._queue_state(stamp)
+            self._send(source, text, stamp, kind)
         return True
 
-    def _queue_state(self, stamp: Time, force: bool = False) -> None:
-        """Stream the state line in after a reading that changed it (or after any, with force), so
-        that between decisions it is prefilled ahead of the next decision, which then restates
-        it for free."""
+    def _send(self, source: str, text: str, stamp: Time, kind: str) -> None:
+        """Give a reading to the engine. With restate_before_decisions the camera's objects enter
+        the context only as part of the state line (one line, the state last), and every other
+        reading except joint states is followed by the state line."""
+        if not (source == "camera" and self.p.restate_before_decisions):
+            self.worker.observe(source, text, stamp.nanoseconds * 1e-9, kind)
+        if source != "joint_states":
+            self._queue_state(stamp)
+
+    def _queue_state(self, stamp: Time) -> None:
+        """Stream the state line in when it changed, so that between decisions it is prefilled
+        ahead of the next decision, which then restates it for free."""
         text = self._state_text()
-        if self.p.restate_before_decisions and (force or text != self._state_queued):
+        if self.p.restate_before_decisions and text != self._state_queued:
             self._state_queued = text
             self.worker.observe("state", text, stamp.nanoseconds * 1e-9)
 
     def _release_held(self) -> None:
         """Queue the newest held-back readings (the engine prefills them after a pending decision)."""
-        for source, (stamp, kind) in self._held.items():
-            self.worker.observe(source, self._texts[source], stamp.nanoseconds * 1e-9, kind)
-        if self._held:
-            self._queue_state(max(stamp for stamp, _ in self._held.values()), force=True)
-        self._held.clear()
+        held, self._held = self._held, {}
+        for source, (stamp, kind) in held.items():
+            self._send(source, self._texts[source], stamp, kind)
 
     def _on_joint_state(self, msg: JointState) -> None:
         try:

@@ -135,7 +135,8 @@ class AgentParams(NodeParams):
         "cube; empty = every tool")
     restate_before_decisions: bool = Field(
         True, description="observe a state line (objects, gripper, task) right before each decision, so the "
-                          "model reads the state and the task last")
+                          "model reads the state and the task last; the camera's objects then enter the context "
+                          "only in the state line")
     joint_states_in_context: bool = Field(
         False, description="stream joint-state lines into the context (~57 tokens per changed reading); the tools "
                            "work in table coordinates, so by default joint states only keep the sensor check fresh")

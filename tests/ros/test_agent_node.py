@@ -28,7 +28,7 @@ def test_model_decisions_with_the_real_engine(probe, start_agent):
     goal.publish(String(data="Hold the arm still."))
     SensorFeed(probe)
     agent = start_agent(model="tiny-random", tool_choice="hold", deadline_budget_s=30.0, decision_period_s=0.5,
-                        joint_states_in_context="true")
+                        joint_states_in_context="true", restate_before_decisions="false")
     assert probe.spin_until(lambda: any(a.source == "model" for a in actions), ENGINE_TIMEOUT), agent.log_path.read_text()
     model = next(a for a in actions if a.source == "model")
     assert (model.tool_name, json.loads(model.arguments_json)) == ("hold", {})
