@@ -78,3 +78,30 @@ def test_calls_outside_the_tool_schema_are_caught():
     assert "required" in check({"name": "place", "arguments": {"x": 0.5}})
     assert check({"name": "pick", "arguments": {"object": "purple_cube"}}) is not None
     assert check({"name": "fly", "arguments": {}}) == "unknown tool 'fly'"
+
+
+def test_a_decisions_state_line_jumps_the_queue_and_is_not_prefilled_twice():
+    """A decision request with a restated state line: only that line is prefilled before the
+    decision, queued readings follow it; restating the same line again, with at most
+    repeat_slack tokens of readings after it, prefills nothing (echo with 0 tokens)."""
+    woke = threading.Event()
+    worker = EngineWorker(model="tiny-random", threads=0, system="You control a robot arm.", tools=TOOLS,
+                          tool_choice={"name": "hold"}, kv_budget=1024, notify=woke.set, logger=get_logger("test"),
+                          repeat_slack=64)
+    worker.start()
+    try:
+        assert collect(worker, woke, lambda _: worker.state != "loading", 120) == []
+        worker.observe("goal", "goal: hold still", stamp_s=1.0, kind="text")
+        worker.observe("camera", "objects red_cube=(0.50,0.10)", stamp_s=2.0)
+        worker.decide(1, time.monotonic() + 60.0, restate=("state", "gripper empty; task: hold still", 3.0))
+        worker.observe("robot", "robot: hold done (decision 1)", stamp_s=4.0)   # these three: < 64 tokens
+        out = collect(worker, woke, lambda items: sum(isinstance(i, Observed) for i in items) >= 4, 120)
+        worker.decide(2, time.monotonic() + 60.0, restate=("state", "gripper empty; task: hold still", 5.0))
+        out += collect(worker, woke, lambda items: any(isinstance(i, ModelResult) for i in items), 120)
+    finally:
+        assert worker.close(timeout=30.0)
+    order = [(o.source, o.tokens > 0) if isinstance(o, Observed) else o.decision_id for o in out]
+    # the goal may have been taken up before the request arrived; everything else follows the decision
+    assert order[order.index(("state", True)) + 1] == 1
+    assert {("camera", True), ("robot", True)} <= set(order[order.index(1):])
+    assert order[-2:] == [("state", False), 2]
