@@ -549,8 +549,9 @@ def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = Tr
                 drafted += 1
                 d.draft_tokens += 1
                 d.draft_sources.setdefault(src, [0, 0])[0] += 1
-            if matcher is not None and row == len(chain) and jump_forward and matcher.compute_ff_tokens():
-                break  # the chain was cut inside a forced run: force it first (next step)
+            if matcher is not None and row == len(chain) and (
+                    matcher.is_stopped() or (jump_forward and matcher.compute_ff_tokens())):
+                break  # the call is complete, or the chain was cut inside a forced run (forced next step)
             logits_row = logits[row:row + 1]
             if matcher is not None:
                 mask.apply(matcher, logits_row)
