@@ -18,9 +18,11 @@ One decode loop (`decode`) serves `Session.decide()` (grammar-constrained, greed
 With no drafter (or k = 0) a step is exactly plain decoding, so greedy speculative output is
 token-for-token the plain greedy output.
 
-Drafters (combined as a single chain, not a tree: on CPU a forward's cost grows with the number
-of tokens it verifies, and tool-call drafts are accepted often enough that the extra branches of
-a tree cost more than they return; see the closing note of issue 5 for the measurement):
+Drafters (combined as a single chain, not a tree: the target's forward verifies new tokens
+causally, so a tree would need a tree attention mask in the model; on CPU a forward's cost also
+grows with the tokens it verifies, and in tool calls most tokens are grammar-forced, leaving few
+decided positions for branches to pay off. `tokenspeed draft eval --verify-cost` times the
+target forward against the number of verified tokens):
 
 - `PromptLookup`: n-gram match of the context's tail against earlier context (Saxena 2023,
   "Prompt Lookup Decoding", github.com/apoorvumang/prompt-lookup-decoding). Agents copy object
