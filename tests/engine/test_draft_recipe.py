@@ -11,11 +11,6 @@ from tokenspeed.draft.data import read_data
 from tokenspeed.speculative import DraftModel, SpecConfig
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return tokenspeed.Engine.load()
-
-
 @pytest.mark.slow
 def test_recipe_end_to_end(tmp_path, engine, capsys):
     data = tmp_path / "data.jsonl"
