@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-import tokenspeed
 from tokenspeed.draft import main
 from tokenspeed.draft.data import read_data
 from tokenspeed.speculative import DraftModel, SpecConfig
