@@ -5,7 +5,7 @@ and `tokenspeed bench gpu` (the same decode path on CUDA against the HBM floor).
     tokenspeed bench aal --threads 2        # the full 10-call, ~4K-token run with all peers
     tokenspeed bench gpu                    # CUDA: Llama-3.1-8B-shaped random weights + the real model
     tokenspeed bench profile                # torch.profiler table of one int4 decode step
-    tokenspeed bench kv needle|agreement|cost   # pruned KV cache accuracy and cost (tokenspeed.kv_bench)
+    tokenspeed bench kv needle|agreement|cost   # pruned KV cache accuracy and cost (tokenspeed.bench.kv)
 
 Peers are an optional extra: `pip install -e ".[bench]"` (llama-cpp-python builds from source).
 """
@@ -42,7 +42,7 @@ def _cmd_gpu(args) -> int:
 
 
 def _cmd_kv(args) -> int:
-    from ..kv_bench import main as kv_main
+    from .kv import main as kv_main
 
     return kv_main(args.kv_args)
 
@@ -81,9 +81,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--threads", type=int, default=1)
     f.add_argument("--steps", type=int, default=10, help="decode steps profiled")
     f.set_defaults(func=_cmd_profile)
-    k = sub.add_parser("kv", help="pruned, tiered KV cache: needle / agreement / cost (see tokenspeed.kv_bench)",
+    k = sub.add_parser("kv", help="pruned, tiered KV cache: needle / agreement / cost (see tokenspeed.bench.kv)",
                        add_help=False)
-    k.add_argument("kv_args", nargs=argparse.REMAINDER, help="arguments of python -m tokenspeed.kv_bench")
+    k.add_argument("kv_args", nargs=argparse.REMAINDER, help="arguments of python -m tokenspeed.bench.kv")
     k.set_defaults(func=_cmd_kv)
     return p
 

@@ -6,7 +6,7 @@ Checks the Triton kernel against the torch path on the GPU first (raises Asserti
 mismatch), then times one decode step (T = 1) at several hot-tier sizes for the SmolLM2-135M
 head layout (9 query / 3 KV heads, D 64) and a Llama-3.1-8B layout (32 / 8, D 128), in fp16
 and fp32. With --session it also runs the pruned-cache cost benchmark
-(`tokenspeed.kv_bench.cost`) on CUDA. Times are CUDA-event medians in microseconds.
+(`tokenspeed.bench.kv.cost`) on CUDA. Times are CUDA-event medians in microseconds.
 Needs CUDA and triton; prints what is missing otherwise (exit code 2).
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
                       f"{row['sdpa_us']:.1f} | {err:.1e} |", flush=True)
     if args.session:
         from .. import Engine
-        from ..kv_bench import cost
+        from ..bench.kv import cost
 
         engine = Engine.load(device="cuda")
         rows += cost(engine, histories=(1024, 4096, 16384), budget=1024, decisions=3, full_upto=4096)

@@ -1,7 +1,7 @@
 """Relevance-pruned, tiered KV cache: eviction order, pins, positions, recall, rollback.
 
 Uses the 2-layer random-weight model (real tokenizer): the properties tested here are exact
-bookkeeping facts, not model quality (the needle benchmark in `tokenspeed.kv_bench` measures
+bookkeeping facts, not model quality (the needle benchmark in `tokenspeed.bench.kv` measures
 that with the real model; a short version is the slow test at the end).
 """
 import json
@@ -161,7 +161,7 @@ def test_decide_reports_metrics_and_history_outgrows_max_seq_len(tiny_engine):
 
 @pytest.mark.slow
 def test_needle_survives_a_sensor_stream_with_the_real_model(engine):
-    from tokenspeed import kv_bench
+    from tokenspeed.bench import kv as kv_bench
 
     configs = {"full": None, "pruned+cold": KVConfig(budget=512, cold=4096)}
     rows = kv_bench.needle(engine, configs, streams=(600, 600), facts=1, log=lambda *a: None)

@@ -3,7 +3,7 @@
     tokenspeed bench kv needle --stream 600 600 --facts 1 --budget 512   # (a) one case per stream
     tokenspeed bench kv agreement --history 4096 --budgets 1024 512      # (b) greedy agreement, KL
     tokenspeed bench kv cost --history 1024 4096 16384 --budget 1024     # ITL / decision TTFT
-    (or python -m tokenspeed.kv_bench ...; --model, --threads, --json PATH after the subcommand)
+    (or python -m tokenspeed.bench.kv ...; --model, --threads, --json PATH after the subcommand)
 
 Each prints a table and, with --json PATH, writes the rows. The functions `needle`, `agreement`
 and `cost` return the rows (lists of dicts) for other benchmarks to call.
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from .kv import KVConfig
+from ..kv import KVConfig
 
 PARTS = [f"part_{i:02d}" for i in range(1, 21)]
 SYSTEM = "You control a robot arm. Follow the operator's safety notes exactly."
@@ -210,8 +210,8 @@ def llamacpp_cost(engine, histories=(1024, 4096, 16384), decisions: int = 3, thr
     tokens (no grammar). Needs the `bench` extra. Returns rows like `cost` (config "llama.cpp")."""
     from llama_cpp import Llama
 
-    from .grammar import tools_system_prompt
-    from .weights import default_model_path
+    from ..grammar import tools_system_prompt
+    from ..weights import default_model_path
 
     tok = engine.tokenizer
     system = [{"role": "system", "content": tools_system_prompt(SYSTEM, TOOLS)}]
@@ -249,7 +249,7 @@ def llamacpp_cost(engine, histories=(1024, 4096, 16384), decisions: int = 3, thr
 
 def main(argv=None) -> int:
     """Command line: see the module docstring."""
-    from . import Engine
+    from .. import Engine
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default=None, help=".gguf file or HF folder (default: embedded SmolLM2-135M)")
