@@ -16,13 +16,13 @@ import pytest
 import torch
 
 import tokenspeed
+from tokenspeed.bfcl import load_bfcl
 from tokenspeed.model import ModelArgs, Transformer
 from tokenspeed.session import Decision, Session
 from tokenspeed.speculative import (AdaptiveLength, DraftModel, PromptLookup, SpecConfig, Speculator, decode)
 
 ROOT = Path(__file__).resolve().parents[2]
 ROBOT_TOOLS = json.loads((ROOT / "launch/config/robot_tools.json").read_text())
-BFCL = Path("/work/shared/bfcl/BFCL_v4_simple_python.json")
 SYSTEM = ("You control a Franka Panda robot arm above a table with a red, a green and a blue cube. "
           "Reply with exactly one tool call that moves the task forward.")
 ROBOT_PROMPTS = [
@@ -67,22 +67,11 @@ def _decisions(engine, config, prompts, tools, system):
     return out
 
 
-def _bfcl_cases(n):
-    rows = [json.loads(line) for line in BFCL.read_text().splitlines()]
-    held = [r for r in rows if int(r["id"].rsplit("_", 1)[1]) % 5 == 0]
-    return held[:n]
-
-
-def _bfcl_tools(row):
-    return [{"type": "function", "function": dict(f, parameters=dict(f["parameters"], type="object"))}
-            for f in row["function"]]
-
-
 def _outputs(engine, config):
     """(decisions on the robot and BFCL prompts, generate() texts) under one speculation config."""
     decisions = _decisions(engine, config, ROBOT_PROMPTS, ROBOT_TOOLS, SYSTEM)
-    for row in _bfcl_cases(3):
-        decisions += _decisions(engine, config, [row["question"][0][0]["content"]], _bfcl_tools(row), None)
+    for case in load_bfcl("heldout")[:3]:
+        decisions += _decisions(engine, config, [case["messages"][0]["content"]], case["tools"], None)
     engine.speculation = config
     s = engine.session()
     texts = []
