@@ -18,20 +18,19 @@ _TYPES = {"dict": "object", "float": "number", "tuple": "array", "int": "integer
           "str": "string", "list": "array"}
 
 
-def bfcl_dir() -> Path:
-    """Folder with the BFCL files: `$TOKENSPEED_BFCL`, else `shared/bfcl` beside the checkout.
+def bfcl_dir(path: str | os.PathLike | None = None) -> Path:
+    """Folder with the BFCL files: `path`, else `$TOKENSPEED_BFCL`, else `shared/bfcl` beside the checkout.
 
     Raises:
-        FileNotFoundError: neither exists.
+        FileNotFoundError: none of them holds BFCL_v4_simple_python.json (the message lists where it looked).
     """
-    env = os.environ.get("TOKENSPEED_BFCL")
-    candidates = [Path(env)] if env else []
+    candidates = [Path(p) for p in (path, os.environ.get("TOKENSPEED_BFCL")) if p]
     repo = Path(__file__).resolve().parent.parent
     candidates += [repo.parent / "shared" / "bfcl", repo / "shared" / "bfcl"]
     for c in candidates:
         if (c / "BFCL_v4_simple_python.json").is_file():
             return c
-    raise FileNotFoundError(f"BFCL data not found in {[str(c) for c in candidates]}; set TOKENSPEED_BFCL")
+    raise FileNotFoundError(f"BFCL data not found in {[str(c) for c in candidates]}; pass a folder or set TOKENSPEED_BFCL")
 
 
 def _convert(schema):

@@ -19,7 +19,9 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["Observation", "Turn", "Workload", "build_workload", "find_bfcl", "bfcl_tool", "TRADING_TOOLS"]
+from ..bfcl import bfcl_dir as find_bfcl_dir
+
+__all__ = ["Observation", "Turn", "Workload", "build_workload", "bfcl_tool", "TRADING_TOOLS"]
 
 WORKLOAD_VERSION = 1
 _REPO = Path(__file__).resolve().parents[2]
@@ -123,24 +125,6 @@ class Workload:
         return cls(turns=turns, **data)
 
 
-def find_bfcl(path: str | os.PathLike | None = None) -> Path:
-    """Locate the BFCL simple_python data folder.
-
-    Looks at `path`, then `$TOKENSPEED_BFCL`, then `shared/bfcl` beside or inside the repository.
-
-    Raises:
-        FileNotFoundError: no folder with BFCL_v4_simple_python.json was found (the message lists
-            where it looked).
-    """
-    candidates = [Path(p) for p in (path, os.environ.get("TOKENSPEED_BFCL")) if p]
-    candidates += [_REPO.parent / "shared" / "bfcl", _REPO / "shared" / "bfcl", Path.cwd().parent / "shared" / "bfcl"]
-    for c in candidates:
-        if (c / "BFCL_v4_simple_python.json").is_file():
-            return c
-    raise FileNotFoundError("BFCL data (BFCL_v4_simple_python.json) not found in "
-                            + ", ".join(map(str, candidates)) + "; pass --bfcl DIR or set TOKENSPEED_BFCL")
-
-
 _BFCL_TYPES = {"dict": "object", "float": "number", "tuple": "array", "integer": "integer", "string": "string",
                "boolean": "boolean", "number": "number", "array": "array", "object": "object"}
 
@@ -225,7 +209,7 @@ def build_workload(seed: int = 0, quick: bool = False, n_calls: int | None = Non
         seed: RNG seed (same seed -> byte-identical workload).
         quick: small variant (2 calls, ~1.2K-token context, 1 BFCL function) for tests.
         n_calls: number of decisions (default 10, quick 2).
-        bfcl_dir: BFCL data folder (see `find_bfcl`).
+        bfcl_dir: BFCL data folder (see `tokenspeed.bfcl.bfcl_dir`).
     Raises:
         FileNotFoundError: BFCL data or the robot tool set not found.
         ValueError: n_calls < 1.
@@ -235,7 +219,7 @@ def build_workload(seed: int = 0, quick: bool = False, n_calls: int | None = Non
     if n_calls < 1:
         raise ValueError(f"n_calls must be >= 1, got {n_calls}")
     rng = random.Random(seed)
-    bfcl = _bfcl_entries(find_bfcl(bfcl_dir), rng, 1 if quick else 5)
+    bfcl = _bfcl_entries(find_bfcl_dir(bfcl_dir), rng, 1 if quick else 5)
     tools = _robot_tools() + (TRADING_TOOLS[:1] if quick else TRADING_TOOLS) + [bfcl_tool(e["function"][0]) for e in bfcl]
     system = ("You are the controller of a Franka Panda robot arm in a work cell and a trading assistant "
               "for a small desk; you also answer general requests with the listed functions. Positions "
