@@ -108,6 +108,7 @@ class LatencyHarness(Node):
         self.deadlines: dict[int, DeadlineStatus] = {}
         self.duplicate_ids = 0
         self.scenario: dict | None = None
+        self.first_success_at: float | None = None   # wall time the task was first achieved
         self.started = time.time()
         self.window_start = self.started        # decisions received before this are not in the stats
         self.engine_ready_at: float | None = None
@@ -168,6 +169,8 @@ class LatencyHarness(Node):
         if self.live and (self.scenario or {}).get("success") != status.get("success"):
             print(f"[{time.time() - self.started:6.1f} s] task {'SUCCESS' if status.get('success') else 'not achieved'}: "
                   f"{status.get('goal')}", flush=True)
+        if status.get("success") and self.first_success_at is None:
+            self.first_success_at = time.time()
         self.scenario = status
 
     def _on_diagnostics(self, msg: DiagnosticArray) -> None:
@@ -224,7 +227,9 @@ class LatencyHarness(Node):
             "feedback": dict(Counter(state for i in in_window for state, _, _ in self._feedback.get(i, []))),
             "duplicate_decision_ids": self.duplicate_ids,
             "observation_echoes": len(self._echo_keys),
-            "task": self.scenario,
+            "task": None if self.scenario is None else {
+                **self.scenario, "first_success_s": None if self.first_success_at is None
+                else self.first_success_at - self.started},
             "per_decision": [{**asdict(d), **d.stages(), "in_window": d.received >= self.window_start}
                              for d in everything],
         }
@@ -308,6 +313,9 @@ def print_table(report: dict) -> None:
                       f"{task['target_object']} {task['distance_m'] * 100:.1f} cm from the target "
                       f"(tolerance {task['tolerance_m'] * 100:.0f} cm), holding {task['holding']}, "
                       f"commands accepted {task['commands_accepted']}, rejected {task['commands_rejected']}")
+        if task.get("first_success_s") is not None:
+            state = "and kept" if task["success"] else "then undone by later actions"
+            console.print(f"  first achieved {task['first_success_s']:.1f} s into the run ({state})")
 
 
 def write_outputs(report: dict, out_dir: Path) -> tuple[Path, Path]:
