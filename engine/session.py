@@ -389,8 +389,7 @@ class Session:
         cp = self.checkpoint()
         trigger = self.tok.encode("<|im_start|>assistant\n")
         self._append(trigger, "trigger")
-        prefill = self.pending + []
-        self.pending = []
+        prefill, self.pending = self.pending, []
         d = Decision(status="invalid")
         self._rows_matcher = matcher
         try:
