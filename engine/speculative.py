@@ -26,7 +26,8 @@ target forward against the number of verified tokens):
 
 - `PromptLookup`: n-gram match of the context's tail against earlier context (Saxena 2023,
   "Prompt Lookup Decoding", github.com/apoorvumang/prompt-lookup-decoding). Agents copy object
-  names, ids and numbers from observations into arguments.
+  names, ids and numbers from observations into arguments, in order: matches before the output
+  are tried oldest first, skipping values the output already copied.
 - `DraftModel`: a small co-located Llama that lives next to the target, shares its tokenizer and
   its (frozen) token embeddings, and predicts over a reduced vocabulary whose output rows are the
   target's own lm_head rows (a frequency-ranked draft vocabulary as in EAGLE-3, Li et al. 2025,
@@ -37,8 +38,9 @@ target forward against the number of verified tokens):
 - Grammar runs: llguidance's forced tokens (`compute_ff_tokens`) after each drafted token.
 
 Per position the draft model proposes; a prompt-lookup match replaces its proposal only when the
-model is unsure (`SpecConfig.lookup_below`); without a draft model, prompt lookup alone proposes.
-Every proposal is checked against the grammar before it enters the chain.
+model is unsure (`SpecConfig.lookup_below`), and with no match an unsure model ends the chain
+(`SpecConfig.min_confidence`); without a draft model, prompt lookup alone proposes. Every
+proposal is checked against the grammar before it enters the chain.
 
 `AdaptiveLength` picks k each step from recent acceptance and measured costs, and switches
 speculation off when the expected speed-up is below 1.
@@ -57,7 +59,7 @@ from torch import nn
 
 from .model import KVCache, ModelArgs, Transformer
 
-__all__ = ["SpecConfig", "PromptLookup", "DraftModel", "DraftState", "AdaptiveLength", "Speculator",
+__all__ = ["SpecConfig", "PromptLookup", "copy_source", "DraftModel", "DraftState", "AdaptiveLength", "Speculator",
            "decode", "token_probs", "DEFAULT_DRAFT"]
 
 DEFAULT_DRAFT = Path(__file__).parent / "data" / "draft-smollm2-135m.safetensors"
@@ -82,26 +84,57 @@ def token_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) ->
 # ------------------------------------------------------------------------------------ drafters
 
 class PromptLookup:
-    """Propose the token that followed the latest earlier occurrence of the context's last n-gram.
+    """Propose the token that followed an earlier occurrence of the context's last n-gram.
 
     Tries n = max_ngram down to min_ngram (longer matches first). Source: Saxena 2023,
-    "Prompt Lookup Decoding".
+    "Prompt Lookup Decoding", which takes the latest occurrence. A tool call copies values from
+    its source (the user's request, an observation) in their order, and a short n-gram such as
+    "0 ." occurs once per number there, so given the output's `source` (`copy_source`), the
+    occurrences in the last message are tried first, then those in the `window` tokens before
+    it, each oldest first, skipping those whose proposal the output has already copied (the
+    pair (last n-gram token, proposal) occurs in the output). Otherwise (or when all are used)
+    the latest occurrence is proposed.
     """
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, window: int = 512):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        if window < 1:
+            raise ValueError(f"window must be >= 1 token, got {window}")
+        self.max_ngram, self.min_ngram, self.window = max_ngram, min_ngram, window
 
-    def propose(self, context: np.ndarray) -> int | None:
-        """Next-token proposal for `context` [N] int64, or None when no n-gram matches."""
+    def propose(self, context: np.ndarray, source: tuple[int, int] | None = None) -> int | None:
+        """Next-token proposal for `context` [N] int64, or None when no n-gram matches.
+
+        source: (start of the last message, start of the output) in `context` (`copy_source`);
+        None: plain latest-match lookup.
+        """
         n_ctx = len(context)
         for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)  # [N - n, n]
             hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
-            if len(hits):
-                return int(context[hits[-1] + n])
+            if not len(hits):
+                continue
+            if source is not None:
+                msg, out_start = source
+                out = context[out_start:]
+                copied = set(zip(out[:-1].tolist(), out[1:].tolist()))
+                for lo, hi in ((msg, out_start), (out_start - self.window, msg)):
+                    for h in hits[(hits >= lo) & (hits + n < hi)].tolist():
+                        if (int(context[h + n - 1]), int(context[h + n])) not in copied:
+                            return int(context[h + n])
+            return int(context[hits[-1] + n])
         return None
+
+
+def copy_source(context, out_start: int, end_ids) -> tuple[int, int]:
+    """(start of the last message before the output, out_start): where `PromptLookup` copies from.
+
+    context: token ids; out_start: where the output begins; end_ids: end-of-turn token ids (the
+    last message starts after the second-to-last of them before out_start; 0 if none).
+    """
+    ends = [i for i in range(out_start - 1, -1, -1) if context[i] in end_ids][:2]
+    return (ends[1] + 1 if len(ends) == 2 else 0), out_start
 
 
 class DraftModel(nn.Module):
@@ -350,6 +383,8 @@ class SpecConfig:
     Attributes:
         prompt_lookup: use `PromptLookup` proposals.
         max_ngram / min_ngram: n-gram lengths for prompt lookup (tokens).
+        lookup_window: tokens before the output that prompt lookup searches in copy order
+            (see `PromptLookup`).
         draft: a `DraftModel` (shared by all sessions of the engine) or None.
         max_k: most proposed tokens per verification.
         adaptive: choose k from recent acceptance (`AdaptiveLength`); False: always max_k.
@@ -357,15 +392,22 @@ class SpecConfig:
             only when the model's top probability (after the grammar mask) is below this
             (0..1). Measured on held-out tool calls: model-first with this fallback agrees with
             the target more often than lookup-first (see `tokenspeed.draft.evaluate`).
+        min_confidence: the draft model proposes only when its top probability (after the
+            grammar mask) reaches this (0..1); below it, and with no prompt-lookup proposal, the
+            chain ends there and the target decides that token itself. The draft's confidence
+            tracks its acceptance (EAGLE-2, Li et al. 2024, sec. 3), so unsure proposals, which
+            are mostly rejected, cost no verification rows. 0: always propose.
     """
 
     prompt_lookup: bool = True
     max_ngram: int = 3
-    min_ngram: int = 2
+    min_ngram: int = 1
+    lookup_window: int = 512
     draft: DraftModel | None = None
     max_k: int = 8
     adaptive: bool = True
     lookup_below: float = 0.8
+    min_confidence: float = 0.0
 
     @classmethod
     def default(cls, target: Transformer) -> "SpecConfig":
@@ -384,7 +426,8 @@ class Speculator:
 
     def __init__(self, config: SpecConfig | None, capacity: int):
         self.config = config
-        self.lookup = PromptLookup(config.max_ngram, config.min_ngram) if config and config.prompt_lookup else None
+        self.lookup = (PromptLookup(config.max_ngram, config.min_ngram, config.lookup_window)
+                       if config and config.prompt_lookup else None)
         self.draft = config.draft.new_state(capacity) if config and config.draft is not None else None
         self.length = AdaptiveLength(max_k=config.max_k) if config else None
 
@@ -399,7 +442,8 @@ class Speculator:
         return self.length.choose() if self.config.adaptive else self.config.max_k
 
     def chain(self, context: list[int], k: int, matcher, allowed, jump_forward: bool, budget: int,
-              temperature: float, generator: torch.Generator | None = None
+              temperature: float, generator: torch.Generator | None = None,
+              source: tuple[int, int] | None = None
               ) -> tuple[list[int], list[str], list[torch.Tensor | None]]:
         """Draft up to k tokens after `context` (plus the grammar-forced runs after each).
 
@@ -410,6 +454,8 @@ class Speculator:
             budget: most chain tokens in total.
             temperature: 0 -> the draft model proposes its argmax; > 0 it samples (with
                 `generator`) and returns q.
+            source: the output's copy source (`copy_source`) for prompt lookup; None: plain
+                latest-match lookup.
         Returns:
             (tokens, sources, q): sources[i] in {"lookup", "model", "grammar"}; q[i] the draft
             distribution [V] for sampled model proposals, else None (a deterministic proposal).
@@ -424,7 +470,7 @@ class Speculator:
         vocab_size = None
         while drafted < k and len(tokens) < budget:
             full = np.concatenate([ctx, np.asarray(tokens, dtype=np.int64)]) if tokens else ctx
-            looked = self.lookup.propose(full) if self.lookup is not None else None
+            looked = self.lookup.propose(full, source) if self.lookup is not None else None
             if looked is not None and matcher is not None and matcher.validate_tokens([looked]) != 1:
                 looked = None
             tok, src, q = looked, LOOKUP, None
@@ -436,8 +482,12 @@ class Speculator:
             if logits is not None and not torch.isinf(logits).all():  # the model has a proposal
                 probs = torch.softmax(logits / temperature if temperature > 0 else logits, dim=-1)
                 best = int(probs.argmax())
-                # The model's proposal wins unless it is unsure and the context offers a copy.
-                if looked is None or float(probs[best]) >= self.config.lookup_below:
+                # The model's proposal wins unless it is unsure and the context offers a copy;
+                # alone, it must be confident enough to be worth a verification row.
+                conf = float(probs[best])
+                if looked is None and conf < self.config.min_confidence:
+                    break
+                if looked is None or conf >= self.config.lookup_below:
                     src = MODEL
                     if temperature > 0:
                         vocab_size = vocab_size or self.draft.draft.net.tok_embeddings.num_embeddings
@@ -505,6 +555,7 @@ def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = Tr
     t0 = time.perf_counter() if t0 is None else t0
     t_last = None
     out: list[int] = []
+    source = copy_source(session.tokens + feed, len(session.tokens) + len(feed), stop_ids) if spec.lookup else None
     while True:
         if matcher is not None:
             if jump_forward:
@@ -525,7 +576,7 @@ def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = Tr
         t_draft = time.perf_counter()
         allowed = mask.allowed if matcher is not None else None
         chain, sources, qs = spec.chain(session.tokens + feed, k, matcher, allowed, jump_forward,
-                                        max_tokens - len(out) - 1, temperature, generator)
+                                        max_tokens - len(out) - 1, temperature, generator, source)
         t_draft = time.perf_counter() - t_draft
         if len(feed) + len(chain) > 512:  # keep the verified rows in one forward
             session._forward(feed[:-1], "none")

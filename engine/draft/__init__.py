@@ -3,10 +3,11 @@
     tokenspeed draft build-data --out build/draft/data.jsonl       # target answers agent tasks
     tokenspeed draft train --data build/draft/data.jsonl --out build/draft --install
     tokenspeed draft eval --data build/draft/data.jsonl             # acceptance per drafter
+    tokenspeed draft speedup --threads 1                            # AAL turns, spec vs plain
 
 `--install` writes the trained draft to the package's default path
 (`tokenspeed/data/draft-smollm2-135m.safetensors`), which `Engine` loads automatically when it
-matches the target. See `tokenspeed.draft.data`, `.train` and `.evaluate` for the method.
+matches the target. See `tokenspeed.draft.data`, `.train`, `.evaluate` and `.speedup` for the method.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def cmd_build_data(args) -> int:
     tasks = robot_tasks(args.robot, args.seed) + trading_tasks(args.trading, args.seed)
     if args.bfcl_limit != 0:
         tasks += bfcl_tasks(args.bfcl, None if args.bfcl_limit < 0 else args.bfcl_limit)
-    report = build_data(_engine(args), tasks, Path(args.out), max_tokens=args.max_tokens)
+    report = build_data(_engine(args), tasks, Path(args.out), max_tokens=args.max_tokens, resume=args.resume)
     print(json.dumps(report, indent=1))
     return 0
 
@@ -52,16 +53,36 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     """Acceptance and speed per drafter on the held-out split."""
     from ..speculative import DEFAULT_DRAFT, DraftModel
-    from .evaluate import evaluate, verify_cost
+    from .evaluate import analyze, evaluate, verify_cost
 
     engine = _engine(args)
     path = Path(args.draft) if args.draft else DEFAULT_DRAFT
     draft = None if args.no_draft else DraftModel.load(path, engine.model)
-    report = evaluate(engine, Path(args.data), draft, k=args.k, limit=args.limit, repeats=args.repeats,
-                      families=args.family)
+    if args.analyze:
+        report = analyze(engine, Path(args.data), draft)
+    else:
+        report = evaluate(engine, Path(args.data), draft, k=args.k, limit=args.limit, repeats=args.repeats,
+                          families=args.family)
     report["draft"] = None if draft is None else str(path)
     if args.verify_cost:
         report["verify_forward_ms"] = verify_cost(engine)
+    text = json.dumps(report, indent=1)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(text)
+    return 0
+
+
+def cmd_speedup(args) -> int:
+    """Decision latency on the AAL turns, speculative vs plain, alternating in one process."""
+    from ..speculative import DEFAULT_DRAFT, DraftModel
+    from .speedup import speedup
+
+    engine = _engine(args)
+    path = Path(args.draft) if args.draft else DEFAULT_DRAFT
+    draft = None if args.no_draft else DraftModel.load(path, engine.model)
+    report = speedup(engine, draft, seed=args.seed, quick=args.quick, n_calls=args.calls, repeats=args.repeats)
+    report.update(draft=None if draft is None else str(path), threads=args.threads)
     text = json.dumps(report, indent=1)
     if args.json:
         Path(args.json).write_text(text)
@@ -100,6 +121,7 @@ def add_parser(sub) -> None:
     p.add_argument("--bfcl", default=None, help="BFCL folder (default: tokenspeed.bfcl.bfcl_dir())")
     p.add_argument("--bfcl-limit", type=int, default=-1, help="first N BFCL cases (-1: all 400, 0: none)")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens per call")
+    p.add_argument("--resume", action="store_true", help="keep OUT's rows, answer only the tasks not in it")
     p.set_defaults(func=_guarded(cmd_build_data))
 
     p = steps.add_parser("train", help="train the draft on the dataset's train split")
@@ -127,8 +149,20 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timing repeats per row and setting")
     p.add_argument("--family", action="append", choices=["robot", "trading", "bfcl"], help="only these")
     p.add_argument("--verify-cost", action="store_true", help="also time target forwards over 1..16 tokens")
+    p.add_argument("--analyze", action="store_true",
+                   help="teacher-forced rejection analysis per token class and confidence gate (no replay)")
     p.add_argument("--json", default=None, help="also write the report here")
     p.set_defaults(func=_guarded(cmd_eval))
+
+    p = steps.add_parser("speedup", help="AAL decision latency with vs without speculation (same process)")
+    common(p)
+    p.add_argument("--draft", default=None, help="draft .safetensors (default: the shipped one)")
+    p.add_argument("--no-draft", action="store_true", help="speculate with prompt lookup and grammar runs only")
+    p.add_argument("--quick", action="store_true", help="the quick AAL workload (2 turns)")
+    p.add_argument("--calls", type=int, default=None, help="decisions in the workload (default 10, quick 2)")
+    p.add_argument("--repeats", type=int, default=5, help="decisions per turn and setting (medians)")
+    p.add_argument("--json", default=None, help="also write the report here")
+    p.set_defaults(func=_guarded(cmd_speedup))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,15 +139,20 @@ def forced_mask(matcher, output_ids: list[int]) -> list[int]:
     return forced
 
 
-def build_data(engine, tasks: list[Task], out: Path, max_tokens: int = 128) -> dict:
+def build_data(engine, tasks: list[Task], out: Path, max_tokens: int = 128, resume: bool = False) -> dict:
     """Answer every task with the target and write the dataset (JSON lines) to `out`.
 
     Tasks sharing a system prompt and tools share one session (its prefill is reused through
     checkpoint/rollback). Tasks whose decision is not a valid call are skipped and counted; a
     task whose tool schema the engine rejects is skipped and counted.
 
+    resume: keep the rows already in `out` (an interrupted or smaller earlier run for the same
+    target) and answer only the tasks whose id is not there yet.
+
     Returns:
-        {"written": {split: rows}, "skipped": n, "path": str}.
+        {"written": {split: rows}, "kept": rows already there, "skipped": n, "path": str}.
+    Raises:
+        ValueError: resume into a file built for another target model.
     """
     from tokenspeed import ToolSchemaError
     from tokenspeed.speculative import fingerprint
@@ -155,11 +160,19 @@ def build_data(engine, tasks: list[Task], out: Path, max_tokens: int = 128) -> d
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     written, skipped = {"train": 0, "heldout": 0}, 0
+    done: set[str] = set()
+    if resume and out.is_file():
+        header, rows = read_data(out)
+        if header["target"] != fingerprint(engine.model):
+            raise ValueError(f"{out} was built for another target model ({header['model']})")
+        done = {r["id"] for r in rows}
+        tasks = [t for t in tasks if t.id not in done]
     trigger = engine.tokenizer.encode("<|im_start|>assistant\n")
     end = engine.tokenizer.encode("<|im_end|>\n")
     sessions: dict[str, tuple] = {}
-    with out.open("w") as f:
-        f.write(json.dumps({"format": FORMAT, "target": fingerprint(engine.model), "model": engine.source}) + "\n")
+    with out.open("a" if done else "w") as f:
+        if not done:
+            f.write(json.dumps({"format": FORMAT, "target": fingerprint(engine.model), "model": engine.source}) + "\n")
         for task in tqdm(tasks, desc="build-data", unit="task"):
             key = json.dumps([task.system, task.tools], sort_keys=True)
             try:
@@ -189,7 +202,7 @@ def build_data(engine, tasks: list[Task], out: Path, max_tokens: int = 128) -> d
             f.write(json.dumps(row) + "\n")
             f.flush()  # an interrupted run leaves a usable file
             written[task.split] += 1
-    return {"written": written, "skipped": skipped, "path": str(out)}
+    return {"written": written, "kept": len(done), "skipped": skipped, "path": str(out)}
 
 
 def read_data(path: Path, split: str | None = None) -> tuple[dict, list[dict]]:

@@ -16,6 +16,13 @@ default adaptive setting for timing. Reported per setting:
 
 `verify_cost` measures the target forward time against the number of tokens verified at once:
 the basis for a single chain rather than a token tree (a tree verifies more tokens per forward).
+
+`analyze` (`--analyze`, seconds instead of minutes) is teacher-forced: for every decided held-out
+token it asks each drafter what it would propose after the true prefix, under the grammar mask.
+In a greedy chain every proposal up to the first rejection sees exactly that prefix, so this is
+the per-proposal acceptance of the loop. It breaks misses down by token class, gives the draft
+model's acceptance and coverage per confidence gate (`SpecConfig.min_confidence`), and its top-2
+agreement (what a width-2 token tree could add).
 """
 from __future__ import annotations
 
@@ -25,10 +32,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..speculative import DraftModel, SpecConfig, Speculator
+import numpy as np
+import torch
+
+from ..speculative import DraftModel, PromptLookup, SpecConfig, Speculator, copy_source
 from .data import read_data
 
-__all__ = ["evaluate", "verify_cost"]
+__all__ = ["evaluate", "verify_cost", "analyze"]
 
 
 def _settings(draft: DraftModel | None, k: int) -> dict[str, SpecConfig | None]:
@@ -152,3 +162,93 @@ def verify_cost(engine, sizes=(1, 2, 4, 8, 16), context: int = 600, repeats: int
         out[T] = round(statistics.median(times), 2)
     return out
 
+
+
+def _token_class(text: str) -> str:
+    if any(c.isdigit() for c in text):
+        return "number"
+    return "word" if text.strip().isalnum() else "punct"
+
+
+@torch.no_grad()
+def analyze(engine, data: Path, draft: DraftModel | None, *, config: SpecConfig | None = None,
+            gates=(0.0, 0.5, 0.7, 0.8, 0.9, 0.95)) -> dict:
+    """Teacher-forced rejection analysis of the held-out decided tokens (see module doc).
+
+    Args:
+        engine: the target `Engine` (tokenizer and grammars). data: dataset file.
+        draft: the draft model or None. config: lookup settings and the combination rule
+            (lookup_below, min_confidence) to score (default `SpecConfig()`).
+        gates: confidence gates to tabulate for the draft model alone.
+    Returns:
+        {"tokens", "by_class": {class: {"tokens", "model", "model_top2", "lookup_proposed",
+        "lookup_right", "combined_proposed", "combined_right"}}, "gates": {gate: {"coverage",
+        "acceptance"}}, "combined": {"coverage", "acceptance"}} where coverage = right proposals
+        / decided tokens and acceptance = right proposals / proposals.
+    """
+    from ..grammar import TokenMask, normalize_tools
+
+    cfg = config or SpecConfig()
+    lookup = PromptLookup(cfg.max_ngram, cfg.min_ngram, cfg.lookup_window)
+    tok = engine.tokenizer
+    mask = TokenMask(tok.vocab_size)
+    _, rows = read_data(data, "heldout")
+    recs = []  # (class, wanted id, model top-1 id, model top-2 id, confidence, lookup id or None)
+    for r in rows:
+        ids = np.asarray(r["prompt_ids"] + r["output_ids"], dtype=np.int64)
+        p0 = len(r["prompt_ids"])
+        matcher = engine.grammar(normalize_tools(r["tools"]), "required").matcher()
+        source = copy_source(ids, p0, set(tok.stop_ids))
+        pos, allowed, looked = [], [], []
+        for j, (t, forced) in enumerate(zip(r["output_ids"], r["forced"])):
+            if not forced:
+                pos.append(p0 + j - 1)
+                allowed.append(mask.allowed(matcher))
+                x = lookup.propose(ids[:p0 + j], source)
+                looked.append(x if x is not None and matcher.validate_tokens([x]) == 1 else None)
+            matcher.consume_token(t)
+        if not pos:
+            continue
+        if draft is not None:
+            logits = draft.net(torch.from_numpy(ids), torch.arange(len(ids)), draft.net.new_cache(len(ids)),
+                               torch.tensor(pos))
+            logits = logits.float().masked_fill(~torch.stack(allowed)[:, draft.vocab], float("-inf"))
+            p2, i2 = torch.softmax(logits, -1).topk(2, -1)
+            top = draft.vocab[i2].tolist()
+            conf = p2[:, 0].tolist()
+        else:
+            top, conf = [[None, None]] * len(pos), [0.0] * len(pos)
+        for i, p in enumerate(pos):
+            want = int(ids[p + 1])
+            recs.append((_token_class(tok.decode([want])), want, top[i][0], top[i][1], conf[i], looked[i]))
+
+    def combined(rec) -> int | None:  # Speculator.chain's rule for one position
+        _, _, m1, _, c, look = rec
+        if m1 is None:
+            return look
+        if look is None:
+            return m1 if c >= cfg.min_confidence else None
+        return m1 if c >= cfg.lookup_below else look
+
+    n = len(recs)
+    by_class = {}
+    for cls in ("number", "word", "punct", "all"):
+        rs = [x for x in recs if cls in ("all", x[0])]
+        comb = [combined(x) for x in rs]
+        by_class[cls] = {
+            "tokens": len(rs),
+            "model": sum(x[2] == x[1] for x in rs), "model_top2": sum(x[1] in (x[2], x[3]) for x in rs),
+            "lookup_proposed": sum(x[5] is not None for x in rs), "lookup_right": sum(x[5] == x[1] for x in rs),
+            "combined_proposed": sum(c is not None for c in comb),
+            "combined_right": sum(c == x[1] for c, x in zip(comb, rs)),
+        }
+    gate_table = {}
+    for g in gates:
+        prop = [x for x in recs if x[2] is not None and x[4] >= g]
+        right = sum(x[2] == x[1] for x in prop)
+        gate_table[g] = {"coverage": round(right / max(n, 1), 3), "acceptance": round(right / max(len(prop), 1), 3)}
+    a = by_class["all"]
+    return {"tokens": n, "by_class": by_class, "gates": gate_table,
+            "combined": {"lookup_below": cfg.lookup_below, "min_confidence": cfg.min_confidence,
+                         "coverage": round(a["combined_right"] / max(n, 1), 3),
+                         "acceptance": round(a["combined_right"] / max(a["combined_proposed"], 1), 3)}}

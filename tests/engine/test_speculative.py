@@ -19,7 +19,8 @@ import tokenspeed
 from tokenspeed.bfcl import load_bfcl
 from tokenspeed.model import ModelArgs, Transformer
 from tokenspeed.session import Decision, Session
-from tokenspeed.speculative import (AdaptiveLength, DraftModel, PromptLookup, SpecConfig, Speculator, decode)
+from tokenspeed.speculative import (AdaptiveLength, DraftModel, PromptLookup, SpecConfig, Speculator, copy_source,
+                                    decode)
 
 ROOT = Path(__file__).resolve().parents[2]
 ROBOT_TOOLS = json.loads((ROOT / "launch/config/robot_tools.json").read_text())
@@ -148,6 +149,35 @@ def test_prompt_lookup_proposes_continuation_of_latest_match():
     assert lookup.propose(np.array([1, 2, 3])) is None
     with pytest.raises(ValueError):
         PromptLookup(max_ngram=1, min_ngram=2)
+
+
+def test_prompt_lookup_copies_values_of_the_last_message_in_order():
+    """A call copies "10" then "5" from its request: the n-gram " " occurs before both, and the
+    lookup takes the request's occurrences oldest first, skipping the value already copied."""
+    END = 99
+    # [older message: " " 7] END [request: base " " 1 0 height " " 5] END | output: " " 1 0 , " "
+    ctx = [3, 40, 7, END, 11, 40, 1, 0, 12, 40, 5, END]
+    out_start = len(ctx)
+    lookup = PromptLookup(max_ngram=3, min_ngram=1)
+    source = copy_source(ctx, out_start, {END})
+    assert source == (4, out_start)
+    assert lookup.propose(np.array(ctx + [40]), source) == 1           # first value of the request
+    assert lookup.propose(np.array(ctx + [40, 1, 0, 33, 40]), source) == 5  # " 1" copied: next " "
+    assert lookup.propose(np.array(ctx + [40]), None) == 5               # plain: latest occurrence
+
+
+def test_unsure_draft_ends_the_chain(engine):
+    """min_confidence: an untrained draft (flat distribution) proposes nothing, so speculation
+    adds no rows; with gate 0 it proposes k tokens."""
+    vocab = torch.arange(0, 8192)
+    draft = DraftModel.init_from_target(engine.model, vocab, n_layers=1, hidden_dim=256)
+    context = engine.tokenizer.encode("Count from 1 to 5: 1, 2, 3,")
+    chains = []
+    for gate in (0.0, 1.0):
+        spec = Speculator(SpecConfig(prompt_lookup=False, draft=draft, max_k=4, adaptive=False,
+                                     min_confidence=gate), 256)
+        chains.append(spec.chain(context, 4, None, None, True, 16, 0.0)[0])
+    assert len(chains[0]) == 4 and chains[1] == []
 
 
 def test_adaptive_length_switches_off_when_drafts_fail_and_grows_when_they_pass():
