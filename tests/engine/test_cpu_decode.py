@@ -1,0 +1,107 @@
+"""Fused CPU decode step (tokenspeed.kernels.cpu_decode) against the model's Python path.
+
+The extension is built by `make setup`; a machine without a C++ compiler fails these tests on
+purpose (the engine would still run, on the slower Python path).
+"""
+import pytest
+import torch
+
+import tokenspeed
+from tokenspeed.kernels.cpu_decode import FUSED_ROWS, load
+from tokenspeed.quant import PACKED_ROWS_INT4, Int4Linear, Int8Linear, quantize
+
+
+@pytest.fixture(scope="module")
+def ext():
+    mod = load()
+    assert mod is not None, "the fused CPU decode extension did not build (see the warning above)"
+    return mod
+
+
+def _run(model, fused: bool, prefix: int, new: list[int]):
+    """Prefill `prefix` tokens (Python path), then forwards of len(n) tokens for n in `new`;
+    returns the logits of each forward and the KV cache."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, 1000, (prefix + sum(new),))
+    model.use_fused = fused
+    try:
+        cache = model.new_cache(prefix + sum(new) + 4)
+        model(ids[:prefix], torch.arange(prefix), cache, "none")
+        outs, at = [], prefix
+        for n in new:
+            outs.append(model(ids[at:at + n], torch.arange(at, at + n), cache, "all"))
+            at += n
+    finally:
+        model.use_fused = True
+    return outs, cache
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_fused_matches_python_path_on_tiny_model(ext, tiny_engine, quant):
+    # decode (1 token), verification of drafts (5), a forced run past the packed-int4 rows, and
+    # the largest fused forward; grouped-query heads (4 query / 2 KV heads)
+    model = tiny_engine.model
+    if quant:
+        model = tokenspeed.Engine.load("tiny-random", quantize=quant).model
+    assert model.fused_decode() is not None
+    new = [1, 5, PACKED_ROWS_INT4 + 3, FUSED_ROWS]
+    ref, ref_cache = _run(model, False, 37, new)
+    out, cache = _run(model, True, 37, new)
+    for a, b in zip(ref, out):
+        tol = 1e-4 if quant is None else 2e-2 * a.abs().max()  # bf16 activations: rounding may differ
+        assert (a - b).abs().max() <= tol
+    n = cache.n
+    assert n == ref_cache.n == 37 + sum(new)
+    assert torch.equal(cache.pos[:n], ref_cache.pos[:n])
+    kv_tol = 1e-5 if quant is None else 2e-2 * ref_cache.k[:, :, :, :n].abs().max()
+    assert (cache.k[:, :, :, :n] - ref_cache.k[:, :, :, :n]).abs().max() <= kv_tol
+    assert (cache.v[:, :, :, :n] - ref_cache.v[:, :, :, :n]).abs().max() <= kv_tol
+
+
+def test_fused_skipped_where_it_does_not_apply(tiny_engine):
+    model = tiny_engine.model
+    _, cache = _run(model, True, 3, [FUSED_ROWS + 1])  # too many rows: the Python path
+    assert cache.n == 3 + FUSED_ROWS + 1
+    bf16 = tokenspeed.Engine.load("tiny-random", dtype=torch.bfloat16).model
+    assert bf16.fused_decode() is None  # the extension is fp32 only
+
+
+def test_int8_gemv_matches_reference(ext):
+    torch.manual_seed(0)
+    lin = Int8Linear(torch.randn(1000, 70))  # K not a multiple of 16: the scalar tail runs too
+    x = torch.randn(3, 70)
+    ref = (x @ lin.qweight.float().T) * lin.scales
+    assert torch.allclose(ext.int8_gemv(x, lin.qweight, lin.scales), ref, atol=1e-4, rtol=1e-5)
+    assert torch.allclose(lin(x), ref, atol=1e-4, rtol=1e-5)  # the lm_head's decode path uses it
+
+
+def test_int4_dense_copy_is_the_packed_weight():
+    torch.manual_seed(0)
+    lin = Int4Linear(torch.randn(64, 128))
+    x = torch.randn(PACKED_ROWS_INT4, 128)  # packed kernel
+    packed = lin(x)
+    dense = torch.nn.functional.linear(x.bfloat16(), lin.dense).float()
+    assert (packed - dense).abs().max() < 2e-2 * packed.abs().max()
+    assert lin(torch.randn(PACKED_ROWS_INT4 + 1, 128)).shape == (PACKED_ROWS_INT4 + 1, 64)
+
+
+def test_fused_real_model_decisions_identical(ext, engine, robot_tools):
+    # the real model (fp32, speculation on: draft verification runs fused too): every tool call
+    # decided with the fused step equals the Python path's. (With int4 weights both paths round
+    # activations to bf16, and 1-ulp fp32 differences can flip a rounding and, rarely, a close
+    # greedy choice; `tokenspeed bench aal` reports the int4 path's agreement with fp32.)
+    prompts = ["The red cube is at x=0.42 y=-0.10 on the table. Pick it up.",
+               "Move the gripper 5 cm up, then open it.",
+               "Place the blue cylinder at x=0.30 y=0.25."]
+    texts = {}
+    for fused in (False, True):
+        engine.model.use_fused = fused
+        texts[fused] = []
+        for p in prompts:
+            s = engine.session(system="You control a robot arm.", tools=robot_tools)
+            s.observe(p)
+            d = s.decide()
+            assert d.status == "ok", d.reason
+            texts[fused].append(d.text)
+    engine.model.use_fused = True
+    assert texts[True] == texts[False]
