@@ -30,12 +30,18 @@ prefix with one position per slot):
   miss). On CUDA the host->device copies run on a side stream (pinned memory, non_blocking)
   and overlap the rest of the forward and the sampling; on CPU the "copy" is the host tensor
   itself, so recall is synchronous.
-- Positions: hot slots stay sorted by original position and keys keep the rotation of their
-  original position (see `tokenspeed.model`), so a recalled entry is bit-identical to the
-  full cache's and `next_position()` is still the last slot's position + 1.
-- Rollback: `snapshot()` records the hot positions and scores (O(budget)); `restore()` drops
-  everything after the checkpoint and brings the recorded hot set back from the cold tier
-  (tokens the cold tier has dropped meanwhile cannot come back: counted as `rollback_lost`).
+- Positions: keys keep the rotation of their original position (see `tokenspeed.model`), so a
+  recalled entry is bit-identical to the full cache's. Slot order is free (attention over the
+  cached slots does not depend on it; only the newest forward's tokens must be the last slots):
+  eviction fills the holes with the last slots and recall appends, so both move O(tokens
+  evicted or recalled) of KV rather than the whole tail of a position-sorted cache (profiled:
+  a sorted merge of one recalled page into a 1K-slot tier moved ~23 MB per buffer, ~30 ms on
+  1 CPU thread). `next_position()` is the largest hot position + 1.
+- Rollback: `snapshot()` records the hot positions in slot order and their scores (O(budget));
+  `restore()` drops everything after the checkpoint, brings the recorded hot set back from the
+  cold tier (tokens the cold tier has dropped meanwhile cannot come back: counted as
+  `rollback_lost`) and puts the slots back in the recorded order, so a restored cache computes
+  bit-identical logits.
 - Superseded sensor readings are never recalled: recall would otherwise churn on them (a new
   reading attends strongly to its older, textually similar predecessors).
 
@@ -266,8 +272,9 @@ class TieredKVCache(KVCache):
         super().prepare(T)  # raises if pinned and recent tokens alone leave no room
 
     def next_position(self) -> int:
-        """Position of the next token: after the newest hot slot, or the rollback point if later."""
-        return max(super().next_position(), self._floor)
+        """Position of the next token: after the newest hot position, or the rollback point if later."""
+        newest = int(self.pos[:self.n].max()) + 1 if self.n else 0
+        return max(newest, self._floor)
 
     # ------------------------------------------------------------ policy
 
@@ -308,7 +315,7 @@ class TieredKVCache(KVCache):
         if protect is not None:
             keep |= protect
         pid = pos // cfg.page
-        pages, inv = torch.unique_consecutive(pid, return_inverse=True)
+        pages, inv = torch.unique(pid, return_inverse=True)
         P = pages.shape[0]
         zeros = torch.zeros(P, device=pos.device)
         page_keep = zeros.scatter_reduce(0, inv, keep.float(), "amax", include_self=False) > 0
@@ -329,6 +336,7 @@ class TieredKVCache(KVCache):
         if self.cold is not None:
             for p in victims.tolist():
                 sl = (inv == p).nonzero().squeeze(1)
+                sl = sl[torch.argsort(pos[sl])]  # the cold tier stores a page in position order
                 self.totals["cold_dropped"] += self.cold.put(
                     int(pages[p]), self.k[:, 0, :, sl], self.v[:, 0, :, sl], pos[sl],
                     float(page_score[p]), bool(page_sup[p]))
@@ -336,32 +344,32 @@ class TieredKVCache(KVCache):
         self._compact(~out)
 
     def _compact(self, keep: torch.Tensor) -> None:
-        # Keep slots where keep [n] is True, preserving order; moves only the tail after the first hole.
-        first = int((~keep).nonzero()[0]) if (~keep).any() else self.n
-        idx = keep[first:].nonzero().squeeze(1) + first
-        m = first + idx.shape[0]
-        for buf in (self.k, self.v):
-            buf[:, :, :, first:m] = buf[:, :, :, idx]
-        self.pos[first:m] = self.pos[idx]
-        self.score[first:m] = self.score[idx]
+        # Keep slots where keep [n] is True: the kept slots past the new end fill the holes below
+        # it (O(dropped) moves; order is not preserved).
+        m = int(keep.sum())
+        holes = (~keep[:m]).nonzero().squeeze(1)
+        movers = keep[m:].nonzero().squeeze(1) + m
+        if holes.numel():
+            self._move(movers, holes)
         self.n = m
 
+    def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        # Copy slots src -> dst (index tensors [E]; read fully before writing).
+        for buf in (self.k, self.v):
+            buf[:, :, :, dst] = buf[:, :, :, src]
+        self.pos[dst] = self.pos[src]
+        self.score[dst] = self.score[src]
+
     def _insert(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor) -> None:
-        # Merge E entries (k, v [L, Hkv, E, D], pos [E], score [E]) into the sorted hot prefix.
+        # Append E entries (k, v [L, Hkv, E, D], pos [E], score [E]) after the hot slots.
         n, E = self.n, pos.shape[0]
         if n + E > self.capacity:
             raise ValueError(f"KV cache full: cannot insert {E} recalled tokens into {n}/{self.capacity}")
-        pos = pos.to(self.pos.device)
-        first = int(torch.searchsorted(self.pos[:n], pos.min()))
-        all_pos = torch.cat([self.pos[first:n], pos])
-        order = torch.argsort(all_pos)
-        m = n + E
         for buf, new in ((self.k, k), (self.v, v)):
-            merged = torch.cat([buf[:, 0, :, first:n], new.to(buf.device, buf.dtype)], dim=2)
-            buf[:, 0, :, first:m] = merged[:, :, order]
-        self.score[first:m] = torch.cat([self.score[first:n], score.to(self.score.device)])[order]
-        self.pos[first:m] = all_pos[order]
-        self.n = m
+            buf[:, 0, :, n:n + E] = new.to(buf.device, buf.dtype)
+        self.pos[n:n + E] = pos.to(self.pos.device)
+        self.score[n:n + E] = score.to(self.score.device)
+        self.n = n + E
 
     # ------------------------------------------------------------ recall
 
@@ -469,12 +477,12 @@ class TieredKVCache(KVCache):
         """Return to the state at `snap`, whose context held `n_tokens` tokens.
 
         Drops hot and cold entries at positions >= n_tokens, moves pages recalled since the
-        snapshot back to the cold tier, and brings back pages evicted since (from the cold tier).
+        snapshot back to the cold tier, brings back pages evicted since (from the cold tier), and
+        restores the snapshot's slot order and scores.
         """
         self._staged = []
         self._floor = n_tokens
-        hot = self.pos[:self.n].cpu()
-        self.n = int(torch.searchsorted(hot, torch.tensor(n_tokens)))
+        self._compact(self.pos[:self.n] < n_tokens)
         if self.cold is not None:
             self.cold.truncate(n_tokens)
         page = self.config.page
@@ -493,10 +501,22 @@ class TieredKVCache(KVCache):
                              torch.zeros(c))
                 self.cold.remove([p])
             self.totals["rollback_lost"] += int((~torch.isin(missing // page, torch.tensor(have, dtype=torch.long))).sum())
+        # Slot order: the snapshot's positions that are hot, in its order, then any others (tokens
+        # sharing a page with a kept one) in their current order.
         hot = self.pos[:self.n].cpu()
-        at = torch.searchsorted(snap.pos, hot).clamp(max=snap.pos.shape[0] - 1)
-        found = snap.pos[at] == hot
-        self.score[:self.n] = torch.where(found, snap.score[at], torch.zeros(())).to(self.score.device)
+        in_snap = torch.isin(hot, snap.pos)
+        want = torch.cat([snap.pos[torch.isin(snap.pos, hot)], hot[~in_snap]])
+        if not torch.equal(want, hot):
+            order = torch.argsort(hot)
+            src = order[torch.searchsorted(hot[order], want)]
+            dst = torch.arange(self.n)
+            moved = src != dst
+            self._move(src[moved].to(self.pos.device), dst[moved].to(self.pos.device))
+            hot = want
+        by_pos = torch.argsort(snap.pos)
+        at = torch.searchsorted(snap.pos[by_pos], hot).clamp(max=snap.pos.shape[0] - 1)
+        found = snap.pos[by_pos][at] == hot
+        self.score[:self.n] = torch.where(found, snap.score[by_pos][at], torch.zeros(())).to(self.score.device)
 
     def take_metrics(self) -> dict:
         """Sizes now and counters since the previous call (tokens, pages for prefetch).

@@ -1,19 +1,21 @@
 """Accuracy and cost of the relevance-pruned, tiered KV cache (`tokenspeed.kv`) on a real model.
 
-    tokenspeed bench kv needle --stream 600 600 --facts 1 --budget 512   # (a) one case per stream
+    tokenspeed bench kv needle --budget 512            # (a) 20 cases, 3000 stream tokens each
     tokenspeed bench kv agreement --history 4096 --budgets 1024 512      # (b) greedy agreement, KL
-    tokenspeed bench kv cost --history 1024 4096 16384 --budget 1024     # ITL / decision TTFT
+    tokenspeed bench kv cost --history 1024 4096 16384 --budget 1024 --llamacpp  # ITL / TTFT
     (or python -m tokenspeed.bench.kv ...; --model, --threads, --json PATH after the subcommand)
 
 Each prints a table and, with --json PATH, writes the rows. The functions `needle`, `agreement`
 and `cost` return the rows (lists of dicts) for other benchmarks to call.
 
-Workload: a robot agent whose early context holds safety notes ("part_07 is fragile: always
-grasp it with force 3"), followed by a stream of sensor readings (`kind="sensor"`, three
-sources, superseded by newer readings) interleaved with event-log lines (`kind="text"`, never
-superseded), then one question per note. All text is generated from a seeded RNG. The event
-lines do not name parts: with part names in them the 135M model already fails with the full
-cache, which would make the comparison vacuous.
+Workload: a robot agent whose early context holds a safety note ("part_07 is fragile. Always
+grasp part_07 with force 3."), followed by a stream of observations of four short lines each,
+alternating sensor frames (`kind="sensor"`, sources "arm" and "cell", superseded by newer
+frames) and event-log lines (`kind="text"`, never superseded), then the question ("Grasp
+part_07 now."). All text is generated from a seeded RNG. The workload is one the 135M model
+solves with the full cache at 3K tokens (checked first, so the comparison is not vacuous): it
+fails with the full cache when each reading is its own chat turn (~15 tokens per turn; 0/3 at
+1.5K tokens), when one context holds five notes (0/5 at 3K), or when event lines name parts.
 """
 from __future__ import annotations
 
@@ -39,31 +41,27 @@ TOOLS = [{"type": "function", "function": {
 
 
 def _reading(rng: random.Random, i: int) -> tuple[str, str, str]:
-    # (text, kind, source): sensor readings from three sources, with an event-log line between.
+    """Observation `i` of the stream as (text, kind, source): four short lines each. Even i: a
+    sensor frame (kind "sensor"; sources "arm" and "cell" alternate, so each frame supersedes
+    the one before the last); odd i: four event-log lines (kind "text", never superseded)."""
     if i % 2:
-        return (f"event {i:05d}: conveyor {rng.randint(1, 4)} at {rng.uniform(0.1, 0.9):.2f} m/s, station "
-                f"{rng.randint(1, 9)} at {rng.uniform(20, 40):.1f} C, {rng.randint(0, 30)} items queued.", "text", "")
-    src = ["joint_states", "wrist_ft", "camera"][(i // 2) % 3]
-    if src == "joint_states":
-        return "joint_states: q=[" + ", ".join(f"{rng.uniform(-2, 2):.3f}" for _ in range(7)) + "]", "sensor", src
-    if src == "wrist_ft":
-        return "wrist_ft: f=[" + ", ".join(f"{rng.uniform(-5, 5):.2f}" for _ in range(3)) + "] N", "sensor", src
-    seen = rng.sample(PARTS, 4)
-    return "camera: " + ", ".join(f"{p} at ({rng.uniform(0.3, 0.7):.2f}, {rng.uniform(-0.3, 0.3):.2f})"
-                                  for p in seen), "sensor", src
+        return "\n".join(f"event {2 * i + j:05d}: conveyor {rng.randint(1, 4)} moved {rng.randint(0, 30)} items."
+                         for j in range(4)), "text", ""
+    if (i // 2) % 2:
+        return (f"cell: conveyor speed {rng.uniform(0.1, 0.9):.2f} m/s\ncell: station temperature "
+                f"{rng.uniform(20, 40):.1f} C\ncell: queue {rng.randint(0, 30)} items\ncell: light "
+                f"{rng.choice(['green', 'amber'])}"), "sensor", "cell"
+    return (f"arm: wrist force {rng.uniform(0, 5):.1f} N\narm: gripper width {rng.randint(0, 80)} mm\n"
+            f"arm: elbow {rng.uniform(-2, 2):.2f} rad\narm: base {rng.uniform(-2, 2):.2f} rad"), "sensor", "arm"
 
 
-def _stream(session, rng: random.Random, tokens: int, batch: int = 1) -> float:
-    """Observe readings until `tokens` more tokens are in the context; returns seconds.
-    batch > 1 joins that many readings into one text observation (faster prefill)."""
+def _stream(session, rng: random.Random, tokens: int) -> float:
+    """Observe `_reading`s until `tokens` more tokens are in the context; returns seconds."""
     t0, target, i = time.perf_counter(), session.num_tokens + tokens, 0
     while session.num_tokens < target:
-        readings = [_reading(rng, i + j) for j in range(batch)]
-        i += batch
-        if batch == 1:
-            session.observe(readings[0][0], kind=readings[0][1], source=readings[0][2])
-        else:
-            session.observe("\n".join(r[0] for r in readings))
+        text, kind, source = _reading(rng, i)
+        session.observe(text, kind=kind, source=source)
+        i += 1
     return time.perf_counter() - t0
 
 
@@ -71,7 +69,7 @@ def _session(engine, kv: KVConfig | None):
     return engine.session(system=SYSTEM, tools=TOOLS, kv_budget=kv, capacity=None if kv else 16384)
 
 
-def needle(engine, configs: dict[str, KVConfig | None], streams=(3000, 3000, 3000, 3000), facts: int = 5,
+def needle(engine, configs: dict[str, KVConfig | None], streams=(3000,) * 20, facts: int = 1,
            seed: int = 0, log=print) -> list[dict]:
     """(a) Needle in a sensor stream: per stream length, `facts` safety notes, then the stream,
     then one `grasp` question per note (checkpoint / decide / rollback, so questions do not see
@@ -129,7 +127,7 @@ def agreement(engine, history: int = 4096, budgets=(1024, 512), cold: int = 4096
         notes = [(p, rng.randint(1, 9)) for p in rng.sample(PARTS, 5)]
         for part, force in notes:
             full.observe(f"Safety note: {part} is fragile. Always grasp {part} with force {force}.")
-        _stream(full, random.Random(seed + 200 + tr), history - full.num_tokens, batch=4)
+        _stream(full, random.Random(seed + 200 + tr), history - full.num_tokens)
         n_ctx = full.num_tokens
         ref_tokens, ref_logits = [], []
         full.observe(question)
@@ -148,7 +146,7 @@ def agreement(engine, history: int = 4096, budgets=(1024, 512), cold: int = 4096
                 rng = random.Random(seed + tr)
                 for part, force in [(p, rng.randint(1, 9)) for p in rng.sample(PARTS, 5)]:
                     s.observe(f"Safety note: {part} is fragile. Always grasp {part} with force {force}.")
-                _stream(s, random.Random(seed + 200 + tr), history - s.num_tokens, batch=4)
+                _stream(s, random.Random(seed + 200 + tr), history - s.num_tokens)
                 got = _teacher_forced_logits(s, question, ref_tokens)
                 lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
                 kl = (lp.exp() * (lp - lq)).sum(-1)
@@ -163,13 +161,14 @@ def agreement(engine, history: int = 4096, budgets=(1024, 512), cold: int = 4096
 
 def cost(engine, histories=(1024, 4096, 16384), budget: int = 1024, decisions: int = 3, seed: int = 0,
          full_upto: int = 4096, log=print) -> list[dict]:
-    """Decision TTFT and ITL (ms) after `histories` tokens of stream (8 readings per observation),
+    """Decision TTFT and ITL (ms) after `histories` tokens of stream (`_reading` observations),
     pruned to `budget` (with a cold tier), and with the full cache for histories <= full_upto.
     All sessions are built first, then their decisions run interleaved (round-robin), so that
-    load drift on a shared machine hits every configuration alike. Decisions run without
-    jump-forward so every token is a decode step. Returns rows: config, history, ttft_ms
-    (median), itl_ms (median over all decode steps), hot, cold (tokens), kv_bytes (hot tier
-    allocation), rss_mb (peak resident set of the process)."""
+    load drift on a shared machine hits every configuration alike. Each decision observes a
+    question, then decides without jump-forward so every token is a decode step. Returns rows:
+    config, history, ttft_ms (decide() to first token, median), q_ttft_ms (the question's
+    observe() plus ttft: what `llamacpp_cost` times), itl_ms (median over all decode steps), hot,
+    cold (tokens), kv_bytes (hot tier allocation), rss_mb (peak resident set of the process)."""
     import resource
 
     sessions = []
@@ -178,26 +177,29 @@ def cost(engine, histories=(1024, 4096, 16384), budget: int = 1024, decisions: i
             if kv is None and h > full_upto:
                 continue
             s = _session(engine, kv)
-            prefill_s = _stream(s, random.Random(seed + h), h - s.num_tokens, batch=8)
+            prefill_s = _stream(s, random.Random(seed + h), h - s.num_tokens)
             log(f"# {name} history {s.num_tokens}: prefill {prefill_s:.1f} s")
-            sessions.append((name, h, kv, s, [], []))
+            sessions.append((name, h, kv, s, [], [], []))
     for i in range(decisions):
-        for name, h, kv, s, ttft, itl in sessions:
+        for name, h, kv, s, ttft, q_ttft, itl in sessions:
             cp = s.checkpoint()
+            t0 = time.perf_counter()
             s.observe(f"Grasp {PARTS[i % len(PARTS)]} now.")
+            q_s = time.perf_counter() - t0
             d = s.decide(tool_choice="required", jump_forward=False)
             ttft.append(d.ttft_s * 1e3)
+            q_ttft.append((q_s + d.ttft_s) * 1e3)
             itl.extend(x * 1e3 for x in d.itl_s)
             s.rollback(cp)
     rows = []
-    for name, h, kv, s, ttft, itl in sessions:
+    for name, h, kv, s, ttft, q_ttft, itl in sessions:
         kv_bytes = s.cache.k.numel() * s.cache.k.element_size() * 2
         row = dict(config=name, history=h, budget=budget if kv else None, ttft_ms=statistics.median(ttft),
-                   itl_ms=statistics.median(itl), hot=s.cache.n,
+                   q_ttft_ms=statistics.median(q_ttft), itl_ms=statistics.median(itl), hot=s.cache.n,
                    cold=s.cache.cold.tokens if kv and s.cache.cold is not None else 0,
                    kv_bytes=kv_bytes, rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         rows.append(row)
-        log(f"  {name} history {h}: TTFT {row['ttft_ms']:.1f} ms, ITL {row['itl_ms']:.1f} ms, "
+        log(f"  {name} history {h}: TTFT {row['ttft_ms']:.1f} ms (with question {row['q_ttft_ms']:.1f}), ITL {row['itl_ms']:.1f} ms, "
             f"hot {row['hot']}, cold {row['cold']}, KV alloc {kv_bytes / 2**20:.0f} MiB")
     return rows
 
@@ -207,7 +209,10 @@ def llamacpp_cost(engine, histories=(1024, 4096, 16384), decisions: int = 3, thr
     """The same decision after the same histories with llama.cpp (llama-cpp-python, the embedded
     Q4_1 GGUF, full KV cache, automatic prefix reuse): the history is evaluated untimed, then each
     decision prompt (question + assistant header) is timed to its first token and `gen` greedy
-    tokens (no grammar). Needs the `bench` extra. Returns rows like `cost` (config "llama.cpp")."""
+    tokens (no grammar). Needs the `bench` extra. Returns rows like `cost` (config "llama.cpp";
+    its TTFT includes the question's prefill, so it is q_ttft_ms and ttft_ms is None). Histories
+    past the model's trained context (8192 for SmolLM2) run with n_ctx raised past it (llama.cpp
+    warns; positions beyond training, as for the pruned cache)."""
     from llama_cpp import Llama
 
     from ..grammar import tools_system_prompt
@@ -223,9 +228,9 @@ def llamacpp_cost(engine, histories=(1024, 4096, 16384), decisions: int = 3, thr
     rows = []
     for h in histories:
         rng, context, i = random.Random(seed + h), tok.encode(head), 0
-        while len(context) < h:
-            context += ids([{"role": "user", "content": "\n".join(_reading(rng, i + j)[0] for j in range(8))}])
-            i += 8
+        while len(context) < h:  # the same observations as `cost`'s sessions, one user turn each
+            context += ids([{"role": "user", "content": _reading(rng, i)[0]}])
+            i += 1
         llm = Llama(model_path=str(default_model_path()), n_ctx=len(context) + 512, n_threads=threads,
                     n_threads_batch=threads, n_batch=512, seed=0, verbose=False)
         llm.eval(context)
@@ -239,12 +244,26 @@ def llamacpp_cost(engine, histories=(1024, 4096, 16384), decisions: int = 3, thr
                     break
             ttft.append((stamps[0] - t0) * 1e3)
             itl.extend((b - a) * 1e3 for a, b in zip(stamps, stamps[1:]))
-        row = dict(config="llama.cpp", history=len(context), budget=None, ttft_ms=statistics.median(ttft),
-                   itl_ms=statistics.median(itl), hot=len(context), cold=0)
+        row = dict(config="llama.cpp", history=len(context), budget=None, ttft_ms=None,
+                   q_ttft_ms=statistics.median(ttft), itl_ms=statistics.median(itl), hot=len(context), cold=0)
         rows.append(row)
-        log(f"  llama.cpp history {len(context)}: TTFT {row['ttft_ms']:.1f} ms, ITL {row['itl_ms']:.1f} ms")
+        log(f"  llama.cpp history {len(context)}: TTFT (with question) {row['q_ttft_ms']:.1f} ms, ITL {row['itl_ms']:.1f} ms")
         del llm
     return rows
+
+
+def _cost_table(rows: list[dict], base: int) -> None:
+    # Markdown table; ratios against the pruned session at the smallest (budget-size) history.
+    ref = next((r for r in rows if r["config"] == "pruned" and r["history"] == base), None)
+
+    def ratio(r, key):
+        return f"{r[key] / ref[key]:.2f}x" if ref and r[key] is not None else "-"
+
+    print("\n| config | history | TTFT ms | x | TTFT+question ms | x | ITL ms | x | hot | cold |\n" + "|---" * 10 + "|")
+    for r in rows:
+        ttft = f"{r['ttft_ms']:.1f}" if r["ttft_ms"] is not None else "-"
+        print(f"| {r['config']} | {r['history']} | {ttft} | {ratio(r, 'ttft_ms')} | {r['q_ttft_ms']:.1f} | "
+              f"{ratio(r, 'q_ttft_ms')} | {r['itl_ms']:.1f} | {ratio(r, 'itl_ms')} | {r['hot']} | {r['cold']} |")
 
 
 def main(argv=None) -> int:
@@ -258,9 +277,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tokenspeed bench kv", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
     a = sub.add_parser("needle", parents=[common], help="(a) needle in a sensor stream")
-    a.add_argument("--stream", type=int, nargs="+", default=[3000, 3000, 3000, 3000],
+    a.add_argument("--stream", type=int, nargs="+", default=[3000] * 20,
                    help="stream tokens per session (one session each, with its own notes)")
-    a.add_argument("--facts", type=int, default=5, help="safety notes per session")
+    a.add_argument("--facts", type=int, default=1, help="safety notes per session")
     a.add_argument("--budget", type=int, default=1024)
     a.add_argument("--cold", type=int, default=4096)
     a.add_argument("--configs", nargs="+", default=["full", "pruned", "pruned+cold"],
@@ -276,6 +295,8 @@ def main(argv=None) -> int:
     c.add_argument("--budget", type=int, default=1024)
     c.add_argument("--decisions", type=int, default=3)
     c.add_argument("--llamacpp", action="store_true", help="also time llama.cpp at the same histories")
+    c.add_argument("--speculation", choices=["on", "off"], default="on",
+                   help="off: plain decoding (the draft model's own KV cache is not pruned)")
     args = ap.parse_args(argv)
     engine = Engine.load(args.model, threads=args.threads)
     log = lambda *x: print(*x, flush=True)  # noqa: E731
@@ -295,9 +316,12 @@ def main(argv=None) -> int:
     elif args.what == "agreement":
         rows = agreement(engine, args.history, args.budgets, args.cold, args.gen, args.traces, log=log)
     else:
+        if args.speculation == "off":
+            engine.speculation = None
         rows = cost(engine, args.history, args.budget, args.decisions, log=log)
         if args.llamacpp:
             rows += llamacpp_cost(engine, args.history, args.decisions, threads=args.threads or 2, log=log)
+        _cost_table(rows, min(args.history))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)

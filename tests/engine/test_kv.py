@@ -40,10 +40,11 @@ def test_budget_holds_and_positions_stay_original(tiny_engine):
     c = s.cache
     assert s.num_tokens > 450 and c.n <= 300
     pos = c.pos[:c.n]
-    assert torch.all(pos[1:] > pos[:-1])                        # sorted, unique
+    hot = set(pos.tolist())
+    assert len(hot) == c.n                                      # one slot per position
     assert c.next_position() == s.num_tokens                    # the newest token is hot
-    assert int(pos[0]) == 0 and int(pos[3]) == 3                # sinks
-    assert torch.equal(pos[-64:], torch.arange(s.num_tokens - 64, s.num_tokens))  # recent window
+    assert {0, 1, 2, 3} <= hot                                  # sinks
+    assert set(range(s.num_tokens - 64, s.num_tokens)) <= hot   # recent window
     # Layer-0 keys depend only on token and position: every hot slot equals the full cache's.
     full = tiny_engine.session(system="You control a robot arm.", tools=TOOLS[:1])
     _fill(full, 10)
@@ -97,11 +98,11 @@ def test_recalled_kv_equals_original(tiny_engine):
     s = _session(tiny_engine, budget=400, cold=512, recall_threshold=0.01)
     _fill(s, 8)
     c = s.cache
-    sel = (c.pos[:c.n] // 16) == 14
-    want_pos = c.pos[:c.n][sel].clone()
-    want_k, want_v = c.k[:, :, :, :c.n][:, :, :, sel].clone(), c.v[:, :, :, :c.n][:, :, :, sel].clone()
+    sel = ((c.pos[:c.n] // 16) == 14).nonzero().squeeze(1)
+    sel = sel[torch.argsort(c.pos[sel])]
+    want_pos, want_k, want_v = c.pos[sel].clone(), c.k[:, :, :, sel].clone(), c.v[:, :, :, sel].clone()
     c.score[:c.n] = 1.0
-    c.score[:c.n][sel] = 0.0
+    c.score[sel] = 0.0
     c.evict_to(c.n - 1)
     assert 14 in c.cold.slot_of and not bool(((c.pos[:c.n] // 16) == 14).any())
     # A query aligned with one of the page's keys, in every layer and head, asks for it back.
@@ -112,11 +113,12 @@ def test_recalled_kv_equals_original(tiny_engine):
     c._prefetch()
     c.prepare(1)
     assert c.totals["recalled"] >= want_pos.numel() and c.totals["prefetch_hits"] >= 1
-    sel = torch.isin(c.pos[:c.n], want_pos)
-    assert torch.equal(c.pos[:c.n][sel], want_pos)
-    assert torch.equal(c.k[:, :, :, :c.n][:, :, :, sel], want_k)
-    assert torch.equal(c.v[:, :, :, :c.n][:, :, :, sel], want_v)
-    assert torch.all(c.pos[1:c.n] > c.pos[:c.n - 1])             # merged in position order
+    slots = torch.isin(c.pos[:c.n], want_pos).nonzero().squeeze(1)
+    slots = slots[torch.argsort(c.pos[slots])]                   # slot order is free: compare by position
+    assert torch.equal(c.pos[slots], want_pos)
+    assert torch.equal(c.k[:, :, :, slots], want_k)
+    assert torch.equal(c.v[:, :, :, slots], want_v)
+    assert len(set(c.pos[:c.n].tolist())) == c.n
     assert 14 not in c.cold.slot_of
 
 
