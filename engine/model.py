@@ -336,8 +336,8 @@ class Transformer(nn.Module):
         cache.pos[start:start + T] = positions
         b = self.backend
         eps = self.args.norm_eps
-        fused = (self.fused_decode() if self.use_fused and T <= FUSED_ROWS and not cache.tracks_attention
-                 and cache.k.dtype == torch.float32 else None)
+        fused = (self.fused_decode() if self.use_fused and T <= FUSED_ROWS and cache.k.dtype == torch.float32
+                 else None)
         if fused is not None:
             h = fused(self.tok_embeddings(tokens), cos, sin, cache, start).unsqueeze(0)
         else:

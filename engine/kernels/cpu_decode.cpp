@@ -141,10 +141,13 @@ inline void rope(const float* src, float* dst, int64_t heads, int64_t D, const f
 // states after the last layer, before the final norm). cos/sin: [T, head_dim] fp32.
 // k_cache/v_cache: [L, 1, Hkv, capacity, head_dim] fp32; slots [start, start + T) are written.
 // linears: 4 per layer (wqkv, wo, w13, w2), each as 4 tensors + kind + group (see Linear).
-at::Tensor decode_layers(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> tensors,
+// track: also return, per layer, the attention mass per slot (softmax probability summed over
+// heads and new tokens) [L, start + T], the log-sum-exp of the scaled scores [L, H, T] and the
+// rotated queries [L, H, T, D] (for KV relevance scoring); otherwise these are empty.
+std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> tensors,
                          std::vector<int64_t> kinds, std::vector<at::Tensor> norms, at::Tensor k_cache,
                          at::Tensor v_cache, int64_t start, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                         int64_t hidden, int64_t group, double eps, int64_t packed_rows) {
+                         int64_t hidden, int64_t group, double eps, int64_t packed_rows, bool track) {
   const int64_t L = k_cache.size(0), T = h.size(0), D = head_dim, H = n_heads, Hkv = n_kv_heads;
   const int64_t G = H / Hkv, end = start + T, cap = k_cache.size(3);
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
@@ -159,11 +162,14 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vect
     lin[i] = Linear{tensors[4 * i], tensors[4 * i + 1], tensors[4 * i + 2], tensors[4 * i + 3], kinds[i], group};
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::Tensor q = at::empty({H, T, D}, h.options());        // rotated queries, head-major
+  at::Tensor q_all = at::empty({track ? L : 1, H, T, D}, h.options());  // rotated queries, head-major
+  at::Tensor mass = track ? at::zeros({L, end}, h.options()) : at::empty({0}, h.options());
+  at::Tensor lse = at::empty({track ? L : 0, H, T}, h.options());
   at::Tensor att = at::empty({T, H * D}, h.options());     // attention output, token-major
   at::Tensor scores = at::empty({H * T, end}, h.options());
   for (int64_t l = 0; l < L; ++l) {
     // --- attention
+    at::Tensor q = q_all[track ? l : 0];
     at::Tensor qkv = linear(lin[4 * l], rms_norm(h, norms[2 * l], eps), packed_rows).contiguous();  // [T, (H+2Hkv)D]
     const float* qp = qkv.data_ptr<float>();
     float* kc = k_cache.data_ptr<float>() + l * Hkv * cap * D;
@@ -201,9 +207,20 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vect
         float* out = ap + t * H * D + hh * D;
         std::fill(out, out + D, 0.f);
         const float inv = 1.f / sum;
-        for (int64_t j = 0; j < visible; ++j) axpy(srow[j] * inv, vg + j * D, out, D);
+        for (int64_t j = 0; j < visible; ++j) {
+          srow[j] *= inv;
+          axpy(srow[j], vg + j * D, out, D);
+        }
+        if (track) lse.data_ptr<float>()[(l * H + hh) * T + t] = m + std::log(sum);
       }
     });
+    if (track) {
+      float* mp = mass.data_ptr<float>() + l * end;
+      for (int64_t r = 0; r < H * T; ++r) {
+        const float* srow = sc + r * end;
+        for (int64_t j = 0, visible = start + r % T + 1; j < visible; ++j) mp[j] += srow[j];
+      }
+    }
     h.add_(linear(lin[4 * l + 1], att, packed_rows));
     // --- SwiGLU MLP
     at::Tensor gu = linear(lin[4 * l + 2], rms_norm(h, norms[2 * l + 1], eps), packed_rows).contiguous();  // [T, 2F]
@@ -217,7 +234,8 @@ at::Tensor decode_layers(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vect
       }
     h.add_(linear(lin[4 * l + 3], act, packed_rows));
   }
-  return h;
+  if (!track) return {h, mass, lse, at::empty({0}, h.options())};
+  return {h, mass, lse, q_all};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -121,15 +121,21 @@ class FusedDecode:
         Args:
             h: [T, dim] fp32 token embeddings (overwritten).
             cos, sin: [T, head_dim] fp32 rotary tables at the tokens' positions.
-            cache: a fp32 `KVCache` (slots [start, start + T) are written).
+            cache: a fp32 `KVCache` (slots [start, start + T) are written). If it tracks attention,
+                each layer's mass [start + T], log-sum-exp [H, T] and rotated queries [1, H, T, D] are
+                handed to `cache.record_attention` after the step, layer by layer, as the Python path does.
         Returns:
             [T, dim] fp32 hidden states after the last layer (before the final norm).
         """
         from ..quant import PACKED_ROWS_INT4
 
         a = self.args
-        return self.ext.decode_layers(h, cos, sin, self.tensors, self.kinds, self.norms, cache.k, cache.v, start,
-                                      a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim, self.group, a.norm_eps,
-                                      PACKED_ROWS_INT4)
+        h, mass, lse, q = self.ext.decode_layers(
+            h, cos, sin, self.tensors, self.kinds, self.norms, cache.k, cache.v, start, a.n_heads, a.n_kv_heads,
+            a.head_dim, a.hidden_dim, self.group, a.norm_eps, PACKED_ROWS_INT4, cache.tracks_attention)
+        if cache.tracks_attention:
+            for layer in range(a.n_layers):
+                cache.record_attention(layer, q[layer].unsqueeze(0), mass[layer], lse[layer])
+        return h
 
 

@@ -105,3 +105,26 @@ def test_fused_real_model_decisions_identical(ext, engine, robot_tools):
             texts[fused].append(d.text)
     engine.model.use_fused = True
     assert texts[True] == texts[False]
+
+
+def test_fused_feeds_relevance_scores_like_python_path(ext, tiny_engine):
+    # a pruned session (tracks attention): the fused step hands each layer's attention mass to
+    # the cache; scores, evictions and output equal the Python path's. Plain decoding: adaptive
+    # speculation picks proposal lengths from measured step times, so its forwards vary run to run.
+    results = {}
+    spec, tiny_engine.speculation = tiny_engine.speculation, None
+    try:
+        for fused in (False, True):
+            tiny_engine.model.use_fused = fused
+            s = tiny_engine.session(system="You control a robot arm.", kv_budget=128)
+            for i in range(10):
+                s.observe(f"joint q=[{i}.1, {i}.2, {i}.3]", kind="sensor", source="joint_states")
+                s.generate(max_tokens=6)
+            c = s.cache
+            results[fused] = (s.tokens[:], c.score[:c.n].clone(), c.pos[:c.n].clone(), c.take_metrics())
+    finally:
+        tiny_engine.model.use_fused, tiny_engine.speculation = True, spec
+    (t0, s0, p0, m0), (t1, s1, p1, m1) = results[False], results[True]
+    assert t0 == t1 and torch.equal(p0, p1)
+    assert torch.allclose(s0, s1, atol=1e-5)
+    assert m0 == m1 and m0["totals"]["evicted"] > 0
