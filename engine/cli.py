@@ -22,7 +22,7 @@ def _engine(args):
     from . import Engine
 
     t0 = time.perf_counter()
-    engine = Engine.load(args.model, threads=args.threads)
+    engine = Engine.load(args.model, threads=args.threads, quantize=None if args.quantize == "none" else args.quantize)
     print(f"# model {engine.source} loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
     return engine
 
@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=None,
                        help="a .gguf file or safetensors folder (default: embedded SmolLM2-135M-Instruct)")
         p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+        p.add_argument("--quantize", default="int4", choices=["int4", "int8", "none"],
+                       help="weights: int4 (the GGUF's Q4_1 codes; default), int8 or none (fp32)")
         p.add_argument("--system", default=None, help="system prompt")
         p.add_argument("--prompt", required=True, help="user message")
         p.add_argument("--max-tokens", type=int, default=256, help="most new tokens (default 256)")

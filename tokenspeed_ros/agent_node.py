@@ -174,7 +174,8 @@ class AgentNode(Node):
             self.create_subscription(ActionFeedback, p.action_feedback_topic, self._on_feedback, 50)
 
         self._wake = self.create_guard_condition(self._on_engine_output)
-        self.worker = EngineWorker(model=p.model, threads=p.threads, system=p.system_prompt, tools=tools,
+        self.worker = EngineWorker(model=p.model, threads=p.threads, quantize=p.quantize,
+                                   system=p.system_prompt, tools=tools,
                                    tool_choice=self._tool_choice(), kv_budget=p.kv_budget_tokens,
                                    notify=self._wake.trigger, logger=self.get_logger(),
                                    repeat_slack=p.restate_slack_tokens)

@@ -67,6 +67,7 @@ class EngineWorker:
     """A daemon thread that loads the engine, prefills observations and runs decisions.
 
     model: path, "tiny-random" or "" (embedded model); threads: CPU threads (0 = engine default);
+    quantize: "int4", "int8" or "none" (fp32 weights), see `tokenspeed.quant`;
     system: system prompt; tools: OpenAI tool dicts; tool_choice: passed to decide() unless a
     request brings its own;
     kv_budget: hot KV tokens of the session (relevance pruning beyond it); repeat_slack: see above
@@ -76,8 +77,9 @@ class EngineWorker:
     """
 
     def __init__(self, *, model: str, threads: int, system: str, tools: list[dict], tool_choice,
-                 kv_budget: int, notify: Callable[[], None], logger, repeat_slack: int = 0):
-        self._cfg = dict(model=model or None, threads=threads or None, system=system, tools=tools)
+                 kv_budget: int, notify: Callable[[], None], logger, repeat_slack: int = 0, quantize: str = "int4"):
+        self._cfg = dict(model=model or None, threads=threads or None, system=system, tools=tools,
+                         quantize=None if quantize == "none" else quantize)
         self._tool_choice = tool_choice
         self._checker = CallChecker(tools)
         self._kv_budget = kv_budget
@@ -194,7 +196,8 @@ class EngineWorker:
             import tokenspeed
 
             t0 = time.monotonic()
-            engine = tokenspeed.Engine.load(self._cfg["model"], threads=self._cfg["threads"])
+            engine = tokenspeed.Engine.load(self._cfg["model"], threads=self._cfg["threads"],
+                                            quantize=self._cfg["quantize"])
             self._session = engine.session(system=self._cfg["system"], tools=self._cfg["tools"],
                                            kv_budget=self._kv_budget)
             self.context_tokens = self._session.num_tokens

@@ -201,7 +201,8 @@ class MarketBridgeNode(Node):
         if p.agent:
             tools = load_tools(p.resolved_tools_file())
             self._wake_engine = self.create_guard_condition(self._on_engine_output)
-            self.worker = EngineWorker(model=p.model, threads=p.threads, system=p.system_prompt, tools=tools,
+            self.worker = EngineWorker(model=p.model, threads=p.threads, quantize=p.quantize,
+                                       system=p.system_prompt, tools=tools,
                                        tool_choice="required", kv_budget=p.kv_budget_tokens,
                                        notify=self._notify_engine_output, logger=self.get_logger())
             self.worker.start()
