@@ -42,8 +42,9 @@ model is unsure (`SpecConfig.lookup_below`), and with no match an unsure model e
 (`SpecConfig.min_confidence`); without a draft model, prompt lookup alone proposes. Every
 proposal is checked against the grammar before it enters the chain.
 
-`AdaptiveLength` picks k each step from recent acceptance and measured costs, and switches
-speculation off when the expected speed-up is below 1.
+`AdaptiveLength` decides per proposal whether it pays: its estimated acceptance (the draft's
+calibrated confidence, or lookup's running rate) against the measured extra cost of verifying it
+with the grammar-forced run it drags along; when nothing pays, a step is plain decoding.
 """
 from __future__ import annotations
 
@@ -304,72 +305,80 @@ class DraftState:
 
 @dataclass
 class AdaptiveLength:
-    """Chooses the proposal length k per step (0 = speculation off for that step).
+    """Decides per proposal whether drafting one more token pays (adaptive proposal length).
 
-    Maximises expected speed-up = E[tokens per step] * t(1) / t_step(k) (Leviathan et al. 2023,
-    sec. 3.4) with E = (1 - a^(k+1)) / (1 - a) for per-token acceptance a, a step cost of
-    t(k+1) + k * t_draft, and the target forward time t(T) = t0 + t1 * T fitted online.
-    a is a decayed estimate from recent verifications. When the best k gives no speed-up,
-    speculation is off, and every `probe_every` plain steps one short proposal refreshes a.
+    A proposal (with the grammar-forced run that follows it) joins the chain when its expected
+    saving exceeds its cost (Leviathan et al. 2023, sec. 3.4, applied per token):
+
+        P(it and every proposal before it are accepted) * t(1)  >  t(T + rows) - t(T) + t_draft
+
+    where t(T) is the target forward time over T tokens, fitted online - separately for T = 1
+    (the single-token decode path is much cheaper per token than a multi-token forward on CPU)
+    and as t0 + t1 * T for T > 1 - t(1) is the plain step an accepted token saves, and t_draft
+    the measured drafting time per proposal. P multiplies per-proposal estimates: the draft
+    model's top probability (its confidence tracks acceptance; EAGLE-2, Li et al. 2024) times a
+    running calibration factor, or prompt lookup's running acceptance rate. When no proposal can
+    pay (cost of one row above t(1)), a step drafts nothing and is plain decoding; calibration
+    and costs keep updating from the steps that do speculate.
 
     Attributes:
         max_k: most proposed tokens per step.
-        accept: current acceptance estimate a (0..1).
+        decay: weight of the past in the running estimates (per verification).
+        accept: running acceptance rate of all proposals (0..1), for reports.
     """
 
     max_k: int = 8
     decay: float = 0.9
-    probe_every: int = 16
     accept: float = 0.7
-    _acc_n: float = 2.0          # decayed accepted count (prior: a = 0.7 over ~3 trials)
-    _rej_n: float = 0.86
-    _fit: list = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0, 0.0])  # n, sT, sT2, sY, sTY
-    _draft_s: float = 0.0        # seconds per drafted token (EMA)
-    _off_steps: int = 0
+    _hits: dict = field(default_factory=lambda: {MODEL: [1.4, 1.6, 2.0], LOOKUP: [1.2, 0.0, 2.0]})  # acc, conf, n
+    _t1: float = 0.0             # EMA seconds of a 1-token forward (0: none yet)
+    _fit: list = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0, 0.0])  # T > 1: n, sT, sT2, sY, sTY
+    _draft_s: float = 0.0        # seconds per proposal (EMA)
 
-    def forward_cost(self, n_tokens: int) -> float:
-        """Modelled target forward time (relative units) for n_tokens tokens."""
+    def forward_s(self, n_tokens: int) -> float:
+        """Modelled target forward time (seconds) over n_tokens new tokens."""
         n, st, st2, sy, sty = self._fit
-        if n < 4 or n * st2 - st * st <= 1e-9:
-            return 1.0 + 0.05 * (n_tokens - 1)   # prior: verifying costs ~5% per extra token
-        t1 = (n * sty - st * sy) / (n * st2 - st * st)
-        t0 = (sy - t1 * st) / n
-        t1 = max(t1, 0.0)
-        t0 = max(t0, 1e-6)
-        return (t0 + t1 * n_tokens) / (t0 + t1)
+        one = self._t1 or (sy / n if n else 0.05)
+        if n_tokens <= 1:
+            return one
+        if n < 1:
+            return one * (1.0 + 0.05 * (n_tokens - 1))  # prior: ~5% per extra verified token
+        mean_t, mean_y = st / n, sy / n
+        var = st2 / n - mean_t * mean_t
+        slope = max((sty / n - mean_t * mean_y) / var, 0.0) if n >= 4 and var > 1e-6 else 0.05 * one
+        return max(mean_y + slope * (n_tokens - mean_t), one)
 
-    def choose(self) -> int:
-        """k for the next step."""
-        a = min(self.accept, 0.999)
-        base = self.forward_cost(1)
-        draft_rel = self._draft_s / max(self._unit_s(), 1e-6)
-        best_k, best = 0, 1.0
-        for k in range(1, self.max_k + 1):
-            gain = (1 - a ** (k + 1)) / (1 - a) * base / (self.forward_cost(k + 1) + k * draft_rel)
-            if gain > best * 1.02:
-                best_k, best = k, gain
-        if best_k == 0:
-            self._off_steps += 1
-            if self._off_steps >= self.probe_every:
-                self._off_steps = 0
-                return 1
-        return best_k
+    def estimate(self, source: str, confidence: float = 1.0) -> float:
+        """Acceptance probability estimate (0..1) of one proposal: the model's `confidence`
+        (its top probability) times its calibration, or prompt lookup's running rate."""
+        acc, conf, n = self._hits[source]
+        if source == MODEL:
+            return min(1.0, confidence * acc / max(conf, 1e-6))
+        return acc / max(n, 1e-6)
 
-    def _unit_s(self) -> float:
-        n, st, st2, sy, sty = self._fit
-        return sy / n if n else 0.05
+    def pays(self, p_all: float, rows_before: int, rows_after: int) -> bool:
+        """Whether growing the verification from rows_before to rows_after tokens pays when the
+        new proposal is accepted (with everything before it) with probability p_all."""
+        extra = self.forward_s(rows_after) - self.forward_s(rows_before) + self._draft_s
+        return p_all * self.forward_s(1) > extra
 
-    def record(self, drafted: int, accepted: int, n_tokens: int, forward_s: float, draft_s: float) -> None:
-        """Account one verification: `drafted` proposals (grammar runs excluded), `accepted` of them,
-        a target forward over `n_tokens` tokens taking `forward_s` seconds, drafting `draft_s` seconds."""
-        if drafted:
-            self._acc_n = self.decay * self._acc_n + accepted
-            self._rej_n = self.decay * self._rej_n + (1 if accepted < drafted else 0)
-            self.accept = self._acc_n / (self._acc_n + self._rej_n)
-            per = draft_s / drafted
-            self._draft_s = per if self._draft_s == 0 else 0.8 * self._draft_s + 0.2 * per
-        fit = self._fit
+    def record(self, n_tokens: int, forward_s: float, proposals: list[tuple[str, float, bool]],
+               draft_s: float) -> None:
+        """Account one verification: a target forward over `n_tokens` tokens taking `forward_s`
+        seconds, the `proposals` it verified as (source, confidence, accepted) in chain order
+        (up to the first rejection), drafting `draft_s` seconds in all."""
         w = self.decay
+        for src, conf, ok in proposals:
+            h = self._hits[src]
+            h[0], h[1], h[2] = w * h[0] + ok, w * h[1] + conf, w * h[2] + 1.0
+            self.accept = w * self.accept + (1 - w) * ok
+        if proposals:
+            per = draft_s / len(proposals)
+            self._draft_s = per if self._draft_s == 0 else 0.8 * self._draft_s + 0.2 * per
+        if n_tokens <= 1:
+            self._t1 = forward_s if self._t1 == 0 else w * self._t1 + (1 - w) * forward_s
+            return
+        fit = self._fit
         for i, v in enumerate((1.0, n_tokens, n_tokens * n_tokens, forward_s, n_tokens * forward_s)):
             fit[i] = w * fit[i] + v
 
@@ -387,7 +396,8 @@ class SpecConfig:
             (see `PromptLookup`).
         draft: a `DraftModel` (shared by all sessions of the engine) or None.
         max_k: most proposed tokens per verification.
-        adaptive: choose k from recent acceptance (`AdaptiveLength`); False: always max_k.
+        adaptive: a proposal joins the chain only when it pays for its verification rows
+            (`AdaptiveLength.pays`, from measured costs and acceptance); False: always up to max_k.
         lookup_below: with both drafters, a prompt-lookup proposal replaces the draft model's
             only when the model's top probability (after the grammar mask) is below this
             (0..1). Measured on held-out tool calls: model-first with this fallback agrees with
@@ -435,17 +445,19 @@ class Speculator:
     def enabled(self) -> bool:
         return self.lookup is not None or self.draft is not None
 
-    def choose_k(self) -> int:
-        """Proposal length for the next step (0: plain decoding)."""
-        if not self.enabled:
-            return 0
-        return self.length.choose() if self.config.adaptive else self.config.max_k
+    @property
+    def max_k(self) -> int:
+        """Most proposals per step (0: plain decoding)."""
+        return self.config.max_k if self.enabled else 0
 
     def chain(self, context: list[int], k: int, matcher, allowed, jump_forward: bool, budget: int,
               temperature: float, generator: torch.Generator | None = None,
-              source: tuple[int, int] | None = None
-              ) -> tuple[list[int], list[str], list[torch.Tensor | None]]:
+              source: tuple[int, int] | None = None, n_fed: int = 1
+              ) -> tuple[list[int], list[str], list[torch.Tensor | None], list[float | None]]:
         """Draft up to k tokens after `context` (plus the grammar-forced runs after each).
+
+        With `SpecConfig.adaptive`, each proposal must pay for its verification rows
+        (`AdaptiveLength.pays`), else the chain ends before it.
 
         Args:
             context: the full token sequence so far (cached and to-be-fed).
@@ -456,24 +468,33 @@ class Speculator:
                 `generator`) and returns q.
             source: the output's copy source (`copy_source`) for prompt lookup; None: plain
                 latest-match lookup.
+            n_fed: tokens the verification forward carries before the chain (the feed).
         Returns:
-            (tokens, sources, q): sources[i] in {"lookup", "model", "grammar"}; q[i] the draft
-            distribution [V] for sampled model proposals, else None (a deterministic proposal).
+            (tokens, sources, q, confidence): sources[i] in {"lookup", "model", "grammar"};
+            q[i] the draft distribution [V] for sampled model proposals, else None (a
+            deterministic proposal); confidence[i] the draft model's top probability for its
+            proposals, 1.0 for lookup, None for grammar-forced tokens.
         """
         tokens: list[int] = []
         sources: list[str] = []
         qs: list[torch.Tensor | None] = []
+        confs: list[float | None] = []
         if k <= 0 or budget <= 0:
-            return tokens, sources, qs
+            return tokens, sources, qs, confs
+        adaptive = self.config.adaptive
         ctx = np.asarray(context, dtype=np.int64)
         drafted = consumed = 0
+        p_all = 1.0  # estimated probability that every proposal so far is accepted
         vocab_size = None
         while drafted < k and len(tokens) < budget:
+            rows = n_fed + len(tokens)
+            if adaptive and not self.length.pays(p_all, rows, rows + 1):
+                break  # not even a sure proposal would pay for its row
             full = np.concatenate([ctx, np.asarray(tokens, dtype=np.int64)]) if tokens else ctx
             looked = self.lookup.propose(full, source) if self.lookup is not None else None
             if looked is not None and matcher is not None and matcher.validate_tokens([looked]) != 1:
                 looked = None
-            tok, src, q = looked, LOOKUP, None
+            tok, src, q, conf = looked, LOOKUP, None, 1.0
             logits = self.draft.logits(full) if self.draft is not None else None
             if logits is not None:
                 vocab = self.draft.draft.vocab
@@ -484,11 +505,11 @@ class Speculator:
                 best = int(probs.argmax())
                 # The model's proposal wins unless it is unsure and the context offers a copy;
                 # alone, it must be confident enough to be worth a verification row.
-                conf = float(probs[best])
-                if looked is None and conf < self.config.min_confidence:
+                top = float(probs[best])
+                if looked is None and top < self.config.min_confidence:
                     break
-                if looked is None or conf >= self.config.lookup_below:
-                    src = MODEL
+                if looked is None or top >= self.config.lookup_below:
+                    src, conf = MODEL, top
                     if temperature > 0:
                         vocab_size = vocab_size or self.draft.draft.net.tok_embeddings.num_embeddings
                         q = torch.zeros(vocab_size)
@@ -498,27 +519,34 @@ class Speculator:
                         tok = int(vocab[best])
             if tok is None:
                 break
-            tokens.append(tok)
-            sources.append(src)
-            qs.append(q)
-            drafted += 1
+            forced: list[int] = []
+            n_this = 0
             if matcher is not None:
                 matcher.consume_token(tok)
-                consumed += 1
-                if matcher.is_stopped():
-                    break
-                if jump_forward:
-                    forced = matcher.compute_ff_tokens()[: max(budget - len(tokens), 0)]
+                n_this = 1
+                if jump_forward and not matcher.is_stopped():
+                    forced = matcher.compute_ff_tokens()[: max(budget - len(tokens) - 1, 0)]
                     if forced and matcher.consume_tokens(forced):
-                        consumed += len(forced)
-                        tokens += forced
-                        sources += [GRAMMAR] * len(forced)
-                        qs += [None] * len(forced)
-                    if matcher.is_stopped():
-                        break
+                        n_this += len(forced)
+                    else:
+                        forced = []
+            est = self.length.estimate(src, conf)
+            if adaptive and not self.length.pays(p_all * est, rows, rows + 1 + len(forced)):
+                if n_this:
+                    matcher.rollback(n_this)
+                break
+            consumed += n_this
+            p_all *= est
+            tokens += [tok, *forced]
+            sources += [src] + [GRAMMAR] * len(forced)
+            qs += [q] + [None] * len(forced)
+            confs += [conf] + [None] * len(forced)
+            drafted += 1
+            if matcher is not None and matcher.is_stopped():
+                break
         if matcher is not None and consumed:
             matcher.rollback(consumed)
-        return tokens, sources, qs
+        return tokens, sources, qs, confs
 
 
 def _discard(session, n_drop: int) -> None:
@@ -572,11 +600,10 @@ def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = Tr
         if len(out) >= max_tokens:
             d.reason = f"no complete call within max_tokens={max_tokens}"
             break
-        k = spec.choose_k()
         t_draft = time.perf_counter()
         allowed = mask.allowed if matcher is not None else None
-        chain, sources, qs = spec.chain(session.tokens + feed, k, matcher, allowed, jump_forward,
-                                        max_tokens - len(out) - 1, temperature, generator, source)
+        chain, sources, qs, confs = spec.chain(session.tokens + feed, spec.max_k, matcher, allowed, jump_forward,
+                                               max_tokens - len(out) - 1, temperature, generator, source, len(feed))
         t_draft = time.perf_counter() - t_draft
         if len(feed) + len(chain) > 512:  # keep the verified rows in one forward
             session._forward(feed[:-1], "none")
@@ -586,7 +613,7 @@ def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = Tr
         logits = session._forward(ids, torch.arange(len(feed) - 1, len(ids)))  # [len(chain) + 1, V]
         t_fwd = time.perf_counter() - t_fwd
         d.forwards += 1
-        drafted = accepted = 0
+        proposals: list[tuple[str, float, bool]] = []  # (source, confidence, accepted) as verified
         stop = False
         next_feed: list[int] = []
         emitted = 0
@@ -599,7 +626,6 @@ def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = Tr
                 d.forced_tokens += 1
                 continue
             if src is not None:
-                drafted += 1
                 d.draft_tokens += 1
                 d.draft_sources.setdefault(src, [0, 0])[0] += 1
             if matcher is not None and row == len(chain) and (
@@ -610,8 +636,9 @@ def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = Tr
                 mask.apply(matcher, logits_row)
             token, ok = _choose(logits_row[0], chain[row] if src else None, qs[row] if src else None,
                                 temperature, top_p, generator)
+            if src is not None:
+                proposals.append((src, confs[row], ok))
             if ok:
-                accepted += 1
                 d.accepted_tokens += 1
                 d.draft_sources[src][1] += 1
             d.generated_tokens += 1
@@ -638,7 +665,7 @@ def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = Tr
             t_last = now
         _discard(session, len(chain) - row)
         if spec.enabled:
-            spec.length.record(drafted, accepted, len(ids), t_fwd, t_draft)
+            spec.length.record(len(ids), t_fwd, proposals, t_draft)
         if on_token is not None:
             on_token(out)
         feed = next_feed

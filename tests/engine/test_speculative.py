@@ -180,14 +180,22 @@ def test_unsure_draft_ends_the_chain(engine):
     assert len(chains[0]) == 4 and chains[1] == []
 
 
-def test_adaptive_length_switches_off_when_drafts_fail_and_grows_when_they_pass():
-    good, bad = AdaptiveLength(max_k=8), AdaptiveLength(max_k=8)
+def test_adaptive_length_pays_for_likely_cheap_proposals_only():
+    """Costs fitted from recorded forwards (1 token 100 ms, T tokens 150 + 10 T ms): a proposal
+    that is surely accepted pays for one row but not for a long forced run; calibration follows
+    the verified outcomes of the draft model's proposals."""
+    good, bad = AdaptiveLength(), AdaptiveLength()
+    for T in (1, 2, 4, 8, 16) * 4:
+        for length in (good, bad):
+            length.record(T, 0.100 if T == 1 else 0.150 + 0.010 * T, [], 0.0)
+    assert abs(good.forward_s(1) - 0.100) < 1e-3 and abs(good.forward_s(10) - 0.250) < 1e-3
     for _ in range(30):
-        good.record(drafted=6, accepted=6, n_tokens=7, forward_s=0.05, draft_s=0.001)
-        bad.record(drafted=4, accepted=0, n_tokens=5, forward_s=0.07, draft_s=0.02)
-    assert good.choose() >= 6
-    ks = [bad.choose() for _ in range(bad.probe_every)]
-    assert ks[:-1] == [0] * (bad.probe_every - 1) and ks[-1] == 1  # off, with a periodic probe
+        good.record(3, 0.18, [("model", 0.5, True)], 0.001)
+        bad.record(3, 0.18, [("model", 0.9, False)], 0.001)
+    assert good.estimate("model", 0.5) > 0.9 and bad.estimate("model", 0.9) < 0.1
+    assert good.pays(1.0, 2, 3) and not good.pays(1.0, 2, 14)  # 10 ms row vs 110 ms forced run
+    assert not good.pays(0.5, 1, 2)                         # 1 -> 2 tokens: +70 ms for 50 ms expected
+    assert not bad.pays(bad.estimate("model", 0.9), 2, 3)
 
 
 # ------------------------------------------------------------------ sampling distribution
