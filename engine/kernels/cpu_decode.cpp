@@ -3,7 +3,7 @@
 // One call runs every decoder layer for T (few) new tokens: RMSNorm, QKV projection, rotary
 // embedding, KV-cache write, grouped-query attention over the cached prefix (causal among the
 // new tokens), output projection, SwiGLU MLP and both residual adds. The projections call the
-// same kernels as the Python path (packed int4, int8_gemv below, dense); the elementwise work runs as
+// same kernels as the Python path (packed int4, int8_gemv below, fp32); the elementwise work runs as
 // plain loops here, so a token costs a few ATen dispatches per layer instead of ~190 Python-level
 // ops. The GIL is released for the whole call.
 #include <torch/extension.h>
@@ -82,19 +82,16 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor w, at::Tensor scales) {
 }
 
 // One projection: weight (dense [N, K] fp32, int8 [N, K], or int4-packed), its scales
-// (int8: fp32 [N]; int4: bf16 [K / group, N, 2]), an optional dense bf16 copy used for more than
-// `packed_rows` rows (empty if none) and an optional bias [N] (empty if none).
+// (int8: fp32 [N]; int4: bf16 [K / group, N, 2]) and an optional bias [N] (empty if none).
 struct Linear {
-  at::Tensor weight, scales, dense, bias;
+  at::Tensor weight, scales, bias;
   int64_t kind, group;
 };
 
-at::Tensor linear(const Linear& l, const at::Tensor& x, int64_t packed_rows) {
+at::Tensor linear(const Linear& l, const at::Tensor& x) {
   // x: [T, K] fp32 -> [T, N] fp32
   at::Tensor y;
-  if (l.dense.numel() && x.size(0) > packed_rows) {
-    y = at::linear(to_bf16(x), l.dense).to(at::kFloat);
-  } else if (l.kind == kInt4) {
+  if (l.kind == kInt4) {
     y = at::_weight_int4pack_mm_for_cpu(to_bf16(x), l.weight, l.group, l.scales).to(at::kFloat);
   } else if (l.kind == kInt8) {
     y = int8_gemv(x, l.weight, l.scales);
@@ -140,14 +137,16 @@ inline void rope(const float* src, float* dst, int64_t heads, int64_t D, const f
 // h: [T, dim] fp32 embeddings of the new tokens (updated in place and returned: the hidden
 // states after the last layer, before the final norm). cos/sin: [T, head_dim] fp32.
 // k_cache/v_cache: [L, 1, Hkv, capacity, head_dim] fp32; slots [start, start + T) are written.
-// linears: 4 per layer (wqkv, wo, w13, w2), each as 4 tensors + kind + group (see Linear).
+// linears: 4 per layer (wqkv, wo, w13, w2), each as 3 tensors + kind + group (see Linear).
 // track: also return, per layer, the attention mass per slot (softmax probability summed over
 // heads and new tokens) [L, start + T], the log-sum-exp of the scaled scores [L, H, T] and the
 // rotated queries [L, H, T, D] (for KV relevance scoring); otherwise these are empty.
+// mm_rows: attention rows per KV head (query heads per KV head x T) from which ATen's GEMM is used.
 std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> tensors,
                          std::vector<int64_t> kinds, std::vector<at::Tensor> norms, at::Tensor k_cache,
                          at::Tensor v_cache, int64_t start, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                         int64_t hidden, int64_t group, double eps, int64_t packed_rows, bool track) {
+                         int64_t hidden, int64_t group, double eps, bool track,
+                         int64_t mm_rows) {
   const int64_t L = k_cache.size(0), T = h.size(0), D = head_dim, H = n_heads, Hkv = n_kv_heads;
   const int64_t G = H / Hkv, end = start + T, cap = k_cache.size(3);
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
@@ -155,22 +154,23 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "KV cache must be contiguous fp32");
   TORCH_CHECK(end <= cap, "KV cache full");
-  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == L * 16 && static_cast<int64_t>(norms.size()) == L * 2,
-              "expected 16 tensors and 2 norms per layer");
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == L * 12 && static_cast<int64_t>(norms.size()) == L * 2,
+              "expected 12 tensors and 2 norms per layer");
   std::vector<Linear> lin(L * 4);
-  for (int64_t i = 0; i < L * 4; ++i)
-    lin[i] = Linear{tensors[4 * i], tensors[4 * i + 1], tensors[4 * i + 2], tensors[4 * i + 3], kinds[i], group};
+  for (int64_t i = 0; i < L * 4; ++i) lin[i] = Linear{tensors[3 * i], tensors[3 * i + 1], tensors[3 * i + 2], kinds[i], group};
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   at::Tensor q_all = at::empty({track ? L : 1, H, T, D}, h.options());  // rotated queries, head-major
   at::Tensor mass = track ? at::zeros({L, end}, h.options()) : at::empty({0}, h.options());
   at::Tensor lse = at::empty({track ? L : 0, H, T}, h.options());
   at::Tensor att = at::empty({T, H * D}, h.options());     // attention output, token-major
-  at::Tensor scores = at::empty({H * T, end}, h.options());
+  const int64_t R = G * T;
+  at::Tensor scores = at::empty({H * T, end}, h.options());  // [Hkv, R, end]
+  at::Tensor ctx = at::empty({H * T, D}, h.options());       // [Hkv, R, D]
   for (int64_t l = 0; l < L; ++l) {
     // --- attention
     at::Tensor q = q_all[track ? l : 0];
-    at::Tensor qkv = linear(lin[4 * l], rms_norm(h, norms[2 * l], eps), packed_rows).contiguous();  // [T, (H+2Hkv)D]
+    at::Tensor qkv = linear(lin[4 * l], rms_norm(h, norms[2 * l], eps)).contiguous();  // [T, (H+2Hkv)D]
     const float* qp = qkv.data_ptr<float>();
     float* kc = k_cache.data_ptr<float>() + l * Hkv * cap * D;
     float* vc = v_cache.data_ptr<float>() + l * Hkv * cap * D;
@@ -185,33 +185,56 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
         std::memcpy(vc + (g * cap + start + t) * D, r + (H + Hkv + g) * D, D * sizeof(float));
       }
     }
-    // one row per (kv group, query head in the group, new token); rows are independent
+    // per KV head g: its G query heads x T new tokens form R = G * T rows q_g [R, D] (row
+    // r = head-in-group * T + token); scores [R, end] = q_g k_g^T, softmax over each row's visible
+    // slots (cached ones, then causal among the new tokens), out [R, D] = p v_g. Blocks of at least
+    // mm_rows rows go to ATen's GEMM; fewer rows (decode) to plain loops, which read the cache once
+    // without the GEMM's call and packing overhead.
     const float* qh = q.data_ptr<float>();
     float* sc = scores.data_ptr<float>();
+    float* cx = ctx.data_ptr<float>();
     float* ap = att.data_ptr<float>();
-    at::parallel_for(0, Hkv * G * T, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t r = lo; r < hi; ++r) {
-        const int64_t hh = r / T, t = r % T, g = hh / G;  // query head, token, kv head
-        const float* qr = qh + (hh * T + t) * D;
+    at::parallel_for(0, Hkv, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const float* qg = qh + g * R * D;
         const float* kg = kc + g * cap * D;
         const float* vg = vc + g * cap * D;
-        float* srow = sc + r * end;
-        const int64_t visible = start + t + 1;  // cached slots, then causal among the new tokens
-        float m = -INFINITY;
-        for (int64_t j = 0; j < visible; ++j) {
-          srow[j] = dot(qr, kg + j * D, D) * scale;
-          m = std::max(m, srow[j]);
+        float* sg = sc + g * R * end;
+        float* og = cx + g * R * D;
+        const bool gemm = R >= mm_rows;
+        if (gemm) {
+          at::Tensor S = at::from_blob(sg, {R, end}, h.options());
+          at::mm_out(S, at::from_blob(const_cast<float*>(qg), {R, D}, h.options()),
+                     at::from_blob(const_cast<float*>(kg), {end, D}, h.options()).t());
+        } else {
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t j = 0, visible = start + r % T + 1; j < visible; ++j)
+              sg[r * end + j] = dot(qg + r * D, kg + j * D, D);
         }
-        float sum = 0.f;
-        for (int64_t j = 0; j < visible; ++j) { srow[j] = std::exp(srow[j] - m); sum += srow[j]; }
-        float* out = ap + t * H * D + hh * D;
-        std::fill(out, out + D, 0.f);
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j < visible; ++j) {
-          srow[j] *= inv;
-          axpy(srow[j], vg + j * D, out, D);
+        for (int64_t r = 0; r < R; ++r) {
+          float* srow = sg + r * end;
+          const int64_t visible = start + r % T + 1;
+          float m = -INFINITY;
+          for (int64_t j = 0; j < visible; ++j) { srow[j] *= scale; m = std::max(m, srow[j]); }
+          float sum = 0.f;
+          for (int64_t j = 0; j < visible; ++j) { srow[j] = std::exp(srow[j] - m); sum += srow[j]; }
+          const float inv = 1.f / sum;
+          for (int64_t j = 0; j < visible; ++j) srow[j] *= inv;
+          std::fill(srow + visible, srow + end, 0.f);
+          if (track) lse.data_ptr<float>()[(l * H + g * G + r / T) * T + r % T] = m + std::log(sum);
         }
-        if (track) lse.data_ptr<float>()[(l * H + hh) * T + t] = m + std::log(sum);
+        if (gemm) {
+          at::Tensor O = at::from_blob(og, {R, D}, h.options());
+          at::mm_out(O, at::from_blob(sg, {R, end}, h.options()),
+                     at::from_blob(const_cast<float*>(vg), {end, D}, h.options()));
+        } else {
+          std::fill(og, og + R * D, 0.f);
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t j = 0, visible = start + r % T + 1; j < visible; ++j)
+              axpy(sg[r * end + j], vg + j * D, og + r * D, D);
+        }
+        for (int64_t r = 0; r < R; ++r)  // to token-major [T, H * D]
+          std::memcpy(ap + (r % T) * H * D + (g * G + r / T) * D, og + r * D, D * sizeof(float));
       }
     });
     if (track) {
@@ -221,9 +244,9 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
         for (int64_t j = 0, visible = start + r % T + 1; j < visible; ++j) mp[j] += srow[j];
       }
     }
-    h.add_(linear(lin[4 * l + 1], att, packed_rows));
+    h.add_(linear(lin[4 * l + 1], att));
     // --- SwiGLU MLP
-    at::Tensor gu = linear(lin[4 * l + 2], rms_norm(h, norms[2 * l + 1], eps), packed_rows).contiguous();  // [T, 2F]
+    at::Tensor gu = linear(lin[4 * l + 2], rms_norm(h, norms[2 * l + 1], eps)).contiguous();  // [T, 2F]
     at::Tensor act = at::empty({T, hidden}, h.options());
     const float* gp = gu.data_ptr<float>();
     float* xp = act.data_ptr<float>();
@@ -232,7 +255,7 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
         const float gate = gp[t * 2 * hidden + i];
         xp[t * hidden + i] = gate / (1.f + std::exp(-gate)) * gp[t * 2 * hidden + hidden + i];
       }
-    h.add_(linear(lin[4 * l + 3], act, packed_rows));
+    h.add_(linear(lin[4 * l + 3], act));
   }
   if (!track) return {h, mass, lse, at::empty({0}, h.options())};
   return {h, mass, lse, q_all};

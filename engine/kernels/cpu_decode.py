@@ -5,7 +5,7 @@ The Python forward of one token issues ~190 ATen ops per layer (~5,600 per token
 the int4 matmuls themselves (`tokenspeed bench profile`). `cpu_decode.cpp` runs the same math
 (RMSNorm, QKV, rotary, KV-cache write, grouped-query attention with the causal mask among the
 new tokens, output projection, SwiGLU, residuals) as loops around the same matmul kernels as the
-Python path (packed int4, `int8_gemv`, dense), with the GIL released. It also holds `int8_gemv`, the lm_head
+Python path (packed int4, `int8_gemv`, fp32), with the GIL released. It also holds `int8_gemv`, the lm_head
 projection (int8 weight, fp32 activations, one pass over the weight).
 
 The extension is compiled once per machine with the C++ compiler torch uses (`make setup` calls
@@ -28,7 +28,10 @@ import torch
 
 __all__ = ["load", "FusedDecode", "FUSED_ROWS"]
 
-FUSED_ROWS = 16  # forwards of at most this many new tokens take the fused path (decode, drafts, forced runs)
+ATTN_MM_ROWS = 8  # attention blocks of at least this many query rows per KV head use GEMM (measured, 1 thread)
+# Forwards of at most this many new tokens take the fused path (decode, draft verification, forced
+# runs). Not above quant.PACKED_ROWS_INT4: up to there the packed int4 kernel is the faster one.
+FUSED_ROWS = 16
 _SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno"]
 log = logging.getLogger(__name__)
@@ -89,14 +92,14 @@ class FusedDecode:
             for lin in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2):
                 bias = lin.bias if lin.bias is not None else empty
                 if isinstance(lin, Int4Linear):
-                    self.tensors += [lin.packed, lin.scale_zeros, lin.dense, bias]
+                    self.tensors += [lin.packed, lin.scale_zeros, bias]
                     self.kinds.append(2)
                     self.group = lin.group_size
                 elif isinstance(lin, Int8Linear):
-                    self.tensors += [lin.qweight, lin.scales, empty, bias]
+                    self.tensors += [lin.qweight, lin.scales, bias]
                     self.kinds.append(1)
                 else:
-                    self.tensors += [lin.weight, empty, empty, bias]
+                    self.tensors += [lin.weight, empty, bias]
                     self.kinds.append(0)
             self.norms += [layer.attention_norm, layer.ffn_norm]
 
@@ -127,12 +130,10 @@ class FusedDecode:
         Returns:
             [T, dim] fp32 hidden states after the last layer (before the final norm).
         """
-        from ..quant import PACKED_ROWS_INT4
-
         a = self.args
         h, mass, lse, q = self.ext.decode_layers(
             h, cos, sin, self.tensors, self.kinds, self.norms, cache.k, cache.v, start, a.n_heads, a.n_kv_heads,
-            a.head_dim, a.hidden_dim, self.group, a.norm_eps, PACKED_ROWS_INT4, cache.tracks_attention)
+            a.head_dim, a.hidden_dim, self.group, a.norm_eps, cache.tracks_attention, ATTN_MM_ROWS)
         if cache.tracks_attention:
             for layer in range(a.n_layers):
                 cache.record_attention(layer, q[layer].unsqueeze(0), mass[layer], lse[layer])
