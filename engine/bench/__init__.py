@@ -51,7 +51,7 @@ def _cmd_profile(args) -> int:
     from .decode_profile import profile_decode
 
     profile_decode(args.model, quantize=None if args.quantize == "none" else args.quantize, threads=args.threads,
-                   steps=args.steps)
+                   steps=args.steps, context=args.context)
     return 0
 
 
@@ -80,6 +80,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--quantize", default="int4", choices=["int4", "int8", "none"])
     f.add_argument("--threads", type=int, default=1)
     f.add_argument("--steps", type=int, default=10, help="decode steps profiled")
+    f.add_argument("--context", type=int, default=256, help="tokens in the KV cache (default 256)")
     f.set_defaults(func=_cmd_profile)
     k = sub.add_parser("kv", help="pruned, tiered KV cache: needle / agreement / cost (see tokenspeed.bench.kv)",
                        add_help=False)
