@@ -274,7 +274,9 @@ class DraftState:
     """A draft model's KV cache for one session, following the session's token sequence.
 
     `logits(context)` keeps the longest common prefix of what is cached and `context`, prefills
-    the rest and returns the draft's logits [Vd] for the token after `context`.
+    the rest and returns the draft's logits [Vd] for the token after `context`. `sync(context)`
+    does the prefill alone, so it can run when the session prefills an observation instead of
+    on the decision's critical path (`Speculator.observe`).
     """
 
     def __init__(self, draft: DraftModel, capacity: int):
@@ -282,14 +284,17 @@ class DraftState:
         self.cache: KVCache = draft.net.new_cache(capacity)
         self.tokens = np.zeros(capacity, dtype=np.int64)
 
-    def logits(self, context: np.ndarray) -> torch.Tensor | None:
-        """Draft logits [Vd] (fp32) after `context` [N] int64 (the session's full token sequence),
-        or None when the context outgrew the draft's KV capacity (the draft then stays silent)."""
-        if len(context) > self.cache.capacity:
+    def sync(self, context: np.ndarray, logits: bool = False) -> torch.Tensor | None:
+        """Make the cache hold `context` [N] int64; with `logits`, return the draft logits [Vd]
+        (fp32) for the token after it (its last token is then always recomputed). None when the
+        context outgrew the draft's KV capacity (the draft then stays silent)."""
+        if len(context) > self.cache.capacity or len(context) == 0:
             return None
         m = min(self.cache.n, len(context))
         diff = np.flatnonzero(self.tokens[:m] != context[:m])
-        keep = min(int(diff[0]) if len(diff) else m, len(context) - 1)  # recompute >= 1 token
+        keep = int(diff[0]) if len(diff) else m
+        if logits:
+            keep = min(keep, len(context) - 1)  # recompute >= 1 token
         self.cache.truncate(keep)
         new = context[keep:]
         self.tokens[keep:keep + len(new)] = new
@@ -297,8 +302,13 @@ class DraftState:
         for i in range(0, len(new), 512):  # bounded prefill chunks
             chunk = torch.from_numpy(new[i:i + 512].copy())
             pos = torch.arange(keep + i, keep + i + len(chunk))
-            out = self.draft.net(chunk, pos, self.cache, "last" if i + 512 >= len(new) else "none")
-        return out[0]
+            out = self.draft.net(chunk, pos, self.cache, "last" if logits and i + 512 >= len(new) else "none")
+        return out[0] if logits else None
+
+    def logits(self, context: np.ndarray) -> torch.Tensor | None:
+        """Draft logits [Vd] (fp32) after `context` [N] int64 (the session's full token sequence),
+        or None when the context outgrew the draft's KV capacity."""
+        return self.sync(context, logits=True)
 
 
 # ------------------------------------------------------------------------------------ adaptivity
@@ -444,6 +454,12 @@ class Speculator:
     @property
     def enabled(self) -> bool:
         return self.lookup is not None or self.draft is not None
+
+    def observe(self, context: list[int]) -> None:
+        """Prefill the draft's KV cache with the session's context (token ids whose target KV is
+        cached) as observations arrive, so that drafting at decision time prefills nothing."""
+        if self.draft is not None:
+            self.draft.sync(np.asarray(context, dtype=np.int64))
 
     @property
     def max_k(self) -> int:

@@ -92,6 +92,7 @@ def evaluate(engine, data: Path, draft: DraftModel | None, *, k: int = 6, limit:
                 s.rollback(start)
                 for m in r["messages"]:
                     s.observe(m)
+                s.speculator.observe(s.tokens)  # draft prefill at observation time, not in decide()
                 cp = s.checkpoint()
                 for rep in range(repeats):
                     s.rollback(cp)

@@ -3,11 +3,14 @@
 The AAL workload (`tokenspeed.bench.workload.build_workload`) is replayed in one session: before
 each turn its observations are prefilled, then the turn's decision is made `repeats` times under
 every setting, alternating the order of the settings between repeats (the machine is shared, so
-load drift hits all settings alike), rolling back to the turn's checkpoint in between. The last
+load drift hits all settings alike), rolling back to the turn's checkpoint in between. The draft
+model prefills the observations when they arrive (`Speculator.observe`), as the target does, not
+inside the timed decision. The last
 decision stays in the context, as an agent keeps its own calls.
 
-Settings: "plain" (no drafter; grammar jump-forward only) and "spec" (the default speculation:
-prompt lookup + draft model, adaptive proposal length), plus any extra `SpecConfig`s given.
+Settings: "plain" (no drafter; grammar jump-forward only), "spec" (the default speculation:
+prompt lookup + draft model, adaptive proposal length), "lookup" (prompt lookup alone, adaptive;
+when a draft is given), plus any extra `SpecConfig`s given.
 Reported per setting: the median decide() time per turn, their sum (turn_ms), the median
 inter-token latency over all decisions (itl_ms_p50; amortised over the tokens a verification
 emits), forwards, acceptance, and the speed-ups turn_ms(plain) / turn_ms(setting) and
@@ -35,7 +38,8 @@ def speedup(engine, draft: DraftModel | None, *, seed: int = 0, quick: bool = Fa
         repeats: decisions per turn and setting (medians are reported).
         extra: more settings {name: SpecConfig} to measure beside "plain" and "spec".
     Returns:
-        {"turns", "repeats", "settings": {name: metrics}, "per_turn_ms": {name: [median ms per turn]}}.
+        {"turns", "repeats", "settings": {name: metrics}, "per_turn_ms": {name: [median ms per turn]},
+        "spec_forward_ms": {T: the "spec" setting's fitted target forward time over T tokens}}.
     Raises:
         ValueError: repeats < 1.
     """
@@ -45,6 +49,8 @@ def speedup(engine, draft: DraftModel | None, *, seed: int = 0, quick: bool = Fa
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     wl = build_workload(seed=seed, quick=quick, n_calls=n_calls)
     settings: dict[str, SpecConfig | None] = {"plain": None, "spec": SpecConfig(draft=draft), **(extra or {})}
+    if draft is not None:
+        settings.setdefault("lookup", SpecConfig(draft=None))
     names = list(settings)
     saved, engine.speculation = engine.speculation, None
     try:
@@ -57,6 +63,8 @@ def speedup(engine, draft: DraftModel | None, *, seed: int = 0, quick: bool = Fa
     for turn in tqdm(wl.turns, desc="speedup", unit="turn", disable=not progress):
         for o in turn.observations:
             s.observe(o.content, role=o.role, kind=o.kind, source=o.source)
+        for sp in speculators.values():  # the draft's KV follows observations (`Speculator.observe`)
+            sp.observe(s.tokens)
         cp = s.checkpoint()
         times = {name: [] for name in names}
         texts = {}
@@ -92,5 +100,7 @@ def speedup(engine, draft: DraftModel | None, *, seed: int = 0, quick: bool = Fa
             "turn_speedup": round(sum(plain["turn_ms"]) / sum(x["turn_ms"]), 3),
             "itl_speedup": round(statistics.median(plain["itl_ms"]) / itl, 3) if itl and plain["itl_ms"] else None,
         }
+    length = speculators["spec"].length  # its fitted target forward cost (what the value test uses)
     return {"turns": len(wl.turns), "repeats": repeats, "settings": report,
+            "spec_forward_ms": {T: round(length.forward_s(T) * 1e3, 1) for T in (1, 2, 4, 8, 16, 32)},
             "per_turn_ms": {name: [round(v, 1) for v in x["turn_ms"]] for name, x in st.items()}}

@@ -21,6 +21,12 @@ def test_recipe_end_to_end(tmp_path, engine, capsys):
         assert len(r["forced"]) == len(r["output_ids"]) and 0 < sum(r["forced"]) < len(r["forced"])
         assert engine.tokenizer.decode(r["output_ids"]) == r["text"]
     capsys.readouterr()
+    # --resume answers only the tasks not in the file yet: here none.
+    assert main(["build-data", "--out", str(data), "--robot", "2", "--trading", "2", "--bfcl-limit", "2",
+                 "--resume"]) == 0
+    resumed = json.loads(capsys.readouterr().out)
+    assert resumed["kept"] == len(rows) and sum(resumed["written"].values()) == 0
+    assert read_data(data)[1] == rows
 
     out = tmp_path / "run"
     small = ["--data", str(data), "--out", str(out), "--hidden", "64", "--vocab", "512", "--checkpoint-every", "1"]
@@ -39,6 +45,17 @@ def test_recipe_end_to_end(tmp_path, engine, capsys):
     for name, s in settings.items():
         assert s["identical"] == "3/3", name  # lossless: every setting reproduces plain greedy
     assert settings["model"]["proposed"] > 0 and settings["plain"]["proposed"] == 0
+
+    assert main(["eval", "--data", str(data), "--draft", str(out / "draft.safetensors"), "--analyze"]) == 0
+    analysis = json.loads(capsys.readouterr().out)
+    total = analysis["by_class"]["all"]
+    assert analysis["tokens"] == total["tokens"] == sum(
+        analysis["by_class"][c]["tokens"] for c in ("number", "word", "punct")) > 0
+    assert total["model"] <= total["model_top2"] <= total["tokens"]
+
+    assert main(["speedup", "--quick", "--repeats", "1", "--draft", str(out / "draft.safetensors")]) == 0
+    speed = json.loads(capsys.readouterr().out)
+    assert speed["turns"] == 2 and speed["settings"]["spec"]["identical"] == "2/2"
 
     draft = DraftModel.load(out / "draft.safetensors", engine.model)
     saved = engine.speculation
