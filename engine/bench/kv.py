@@ -280,6 +280,7 @@ def main(argv=None) -> int:
     a.add_argument("--stream", type=int, nargs="+", default=[3000] * 20,
                    help="stream tokens per session (one session each, with its own notes)")
     a.add_argument("--facts", type=int, default=1, help="safety notes per session")
+    a.add_argument("--seed", type=int, default=0, help="stream i uses seed + i")
     a.add_argument("--budget", type=int, default=1024)
     a.add_argument("--cold", type=int, default=4096)
     a.add_argument("--configs", nargs="+", default=["full", "pruned", "pruned+cold"],
@@ -304,7 +305,7 @@ def main(argv=None) -> int:
         configs = {"full": None, "pruned": KVConfig(budget=args.budget, cold=0),
                    "pruned+cold": KVConfig(budget=args.budget, cold=args.cold)}
         configs = {k: v for k, v in configs.items() if k in args.configs}
-        rows = needle(engine, configs, args.stream, args.facts, log=log)
+        rows = needle(engine, configs, args.stream, args.facts, seed=args.seed, log=log)
         print("\n| config | cases | correct | accuracy |\n|---|---|---|---|")
         for name in configs:
             r = [x for x in rows if x["config"] == name]

@@ -16,6 +16,7 @@ TOOLS = json.loads((Path(__file__).resolve().parents[2] / "launch/config/robot_t
 
 
 def _session(tiny_engine, **kw):
+    kw.setdefault("recent", 64)  # small budgets: the default (half the budget) would leave no room to evict
     return tiny_engine.session(system="You control a robot arm.", tools=TOOLS[:1], kv_budget=KVConfig(**kw))
 
 
