@@ -328,22 +328,26 @@ class AdaptiveLength:
     the measured drafting time per proposal. P multiplies per-proposal estimates: the draft
     model's top probability (its confidence tracks acceptance; EAGLE-2, Li et al. 2024) times a
     running calibration factor, or prompt lookup's running acceptance rate. When no proposal can
-    pay (cost of one row above t(1)), a step drafts nothing and is plain decoding; calibration
-    and costs keep updating from the steps that do speculate.
+    pay - not even the best-case estimate covers one more row - a step does not draft at all and
+    is plain decoding, except every `probe_every`-th such step, which verifies one proposal to
+    keep the estimates current (the draft may be better on this session than it was lately).
 
     Attributes:
         max_k: most proposed tokens per step.
         decay: weight of the past in the running estimates (per verification).
+        probe_every: steps without drafting between one-proposal probes.
         accept: running acceptance rate of all proposals (0..1), for reports.
     """
 
     max_k: int = 8
     decay: float = 0.9
+    probe_every: int = 16
     accept: float = 0.7
     _hits: dict = field(default_factory=lambda: {MODEL: [1.4, 1.6, 2.0], LOOKUP: [1.2, 0.0, 2.0]})  # acc, conf, n
     _t1: float = 0.0             # EMA seconds of a 1-token forward (0: none yet)
     _fit: list = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0, 0.0])  # T > 1: n, sT, sT2, sY, sTY
     _draft_s: float = 0.0        # seconds per proposal (EMA)
+    _idle: int = 0               # steps without drafting since the last probe
 
     def forward_s(self, n_tokens: int) -> float:
         """Modelled target forward time (seconds) over n_tokens new tokens."""
@@ -371,6 +375,15 @@ class AdaptiveLength:
         new proposal is accepted (with everything before it) with probability p_all."""
         extra = self.forward_s(rows_after) - self.forward_s(rows_before) + self._draft_s
         return p_all * self.forward_s(1) > extra
+
+    def probe(self) -> bool:
+        """Count a step that drafting would not pay for; True every `probe_every`-th such step,
+        when one proposal is verified anyway to refresh the acceptance estimates."""
+        self._idle += 1
+        if self._idle >= self.probe_every:
+            self._idle = 0
+            return True
+        return False
 
     def record(self, n_tokens: int, forward_s: float, proposals: list[tuple[str, float, bool]],
                draft_s: float) -> None:
@@ -502,10 +515,15 @@ class Speculator:
         drafted = consumed = 0
         p_all = 1.0  # estimated probability that every proposal so far is accepted
         vocab_size = None
+        sources_on = [s for s, on in ((LOOKUP, self.lookup), (MODEL, self.draft)) if on is not None]
+        best = max(self.length.estimate(s) for s in sources_on)  # a proposal's best-case estimate
+        # When not even the likeliest proposal pays, the step does not draft, except for a
+        # periodic one-token probe that keeps the acceptance estimates current.
+        probe = adaptive and not self.length.pays(best, n_fed, n_fed + 1) and self.length.probe()
         while drafted < k and len(tokens) < budget:
             rows = n_fed + len(tokens)
-            if adaptive and not self.length.pays(p_all, rows, rows + 1):
-                break  # not even a sure proposal would pay for its row
+            if adaptive and not probe and not self.length.pays(p_all * best, rows, rows + 1):
+                break  # not even the likeliest proposal would pay for its row: do not draft
             full = np.concatenate([ctx, np.asarray(tokens, dtype=np.int64)]) if tokens else ctx
             looked = self.lookup.propose(full, source) if self.lookup is not None else None
             if looked is not None and matcher is not None and matcher.validate_tokens([looked]) != 1:
@@ -547,7 +565,7 @@ class Speculator:
                     else:
                         forced = []
             est = self.length.estimate(src, conf)
-            if adaptive and not self.length.pays(p_all * est, rows, rows + 1 + len(forced)):
+            if adaptive and not probe and not self.length.pays(p_all * est, rows, rows + 1 + len(forced)):
                 if n_this:
                     matcher.rollback(n_this)
                 break
@@ -558,7 +576,7 @@ class Speculator:
             qs += [q] + [None] * len(forced)
             confs += [conf] + [None] * len(forced)
             drafted += 1
-            if matcher is not None and matcher.is_stopped():
+            if probe or (matcher is not None and matcher.is_stopped()):
                 break
         if matcher is not None and consumed:
             matcher.rollback(consumed)

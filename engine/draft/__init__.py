@@ -22,7 +22,7 @@ __all__ = ["main", "add_parser"]
 def _engine(args):
     from .. import Engine
 
-    return Engine.load(args.model, threads=args.threads)
+    return Engine.load(args.model, threads=args.threads, quantize=args.quantize)
 
 
 def cmd_build_data(args) -> int:
@@ -82,7 +82,7 @@ def cmd_speedup(args) -> int:
     path = Path(args.draft) if args.draft else DEFAULT_DRAFT
     draft = None if args.no_draft else DraftModel.load(path, engine.model)
     report = speedup(engine, draft, seed=args.seed, quick=args.quick, n_calls=args.calls, repeats=args.repeats)
-    report.update(draft=None if draft is None else str(path), threads=args.threads)
+    report.update(draft=None if draft is None else str(path), threads=args.threads, quantize=args.quantize)
     text = json.dumps(report, indent=1)
     if args.json:
         Path(args.json).write_text(text)
@@ -111,6 +111,8 @@ def add_parser(sub) -> None:
     def common(p):
         p.add_argument("--model", default=None, help="target .gguf/safetensors (default: embedded SmolLM2-135M)")
         p.add_argument("--threads", type=int, default=None, help="torch threads")
+        p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                       help="target weights (default fp32; the ROS nodes run int4)")
         p.add_argument("--seed", type=int, default=0)
 
     p = steps.add_parser("build-data", help="answer robot, trading and BFCL tasks with the target")

@@ -196,6 +196,8 @@ def test_adaptive_length_pays_for_likely_cheap_proposals_only():
     assert good.pays(1.0, 2, 3) and not good.pays(1.0, 2, 14)  # 10 ms row vs 110 ms forced run
     assert not good.pays(0.5, 1, 2)                         # 1 -> 2 tokens: +70 ms for 50 ms expected
     assert not bad.pays(bad.estimate("model", 0.9), 2, 3)
+    probes = [bad.probe() for _ in range(2 * bad.probe_every)]
+    assert sum(probes) == 2 and probes[bad.probe_every - 1]  # off, with a periodic probe
 
 
 # ------------------------------------------------------------------ sampling distribution
