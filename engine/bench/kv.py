@@ -168,7 +168,9 @@ def cost(engine, histories=(1024, 4096, 16384), budget: int = 1024, decisions: i
     question, then decides without jump-forward so every token is a decode step. Returns rows:
     config, history, ttft_ms (decide() to first token, median), q_ttft_ms (the question's
     observe() plus ttft: what `llamacpp_cost` times), itl_ms (median over all decode steps), hot,
-    cold (tokens), kv_bytes (hot tier allocation), rss_mb (peak resident set of the process)."""
+    cold (tokens; hot = the most hot slots at the end of a decision: recalls grow it past the
+    budget, up to budget + reserve), kv_bytes (hot tier allocation), rss_mb (peak resident set
+    of the process)."""
     import resource
 
     sessions = []
@@ -179,9 +181,9 @@ def cost(engine, histories=(1024, 4096, 16384), budget: int = 1024, decisions: i
             s = _session(engine, kv)
             prefill_s = _stream(s, random.Random(seed + h), h - s.num_tokens)
             log(f"# {name} history {s.num_tokens}: prefill {prefill_s:.1f} s")
-            sessions.append((name, h, kv, s, [], [], []))
+            sessions.append((name, h, kv, s, [], [], [], []))
     for i in range(decisions):
-        for name, h, kv, s, ttft, q_ttft, itl in sessions:
+        for name, h, kv, s, ttft, q_ttft, itl, peak in sessions:
             cp = s.checkpoint()
             t0 = time.perf_counter()
             s.observe(f"Grasp {PARTS[i % len(PARTS)]} now.")
@@ -190,12 +192,13 @@ def cost(engine, histories=(1024, 4096, 16384), budget: int = 1024, decisions: i
             ttft.append(d.ttft_s * 1e3)
             q_ttft.append((q_s + d.ttft_s) * 1e3)
             itl.extend(x * 1e3 for x in d.itl_s)
+            peak.append(s.cache.n)
             s.rollback(cp)
     rows = []
-    for name, h, kv, s, ttft, q_ttft, itl in sessions:
+    for name, h, kv, s, ttft, q_ttft, itl, peak in sessions:
         kv_bytes = s.cache.k.numel() * s.cache.k.element_size() * 2
         row = dict(config=name, history=h, budget=budget if kv else None, ttft_ms=statistics.median(ttft),
-                   q_ttft_ms=statistics.median(q_ttft), itl_ms=statistics.median(itl), hot=s.cache.n,
+                   q_ttft_ms=statistics.median(q_ttft), itl_ms=statistics.median(itl), hot=max(peak),
                    cold=s.cache.cold.tokens if kv and s.cache.cold is not None else 0,
                    kv_bytes=kv_bytes, rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         rows.append(row)
