@@ -160,7 +160,7 @@ def agreement(engine, history: int = 4096, budgets=(1024, 512), cold: int = 4096
 
 
 def cost(engine, histories=(1024, 4096, 16384), budget: int = 1024, decisions: int = 3, seed: int = 0,
-         full_upto: int = 4096, log=print) -> list[dict]:
+         full_upto: int = 4096, recall_room: int | None = None, log=print) -> list[dict]:
     """Decision TTFT and ITL (ms) after `histories` tokens of stream (`_reading` observations),
     pruned to `budget` (with a cold tier), and with the full cache for histories <= full_upto.
     All sessions are built first, then their decisions run interleaved (round-robin), so that
@@ -175,7 +175,7 @@ def cost(engine, histories=(1024, 4096, 16384), budget: int = 1024, decisions: i
 
     sessions = []
     for h in histories:
-        for name, kv in (("pruned", KVConfig(budget=budget)), ("full", None)):
+        for name, kv in (("pruned", KVConfig(budget=budget, recall_room=recall_room)), ("full", None)):
             if kv is None and h > full_upto:
                 continue
             s = _session(engine, kv)
@@ -299,6 +299,7 @@ def main(argv=None) -> int:
     c.add_argument("--budget", type=int, default=1024)
     c.add_argument("--decisions", type=int, default=3)
     c.add_argument("--llamacpp", action="store_true", help="also time llama.cpp at the same histories")
+    c.add_argument("--recall-room", type=int, default=None, help="KVConfig.recall_room (tokens)")
     c.add_argument("--speculation", choices=["on", "off"], default="on",
                    help="off: plain decoding (the draft model's own KV cache is not pruned)")
     args = ap.parse_args(argv)
@@ -322,7 +323,7 @@ def main(argv=None) -> int:
     else:
         if args.speculation == "off":
             engine.speculation = None
-        rows = cost(engine, args.history, args.budget, args.decisions, log=log)
+        rows = cost(engine, args.history, args.budget, args.decisions, recall_room=args.recall_room, log=log)
         if args.llamacpp:
             rows += llamacpp_cost(engine, args.history, args.decisions, threads=args.threads or 2, log=log)
         _cost_table(rows, min(args.history))
