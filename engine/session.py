@@ -307,7 +307,8 @@ class Session:
             self._forward(ids, "none")
             if self.kv is not None:
                 self.cache.trim()  # back to the KV budget between decisions
-            self.speculator.observe(self.tokens)  # the draft model's KV follows, off the decision path
+            else:  # the draft model's KV follows, off the decision path (not for endless pruned streams:
+                self.speculator.observe(self.tokens)  # there the draft syncs only when a decision drafts)
 
     def observe(self, content, role: str = "user", kind: str = "text", source: str = "", pin: bool = False) -> int:
         """Append an observation to the context and prefill it now (streaming prefill).

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -66,12 +68,22 @@ def load(verbose: bool = False):
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass
+    built = build / "tokenspeed_cpu_decode.so"
+    if built.exists():  # import it directly: torch's builder would wait forever on a lock left by a killed build
+        spec = importlib.util.spec_from_file_location("tokenspeed_cpu_decode", built)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    lock = build / "lock"  # left behind by a build that was killed (a build takes ~1 min)
+    if lock.exists() and time.time() - lock.stat().st_mtime > 600:
+        lock.unlink(missing_ok=True)
     try:
         return load_ext(name="tokenspeed_cpu_decode", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
                         build_directory=str(build), verbose=verbose)
     except Exception as exc:  # compiler missing, build error: the Python path still works
-        log.warning("fused CPU decode unavailable (%s: %s); using the Python decode path (build log: "
-                    "python -c 'from tokenspeed.kernels.cpu_decode import load; load(verbose=True)')", type(exc).__name__, str(exc).splitlines()[0][:200])
+        log.warning("fused CPU decode unavailable (%s: %s); using the Python decode path (build log: python -c "
+                    "'from tokenspeed.kernels.cpu_decode import load; load(verbose=True)')", type(exc).__name__,
+                    str(exc).splitlines()[0][:200])
         return None
 
 
