@@ -1,5 +1,6 @@
-"""Helpers shared by the ROS and simulator tests: repository paths, stopping a child process,
-spinning an rclpy executor until a condition holds. (tests/ is on sys.path through tests/conftest.py.)"""
+"""Helpers shared by the tests: repository paths, stopping a child process, spinning an rclpy
+executor until a condition holds, one decision per prompt. (tests/ is on sys.path through
+tests/conftest.py.)"""
 from __future__ import annotations
 
 import os
@@ -35,3 +36,15 @@ def spin_until(executor, predicate, timeout: float) -> bool:
             return True
         executor.spin_once(timeout_sec=0.02)
     return bool(predicate())
+
+
+def decide_each(engine, tools: list[dict], prompts: list[str], system: str = "You control a robot arm.") -> list:
+    """One `decide()` per prompt, each in a fresh session with `tools`; asserts every status is "ok"
+    and returns the Decisions."""
+    decisions = []
+    for prompt in prompts:
+        session = engine.session(system=system, tools=tools)
+        session.observe(prompt)
+        decisions.append(session.decide())
+        assert decisions[-1].status == "ok", decisions[-1].reason
+    return decisions

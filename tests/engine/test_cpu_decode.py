@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tokenspeed
+from support import decide_each
 from tokenspeed.kernels.cpu_decode import FUSED_ROWS, load
 from tokenspeed.quant import PACKED_ROWS_INT4, Int4Linear, Int8Linear
 
@@ -93,16 +94,12 @@ def test_fused_real_model_decisions_identical(ext, engine, robot_tools):
                "Move the gripper 5 cm up, then open it.",
                "Place the blue cylinder at x=0.30 y=0.25."]
     texts = {}
-    for fused in (False, True):
-        engine.model.use_fused = fused
-        texts[fused] = []
-        for p in prompts:
-            s = engine.session(system="You control a robot arm.", tools=robot_tools)
-            s.observe(p)
-            d = s.decide()
-            assert d.status == "ok", d.reason
-            texts[fused].append(d.text)
-    engine.model.use_fused = True
+    try:
+        for fused in (False, True):
+            engine.model.use_fused = fused
+            texts[fused] = [d.text for d in decide_each(engine, robot_tools, prompts)]
+    finally:
+        engine.model.use_fused = True
     assert texts[True] == texts[False]
 
 

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 import tokenspeed
+from support import decide_each
 from tokenspeed.quant import PACKED_ROWS, Int4Linear, Int8Linear, linear_rows, quantize
 
 
@@ -74,16 +75,8 @@ def test_quantized_engines_make_the_same_robot_calls_as_fp32():
                                                    "y": {"type": "number", "minimum": -0.3, "maximum": 0.3}},
                                                    "required": ["x", "y"]}}}]
     prompts = ["The green cube is at x=0.42 y=-0.10. Pick up the green cube.", "Move the gripper to x=0.5 y=0.2."]
-    calls = {}
-    for mode in (None, "int4"):
-        engine = tokenspeed.Engine.load(quantize=mode)
-        calls[mode] = []
-        for p in prompts:
-            s = engine.session(system="You control a robot arm.", tools=tools)
-            s.observe(p)
-            d = s.decide()
-            assert d.status == "ok", d.reason
-            calls[mode].append(d.tool_call)
+    calls = {mode: [d.tool_call for d in decide_each(tokenspeed.Engine.load(quantize=mode), tools, prompts)]
+             for mode in (None, "int4")}
     assert calls["int4"] == calls[None]
 
 
