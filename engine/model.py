@@ -155,10 +155,10 @@ def rope_tables(args: ModelArgs, device=None, length: int | None = None) -> tupl
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [1, H, T, D] by cos/sin [T, D] ("rotate half" layout)."""
+    """Rotate x [1, H, T, D] by cos/sin [T, D] fp32 ("rotate half" layout); result in x's dtype."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return (x * cos + rotated * sin).to(x.dtype)
 
 
 class KVCache(nn.Module):

@@ -63,8 +63,11 @@ def test_fused_skipped_where_it_does_not_apply(tiny_engine):
     model = tiny_engine.model
     _, cache = _run(model, True, 3, [FUSED_ROWS + 1])  # too many rows: the Python path
     assert cache.n == 3 + FUSED_ROWS + 1
-    bf16 = tokenspeed.Engine.load("tiny-random", dtype=torch.bfloat16).model
-    assert bf16.fused_decode() is None  # the extension is fp32 only
+    bf16 = tokenspeed.Engine.load("tiny-random", dtype=torch.bfloat16)
+    assert bf16.model.fused_decode() is None  # the extension is fp32 only: bf16 keeps the Python path
+    bf16.speculation = None
+    s = bf16.session(system="You control a robot arm.")
+    assert isinstance(s.generate("Hello", max_tokens=4), str) and s.cache.k.dtype == torch.bfloat16
 
 
 def test_int8_gemv_matches_reference(ext):
