@@ -72,9 +72,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= PACKED_ROWS and _has_int8pack(x.device) and (ext := _fused_ext()) is not None:
+        packed = x2.shape[0] <= PACKED_ROWS and _has_int8pack(x.device)
+        if packed and (ext := _fused_ext()) is not None:
             y = ext.int8_gemv(x2.float(), self.qweight, self.scales).to(x.dtype)
-        elif x2.shape[0] <= PACKED_ROWS and _has_int8pack(x.device):
+        elif packed:
             y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.scales_bf16).to(x.dtype)
         else:
             y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)

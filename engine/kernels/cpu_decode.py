@@ -87,6 +87,11 @@ def load(verbose: bool = False):
         return None
 
 
+def _projections(layer) -> tuple:
+    """A block's projections in the order the C++ step takes them: wqkv, wo, w13, w2."""
+    return layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2
+
+
 class FusedDecode:
     """The fused decode step for one `Transformer`: its weights gathered once into flat lists.
 
@@ -101,7 +106,7 @@ class FusedDecode:
         empty = torch.empty(0)
         self.tensors, self.kinds, self.norms, self.group = [], [], [], 32
         for layer in model.layers:
-            for lin in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2):
+            for lin in _projections(layer):
                 bias = lin.bias if lin.bias is not None else empty
                 if isinstance(lin, Int4Linear):
                     self.tensors += [lin.packed, lin.scale_zeros, bias]
@@ -124,7 +129,7 @@ class FusedDecode:
         if p.device.type != "cpu" or p.dtype != torch.float32:
             return None
         for layer in model.layers:
-            for lin in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2):
+            for lin in _projections(layer):
                 if not isinstance(lin, (Int4Linear, Int8Linear, torch.nn.Linear)):
                     return None
         ext = load()
