@@ -119,16 +119,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
-// Rotate `heads` vectors of length D at src (row stride D) into dst, "rotate half" layout.
-inline void rope(const float* src, float* dst, int64_t heads, int64_t D, const float* cos, const float* sin) {
+// Rotate one head vector s [D] into d [D] by cos/sin [D], "rotate half" layout.
+inline void rope(const float* s, float* d, int64_t D, const float* cos, const float* sin) {
   const int64_t half = D / 2;
-  for (int64_t h = 0; h < heads; ++h) {
-    const float* s = src + h * D;
-    float* d = dst + h * D;
-    for (int64_t i = 0; i < half; ++i) {
-      d[i] = s[i] * cos[i] - s[i + half] * sin[i];
-      d[i + half] = s[i + half] * cos[i + half] + s[i] * sin[i + half];
-    }
+  for (int64_t i = 0; i < half; ++i) {
+    d[i] = s[i] * cos[i] - s[i + half] * sin[i];
+    d[i + half] = s[i + half] * cos[i + half] + s[i] * sin[i + half];
   }
 }
 
@@ -179,9 +175,9 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
       const float* r = qp + t * row;
       const float* c = cp + t * D;
       const float* s = sp + t * D;
-      for (int64_t hh = 0; hh < H; ++hh) rope(r + hh * D, q.data_ptr<float>() + (hh * T + t) * D, 1, D, c, s);
+      for (int64_t hh = 0; hh < H; ++hh) rope(r + hh * D, q.data_ptr<float>() + (hh * T + t) * D, D, c, s);
       for (int64_t g = 0; g < Hkv; ++g) {
-        rope(r + (H + g) * D, kc + (g * cap + start + t) * D, 1, D, c, s);
+        rope(r + (H + g) * D, kc + (g * cap + start + t) * D, D, c, s);
         std::memcpy(vc + (g * cap + start + t) * D, r + (H + Hkv + g) * D, D * sizeof(float));
       }
     }
