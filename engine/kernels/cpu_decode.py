@@ -5,8 +5,10 @@ The Python forward of one token issues ~190 ATen ops per layer (~5,600 per token
 the int4 matmuls themselves (`tokenspeed bench profile`). `cpu_decode.cpp` runs the same math
 (RMSNorm, QKV, rotary, KV-cache write, grouped-query attention with the causal mask among the
 new tokens, output projection, SwiGLU, residuals) as loops around the same matmul kernels as the
-Python path (packed int4, `int8_gemv`, fp32), with the GIL released. It also holds `int8_gemv`, the lm_head
-projection (int8 weight, fp32 activations, one pass over the weight).
+Python path (`int4_matmul`, `int8_gemv`, fp32 GEMM), with the GIL released. It also holds those two
+kernels: `int4_matmul`, the W4A8 matmul of every `quant.Int4Linear` (Q4_1 codes x int8-quantized
+activations, AVX512-VNNI), and `int8_gemv`, the lm_head projection (int8 weight, fp32 activations, one
+pass over the weight).
 
 The extension is compiled once per machine with the C++ compiler torch uses (`make setup` calls
 `load()`, ~1 min; ninja comes from PyPI) into `<tokenspeed cache>/ext/<hash>`, the
@@ -32,7 +34,7 @@ __all__ = ["load", "FusedDecode", "FUSED_ROWS"]
 
 ATTN_MM_ROWS = 8  # attention blocks of at least this many query rows per KV head use GEMM (measured, 1 thread)
 # Forwards of at most this many new tokens take the fused path (decode, draft verification, forced
-# runs). Not above quant.PACKED_ROWS_INT4: up to there the packed int4 kernel is the faster one.
+# runs); longer ones (prefill chunks) take the Python path and its SDPA attention.
 FUSED_ROWS = 16
 _SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno"]
@@ -51,7 +53,8 @@ def load(verbose: bool = False):
     """The compiled extension module (builds it on first use), or None if it cannot be built.
 
     Returns:
-        a module with `decode_layers(...)` and `int8_gemv(x [T, K] fp32, w [N, K] int8, scales [N] fp32) -> [T, N] fp32`.
+        a module with `decode_layers(...)`, `int4_matmul(x [T, K] fp32, codes, scales) -> [T, N] fp32` (the
+        `quant.Int4Linear` layout) and `int8_gemv(x [T, K] fp32, w [N, K] int8, scales [N] fp32) -> [T, N] fp32`.
     """
     from torch.utils.cpp_extension import load as load_ext
 
@@ -104,14 +107,13 @@ class FusedDecode:
 
         self.ext, self.args = ext, model.args
         empty = torch.empty(0)
-        self.tensors, self.kinds, self.norms, self.group = [], [], [], 32
+        self.tensors, self.kinds, self.norms = [], [], []
         for layer in model.layers:
             for lin in _projections(layer):
                 bias = lin.bias if lin.bias is not None else empty
                 if isinstance(lin, Int4Linear):
-                    self.tensors += [lin.packed, lin.scale_zeros, bias]
+                    self.tensors += [lin.codes, lin.scales, bias]
                     self.kinds.append(2)
-                    self.group = lin.group_size
                 elif isinstance(lin, Int8Linear):
                     self.tensors += [lin.qweight, lin.scales, bias]
                     self.kinds.append(1)
@@ -150,7 +152,7 @@ class FusedDecode:
         a = self.args
         h, mass, lse, q = self.ext.decode_layers(
             h, cos, sin, self.tensors, self.kinds, self.norms, cache.k, cache.v, start, a.n_heads, a.n_kv_heads,
-            a.head_dim, a.hidden_dim, self.group, a.norm_eps, cache.tracks_attention, ATTN_MM_ROWS)
+            a.head_dim, a.hidden_dim, a.norm_eps, cache.tracks_attention, ATTN_MM_ROWS)
         if cache.tracks_attention:
             for layer in range(a.n_layers):
                 cache.record_attention(layer, q[layer].unsqueeze(0), mass[layer], lse[layer])
