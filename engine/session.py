@@ -11,6 +11,7 @@ deadlines are `time.monotonic()` values.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -395,8 +396,9 @@ class Session:
         d = Decision(status="invalid")
         self._rows_matcher = matcher
         try:
-            out, feed = decode(self, prefill, d, matcher=matcher, jump_forward=jump_forward, max_tokens=max_tokens,
-                               deadline_at=deadline_at, t0=t0)
+            with self.cache.decision() if self.kv is not None else nullcontext():  # recall: first forward only
+                out, feed = decode(self, prefill, d, matcher=matcher, jump_forward=jump_forward,
+                                   max_tokens=max_tokens, deadline_at=deadline_at, t0=t0)
         finally:
             self._rows_matcher = None
         d.prefill_tokens = len(prefill)

@@ -315,9 +315,13 @@ def main(argv=None) -> int:
             r = [x for x in rows if x["config"] == name]
             print(f"| {name} | {len(r)} | {sum(x['correct'] for x in r)} | {sum(x['correct'] for x in r) / len(r):.2f} |")
         full = [x["correct"] for x in rows if x["config"] == "full"]  # every config runs the cases in one order
-        for name in configs if full else ():
-            same = sum(a == x["correct"] for a, x in zip(full, (x for x in rows if x["config"] == name)))
-            print(f"# {name}: same outcome as full cache in {same}/{len(full)} cases")
+        for name in configs if full and len(configs) > 1 else ():
+            got = [x["correct"] for x in rows if x["config"] == name]
+            same = sum(a == b for a, b in zip(full, got))
+            worse = [args.seed + i for i, (a, b) in enumerate(zip(full, got)) if a and not b]
+            better = [args.seed + i for i, (a, b) in enumerate(zip(full, got)) if b and not a]
+            print(f"# {name}: same outcome as full cache in {same}/{len(full)} cases; "
+                  f"wrong where full is right: seeds {worse}; right where full is wrong: seeds {better}")
     elif args.what == "agreement":
         rows = agreement(engine, args.history, args.budgets, args.cold, args.gen, args.traces, log=log)
     else:

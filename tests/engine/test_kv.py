@@ -171,3 +171,47 @@ def test_needle_survives_a_sensor_stream_with_the_real_model(engine):
     full = [r["correct"] for r in rows if r["config"] == "full"]
     pruned = [r["correct"] for r in rows if r["config"] == "pruned+cold"]
     assert pruned == full
+
+
+def test_a_decision_runs_over_the_hot_set_its_question_recalled(tiny_engine):
+    # recall_threshold tiny: every cold page qualifies, so any forward allowed to prefetch stages pages.
+    s = _session(tiny_engine, budget=300, cold=2048, recall_threshold=1e-6)
+    _fill(s, 9)
+    c = s.cache
+    assert c._staged                           # staged by the last observation's forward
+    with c.decision():
+        s._forward([42, 43])                   # recalled before the decision's first forward...
+        recalled = c.totals["recalled"]
+        assert recalled > 0 and not c._staged  # ...which prefetches nothing
+        for t in (44, 45, 46):
+            s._forward([t])
+        assert c.totals["recalled"] == recalled and not c._staged
+    s._forward([47])
+    assert c._staged                           # outside a decision every forward prefetches
+
+
+def test_recall_brings_an_observation_back_whole_or_not_at_all(tiny_engine):
+    s = _session(tiny_engine, budget=400, cold=2048, recall_threshold=0.01)
+    _fill(s, 8)
+    c = s.cache
+    seg = s.segments[3]                                           # one ~40-token observation
+    pages = set(range(seg.start // 16, (seg.end - 1) // 16 + 1))
+    sel = torch.isin(c.pos[:c.n] // 16, torch.tensor(sorted(pages))).nonzero().squeeze(1)
+    key = c.k[:, 0, :, sel[0]].clone()                            # [L, Hkv, D]
+    c.score[:c.n] = 1.0
+    c.score[sel] = 0.0
+    c.evict_to(c.n - sel.numel())
+    assert pages <= set(c.cold.slot_of)
+    size = int(sum(int(c.cold.count[c.cold.slot_of[p]]) for p in pages))
+    L, H = c.args.n_layers, c.args.n_heads
+    q = key.repeat_interleave(H // c.args.n_kv_heads, dim=1).unsqueeze(2) * 50.0
+
+    def recall(room):
+        c.config.recall_room = c.n - c.config.budget + room       # exactly `room` tokens free
+        c._q, c._lse = list(q), list(torch.zeros(L, H, 1))
+        c._prefetch()
+        c.prepare(1)
+        return set((c.pos[:c.n] // 16).tolist()) & pages
+
+    assert recall(size - 1) == set()                              # does not fit whole: stays cold
+    assert recall(size) == pages                                  # fits: every page comes back
