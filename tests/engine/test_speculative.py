@@ -19,7 +19,7 @@ import tokenspeed
 from tokenspeed.bfcl import load_bfcl
 from tokenspeed.model import ModelArgs, Transformer
 from tokenspeed.session import Decision, Session
-from tokenspeed.speculative import (AdaptiveLength, DraftModel, PromptLookup, SpecConfig, Speculator, copy_source,
+from tokenspeed.speculative import (AdaptiveLength, DraftModel, MessageMatch, PromptLookup, SpecConfig, Speculator, copy_source,
                                     decode)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,6 +166,26 @@ def test_prompt_lookup_copies_values_of_the_last_message_in_order():
     assert lookup.propose(np.array(ctx + [40]), None) == 5               # plain: latest occurrence
 
 
+def test_prompt_lookup_candidates_mark_copies_from_the_last_message():
+    END = 99
+    ctx = [3, 40, 7, END, 11, 40, 1, 0, 12, 40, 5, END]
+    source = copy_source(ctx, len(ctx), {END})
+    cands = list(PromptLookup(max_ngram=1).candidates(np.array(ctx + [40]), source))
+    assert cands[:3] == [(1, True), (5, True), (7, False)]  # the request's values first, oldest first
+
+
+def test_message_match_proposes_the_enumeration_value_the_request_names():
+    texts = {0: "pick", 1: "place", 2: "p", 3: "move", 4: "green", 5: "blue", 6: "st"}
+    allowed = torch.zeros(10, dtype=torch.bool)
+    allowed[[0, 1, 2, 3, 6]] = True
+    match = MessageMatch("<|im_start|>user\nPlace the cube you hold at x=0.55, then move on.", texts.__getitem__)
+    assert match.propose(allowed) == 1  # "place": earliest at a word start ("im_start" is no word start)
+    allowed[:] = False
+    allowed[[4, 5]] = True
+    assert MessageMatch("Pick up the green cube.", texts.__getitem__).propose(allowed) == 4
+    assert MessageMatch("Stop.", texts.__getitem__, max_allowed=1).propose(allowed) is None  # too many allowed
+
+
 def test_unsure_draft_ends_the_chain(engine):
     """min_confidence: an untrained draft (flat distribution) proposes nothing, so speculation
     adds no rows; with gate 0 it proposes k tokens."""
@@ -182,8 +202,8 @@ def test_unsure_draft_ends_the_chain(engine):
 
 def test_adaptive_length_pays_for_likely_cheap_proposals_only():
     """Costs fitted from recorded forwards (1 token 100 ms, T tokens 150 + 10 T ms): a proposal
-    that is surely accepted pays for one row but not for a long forced run; calibration follows
-    the verified outcomes of the draft model's proposals."""
+    that is surely accepted pays even with a long forced run (its rows are needed anyway), an
+    even bet does not; calibration follows the verified outcomes of the draft model's proposals."""
     good, bad = AdaptiveLength(), AdaptiveLength()
     for T in (1, 2, 4, 8, 16) * 4:
         for length in (good, bad):
@@ -193,8 +213,9 @@ def test_adaptive_length_pays_for_likely_cheap_proposals_only():
         good.record(3, 0.18, [("model", 0.5, True)], 0.001)
         bad.record(3, 0.18, [("model", 0.9, False)], 0.001)
     assert good.estimate("model", 0.5) > 0.9 and bad.estimate("model", 0.9) < 0.1
-    assert good.pays(1.0, 2, 3) and not good.pays(1.0, 2, 14)  # 10 ms row vs 110 ms forced run
-    assert not good.pays(0.5, 1, 2)                         # 1 -> 2 tokens: +70 ms for 50 ms expected
+    assert good.pays(1.0, 2, 3) and good.pays(1.0, 2, 14)  # saves a 90 ms forward overhead
+    assert good.pays(0.7, 2, 3) and not good.pays(0.5, 2, 14)  # 63 > 3 ms; 45 < 60 ms for 12 rows
+    assert not good.pays(0.5, 1, 2)  # 1 -> 2 tokens: 30 ms overhead saved half the time < +70 ms half the time
     assert not bad.pays(bad.estimate("model", 0.9), 2, 3)
     probes = [bad.probe() for _ in range(2 * bad.probe_every)]
     assert sum(probes) == 2 and probes[bad.probe_every - 1]  # off, with a periodic probe
