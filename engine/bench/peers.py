@@ -141,12 +141,11 @@ def run_tokenspeed(job: dict, out: str, quantize: str | None) -> None:
 
 
 def _linear_bytes(model) -> int:
-    # Bytes of every projection that one decode step reads, lm_head included once (an Int4Linear's
-    # dense bf16 copy serves prefill only).
+    # Bytes of every projection that one decode step reads, lm_head included once.
     total = 0
     for m in model.modules():
         if type(m).__name__ in ("Linear", "Int8Linear", "Int4Linear"):
-            tensors = list(m._parameters.values()) + [t for k, t in m._buffers.items() if k != "dense"]
+            tensors = list(m._parameters.values()) + list(m._buffers.values())
             total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return total
 
