@@ -148,7 +148,8 @@ class Int4Linear(nn.Module):
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] fp32 -> [M, out] fp32: the W4A8 arithmetic of `int4_matmul` in torch (the fallback
         without the extension; it keeps the dequantized fp32 weight after the first call, 4 bytes per
-        weight, and runs ~3x slower than the kernel)."""
+        weight, and runs ~20x slower than the kernel: 86 vs 4.2 ms for SmolLM2-135M's projections
+        at 1 row, 1 thread)."""
         xg = x.reshape(x.shape[0], -1, self.GROUP)
         amax = xg.abs().amax(-1, keepdim=True)
         q = torch.round(xg * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
