@@ -65,45 +65,99 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// s[j] = q . k_j for the n cached keys k [n, 16 C] (4 keys per horizontal reduction).
+// s[r, j] = q_r . k_j for R query rows q [R, 16 C] and the n cached keys k [n, 16 C]; row r of s
+// starts at s + r * ld. Each block of 4 keys is loaded once for all rows, and every score is one
+// lane of `hsum4` wherever it falls, so a row's scores do not depend on R or n.
 template <int C>
-void scores_row(const float* q, const float* k, float* s, int64_t n) {
+void scores_rows(const float* q, int64_t R, const float* k, float* s, int64_t ld, int64_t n) {
   constexpr int64_t D = 16 * C;
-  __m512 qv[C];
-  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  const __m512 z = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
-    __m512 p[4];
-    for (int i = 0; i < 4; ++i) {
-      const float* kj = k + (j + i) * D;
-      p[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kj));
-      for (int c = 1; c < C; ++c) p[i] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + 16 * c), p[i]);
+    __m512 kv[4][C];
+    for (int i = 0; i < 4; ++i)
+      for (int c = 0; c < C; ++c) kv[i][c] = _mm512_loadu_ps(k + (j + i) * D + 16 * c);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = q + r * D;
+      __m512 p[4];
+      for (int i = 0; i < 4; ++i) {
+        p[i] = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[i][0]);
+        for (int c = 1; c < C; ++c) p[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kv[i][c], p[i]);
+      }
+      _mm_storeu_ps(s + r * ld + j, hsum4(p[0], p[1], p[2], p[3]));
     }
-    _mm_storeu_ps(s + j, hsum4(p[0], p[1], p[2], p[3]));
   }
-  for (; j < n; ++j) s[j] = dot(q, k + j * D, D);
+  for (; j < n; ++j)
+    for (int64_t r = 0; r < R; ++r) {
+      __m512 p = _mm512_mul_ps(_mm512_loadu_ps(q + r * D), _mm512_loadu_ps(k + j * D));
+      for (int c = 1; c < C; ++c)
+        p = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + 16 * c), _mm512_loadu_ps(k + j * D + 16 * c), p);
+      s[r * ld + j] = _mm_cvtss_f32(hsum4(p, z, z, z));
+    }
 }
 
-// o [16 C] = sum_j p[j] v_j over n cached values v [n, 16 C] (accumulators in registers).
-template <int C>
-void weighted_sum(const float* p, const float* v, float* o, int64_t n) {
-  __m512 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+// o[r] = sum_j p[r, j] v_j for RR rows of weights p (row stride ld) over n cached values v [n, 16 C]:
+// each value is loaded once for all rows, accumulators in registers, j in ascending order.
+template <int C, int RR>
+void weighted_block(const float* p, int64_t ld, const float* v, float* o, int64_t n) {
+  __m512 acc[RR][C];
+  for (int r = 0; r < RR; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const __m512 pj = _mm512_set1_ps(p[j]);
-    for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + (j * C + c) * 16), acc[c]);
+    __m512 vj[C];
+    for (int c = 0; c < C; ++c) vj[c] = _mm512_loadu_ps(v + (j * C + c) * 16);
+    for (int r = 0; r < RR; ++r) {
+      const __m512 pj = _mm512_set1_ps(p[r * ld + j]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(pj, vj[c], acc[r][c]);
+    }
   }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
+  for (int r = 0; r < RR; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + (r * C + c) * 16, acc[r][c]);
+}
+
+template <int C>
+void weighted_rows(const float* p, int64_t R, int64_t ld, const float* v, float* o, int64_t n) {
+  constexpr int64_t D = 16 * C;
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) weighted_block<C, 4>(p + r * ld, ld, v, o + r * D, n);
+  switch (R - r) {
+    case 3: weighted_block<C, 3>(p + r * ld, ld, v, o + r * D, n); break;
+    case 2: weighted_block<C, 2>(p + r * ld, ld, v, o + r * D, n); break;
+    case 1: weighted_block<C, 1>(p + r * ld, ld, v, o + r * D, n); break;
+    default: break;
+  }
 }
 #endif
 
-// s [n] = q . k_j for one query row q [D] over n cached keys k [n, D].
-void scores_of(const float* q, const float* k, float* s, int64_t n, int64_t D) {
+// s [R, ld] = q [R, D] k^T over the first n cached keys k [n, D].
+void scores_of(const float* q, int64_t R, const float* k, float* s, int64_t ld, int64_t n, int64_t D) {
 #if defined(__AVX512F__)
-  if (D == 64) return scores_row<4>(q, k, s, n);
-  if (D == 128) return scores_row<8>(q, k, s, n);
+  switch (D) {
+    case 16: return scores_rows<1>(q, R, k, s, ld, n);
+    case 32: return scores_rows<2>(q, R, k, s, ld, n);
+    case 64: return scores_rows<4>(q, R, k, s, ld, n);
+    case 128: return scores_rows<8>(q, R, k, s, ld, n);
+    default: break;
+  }
 #endif
-  for (int64_t j = 0; j < n; ++j) s[j] = dot(q, k + j * D, D);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j) s[r * ld + j] = dot(q + r * D, k + j * D, D);
+}
+
+// o [R, D] = p [R, ld] v over the first n cached values v [n, D].
+void weighted_sum_of(const float* p, int64_t R, int64_t ld, const float* v, float* o, int64_t n, int64_t D) {
+#if defined(__AVX512F__)
+  switch (D) {
+    case 16: return weighted_rows<1>(p, R, ld, v, o, n);
+    case 32: return weighted_rows<2>(p, R, ld, v, o, n);
+    case 64: return weighted_rows<4>(p, R, ld, v, o, n);
+    case 128: return weighted_rows<8>(p, R, ld, v, o, n);
+    default: break;
+  }
+#endif
+  std::fill(o, o + R * D, 0.f);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j) axpy(p[r * ld + j], v + j * D, o + r * D, D);
 }
 
 // s [n] (raw scores) -> softmax(scale * s) in place; returns the log-sum-exp of scale * s.
@@ -135,16 +189,6 @@ float softmax_row(float* s, int64_t n, float scale) {
   const float inv = 1.f / sum;
   for (j = 0; j < n; ++j) s[j] *= inv;
   return m + std::log(sum);
-}
-
-// o [D] = sum_j p[j] v_j over n cached values v [n, D].
-void weighted_sum_of(const float* p, const float* v, float* o, int64_t n, int64_t D) {
-#if defined(__AVX512F__)
-  if (D == 64) return weighted_sum<4>(p, v, o, n);
-  if (D == 128) return weighted_sum<8>(p, v, o, n);
-#endif
-  std::fill(o, o + D, 0.f);
-  for (int64_t j = 0; j < n; ++j) axpy(p[j], v + j * D, o, D);
 }
 
 // y[t0 .. t0 + TT, j] for output rows [j0, j1): each weight row is converted to fp32 once per 16
@@ -397,12 +441,10 @@ inline void rope(const float* s, float* d, int64_t D, const float* cos, const fl
 // track: also return, per layer, the attention mass per slot (softmax probability summed over
 // heads and new tokens) [L, start + T], the log-sum-exp of the scaled scores [L, H, T] and the
 // rotated queries [L, H, T, D] (for KV relevance scoring); otherwise these are empty.
-// mm_rows: attention rows per KV head (query heads per KV head x T) from which ATen's GEMM is used.
 std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> tensors,
                          std::vector<int64_t> kinds, std::vector<at::Tensor> norms, at::Tensor k_cache,
                          at::Tensor v_cache, int64_t start, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                         int64_t hidden, double eps, bool track,
-                         int64_t mm_rows) {
+                         int64_t hidden, double eps, bool track) {
   const int64_t L = k_cache.size(0), T = h.size(0), D = head_dim, H = n_heads, Hkv = n_kv_heads;
   const int64_t G = H / Hkv, end = start + T, cap = k_cache.size(3);
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
@@ -455,23 +497,17 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
         const float* vg = vc + g * cap * D;
         float* sg = sc + g * R * end;
         float* og = cx + g * R * D;
-        // Fewer than mm_rows rows (decode, short verifications): vector loops, one pass per row over
-        // its visible slots; more: ATen GEMMs for the scores and the output.
-        const bool gemm = R >= mm_rows;
-        at::Tensor S = at::from_blob(sg, {R, end}, h.options()), O = at::from_blob(og, {R, D}, h.options());
-        if (gemm)
-          at::mm_out(S, at::from_blob(const_cast<float*>(qg), {R, D}, h.options()),
-                     at::from_blob(const_cast<float*>(kg), {end, D}, h.options()).t());
+        // Each row scores every slot (the softmax keeps its visible ones, the rest weigh 0), each
+        // key and value is read once for all rows, and a row's result does not depend on R.
+        scores_of(qg, R, kg, sg, end, end, D);
         for (int64_t r = 0; r < R; ++r) {
           const int64_t visible = start + r % T + 1;
           float* srow = sg + r * end;
-          if (!gemm) scores_of(qg + r * D, kg, srow, visible, D);
           const float row_lse = softmax_row(srow, visible, scale);
           std::fill(srow + visible, srow + end, 0.f);
           if (track) lse.data_ptr<float>()[(l * H + g * G + r / T) * T + r % T] = row_lse;
-          if (!gemm) weighted_sum_of(srow, vg, og + r * D, visible, D);
         }
-        if (gemm) at::mm_out(O, S, at::from_blob(const_cast<float*>(vg), {end, D}, h.options()));
+        weighted_sum_of(sg, R, end, vg, og, end, D);
         for (int64_t r = 0; r < R; ++r)  // to token-major [T, H * D]
           std::memcpy(ap + (r % T) * H * D + (g * G + r / T) * D, og + r * D, D * sizeof(float));
       }

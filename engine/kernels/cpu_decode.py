@@ -32,7 +32,6 @@ import torch
 
 __all__ = ["load", "FusedDecode", "FUSED_ROWS"]
 
-ATTN_MM_ROWS = 8  # attention blocks of at least this many query rows per KV head use GEMM (measured, 1 thread)
 # Forwards of at most this many new tokens take the fused path (decode, draft verification chains
 # with their forced runs, short observations); longer ones (prefill chunks) take the Python path and
 # its SDPA attention. Measured at 2K tokens of context, 1 thread: 32 rows 120 vs 140 ms, 64 rows 297
@@ -154,7 +153,7 @@ class FusedDecode:
         a = self.args
         h, mass, lse, q = self.ext.decode_layers(
             h, cos, sin, self.tensors, self.kinds, self.norms, cache.k, cache.v, start, a.n_heads, a.n_kv_heads,
-            a.head_dim, a.hidden_dim, a.norm_eps, cache.tracks_attention, ATTN_MM_ROWS)
+            a.head_dim, a.hidden_dim, a.norm_eps, cache.tracks_attention)
         if cache.tracks_attention:
             for layer in range(a.n_layers):
                 cache.record_attention(layer, q[layer].unsqueeze(0), mass[layer], lse[layer])
