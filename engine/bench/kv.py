@@ -318,7 +318,7 @@ def main(argv=None) -> int:
             r = [x for x in rows if x["config"] == name]
             print(f"| {name} | {len(r)} | {sum(x['correct'] for x in r)} | {sum(x['correct'] for x in r) / len(r):.2f} |")
         full = [x["correct"] for x in rows if x["config"] == "full"]  # every config runs the cases in one order
-        for name in configs if full and len(configs) > 1 else ():
+        for name in [c for c in configs if c != "full"] if full else ():
             got = [x["correct"] for x in rows if x["config"] == name]
             same = sum(a == b for a, b in zip(full, got))
             worse = [args.seed + i for i, (a, b) in enumerate(zip(full, got)) if a and not b]
