@@ -246,7 +246,9 @@ class Session:
             self.cache.segments = self.segments  # pins and sensor supersession come from here
         self._mask = TokenMask(self.tok.vocab_size)
         self._rows_matcher = None  # the running decision's grammar (see _lm_head_rows)
-        self.speculator = Speculator(engine.speculation, self.model.args.max_seq_len)
+        # In a pruned session the draft attends over the last `budget` tokens only: its cost stays flat.
+        self.speculator = Speculator(engine.speculation, self.model.args.max_seq_len,
+                                     None if self.kv is None else self.kv.budget)
         self._system_text = tools_system_prompt(system, tools)
         self._append(self._render([{"role": "system", "content": self._system_text}]), "system", pinned=True)
         self._flush()
@@ -308,8 +310,7 @@ class Session:
             self._forward(ids, "none")
             if self.kv is not None:
                 self.cache.trim()  # back to the KV budget between decisions
-            else:  # the draft model's KV follows, off the decision path (not for endless pruned streams:
-                self.speculator.observe(self.tokens)  # there the draft syncs only when a decision drafts)
+            self.speculator.observe(self.tokens)  # the draft model's KV follows, off the decision path
 
     def observe(self, content, role: str = "user", kind: str = "text", source: str = "", pin: bool = False) -> int:
         """Append an observation to the context and prefill it now (streaming prefill).

@@ -305,9 +305,10 @@ class DraftModel(nn.Module):
         draft.meta = meta
         return draft.eval()
 
-    def new_state(self, capacity: int) -> "DraftState":
-        """Per-session drafting state with its own KV cache of `capacity` tokens."""
-        return DraftState(self, capacity)
+    def new_state(self, capacity: int, window: int | None = None) -> "DraftState":
+        """Per-session drafting state with its own KV cache of `capacity` tokens (see `DraftState`
+        for `window`)."""
+        return DraftState(self, capacity, window)
 
 
 def fingerprint(target: Transformer) -> str:
@@ -324,17 +325,30 @@ class DraftState:
     the rest and returns the draft's logits [Vd] for the token after `context`. `sync(context)`
     does the prefill alone, so it can run when the session prefills an observation instead of
     on the decision's critical path (`Speculator.observe`).
+
+    With a `window` (tokens; pruned sessions pass their KV budget) the draft attends only over the
+    context's last `window` to 1.5 `window` tokens: when the context outgrows that, the cache is
+    refilled with its last `window` tokens (at positions from 0: rotary attention depends on
+    relative positions only), so drafting costs stay flat on endless streams while the target's
+    own KV is pruned. Verification keeps the output exact whatever the draft sees.
     """
 
-    def __init__(self, draft: DraftModel, capacity: int):
+    def __init__(self, draft: DraftModel, capacity: int, window: int | None = None):
         self.draft = draft
-        self.cache: KVCache = draft.net.new_cache(capacity)
-        self.tokens = np.zeros(capacity, dtype=np.int64)
+        self.window = window
+        self.cache: KVCache = draft.net.new_cache(capacity if window is None else min(capacity, window + window // 2 + 1))
+        self.tokens = np.zeros(self.cache.capacity, dtype=np.int64)
+        self.offset = 0  # context index of the token in cache slot 0
 
     def sync(self, context: np.ndarray, logits: bool = False) -> torch.Tensor | None:
-        """Make the cache hold `context` [N] int64; with `logits`, return the draft logits [Vd]
-        (fp32) for the token after it (its last token is then always recomputed). None when the
-        context outgrew the draft's KV capacity (the draft then stays silent)."""
+        """Make the cache hold `context` [N] int64 (its last `window`-1.5 `window` tokens with a
+        window); with `logits`, return the draft logits [Vd] (fp32) for the token after it (its
+        last token is then always recomputed). None when the context outgrew the draft's KV
+        capacity (without a window; the draft then stays silent)."""
+        if self.window is not None and (len(context) < self.offset or len(context) - self.offset > self.cache.capacity):
+            self.offset = max(0, len(context) - self.window)  # re-anchor the window: refill
+            self.cache.truncate(0)
+        context = context[self.offset:]
         if len(context) > self.cache.capacity or len(context) == 0:
             return None
         m = min(self.cache.n, len(context))
@@ -514,11 +528,14 @@ class SpecConfig:
 class Speculator:
     """A session's drafting state: drafters, the draft KV cache and adaptive proposal length."""
 
-    def __init__(self, config: SpecConfig | None, capacity: int):
+    def __init__(self, config: SpecConfig | None, capacity: int, window: int | None = None):
+        """config: drafters (None: plain decoding); capacity: the draft KV cache's tokens; window:
+        the draft attends over the context's last window-1.5 window tokens only (`DraftState`;
+        pruned sessions pass their KV budget), None: over all of it."""
         self.config = config
         self.lookup = (PromptLookup(config.max_ngram, config.min_ngram, config.lookup_window)
                        if config and config.prompt_lookup else None)
-        self.draft = config.draft.new_state(capacity) if config and config.draft is not None else None
+        self.draft = config.draft.new_state(capacity, window) if config and config.draft is not None else None
         self.length = AdaptiveLength(max_k=config.max_k) if config else None
         self.token_texts: dict[int, str] = {}  # token id -> text, for `MessageMatch`
 

@@ -304,7 +304,8 @@ def main(argv=None) -> int:
     c.add_argument("--llamacpp", action="store_true", help="also time llama.cpp at the same histories")
     c.add_argument("--recall-room", type=int, default=None, help="KVConfig.recall_room (tokens)")
     c.add_argument("--speculation", choices=["on", "off"], default="on",
-                   help="off: plain decoding (the draft model's own KV cache is not pruned)")
+                   help="on: the engine's speculation (in pruned sessions the draft attends over the last "
+                        "`budget` tokens); off: plain decoding")
     args = ap.parse_args(argv)
     engine = Engine.load(args.model, threads=args.threads)
     log = lambda *x: print(*x, flush=True)  # noqa: E731

@@ -200,6 +200,23 @@ def test_unsure_draft_ends_the_chain(engine):
     assert len(chains[0]) == 4 and chains[1] == []
 
 
+def test_windowed_draft_attends_over_the_recent_tokens_only(engine):
+    """A pruned session's draft (window = KV budget) keeps at most 1.5 windows of KV however long
+    the stream; its logits equal a full draft's on the window it holds, and a rollback below the
+    window's start refills it."""
+    draft = DraftModel.init_from_target(engine.model, torch.arange(0, 8192), n_layers=1, hidden_dim=256)
+    torch.manual_seed(0)
+    stream = torch.randint(0, 8192, (300,)).numpy()
+    state = draft.new_state(1024, window=64)
+    for n in range(40, 301, 20):  # the context grows, as observations arrive
+        out = state.logits(stream[:n])
+        assert out is not None and state.cache.n <= 97 and n - state.offset <= 96
+    fresh = draft.new_state(1024).logits(stream[state.offset:300])
+    torch.testing.assert_close(out, fresh, rtol=1e-4, atol=1e-4)
+    state.logits(stream[:50])  # rolled back before the window
+    assert state.offset == 0 and state.cache.n == 50
+
+
 def test_adaptive_length_pays_for_likely_cheap_proposals_only():
     """Costs fitted from recorded forwards (1 token 100 ms, T tokens 150 + 10 T ms): a proposal
     that is surely accepted pays even with a long forced run (its rows are needed anyway), an
