@@ -69,8 +69,8 @@ from torch import nn
 
 from .model import KVCache, ModelArgs, Transformer
 
-__all__ = ["SpecConfig", "PromptLookup", "MessageMatch", "copy_source", "DraftModel", "DraftState", "AdaptiveLength", "Speculator",
-           "decode", "token_probs", "DEFAULT_DRAFT"]
+__all__ = ["SpecConfig", "PromptLookup", "MessageMatch", "copy_source", "DraftModel", "DraftState", "AdaptiveLength",
+           "Speculator", "decode", "token_probs", "DEFAULT_DRAFT"]
 
 DEFAULT_DRAFT = Path(__file__).parent / "data" / "draft-smollm2-135m.safetensors"
 GRAMMAR, LOOKUP, MODEL = "grammar", "lookup", "model"
