@@ -40,8 +40,13 @@ target forward against the number of verified tokens):
   session's token sequence: before drafting it keeps the longest common prefix and prefills the
   rest, so observe/rollback/pruning of the session need no hooks.
 - Grammar runs: llguidance's forced tokens (`compute_ff_tokens`) after each drafted token.
+- `ForcedText`: where the grammar forces bytes but not yet a token (`compute_ff_bytes`: the
+  bytes ': "' before a string value may start the token ' "' or ' ' then '"', or merge with the
+  value), the first token of the forced text's canonical tokenization (' "'). The target keeps
+  to canonical tokenization, so these are accepted almost always, where the draft model had
+  been guessing.
 
-Per position a copy from the last message (a prompt-lookup candidate there, or a `MessageMatch`)
+Per position the canonical token of forced text is proposed first, then a copy from the last message (a prompt-lookup candidate there, or a `MessageMatch`)
 is proposed first - on the AAL turns this raised acceptance from 22% to ~50% - else the draft
 model proposes; an older prompt-lookup match replaces its proposal only when the model is unsure
 (`SpecConfig.lookup_below`), and with no match an unsure model ends the chain
@@ -69,11 +74,11 @@ from torch import nn
 
 from .model import KVCache, ModelArgs, Transformer
 
-__all__ = ["SpecConfig", "PromptLookup", "MessageMatch", "copy_source", "DraftModel", "DraftState", "AdaptiveLength",
+__all__ = ["SpecConfig", "PromptLookup", "MessageMatch", "ForcedText", "copy_source", "DraftModel", "DraftState", "AdaptiveLength",
            "Speculator", "decode", "token_probs", "DEFAULT_DRAFT"]
 
 DEFAULT_DRAFT = Path(__file__).parent / "data" / "draft-smollm2-135m.safetensors"
-GRAMMAR, LOOKUP, MODEL = "grammar", "lookup", "model"
+GRAMMAR, LOOKUP, MODEL, CANONICAL = "grammar", "lookup", "model", "canonical"
 
 
 def token_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -175,6 +180,32 @@ class MessageMatch:
         return best
 
 
+class ForcedText:
+    """Drafter for grammar-forced text that is not yet a forced token: propose the first token of
+    the canonical tokenization of the bytes the grammar forces next (`LLMatcher.compute_ff_bytes`),
+    when the grammar accepts it. llguidance forces tokens only up to where a token boundary is
+    certain; the bytes after it (e.g. ' "' before a string value) can still start several tokens.
+
+    Args:
+        encode: text -> token ids, the target's tokenizer without special tokens.
+    """
+
+    def __init__(self, encode):
+        self.encode = encode
+
+    def propose(self, matcher) -> int | None:
+        """The proposal after the matcher's current state, or None (no forced bytes, bytes that are
+        not whole UTF-8 text, or a token the grammar rejects)."""
+        forced = matcher.compute_ff_bytes()
+        if not forced:
+            return None
+        try:
+            ids = self.encode(forced.decode("utf-8"))
+        except UnicodeDecodeError:
+            return None
+        return ids[0] if ids and matcher.validate_tokens(ids[:1]) == 1 else None
+
+
 def copy_source(context, out_start: int, end_ids) -> tuple[int, int]:
     """(start of the last message before the output, out_start): where `PromptLookup` copies from.
 
@@ -196,6 +227,8 @@ class DraftModel(nn.Module):
         net: the draft `Transformer` (logits [.., Vd] in draft-vocabulary order).
         vocab: [Vd] int64 target token ids of the draft's output rows.
         target_id: fingerprint of the target it was built for (see `fingerprint`).
+        window: tokens of context the draft was trained to attend over (`DraftState`; sessions
+            use it unless their KV budget is smaller), or None for the whole context.
     """
 
     def __init__(self, target: Transformer, args: ModelArgs, vocab: torch.Tensor):
@@ -223,6 +256,7 @@ class DraftModel(nn.Module):
         self.net = net
         self.register_buffer("vocab", vocab.to(device=p.device, dtype=torch.long), persistent=False)
         self.target_id = fingerprint(target)
+        self.window: int | None = None
 
     @classmethod
     def init_from_target(cls, target: Transformer, vocab: torch.Tensor, n_layers: int = 1,
@@ -267,7 +301,7 @@ class DraftModel(nn.Module):
         tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in self.trainable_state().items()}
         tensors["draft.vocab"] = self.vocab.to(torch.int32).cpu()
         meta = {"n_layers": a.n_layers, "hidden_dim": a.hidden_dim, "target": self.target_id,
-                "extra": extra or {}}
+                "window": self.window, "extra": extra or {}}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.cpu() for k, v in tensors.items()}, str(path), metadata={"tokenspeed_draft": json.dumps(meta)})
 
@@ -303,6 +337,7 @@ class DraftModel(nn.Module):
         if own_missing or unexpected:
             raise ValueError(f"{path}: missing {own_missing}, unexpected {unexpected}")
         draft.meta = meta
+        draft.window = meta.get("window")
         return draft.eval()
 
     def new_state(self, capacity: int, window: int | None = None) -> "DraftState":
@@ -407,7 +442,8 @@ class AdaptiveLength:
     decay: float = 0.9
     probe_every: int = 16
     accept: float = 0.7
-    _hits: dict = field(default_factory=lambda: {MODEL: [1.4, 1.6, 2.0], LOOKUP: [1.2, 0.0, 2.0]})  # acc, conf, n
+    _hits: dict = field(default_factory=lambda: {MODEL: [1.4, 1.6, 2.0], LOOKUP: [1.2, 0.0, 2.0],
+                                                 CANONICAL: [1.9, 0.0, 2.0]})  # acc, conf, n
     _t1: float = 0.0             # EMA seconds of a 1-token forward (0: none yet)
     _fit: list = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0, 0.0])  # T > 1: n, sT, sT2, sY, sTY
     _draft_s: float = 0.0        # seconds per proposal (EMA)
@@ -430,7 +466,8 @@ class AdaptiveLength:
 
     def estimate(self, source: str, confidence: float = 1.0) -> float:
         """Acceptance probability estimate (0..1) of one proposal: the model's `confidence`
-        (its top probability) times its calibration, or prompt lookup's running rate."""
+        (its top probability) times its calibration, or prompt lookup's (or canonical text's)
+        running rate."""
         acc, conf, n = self._hits[source]
         if source == MODEL:
             return min(1.0, confidence * acc / max(conf, 1e-6))
@@ -485,6 +522,7 @@ class SpecConfig:
 
     Attributes:
         prompt_lookup: use `PromptLookup` proposals.
+        forced_text: propose the canonical token of grammar-forced text (`ForcedText`).
         max_ngram / min_ngram: n-gram lengths for prompt lookup (tokens).
         lookup_window: tokens before the output that prompt lookup searches in copy order
             (see `PromptLookup`).
@@ -504,6 +542,7 @@ class SpecConfig:
     """
 
     prompt_lookup: bool = True
+    forced_text: bool = True
     max_ngram: int = 3
     min_ngram: int = 1
     lookup_window: int = 512
@@ -531,17 +570,26 @@ class Speculator:
     def __init__(self, config: SpecConfig | None, capacity: int, window: int | None = None):
         """config: drafters (None: plain decoding); capacity: the draft KV cache's tokens; window:
         the draft attends over the context's last window-1.5 window tokens only (`DraftState`;
-        pruned sessions pass their KV budget), None: over all of it."""
+        pruned sessions pass their KV budget; the draft's own trained `window` caps it), None:
+        the draft's window (all of the context if it has none)."""
         self.config = config
         self.lookup = (PromptLookup(config.max_ngram, config.min_ngram, config.lookup_window)
                        if config and config.prompt_lookup else None)
-        self.draft = config.draft.new_state(capacity, window) if config and config.draft is not None else None
+        draft = config.draft if config else None
+        if draft is not None and draft.window is not None:
+            window = draft.window if window is None else min(window, draft.window)
+        self.draft = draft.new_state(capacity, window) if draft is not None else None
         self.length = AdaptiveLength(max_k=config.max_k) if config else None
         self.token_texts: dict[int, str] = {}  # token id -> text, for `MessageMatch`
 
     @property
     def enabled(self) -> bool:
-        return self.lookup is not None or self.draft is not None
+        return self.lookup is not None or self.draft is not None or self.forced_text
+
+    @property
+    def forced_text(self) -> bool:
+        """Whether grammar-forced text is proposed (`ForcedText`)."""
+        return self.config is not None and self.config.forced_text
 
     def observe(self, context: list[int]) -> None:
         """Prefill the draft's KV cache with the session's context (token ids whose target KV is
@@ -556,7 +604,8 @@ class Speculator:
 
     def chain(self, context: list[int], k: int, matcher, allowed, jump_forward: bool, budget: int,
               temperature: float, generator: torch.Generator | None = None,
-              source: tuple[int, int] | None = None, n_fed: int = 1, match: MessageMatch | None = None
+              source: tuple[int, int] | None = None, n_fed: int = 1, match: MessageMatch | None = None,
+              forced_text: ForcedText | None = None
               ) -> tuple[list[int], list[str], list[torch.Tensor | None], list[float | None]]:
         """Draft up to k tokens after `context` (plus the grammar-forced runs after each).
 
@@ -574,8 +623,9 @@ class Speculator:
                 latest-match lookup.
             n_fed: tokens the verification forward carries before the chain (the feed).
             match: a `MessageMatch` for grammar enumerations (with a matcher), or None.
+            forced_text: a `ForcedText` (with a matcher), or None.
         Returns:
-            (tokens, sources, q, confidence): sources[i] in {"lookup", "model", "grammar"};
+            (tokens, sources, q, confidence): sources[i] in {"canonical", "lookup", "model", "grammar"};
             q[i] the draft distribution [V] for sampled model proposals, else None (a
             deterministic proposal); confidence[i] the draft model's top probability for its
             proposals, 1.0 for lookup, None for grammar-forced tokens.
@@ -591,7 +641,10 @@ class Speculator:
         drafted = consumed = 0
         p_all = 1.0  # estimated probability that every proposal so far is accepted
         vocab_size = None
-        sources_on = [s for s, on in ((LOOKUP, self.lookup), (MODEL, self.draft)) if on is not None]
+        sources_on = [s for s, on in ((LOOKUP, self.lookup), (MODEL, self.draft),
+                                      (CANONICAL, forced_text if matcher is not None else None)) if on is not None]
+        if not sources_on:
+            return tokens, sources, qs, confs
         best = max(self.length.estimate(s) for s in sources_on)  # a proposal's best-case estimate
         # When not even the likeliest proposal pays, the step does not draft, except for a
         # periodic one-token probe that keeps the acceptance estimates current.
@@ -604,8 +657,10 @@ class Speculator:
             # A copy from the last message (an n-gram continuation there, or the enumeration value
             # it names) is proposed before the draft model: agents copy names and numbers from the
             # request, which the draft model guesses poorly (numbers: 21% vs lookup's 75%).
-            looked, from_msg = None, False
-            if self.lookup is not None:
+            looked = forced_text.propose(matcher) if forced_text is not None and matcher is not None else None
+            from_msg = looked is not None  # canonical forced text: no other drafter is asked
+            src = CANONICAL if from_msg else LOOKUP
+            if self.lookup is not None and not from_msg:
                 for cand, in_msg in itertools.islice(self.lookup.candidates(full, source), 16):
                     if matcher is None or matcher.validate_tokens([cand]) == 1:
                         looked, from_msg = cand, in_msg
@@ -616,7 +671,7 @@ class Speculator:
                 named = match.propose(allowed(matcher))
                 if named is not None:
                     looked, from_msg = named, True
-            tok, src, q, conf = looked, LOOKUP, None, 1.0
+            tok, q, conf = looked, None, 1.0
             logits = self.draft.logits(full) if self.draft is not None and not from_msg else None
             if logits is not None:
                 vocab = self.draft.draft.vocab
@@ -716,6 +771,7 @@ def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = Tr
             return texts[i]
 
         match = MessageMatch(session.tok.decode((session.tokens + feed)[source[0]:source[1]], skip_special=True), token_text)
+    forced_text = ForcedText(session.tok.encode) if spec.forced_text and matcher is not None else None
     while True:
         if matcher is not None:
             if jump_forward:
@@ -736,7 +792,7 @@ def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = Tr
         allowed = mask.allowed if matcher is not None else None
         chain, sources, qs, confs = spec.chain(session.tokens + feed, spec.max_k, matcher, allowed, jump_forward,
                                                max_tokens - len(out) - 1, temperature, generator, source, len(feed),
-                                               match)
+                                               match, forced_text)
         t_draft = time.perf_counter() - t_draft
         if len(feed) + len(chain) > 512:  # keep the verified rows in one forward
             session._forward(feed[:-1], "none")

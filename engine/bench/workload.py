@@ -160,17 +160,26 @@ def bfcl_tool(function: dict) -> dict:
                                              "parameters": params}}
 
 
-def _bfcl_entries(folder: Path, rng: random.Random, count: int) -> list[dict]:
-    # Functions whose parameters are all scalars (no free-form objects), few of them.
+def _bfcl_entries(folder: Path, rng: random.Random, count: int, exclude=frozenset()) -> list[dict]:
+    # Functions whose parameters are all scalars (no free-form objects), few of them; neither their
+    # case id nor their name in `exclude`.
     simple = []
     with open(folder / "BFCL_v4_simple_python.json") as f:
         for line in f:
             entry = json.loads(line)
             props = entry["function"][0]["parameters"].get("properties", {})
+            if exclude & {entry["id"], entry["function"][0]["name"]}:
+                continue
             if 1 <= len(props) <= 3 and all(p.get("type") in ("integer", "string", "float", "boolean")
                                             for p in props.values()):
                 simple.append(entry)
-    return rng.sample(simple, count)
+    picked = rng.sample(simple, count)
+    names = [e["function"][0]["name"] for e in picked]
+    while len(set(names)) < count:  # BFCL reuses some names; a tool set needs distinct ones
+        i = next(i for i, n in enumerate(names) if n in names[:i])
+        picked[i] = rng.choice(simple)
+        names[i] = picked[i]["function"][0]["name"]
+    return picked
 
 
 def _robot_tools() -> list[dict]:
@@ -202,7 +211,7 @@ def _ticks(rng: random.Random, t: float, prices: dict, n: int) -> Observation:
 
 
 def build_workload(seed: int = 0, quick: bool = False, n_calls: int | None = None,
-                   bfcl_dir: str | os.PathLike | None = None) -> Workload:
+                   bfcl_dir: str | os.PathLike | None = None, bfcl_exclude=frozenset()) -> Workload:
     """Generate the AAL workload deterministically from `seed`.
 
     Args:
@@ -210,6 +219,8 @@ def build_workload(seed: int = 0, quick: bool = False, n_calls: int | None = Non
         quick: small variant (2 calls, ~1.2K-token context, 1 BFCL function) for tests.
         n_calls: number of decisions (default 10, quick 2).
         bfcl_dir: BFCL data folder (see `tokenspeed.bfcl.bfcl_dir`).
+        bfcl_exclude: BFCL case ids or function names not to use (the draft's training
+            workloads exclude the benchmark's functions and the held-out split).
     Raises:
         FileNotFoundError: BFCL data or the robot tool set not found.
         ValueError: n_calls < 1.
@@ -219,7 +230,7 @@ def build_workload(seed: int = 0, quick: bool = False, n_calls: int | None = Non
     if n_calls < 1:
         raise ValueError(f"n_calls must be >= 1, got {n_calls}")
     rng = random.Random(seed)
-    bfcl = _bfcl_entries(find_bfcl_dir(bfcl_dir), rng, 1 if quick else 5)
+    bfcl = _bfcl_entries(find_bfcl_dir(bfcl_dir), rng, 1 if quick else 5, bfcl_exclude)
     tools = _robot_tools() + (TRADING_TOOLS[:1] if quick else TRADING_TOOLS) + [bfcl_tool(e["function"][0]) for e in bfcl]
     system = ("You are the controller of a Franka Panda robot arm in a work cell and a trading assistant "
               "for a small desk; you also answer general requests with the listed functions. Positions "

@@ -27,12 +27,13 @@ def _engine(args):
 
 def cmd_build_data(args) -> int:
     """Generate the self-distillation dataset."""
-    from .data import bfcl_tasks, build_data, robot_tasks, trading_tasks
+    from .data import agent_workloads, bfcl_tasks, build_data, robot_tasks, trading_tasks
 
     tasks = robot_tasks(args.robot, args.seed) + trading_tasks(args.trading, args.seed)
     if args.bfcl_limit != 0:
         tasks += bfcl_tasks(args.bfcl, None if args.bfcl_limit < 0 else args.bfcl_limit)
-    report = build_data(_engine(args), tasks, Path(args.out), max_tokens=args.max_tokens, resume=args.resume)
+    report = build_data(_engine(args), tasks, Path(args.out), max_tokens=args.max_tokens, resume=args.resume,
+                        workloads=agent_workloads(args.agent, args.seed, args.agent_calls))
     print(json.dumps(report, indent=1))
     return 0
 
@@ -45,6 +46,7 @@ def cmd_train(args) -> int:
     report = train(_engine(args), Path(args.data), Path(args.out), epochs=args.epochs, lr=args.lr,
                    n_layers=args.layers, hidden_dim=args.hidden, vocab_size=args.vocab, aux_weight=args.aux_weight,
                    checkpoint_every=args.checkpoint_every, resume=args.resume, seed=args.seed,
+                   window=args.window or None,
                    install=DEFAULT_DRAFT if args.install else None)
     print(json.dumps(report, indent=1))
     return 0
@@ -122,6 +124,9 @@ def add_parser(sub) -> None:
     p.add_argument("--trading", type=int, default=150, help="trading tasks (every 5th held out)")
     p.add_argument("--bfcl", default=None, help="BFCL folder (default: tokenspeed.bfcl.bfcl_dir())")
     p.add_argument("--bfcl-limit", type=int, default=-1, help="first N BFCL cases (-1: all 400, 0: none)")
+    p.add_argument("--agent", type=int, default=60,
+                   help="AAL-format agent sessions (seeds SEED+1..; every 5th held out)")
+    p.add_argument("--agent-calls", type=int, default=10, help="decisions per agent session")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens per call")
     p.add_argument("--resume", action="store_true", help="keep OUT's rows, answer only the tasks not in it")
     p.set_defaults(func=_guarded(cmd_build_data))
@@ -136,6 +141,8 @@ def add_parser(sub) -> None:
     p.add_argument("--hidden", type=int, default=768, help="draft SwiGLU width")
     p.add_argument("--vocab", type=int, default=4096, help="draft output vocabulary (tokens)")
     p.add_argument("--aux-weight", type=float, default=0.0, help="loss weight of grammar-forced tokens")
+    p.add_argument("--window", type=int, default=1024,
+                   help="context tokens the draft attends over (last WINDOW..1.5 WINDOW; 0: all)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--install", action="store_true", help="also write the package's default draft")

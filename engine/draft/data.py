@@ -6,6 +6,13 @@ formats the ROS nodes send, and the BFCL simple_python functions with their own 
 Every task is split deterministically: robot/trading task index % 5 == 0 and BFCL id number
 % 5 == 0 are held out (never trained on).
 
+Agent sessions ("agent" family, `agent_workloads`): whole multi-call agent turns in the AAL
+benchmark's format (`tokenspeed.bench.workload`: sensor streams, tool results and requests
+growing a 2K-4K-token context; the target's own earlier calls stay in it), one row per decision.
+Seeds 1.. are used (the benchmark runs seed 0); seed % 5 == 0 is held out; their BFCL functions
+exclude the benchmark workloads' and the held-out split's, so nothing the benchmark or
+`draft eval` asks was trained on.
+
 Each task is answered by the target model itself through `Session.decide()` (greedy,
 grammar-constrained), so the draft learns exactly the target's choices (DistillSpec, Zhou et al.
 2024). The dataset file is JSON lines: a header {"format", "target", "model"} then one row per
@@ -22,8 +29,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-__all__ = ["Task", "robot_tasks", "trading_tasks", "bfcl_tasks", "build_data", "read_data", "forced_mask",
-           "REPO", "FORMAT"]
+__all__ = ["Task", "robot_tasks", "trading_tasks", "bfcl_tasks", "agent_workloads", "build_data", "read_data",
+           "forced_mask", "REPO", "FORMAT"]
 
 FORMAT = "tokenspeed-draft-data/1"
 REPO = Path(__file__).resolve().parents[2]
@@ -123,6 +130,22 @@ def bfcl_tasks(folder: Path | None = None, limit: int | None = None) -> list[Tas
     return out
 
 
+def agent_workloads(n: int, seed: int = 0, n_calls: int = 10) -> list[tuple[str, str, "Workload"]]:
+    """n AAL-format agent sessions of n_calls decisions as (id prefix, split, `Workload`), seeds
+    seed + 1 .. seed + n; seed 0 is the benchmark's and never generated here."""
+    from ..bench.workload import build_workload
+    from ..bfcl import load_bfcl
+
+    exclude = {c["id"] for c in load_bfcl("heldout")}
+    for bench in (build_workload(seed=0), build_workload(seed=0, quick=True)):
+        exclude |= {t.tool_choice["name"] for t in bench.turns if isinstance(t.tool_choice, dict)}
+    out = []
+    for s in range(seed + 1, seed + n + 1):
+        wl = build_workload(seed=s, n_calls=n_calls, bfcl_exclude=frozenset(exclude))
+        out.append((f"agent_{s}", _split(s), wl))
+    return out
+
+
 def forced_mask(matcher, output_ids: list[int]) -> list[int]:
     """1 for each output token the grammar forced (jump-forward), replaying `decide()`'s order."""
     forced = [0] * len(output_ids)
@@ -139,12 +162,18 @@ def forced_mask(matcher, output_ids: list[int]) -> list[int]:
     return forced
 
 
-def build_data(engine, tasks: list[Task], out: Path, max_tokens: int = 128, resume: bool = False) -> dict:
+def build_data(engine, tasks: list[Task], out: Path, max_tokens: int = 128, resume: bool = False,
+               workloads: list[tuple] = ()) -> dict:
     """Answer every task with the target and write the dataset (JSON lines) to `out`.
 
     Tasks sharing a system prompt and tools share one session (its prefill is reused through
     checkpoint/rollback). Tasks whose decision is not a valid call are skipped and counted; a
     task whose tool schema the engine rejects is skipped and counted.
+
+    workloads: agent sessions from `agent_workloads`, each replayed in one session (observations,
+    then the decision, which stays in the context); a row per decision, id "<prefix>_<turn>",
+    with its `tool_choice`. A session whose decision fails stops there (the context would differ
+    from the agent's).
 
     resume: keep the rows already in `out` (an interrupted or smaller earlier run for the same
     target) and answer only the tasks whose id is not there yet.
@@ -202,6 +231,30 @@ def build_data(engine, tasks: list[Task], out: Path, max_tokens: int = 128, resu
             f.write(json.dumps(row) + "\n")
             f.flush()  # an interrupted run leaves a usable file
             written[task.split] += 1
+        for prefix, split, wl in tqdm([w for w in workloads if f"{w[0]}_0" not in done], desc="build-data agent",
+                                      unit="session"):
+            try:
+                s = engine.session(system=wl.system, tools=wl.tools)
+            except ToolSchemaError:
+                skipped += len(wl.turns)
+                continue
+            for i, turn in enumerate(wl.turns):
+                for o in turn.observations:
+                    s.observe(o.content, role=o.role, kind=o.kind, source=o.source)
+                prompt_ids = list(s.tokens) + trigger
+                d = s.decide(tool_choice=turn.tool_choice, max_tokens=wl.max_tokens)
+                if not d.ok:
+                    skipped += len(wl.turns) - i
+                    break
+                output_ids = (s.tokens + s.pending[:len(s.pending) - len(end)])[len(prompt_ids):]
+                matcher = engine.grammar(s.tools, turn.tool_choice).matcher()
+                row = {"id": f"{prefix}_{i}", "family": "agent", "split": split, "system": wl.system,
+                       "tools": wl.tools, "messages": [o.content for o in turn.observations],
+                       "tool_choice": turn.tool_choice, "prompt_ids": prompt_ids, "output_ids": output_ids,
+                       "forced": forced_mask(matcher, output_ids), "text": d.text}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                written[split] += 1
     return {"written": written, "kept": len(done), "skipped": skipped, "path": str(out)}
 
 

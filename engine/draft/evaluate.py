@@ -37,6 +37,7 @@ import torch
 
 from ..speculative import DraftModel, PromptLookup, SpecConfig, Speculator, copy_source
 from .data import read_data
+from .train import context_view
 
 __all__ = ["evaluate", "verify_cost", "analyze"]
 
@@ -60,11 +61,14 @@ def evaluate(engine, data: Path, draft: DraftModel | None, *, k: int = 6, limit:
         engine: the target `Engine`. data: dataset file. draft: the draft model or None.
         k: fixed proposal length for the acceptance settings.
         limit: most held-out rows per task family. repeats: timing repeats per row and setting.
-        families: restrict to these task families (robot, trading, bfcl).
+        families: restrict to these task families (robot, trading, bfcl). Agent-session rows are
+            not replayed here (each needs its whole session replayed: `tokenspeed draft speedup`
+            runs the AAL turns).
     Returns:
         {"rows": n, "settings": {name: metrics}}.
     """
     _, rows = read_data(data, "heldout")
+    rows = [r for r in rows if r["family"] != "agent"]
     picked, per_family = [], {}
     for r in rows:
         n = per_family.get(r["family"], 0)
@@ -198,7 +202,7 @@ def analyze(engine, data: Path, draft: DraftModel | None, *, config: SpecConfig 
     for r in rows:
         ids = np.asarray(r["prompt_ids"] + r["output_ids"], dtype=np.int64)
         p0 = len(r["prompt_ids"])
-        matcher = engine.grammar(normalize_tools(r["tools"]), "required").matcher()
+        matcher = engine.grammar(normalize_tools(r["tools"]), r.get("tool_choice", "required")).matcher()
         source = copy_source(ids, p0, set(tok.stop_ids))
         pos, allowed, looked = [], [], []
         for j, (t, forced) in enumerate(zip(r["output_ids"], r["forced"])):
@@ -210,9 +214,11 @@ def analyze(engine, data: Path, draft: DraftModel | None, *, config: SpecConfig 
             matcher.consume_token(t)
         if not pos:
             continue
-        if draft is not None:
-            logits = draft.net(torch.from_numpy(ids), torch.arange(len(ids)), draft.net.new_cache(len(ids)),
-                               torch.tensor(pos))
+        if draft is not None:  # over the part of the context the draft attends to (its window)
+            cut = p0 - len(context_view(r["prompt_ids"], draft.window, None))
+            seen = torch.from_numpy(ids[cut:])
+            logits = draft.net(seen, torch.arange(len(seen)), draft.net.new_cache(len(seen)),
+                               torch.tensor(pos) - cut)
             logits = logits.float().masked_fill(~torch.stack(allowed)[:, draft.vocab], float("-inf"))
             p2, i2 = torch.softmax(logits, -1).topk(2, -1)
             top = draft.vocab[i2].tolist()

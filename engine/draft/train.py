@@ -27,7 +27,7 @@ from ..model import Transformer
 from ..speculative import DraftModel
 from .data import read_data
 
-__all__ = ["draft_vocab", "train", "heldout_report"]
+__all__ = ["draft_vocab", "train", "heldout_report", "context_view"]
 
 # Differentiable forward: the model's forward is decorated with torch.no_grad() for inference.
 _forward = Transformer.forward.__wrapped__
@@ -44,11 +44,23 @@ def draft_vocab(rows: list[dict], size: int, stop_ids: list[int]) -> torch.Tenso
     return torch.tensor(sorted(ids), dtype=torch.long)
 
 
-def _example(row: dict, index: torch.Tensor, aux_weight: float):
+def context_view(prompt_ids: list[int], window: int | None, rng: random.Random | None) -> list[int]:
+    """The part of a prompt the draft sees at inference (`DraftState` with `window`): all of it up to
+    1.5 window tokens, else its last window..1.5 window tokens (uniform with `rng`, else window)."""
+    if not window or len(prompt_ids) <= window + window // 2:
+        return prompt_ids
+    keep = rng.randint(window, window + window // 2) if rng is not None else window
+    return prompt_ids[-keep:]
+
+
+def _example(row: dict, index: torch.Tensor, aux_weight: float, window: int | None = None,
+             rng: random.Random | None = None):
     """(tokens [T], logit rows [K], targets [K] in draft-vocab indices, weights [K]) for one row:
-    decided output tokens weigh 1, grammar-forced ones `aux_weight` (0 drops them)."""
-    ids = row["prompt_ids"] + row["output_ids"]
-    p0 = len(row["prompt_ids"])
+    decided output tokens weigh 1, grammar-forced ones `aux_weight` (0 drops them). The prompt is
+    cut to what the draft sees with `window` (`context_view`)."""
+    prompt = context_view(row["prompt_ids"], window, rng)
+    ids = prompt + row["output_ids"]
+    p0 = len(prompt)
     rows, targets, weights = [], [], []
     for j, (t, forced) in enumerate(zip(row["output_ids"], row["forced"])):
         w = aux_weight if forced else 1.0
@@ -66,17 +78,18 @@ def _logits(draft: DraftModel, tokens: torch.Tensor, rows: torch.Tensor) -> torc
 
 
 @torch.no_grad()
-def heldout_report(draft: DraftModel, rows: list[dict]) -> dict:
-    """Teacher-forced top-1 agreement of the draft with the target on non-forced output tokens.
+def heldout_report(draft: DraftModel, rows: list[dict], window: int | None = None) -> dict:
+    """Teacher-forced top-1 agreement of the draft with the target on non-forced output tokens,
+    the prompt cut to the last `window` tokens when longer than 1.5 window (`context_view`).
 
     Returns {"overall": {"tokens", "agree", "rate"}, family: {...}}; tokens outside the draft
     vocabulary count as disagreements.
     """
-    index = _index(draft)
     out: dict[str, dict] = {}
     for r in rows:
-        ids = r["prompt_ids"] + r["output_ids"]
-        p0 = len(r["prompt_ids"])
+        prompt = context_view(r["prompt_ids"], window, None)
+        ids = prompt + r["output_ids"]
+        p0 = len(prompt)
         pos = [p0 + j - 1 for j, f in enumerate(r["forced"]) if not f]
         if not pos:
             continue
@@ -101,7 +114,7 @@ def _index(draft: DraftModel) -> torch.Tensor:
 
 def train(engine, data: Path, out_dir: Path, *, epochs: float = 2.0, lr: float = 1e-3, n_layers: int = 1,
           hidden_dim: int = 768, vocab_size: int = 4096, aux_weight: float = 0.0, checkpoint_every: int = 100,
-          resume: bool = False,
+          resume: bool = False, window: int | None = 1024,
           seed: int = 0, install: Path | None = None, progress: bool = True) -> dict:
     """Train a draft for `engine`'s target on the dataset's train split.
 
@@ -116,6 +129,9 @@ def train(engine, data: Path, out_dir: Path, *, epochs: float = 2.0, lr: float =
             extra signal about where in the call it is); decided tokens weigh 1.
         checkpoint_every: steps between checkpoints.
         resume: continue from `out_dir/checkpoint.pt` if present.
+        window: the draft attends over the context's last window..1.5 window tokens at inference
+            (saved with the draft; `DraftState`), so longer prompts are cut to that in training;
+            None: the whole context.
         install: also write the final draft there (e.g. the package's default draft path).
     Returns:
         report dict: steps, seconds, final train loss, held-out agreement, paths.
@@ -157,7 +173,7 @@ def train(engine, data: Path, out_dir: Path, *, epochs: float = 2.0, lr: float =
     loss_ema = None
     bar = tqdm(total=total, initial=step, desc="draft train", unit="step", disable=not progress)
     while step < total:
-        tokens, rows_k, targets, weights = _example(train_rows[schedule[step]], index, aux_weight)
+        tokens, rows_k, targets, weights = _example(train_rows[schedule[step]], index, aux_weight, window, order)
         step += 1
         bar.update(1)
         if len(rows_k) == 0:
@@ -184,8 +200,9 @@ def train(engine, data: Path, out_dir: Path, *, epochs: float = 2.0, lr: float =
     report = {"steps": step, "train_rows": len(train_rows), "heldout_rows": len(held_rows),
               "seconds": round(time.perf_counter() - t0, 1), "train_loss_ema": loss_ema,
               "n_layers": n_layers, "hidden_dim": hidden_dim, "vocab": len(vocab), "aux_weight": aux_weight,
-              "heldout_agreement": heldout_report(draft, held_rows)}
+              "window": window, "heldout_agreement": heldout_report(draft, held_rows, window)}
     final = out_dir / "draft.safetensors"
+    draft.window = window
     draft.save(final, extra=report)
     report["draft"] = str(final)
     if install is not None:

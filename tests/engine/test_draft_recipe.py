@@ -1,5 +1,5 @@
 """The draft recipe end to end on a tiny configuration: build-data with the real target (a few
-robot, trading and BFCL tasks), train a small draft with a checkpoint and a resume, evaluate it
+robot, trading and BFCL tasks and one short agent session), train a small draft with a checkpoint and a resume, evaluate it
 on the held-out split, and load it into a speculating session."""
 import json
 
@@ -13,23 +13,27 @@ from tokenspeed.speculative import DraftModel, SpecConfig
 @pytest.mark.slow
 def test_recipe_end_to_end(tmp_path, engine, capsys):
     data = tmp_path / "data.jsonl"
-    assert main(["build-data", "--out", str(data), "--robot", "2", "--trading", "2", "--bfcl-limit", "2"]) == 0
+    tiny = ["--robot", "2", "--trading", "2", "--bfcl-limit", "2", "--agent", "1", "--agent-calls", "2"]
+    assert main(["build-data", "--out", str(data), *tiny]) == 0
     header, rows = read_data(data)
     assert {r["split"] for r in rows} == {"train", "heldout"}  # index 0 of each family is held out
-    assert {r["family"] for r in rows} == {"robot", "trading", "bfcl"}
+    assert {r["family"] for r in rows} == {"robot", "trading", "bfcl", "agent"}
+    agent = [r for r in rows if r["family"] == "agent"]  # one session: the second call sees the first
+    assert [r["id"] for r in agent] == ["agent_1_0", "agent_1_1"]
+    assert agent[1]["prompt_ids"][:len(agent[0]["prompt_ids"])] == agent[0]["prompt_ids"]
     for r in rows:
         assert len(r["forced"]) == len(r["output_ids"]) and 0 < sum(r["forced"]) < len(r["forced"])
         assert engine.tokenizer.decode(r["output_ids"]) == r["text"]
     capsys.readouterr()
     # --resume answers only the tasks not in the file yet: here none.
-    assert main(["build-data", "--out", str(data), "--robot", "2", "--trading", "2", "--bfcl-limit", "2",
-                 "--resume"]) == 0
+    assert main(["build-data", "--out", str(data), *tiny, "--resume"]) == 0
     resumed = json.loads(capsys.readouterr().out)
     assert resumed["kept"] == len(rows) and sum(resumed["written"].values()) == 0
     assert read_data(data)[1] == rows
 
     out = tmp_path / "run"
-    small = ["--data", str(data), "--out", str(out), "--hidden", "64", "--vocab", "512", "--checkpoint-every", "1"]
+    small = ["--data", str(data), "--out", str(out), "--hidden", "64", "--vocab", "512", "--checkpoint-every", "1",
+             "--window", "256"]  # agent prompts are longer: trained on their last 256-384 tokens
     assert main(["train", *small, "--epochs", "1"]) == 0
     first = json.loads(capsys.readouterr().out)
     assert main(["train", *small, "--epochs", "2", "--resume"]) == 0  # continues from the checkpoint
@@ -41,7 +45,8 @@ def test_recipe_end_to_end(tmp_path, engine, capsys):
                  "--k", "3"]) == 0
     report = json.loads(capsys.readouterr().out)
     settings = report["settings"]
-    assert report["rows"] == 3 and set(settings) == {"plain", "lookup", "model", "lookup+model", "adaptive"}
+    assert report["rows"] == 3  # held out: robot_0, trading_0, the first BFCL case (agent rows: speedup)
+    assert set(settings) == {"plain", "lookup", "model", "lookup+model", "adaptive"}
     for name, s in settings.items():
         assert s["identical"] == "3/3", name  # lossless: every setting reproduces plain greedy
     assert settings["model"]["proposed"] > 0 and settings["plain"]["proposed"] == 0

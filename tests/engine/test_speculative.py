@@ -19,8 +19,8 @@ import tokenspeed
 from tokenspeed.bfcl import load_bfcl
 from tokenspeed.model import ModelArgs, Transformer
 from tokenspeed.session import Decision, Session
-from tokenspeed.speculative import (AdaptiveLength, DraftModel, MessageMatch, PromptLookup, SpecConfig, Speculator, copy_source,
-                                    decode)
+from tokenspeed.speculative import (AdaptiveLength, DraftModel, ForcedText, MessageMatch, PromptLookup, SpecConfig,
+                                    Speculator, copy_source, decode)
 
 ROOT = Path(__file__).resolve().parents[2]
 ROBOT_TOOLS = json.loads((ROOT / "launch/config/robot_tools.json").read_text())
@@ -184,6 +184,26 @@ def test_message_match_proposes_the_enumeration_value_the_request_names():
     allowed[[4, 5]] = True
     assert MessageMatch("Pick up the green cube.", texts.__getitem__).propose(allowed) == 4
     assert MessageMatch("Stop.", texts.__getitem__, max_allowed=1).propose(allowed) is None  # too many allowed
+
+
+def test_forced_text_proposes_its_canonical_first_token(engine):
+    """Before a string value the grammar forces the bytes ': "' but llguidance forces tokens only
+    up to ':' (the token boundary after it is open); ForcedText proposes ' "', the canonical token,
+    and the speculator puts it first in the chain, labelled "canonical"."""
+    tok = engine.tokenizer
+    tool = {"type": "function", "function": {"name": "find_concert", "description": "Find a concert.", "parameters": {
+        "type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}}}
+    matcher = engine.grammar([tool], "required").matcher()
+    assert tok.decode(matcher.compute_ff_tokens()).endswith('{"location":')
+    assert matcher.consume_tokens(matcher.compute_ff_tokens())
+    assert matcher.compute_ff_tokens() == [] and matcher.compute_ff_bytes() == b' "'
+    forced = ForcedText(tok.encode)
+    assert forced.propose(matcher) == tok.encode(' "')[0]
+    spec = Speculator(SpecConfig(prompt_lookup=False, adaptive=False, max_k=1), 256)
+    chain, sources, _, _ = spec.chain([], 1, matcher, None, True, 16, 0.0, forced_text=forced)
+    assert chain[0] == forced.propose(matcher) and sources[0] == "canonical"
+    matcher.consume_token(chain[0])
+    assert forced.propose(matcher) is None  # inside the free string value: nothing forced
 
 
 def test_unsure_draft_ends_the_chain(engine):
