@@ -52,7 +52,7 @@ class Decision:
         draft_tokens: tokens proposed by drafters and verified by the target (grammar-forced
             runs inside a draft chain are counted in forced_tokens, not here).
         accepted_tokens: of draft_tokens, how many the target accepted.
-        draft_sources: {"lookup" | "model": [proposed, accepted]} per drafter.
+        draft_sources: {"canonical" | "lookup" | "model": [proposed, accepted]} per drafter.
         kv: KV tiering metrics since the previous decision (pruned sessions only, else None):
             see `tokenspeed.kv.TieredKVCache.take_metrics`.
     """

@@ -3,9 +3,9 @@
 1. Generate (or load) the workload (`workload.py`), tokenize it once with the model's own
    tokenizer and chat template into a job file, so every engine is fed the same token ids.
 2. Measure the machine's memory read bandwidth (torch sum over 256 MiB with the run's threads).
-3. Run each engine in its own process (`peers.py`): TokenSpeed int4 (the GGUF's Q4_1 codes) and
-   fp32 (the quality guard compares their calls), llama.cpp and transformers, same GGUF model,
-   same threads.
+3. Run each engine in its own process (`peers.py`): TokenSpeed int4 (the GGUF's Q4_1 codes), the
+   same without speculation, and fp32 (the quality guard compares their calls), llama.cpp and
+   transformers, same GGUF model, same threads.
 4. Summarise, compare, print a rich table, write report.json and aal.png (`report.py`).
 """
 from __future__ import annotations
@@ -25,8 +25,9 @@ from .workload import Workload, build_workload
 
 __all__ = ["ENGINES", "DEFAULT_ENGINES", "LLAMA_CPP_INSTALL", "build_job", "measure_bandwidth", "run_aal", "make_report"]
 
-ENGINES = ["tokenspeed:int4", "tokenspeed:int8", "tokenspeed", "llama.cpp", "transformers"]
-DEFAULT_ENGINES = ["tokenspeed:int4", "tokenspeed", "llama.cpp", "transformers"]
+# "tokenspeed:int4:plain" is TokenSpeed int4 without speculation: the speed-up speculation gives.
+ENGINES = ["tokenspeed:int4", "tokenspeed:int4:plain", "tokenspeed:int8", "tokenspeed", "llama.cpp", "transformers"]
+DEFAULT_ENGINES = ["tokenspeed:int4", "tokenspeed:int4:plain", "tokenspeed", "llama.cpp", "transformers"]
 LLAMA_CPP_INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install -e ".[bench]"   '
                      "(llama-cpp-python has no binary wheel here: it builds from source, ~10 min on 2 cores)")
 SHORT_SYSTEM = "You are a helpful assistant."

@@ -6,8 +6,8 @@ with a standard-library module:
 
     python engine/bench/peers.py ENGINE JOB.json OUT.json
 
-ENGINE is "tokenspeed" (fp32; "tokenspeed:int4" / "tokenspeed:int8" quantized), "llama.cpp" or
-"transformers". JOB.json is written by `tokenspeed.bench.aal`: the workload, the token ids every
+ENGINE is "tokenspeed" (fp32; "tokenspeed:int4" / "tokenspeed:int8" quantized; a third part
+":plain" turns speculation off), "llama.cpp" or "transformers". JOB.json is written by `tokenspeed.bench.aal`: the workload, the token ids every
 engine feeds (system prompt, each observation, the assistant trigger and end), the call schema
 of each decision, the thread count and model paths. OUT.json receives one record per decision plus the short-context
 decode measurement (see `Recorder`).
@@ -61,7 +61,8 @@ class Recorder:
     Record keys: turn, expect, text, tool_call, valid, status, context_tokens (before the
     decision), new_prompt_tokens (tokens the engine processed at decision time), output_tokens,
     forwards, forced_tokens, ttft_ms, itl_ms (list), decide_ms, observe_ms, turn_ms; TokenSpeed
-    adds draft_tokens and accepted_tokens (speculation), summed into spec_acceptance.
+    adds decided_tokens (not grammar-forced), draft_tokens and accepted_tokens (speculation; their
+    ratio summed over turns is spec_acceptance) and draft_sources {source: [proposed, accepted]}.
     """
 
     def __init__(self, engine: str, config: str, threads: int):
@@ -97,9 +98,10 @@ def _expected_name(turn: dict) -> str | None:
 
 # ------------------------------------------------------------------------------------- TokenSpeed
 
-def run_tokenspeed(job: dict, out: str, quantize: str | None) -> None:
+def run_tokenspeed(job: dict, out: str, quantize: str | None, speculation: bool = True) -> None:
     """TokenSpeed: one warm session; observations are prefilled by observe() as they arrive
-    (timed as observe_ms), then decide() is timed (TTFT, ITL, forwards, jump-forward tokens)."""
+    (timed as observe_ms), then decide() is timed (TTFT, ITL, forwards, jump-forward tokens,
+    and with speculation the proposals made and accepted per source)."""
     import torch
 
     import tokenspeed
@@ -107,9 +109,11 @@ def run_tokenspeed(job: dict, out: str, quantize: str | None) -> None:
     torch.set_num_threads(job["threads"])
     t0 = time.perf_counter()
     engine = tokenspeed.Engine.load(job["model_gguf"], threads=job["threads"], quantize=quantize)
-    rec = Recorder("tokenspeed" + (f"-{quantize}" if quantize else "-fp32"),
-                   f"torch {torch.__version__}, {quantize or 'fp32'} weights, warm session, jump-forward on",
-                   torch.get_num_threads())
+    if not speculation:
+        engine.speculation = None
+    rec = Recorder("tokenspeed" + (f"-{quantize}" if quantize else "-fp32") + ("" if speculation else "-plain"),
+                   f"torch {torch.__version__}, {quantize or 'fp32'} weights, warm session, jump-forward on, "
+                   f"speculation {'on' if speculation else 'off'}", torch.get_num_threads())
     rec.out["load_s"] = time.perf_counter() - t0
     rec.out["weight_bytes"] = _linear_bytes(engine.model)
     wl = job["workload"]
@@ -128,7 +132,8 @@ def run_tokenspeed(job: dict, out: str, quantize: str | None) -> None:
                  new_prompt_tokens=d.prefill_tokens, output_tokens=d.forced_tokens + d.generated_tokens,
                  forwards=d.forwards, forced_tokens=d.forced_tokens, ttft_ms=_ms(d.ttft_s),
                  itl_ms=[_ms(x) for x in d.itl_s], decide_ms=_ms(t2 - t1), observe_ms=_ms(t1 - t0),
-                 turn_ms=_ms(t2 - t0), draft_tokens=d.draft_tokens, accepted_tokens=d.accepted_tokens)
+                 turn_ms=_ms(t2 - t0), decided_tokens=d.generated_tokens, draft_tokens=d.draft_tokens,
+                 accepted_tokens=d.accepted_tokens, draft_sources=d.draft_sources)
     drafted = sum(t["draft_tokens"] for t in rec.out["turns"])
     if drafted:
         rec.out["spec_acceptance"] = sum(t["accepted_tokens"] for t in rec.out["turns"]) / drafted
@@ -331,13 +336,15 @@ def main(argv: list[str] | None = None) -> int:
     engine, job_path, out = argv
     job = json.loads(Path(job_path).read_text())
     if engine.startswith("tokenspeed"):
-        run_tokenspeed(job, out, engine.partition(":")[2] or None)
+        parts = engine.split(":")
+        run_tokenspeed(job, out, (parts[1:2] or [None])[0] or None, speculation="plain" not in parts[2:])
     elif engine == "llama.cpp":
         run_llamacpp(job, out)
     elif engine == "transformers":
         run_transformers(job, out)
     else:
-        print(f"unknown engine {engine!r}: tokenspeed[:int4|:int8], llama.cpp or transformers", file=sys.stderr)
+        print(f"unknown engine {engine!r}: tokenspeed[:int4|:int8[:plain]], llama.cpp or transformers",
+              file=sys.stderr)
         return 2
     return 0
 

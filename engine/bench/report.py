@@ -70,9 +70,27 @@ def summarize(run: dict, bandwidth_gbs: float) -> dict:
         "output_tokens": out_tokens,
         "context_tokens_last": turns[-1]["context_tokens"] if turns else None,
         "spec_acceptance": run.get("spec_acceptance"),
+        # Speculation on tool calls: decided (not grammar-forced) tokens emitted per target forward
+        # (EAGLE's acceptance length: accepted proposals + the target's own token), and the
+        # proposals per source.
+        "decided_tokens": sum(t.get("decided_tokens", 0) for t in turns),
+        "decided_per_forward": (sum(t.get("decided_tokens", 0) for t in turns) / max(sum(t["forwards"] for t in turns), 1)
+                                if turns and "decided_tokens" in turns[0] else None),
+        "spec_sources": _sources(turns),
         "weight_mb": run["weight_bytes"] / 2**20 if run.get("weight_bytes") else None,
         "load_s": run.get("load_s"),
     }
+
+
+def _sources(turns: list[dict]) -> dict[str, list[int]]:
+    """{source: [proposed, accepted]} summed over the turns' draft_sources."""
+    out: dict[str, list[int]] = {}
+    for t in turns:
+        for src, (proposed, accepted) in t.get("draft_sources", {}).items():
+            acc = out.setdefault(src, [0, 0])
+            acc[0] += proposed
+            acc[1] += accepted
+    return out
 
 
 def ratios(summaries: dict[str, dict], ours: str = OURS) -> dict[str, dict]:
@@ -185,5 +203,15 @@ def print_table(report: dict) -> None:
         a = report["agreement"]
         console.print(f"  quality guard: {a['engines'][0]} vs {a['engines'][1]} greedy calls agree on "
                       f"{a['same_calls']}/{a['calls']} decisions; valid {a['valid']}", markup=False)
+    ours, plain = report["summary"].get(OURS), report["summary"].get(OURS + "-plain")
+    if ours and ours.get("decided_tokens"):
+        src = ", ".join(f"{k} {a}/{p}" for k, (p, a) in sorted(ours["spec_sources"].items()))
+        line = (f"  speculation ({OURS}): {ours['decided_tokens']} decided + {ours['jump_forward_tokens']} grammar-forced "
+                f"tokens; proposals accepted {_fmt(ours['spec_acceptance'], 3)} ({src}); decided tokens per target "
+                f"forward {_fmt(ours['decided_per_forward'], 2)}")
+        if plain and plain.get("turn_ms"):
+            line += (f"; vs no speculation: turn {_fmt(plain['turn_ms'] / ours['turn_ms'], 3)}x, "
+                     f"ITL p50 {_fmt(plain['itl_p50_ms'] / ours['itl_p50_ms'], 3)}x faster")
+        console.print(line, markup=False)
     for note in report.get("notes", []):
         console.print(f"  note: {note}", markup=False)

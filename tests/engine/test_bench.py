@@ -93,7 +93,7 @@ def test_quick_aal_runs_every_engine_and_writes_the_report(tmp_path, capsys):
     assert bench_main(["aal", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     engines = set(report["summary"])
-    expected = {"tokenspeed-int4", "tokenspeed-fp32", "transformers"}
+    expected = {"tokenspeed-int4", "tokenspeed-int4-plain", "tokenspeed-fp32", "transformers"}
     if importlib.util.find_spec("llama_cpp") is not None:
         expected.add("llama.cpp")
     assert engines == expected
@@ -104,7 +104,12 @@ def test_quick_aal_runs_every_engine_and_writes_the_report(tmp_path, capsys):
     assert report["summary"]["tokenspeed-int4"]["jump_forward_tokens"] > 0
     assert report["agreement"]["calls"] == 2
     assert (tmp_path / "aal.png").stat().st_size > 10_000
-    assert "ratios tokenspeed-int4 / peer" in capsys.readouterr().out
+    # Speculation is lossless (same calls as without it) and reported per source.
+    ours, plain = report["summary"]["tokenspeed-int4"], report["summary"]["tokenspeed-int4-plain"]
+    assert ours["decided_tokens"] == plain["decided_tokens"] > 0 and plain["spec_sources"] == {}
+    assert plain["decided_per_forward"] == 1.0 and ours["decided_per_forward"] >= 1.0
+    out = capsys.readouterr().out
+    assert "ratios tokenspeed-int4 / peer" in out and "speculation (tokenspeed-int4)" in out
 
 
 def test_gpu_script_runs_on_cpu_with_small_shapes(tmp_path):
