@@ -258,6 +258,26 @@ def test_adaptive_length_pays_for_likely_cheap_proposals_only():
     assert sum(probes) == 2 and probes[bad.probe_every - 1]  # off, with a periodic probe
 
 
+def test_draft_model_is_switched_off_while_its_calls_cost_more_than_they_save():
+    """Same costs (a 1-token forward 100 ms, each extra row 10 ms): a draft model whose calls
+    take 80 ms and propose once in four calls (saving ~90 ms) loses time, so it is called only
+    every probe_every-th time; accepted proposals from cheap calls bring it back."""
+    length = AdaptiveLength()
+    for T in (1, 2, 4, 8, 16) * 4:
+        length.record(T, 0.100 if T == 1 else 0.150 + 0.010 * T, [], 0.0)
+    assert length.model_on()
+    for _ in range(10):
+        length.record(4, 0.19, [("model", 0.9, True)], 0.32, model_calls=4, model_s=0.32)
+    calls = [length.model_on() for _ in range(2 * length.probe_every)]
+    assert sum(calls) == 2 and calls[length.probe_every - 1]
+    for _ in range(10):
+        length.record(4, 0.19, [("model", 0.9, True)], 0.002, model_calls=1, model_s=0.002)
+    assert length.model_on()
+    for expected in (True, True, True, False):  # each rejection discards 6 rows (60 ms) against ~90 ms saved
+        length.record(8, 0.23, [("model", 0.9, False)], 0.002, model_calls=1, model_s=0.002, discarded=6)
+        assert length.model_on() == expected
+
+
 # ------------------------------------------------------------------ sampling distribution
 
 V, PROMPT, N_OUT = 5, [0, 1, 2, 0, 1], 3
