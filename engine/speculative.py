@@ -56,7 +56,8 @@ proposal is checked against the grammar before it enters the chain.
 `AdaptiveLength` decides per proposal whether it pays: the forward overhead it saves when accepted
 (estimated acceptance: the draft's calibrated confidence, or lookup's running rate) against the
 rows it wastes when rejected (itself and the grammar-forced run it drags along), from measured
-forward times; when nothing pays, a step is plain decoding.
+forward times; when nothing pays, a step is plain decoding. The draft model as a whole is
+called only while its calls save more than they cost (`AdaptiveLength.model_on`).
 """
 from __future__ import annotations
 
@@ -369,10 +370,15 @@ class DraftState:
     on the decision's critical path (`Speculator.observe`).
 
     With a `window` (tokens; pruned sessions pass their KV budget) the draft attends only over the
-    context's last `window` to 1.5 `window` tokens: when the context outgrows that, the cache is
-    refilled with its last `window` tokens (at positions from 0: rotary attention depends on
-    relative positions only), so drafting costs stay flat on endless streams while the target's
-    own KV is pruned. Verification keeps the output exact whatever the draft sees.
+    context's last `window` to 1.5 `window` tokens: when the context outgrows that, the oldest
+    cached tokens are dropped so that `window` remain (a slide: their keys and values are moved,
+    not recomputed), so drafting costs stay flat on endless streams while the target's own KV is
+    pruned. Rotary attention depends on relative positions only, so for a one-layer draft (whose
+    keys and values depend on their own token alone) the slide equals recomputing the window
+    from position 0, which is what training sees (`tokenspeed.draft.train.context_view`); for
+    deeper drafts it is StreamingLLM-style eviction. A full refill happens only after a rollback
+    before the window, or when positions reach the end of the rotary table. Verification keeps
+    the output exact whatever the draft sees.
     """
 
     def __init__(self, draft: DraftModel, capacity: int, window: int | None = None):
@@ -381,20 +387,29 @@ class DraftState:
         self.cache: KVCache = draft.net.new_cache(capacity if window is None else min(capacity, window + window // 2 + 1))
         self.tokens = np.zeros(self.cache.capacity, dtype=np.int64)
         self.offset = 0  # context index of the token in cache slot 0
+        self.anchor = 0  # context index of rotary position 0
 
     def sync(self, context: np.ndarray, logits: bool = False) -> torch.Tensor | None:
         """Make the cache hold `context` [N] int64 (its last `window`-1.5 `window` tokens with a
         window); with `logits`, return the draft logits [Vd] (fp32) for the token after it (its
         last token is then always recomputed). None when the context outgrew the draft's KV
         capacity (without a window; the draft then stays silent)."""
-        # Re-anchor when the context outgrew the cache, or already at an observation (no logits)
-        # once less than a quarter window of room is left: the refill (~80 ms for a 1024-token
-        # window on 1 CPU thread) then falls between decisions, not inside one.
-        if self.window is not None:
-            room = self.cache.capacity if logits else min(self.cache.capacity, self.window + self.window // 4)
-            if len(context) < self.offset or len(context) - self.offset > room:
-                self.offset = max(0, len(context) - self.window)  # re-anchor the window: refill
+        if self.window is not None and (len(context) < self.offset or len(context) - self.offset > self.cache.capacity):
+            start = max(0, len(context) - self.window)
+            drop = start - self.offset
+            if len(context) < self.offset or len(context) - self.anchor > len(self.draft.net.rope_cos):
+                self.offset = self.anchor = start  # refill from rotary position 0
                 self.cache.truncate(0)
+            else:  # slide: forget the `drop` oldest cached tokens
+                c, n = self.cache, self.cache.n
+                kept = max(n - drop, 0)
+                if kept:
+                    c.k[:, :, :, :kept] = c.k[:, :, :, drop:n].clone()
+                    c.v[:, :, :, :kept] = c.v[:, :, :, drop:n].clone()
+                    c.pos[:kept] = c.pos[drop:n].clone()
+                    self.tokens[:kept] = self.tokens[drop:n].copy()
+                c.truncate(kept)
+                self.offset = start
         context = context[self.offset:]
         if len(context) > self.cache.capacity or len(context) == 0:
             return None
@@ -409,7 +424,7 @@ class DraftState:
         out = None
         for i in range(0, len(new), 512):  # bounded prefill chunks
             chunk = torch.from_numpy(new[i:i + 512].copy())
-            pos = torch.arange(keep + i, keep + i + len(chunk))
+            pos = torch.arange(keep + i, keep + i + len(chunk)) + (self.offset - self.anchor)
             out = self.draft.net(chunk, pos, self.cache, "last" if logits and i + 512 >= len(new) else "none")
         return out[0] if logits else None
 

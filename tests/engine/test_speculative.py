@@ -222,8 +222,9 @@ def test_unsure_draft_ends_the_chain(engine):
 
 def test_windowed_draft_attends_over_the_recent_tokens_only(engine):
     """A pruned session's draft (window = KV budget) keeps at most 1.5 windows of KV however long
-    the stream; its logits equal a full draft's on the window it holds, and a rollback below the
-    window's start refills it."""
+    the stream, sliding (old keys and values dropped, none recomputed); for a one-layer draft its
+    logits equal a fresh draft's on the window it holds, and a rollback below the window's start
+    refills it."""
     draft = DraftModel.init_from_target(engine.model, torch.arange(0, 8192), n_layers=1, hidden_dim=256)
     torch.manual_seed(0)
     stream = torch.randint(0, 8192, (300,)).numpy()
@@ -231,10 +232,11 @@ def test_windowed_draft_attends_over_the_recent_tokens_only(engine):
     for n in range(40, 301, 20):  # the context grows, as observations arrive
         out = state.logits(stream[:n])
         assert out is not None and state.cache.n <= 97 and n - state.offset <= 96
+    assert state.anchor == 0 < state.offset  # slid, never refilled
     fresh = draft.new_state(1024).logits(stream[state.offset:300])
     torch.testing.assert_close(out, fresh, rtol=1e-4, atol=1e-4)
     state.logits(stream[:50])  # rolled back before the window
-    assert state.offset == 0 and state.cache.n == 50
+    assert state.offset == state.anchor == 0 and state.cache.n == 50
 
 
 def test_adaptive_length_pays_for_likely_cheap_proposals_only():
