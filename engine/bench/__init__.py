@@ -42,9 +42,9 @@ def _cmd_gpu(args) -> int:
 
 
 def _cmd_kv(args) -> int:
-    from .kv import main as kv_main
+    from .kv import run
 
-    return kv_main(args.kv_args)
+    return run(args)
 
 
 def _cmd_profile(args) -> int:
@@ -82,9 +82,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--steps", type=int, default=10, help="decode steps profiled")
     f.add_argument("--context", type=int, default=256, help="tokens in the KV cache (default 256)")
     f.set_defaults(func=_cmd_profile)
-    k = sub.add_parser("kv", help="pruned, tiered KV cache: needle / agreement / cost (see tokenspeed.bench.kv)",
-                       add_help=False)
-    k.add_argument("kv_args", nargs=argparse.REMAINDER, help="arguments of python -m tokenspeed.bench.kv")
+    from .kv import add_subcommands
+
+    k = sub.add_parser("kv", help="pruned, tiered KV cache: needle / agreement / cost (see tokenspeed.bench.kv)")
+    add_subcommands(k.add_subparsers(dest="what", required=True))
     k.set_defaults(func=_cmd_kv)
     return p
 

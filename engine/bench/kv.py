@@ -272,16 +272,12 @@ def _cost_table(rows: list[dict], base: int) -> None:
               f"{ratio(r, 'q_ttft_ms')} | {r['itl_ms']:.1f} | {ratio(r, 'itl_ms')} | {r['hot']} | {r['cold']} |")
 
 
-def main(argv=None) -> int:
-    """Command line: see the module docstring."""
-    from .. import Engine
-
+def add_subcommands(sub) -> None:
+    """Register needle, agreement and cost on an argparse subparsers object (dest "what")."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default=None, help=".gguf file or HF folder (default: embedded SmolLM2-135M)")
     common.add_argument("--threads", type=int, default=None)
     common.add_argument("--json", default=None, help="write the rows to this file")
-    ap = argparse.ArgumentParser(prog="tokenspeed bench kv", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="what", required=True)
     a = sub.add_parser("needle", parents=[common], help="(a) needle in a sensor stream")
     a.add_argument("--stream", type=int, nargs="+", default=[3000] * 20,
                    help="stream tokens per session (one session each, with its own notes)")
@@ -306,7 +302,12 @@ def main(argv=None) -> int:
     c.add_argument("--speculation", choices=["on", "off"], default="on",
                    help="on: the engine's speculation (in pruned sessions the draft attends over the last "
                         "`budget` tokens); off: plain decoding")
-    args = ap.parse_args(argv)
+
+
+def run(args) -> int:
+    """Run the parsed `needle` / `agreement` / `cost` command (see `add_subcommands`)."""
+    from .. import Engine
+
     engine = Engine.load(args.model, threads=args.threads)
     log = lambda *x: print(*x, flush=True)  # noqa: E731
     if args.what == "needle":
@@ -339,6 +340,13 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)
     return 0
+
+
+def main(argv=None) -> int:
+    """Command line (`python -m tokenspeed.bench.kv`, same as `tokenspeed bench kv`)."""
+    ap = argparse.ArgumentParser(prog="tokenspeed bench kv", description=__doc__.split("\n\n")[0])
+    add_subcommands(ap.add_subparsers(dest="what", required=True))
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -124,3 +124,12 @@ def test_profile_reports_ops_and_matmul_share():
     res = profile_decode("tiny-random", quantize=None, steps=2, context=16, rows=5)  # fp32: ATen GEMMs
     assert res["fused"] and res["wall_ms_per_token"] > 0 and res["ops_per_token"] > 0
     assert 0 < res["matmul_share"] <= 1 and len(res["top"]) == 5
+
+
+def test_bench_kv_help_lists_its_subcommands(capsys):
+    for argv in (["kv", "--help"], ["kv", "cost", "--help"]):
+        with pytest.raises(SystemExit) as exit_:
+            bench_main(argv)
+        assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "needle" in out and "agreement" in out and "--budget" in out
