@@ -114,6 +114,8 @@ class KVConfig:
     recall_room: int | None = None
 
     def __post_init__(self):
+        if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
+            raise ValueError(f"KVConfig: budget must be a positive int (tokens), got {self.budget!r}")
         if self.recent is None:
             self.recent = self.budget // 2
         if self.page < 1 or self.recent < self.page or self.sinks < 0:

@@ -236,7 +236,12 @@ class Session:
             self.kv = None
             self.cache = self.model.new_cache(capacity)
         else:
-            self.kv = kv_budget if isinstance(kv_budget, KVConfig) else KVConfig(budget=int(kv_budget))
+            if isinstance(kv_budget, KVConfig):
+                self.kv = kv_budget
+            elif isinstance(kv_budget, int) and not isinstance(kv_budget, bool):
+                self.kv = KVConfig(budget=kv_budget)
+            else:
+                raise ValueError(f"kv_budget must be an int (tokens) or a KVConfig, got {kv_budget!r}")
             w = self.model.tok_embeddings.weight
             self.cache = TieredKVCache(self.model.args, self.kv, w.dtype, w.device)
         self.tokens: list[int] = []        # token ids whose KV is in the cache, in slot order
@@ -251,6 +256,9 @@ class Session:
                                      None if self.kv is None else self.kv.budget)
         self._system_text = tools_system_prompt(system, tools)
         self._append(self._render([{"role": "system", "content": self._system_text}]), "system", pinned=True)
+        if self.kv is not None and self.num_tokens >= self.kv.budget:
+            raise ValueError(f"kv_budget {self.kv.budget} tokens cannot hold the pinned system prompt and tools "
+                             f"({self.num_tokens} tokens)")
         self._flush()
 
     # ---------------------------------------------------------------- context
@@ -325,8 +333,11 @@ class Session:
         Returns:
             tokens appended to the context.
         Raises:
-            TypeError: content is neither str nor a list of messages; ValueError: context full.
+            TypeError: content is neither str nor a list of messages; ValueError: context full, or
+            `kind` is neither "text" nor "sensor".
         """
+        if kind not in ("text", "sensor"):
+            raise ValueError(f'observe(): kind must be "text" or "sensor", got {kind!r}')
         if isinstance(content, str):
             messages = [{"role": role, "content": content}]
         elif isinstance(content, list) and all(isinstance(m, dict) and "content" in m for m in content):

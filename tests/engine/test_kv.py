@@ -33,6 +33,14 @@ def test_config_rejects_bad_budgets(tiny_engine):
         KVConfig(budget=1024, decay=1.5)
     with pytest.raises(ValueError):
         tiny_engine.session(kv_budget=10)
+    for bad in (0, -5, True, 256.0, "256", float("nan")):
+        with pytest.raises(ValueError, match="positive int|int \\(tokens\\)"):
+            tiny_engine.session(kv_budget=bad)
+    with pytest.raises(ValueError, match="pinned system prompt"):  # the tool schemas alone exceed it
+        tiny_engine.session(system="You control a robot arm.", tools=TOOLS, kv_budget=160)
+    s = tiny_engine.session(kv_budget=300)
+    with pytest.raises(ValueError, match="kind"):
+        s.observe("lidar scan", kind="lidar")
 
 
 def test_budget_holds_and_positions_stay_original(tiny_engine):
