@@ -138,7 +138,17 @@ class Engine:
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,
                                                    eos_token=tokenizer.eos_id)
         self._grammars: dict[tuple, ToolGrammar] = {}
-        self.speculation: SpecConfig | None = SpecConfig.default(self.model)
+        self.speculation = SpecConfig.default(self.model)
+
+    @property
+    def speculation(self) -> SpecConfig | None:
+        return self._speculation
+
+    @speculation.setter
+    def speculation(self, config: SpecConfig | None) -> None:
+        if config is not None and not isinstance(config, SpecConfig):
+            raise TypeError(f"Engine.speculation must be a SpecConfig or None, got {type(config).__name__}")
+        self._speculation = config
 
     @classmethod
     def load(cls, model: str | None = None, *, threads: int | None = None,

@@ -296,6 +296,8 @@ class DraftModel(nn.Module):
 
         extra: JSON-serialisable metadata to store alongside (e.g. training report).
         """
+        import os
+
         from safetensors.torch import save_file
 
         a = self.net.args
@@ -305,6 +307,7 @@ class DraftModel(nn.Module):
                 "window": self.window, "extra": extra or {}}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.cpu() for k, v in tensors.items()}, str(path), metadata={"tokenspeed_draft": json.dumps(meta)})
+        os.chmod(path, 0o644)  # safetensors writes 0600; the draft is shared data
 
     @classmethod
     def load(cls, path: str | Path, target: Transformer) -> "DraftModel":
@@ -317,7 +320,7 @@ class DraftModel(nn.Module):
 
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"draft model {path} does not exist")
+            raise FileNotFoundError(f"draft model {path} does not exist or is not a file")
         try:
             with safe_open(str(path), "pt") as f:
                 raw = (f.metadata() or {}).get("tokenspeed_draft")
@@ -326,14 +329,23 @@ class DraftModel(nn.Module):
             raise ValueError(f"{path} is not a readable safetensors file: {exc}") from exc
         if raw is None:
             raise ValueError(f"{path} is not a tokenspeed draft (no 'tokenspeed_draft' metadata)")
-        meta = json.loads(raw)
-        if meta["target"] != fingerprint(target):
-            raise ValueError(f"{path} was trained for another target model (fingerprint {meta['target']})")
-        vocab = tensors.pop("draft.vocab").long()
-        draft = cls(target, replace(target.args, n_layers=meta["n_layers"], hidden_dim=meta["hidden_dim"]), vocab)
+        try:
+            meta = json.loads(raw)
+            target_id, n_layers, hidden_dim = meta["target"], int(meta["n_layers"]), int(meta["hidden_dim"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: malformed 'tokenspeed_draft' metadata ({exc})") from exc
+        if target_id != fingerprint(target):
+            raise ValueError(f"{path} was trained for another target model (fingerprint {target_id})")
+        vocab = tensors.pop("draft.vocab", torch.empty(0)).long()
+        if vocab.dim() != 1 or len(vocab) == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= target.args.vocab_size:
+            raise ValueError(f"{path}: draft.vocab must be target token ids in [0, {target.args.vocab_size})")
+        draft = cls(target, replace(target.args, n_layers=n_layers, hidden_dim=hidden_dim), vocab)
         p = target.tok_embeddings.weight
-        missing, unexpected = draft.net.load_state_dict(
-            {k: v.to(device=p.device, dtype=p.dtype) for k, v in tensors.items()}, strict=False)
+        try:
+            missing, unexpected = draft.net.load_state_dict(
+                {k: v.to(device=p.device, dtype=p.dtype) for k, v in tensors.items()}, strict=False)
+        except RuntimeError as exc:  # shape mismatches
+            raise ValueError(f"{path}: weights do not fit the draft's architecture: {str(exc).splitlines()[-1].strip()}") from exc
         own_missing = [k for k in missing if not k.startswith(("tok_embeddings.", "output."))]
         if own_missing or unexpected:
             raise ValueError(f"{path}: missing {own_missing}, unexpected {unexpected}")
@@ -577,7 +589,9 @@ class AdaptiveLength:
 
 @dataclass
 class SpecConfig:
-    """What a session speculates with.
+    """What a session speculates with. `draft` defaults to None (no draft model): to change one
+    setting of the engine's default (which holds the shipped draft), use
+    `dataclasses.replace(engine.speculation, forced_text=False)`.
 
     Attributes:
         prompt_lookup: use `PromptLookup` proposals.
@@ -598,6 +612,8 @@ class SpecConfig:
             chain ends there and the target decides that token itself. The draft's confidence
             tracks its acceptance (EAGLE-2, Li et al. 2024, sec. 3), so unsure proposals, which
             are mostly rejected, cost no verification rows. 0: always propose.
+    Raises (on construction):
+        TypeError: draft is not a `DraftModel`. ValueError: a length or probability out of range.
     """
 
     prompt_lookup: bool = True
@@ -605,11 +621,21 @@ class SpecConfig:
     max_ngram: int = 3
     min_ngram: int = 1
     lookup_window: int = 512
-    draft: DraftModel | None = None
+    draft: DraftModel | None = field(default=None, repr=False)
     max_k: int = 8
     adaptive: bool = True
     lookup_below: float = 0.8
     min_confidence: float = 0.0
+
+    def __post_init__(self):
+        if self.draft is not None and not isinstance(self.draft, DraftModel):
+            raise TypeError(f"SpecConfig.draft must be a DraftModel or None, got {type(self.draft).__name__}")
+        if self.max_k < 1 or not 1 <= self.min_ngram <= self.max_ngram or self.lookup_window < 1:
+            raise ValueError(f"SpecConfig: need max_k >= 1, 1 <= min_ngram <= max_ngram, lookup_window >= 1 "
+                             f"(got {self.max_k}, {self.min_ngram}, {self.max_ngram}, {self.lookup_window})")
+        if not (0.0 <= self.lookup_below <= 1.0 and 0.0 <= self.min_confidence <= 1.0):
+            raise ValueError(f"SpecConfig: lookup_below and min_confidence are probabilities in [0, 1] "
+                             f"(got {self.lookup_below}, {self.min_confidence})")
 
     @classmethod
     def default(cls, target: Transformer) -> "SpecConfig":

@@ -210,8 +210,9 @@ def print_table(report: dict) -> None:
                 f"tokens; proposals accepted {_fmt(ours['spec_acceptance'], 3)} ({src}); decided tokens per target "
                 f"forward {_fmt(ours['decided_per_forward'], 2)}")
         if plain and plain.get("turn_ms"):
-            line += (f"; vs no speculation: turn {_fmt(plain['turn_ms'] / ours['turn_ms'], 3)}x, "
-                     f"ITL p50 {_fmt(plain['itl_p50_ms'] / ours['itl_p50_ms'], 3)}x faster")
+            line += (f"; speed-up vs no speculation (plain / speculative time, > 1: faster): turn "
+                     f"{_fmt(plain['turn_ms'] / ours['turn_ms'], 3)}, ITL p50 "
+                     f"{_fmt(plain['itl_p50_ms'] / ours['itl_p50_ms'], 3)}")
         console.print(line, markup=False)
     for note in report.get("notes", []):
         console.print(f"  note: {note}", markup=False)

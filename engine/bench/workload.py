@@ -225,7 +225,7 @@ def build_workload(seed: int = 0, quick: bool = False, n_calls: int | None = Non
         FileNotFoundError: BFCL data or the robot tool set not found.
         ValueError: n_calls < 1.
     """
-    n_calls = n_calls or (2 if quick else 10)
+    n_calls = n_calls if n_calls is not None else (2 if quick else 10)
     plan = _QUICK_PLAN if quick else _PLAN
     if n_calls < 1:
         raise ValueError(f"n_calls must be >= 1, got {n_calls}")

@@ -46,7 +46,7 @@ def cmd_train(args) -> int:
     report = train(_engine(args), Path(args.data), Path(args.out), epochs=args.epochs, lr=args.lr,
                    n_layers=args.layers, hidden_dim=args.hidden, vocab_size=args.vocab, aux_weight=args.aux_weight,
                    checkpoint_every=args.checkpoint_every, resume=args.resume, seed=args.seed,
-                   window=args.window or None,
+                   window=None if args.window == 0 else args.window,
                    install=DEFAULT_DRAFT if args.install else None)
     print(json.dumps(report, indent=1))
     return 0

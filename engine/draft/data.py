@@ -267,9 +267,12 @@ def read_data(path: Path, split: str | None = None) -> tuple[dict, list[dict]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist (run `tokenspeed draft build-data`)")
-    lines = path.read_text().splitlines()
-    header = json.loads(lines[0]) if lines else {}
-    if header.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a {FORMAT} file")
-    rows = [json.loads(line) for line in lines[1:]]
-    return header, [r for r in rows if split is None or r["split"] == split]
+    try:
+        lines = path.read_text().splitlines()
+        parsed = [json.loads(line) for line in lines]
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not a {FORMAT} file (JSON lines): {exc}") from exc
+    if not parsed or not all(isinstance(x, dict) for x in parsed) or parsed[0].get("format") != FORMAT:
+        raise ValueError(f"{path} is not a {FORMAT} file (a header object, then one object per row)")
+    header, rows = parsed[0], parsed[1:]
+    return header, [r for r in rows if split is None or r.get("split") == split]

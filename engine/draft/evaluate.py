@@ -66,7 +66,11 @@ def evaluate(engine, data: Path, draft: DraftModel | None, *, k: int = 6, limit:
             runs the AAL turns).
     Returns:
         {"rows": n, "settings": {name: metrics}}.
+    Raises:
+        ValueError: k or repeats < 1; not a dataset file.
     """
+    if k < 1 or repeats < 1:
+        raise ValueError(f"eval: need k >= 1 and repeats >= 1 (got k={k}, repeats={repeats})")
     _, rows = read_data(data, "heldout")
     rows = [r for r in rows if r["family"] != "agent"]
     picked, per_family = [], {}

@@ -136,10 +136,15 @@ def train(engine, data: Path, out_dir: Path, *, epochs: float = 2.0, lr: float =
     Returns:
         report dict: steps, seconds, final train loss, held-out agreement, paths.
     Raises:
-        ValueError: the dataset was built for another target, or has no train rows.
+        ValueError: the dataset was built for another target, or has no train rows; epochs,
+            vocab_size or window out of range; `resume` from a file that is not a checkpoint of
+            this architecture.
     """
     from ..speculative import fingerprint
 
+    if not epochs > 0 or vocab_size < 1 or (window is not None and window < 1):
+        raise ValueError(f"train: need epochs > 0, vocab_size >= 1 and window >= 1 or None "
+                         f"(got {epochs}, {vocab_size}, {window})")
     header, rows = read_data(data)
     if header["target"] != fingerprint(engine.model):
         raise ValueError(f"{data} was built for another target model ({header['model']})")
@@ -151,7 +156,14 @@ def train(engine, data: Path, out_dir: Path, *, epochs: float = 2.0, lr: float =
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = out_dir / "checkpoint.pt"
     torch.manual_seed(seed)
-    state = torch.load(ckpt_path, weights_only=False) if resume and ckpt_path.is_file() else None
+    state = None
+    if resume and ckpt_path.is_file():
+        try:
+            state = torch.load(ckpt_path, weights_only=False)
+        except Exception as exc:  # torch raises pickle and zip errors of its own
+            raise ValueError(f"{ckpt_path} is not a draft training checkpoint: {exc}") from exc
+        if not isinstance(state, dict) or not {"vocab", "weights", "optimizer", "step"} <= set(state):
+            raise ValueError(f"{ckpt_path} is not a draft training checkpoint")
     vocab = state["vocab"] if state else draft_vocab(train_rows, vocab_size, engine.tokenizer.stop_ids)
     draft = DraftModel.init_from_target(engine.model, vocab, n_layers=n_layers, hidden_dim=hidden_dim)
     params = [p for n, p in draft.net.named_parameters() if not n.startswith(("tok_embeddings.", "output."))]
@@ -161,8 +173,12 @@ def train(engine, data: Path, out_dir: Path, *, epochs: float = 2.0, lr: float =
     total = max(1, int(epochs * len(train_rows)))
     step = 0
     if state:
-        draft.net.load_state_dict(state["weights"], strict=False)
-        opt.load_state_dict(state["optimizer"])
+        try:
+            draft.net.load_state_dict(state["weights"], strict=False)
+            opt.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"{ckpt_path} was written for another draft architecture "
+                             f"(--layers/--hidden): {str(exc).splitlines()[0]}") from exc
         step = state["step"]
     index = _index(draft)
     order = random.Random(seed)

@@ -4,6 +4,7 @@ on the held-out split, and load it into a speculating session."""
 import json
 
 import pytest
+import torch
 
 from tokenspeed.draft import main
 from tokenspeed.draft.data import read_data
@@ -80,3 +81,45 @@ def test_draft_errors_are_clear(tmp_path, engine, capsys):
         DraftModel.load(bad, engine.model)
     with pytest.raises(FileNotFoundError):
         DraftModel.load(tmp_path / "none.safetensors", engine.model)
+
+
+def test_bad_files_and_settings_are_refused_with_their_names(tmp_path, engine):
+    """Files that parse but are not what they claim, and out-of-range settings, end in one-line
+    errors naming the file or the setting (no tracebacks): the fresh-user check's repros."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from tokenspeed.speculative import DEFAULT_DRAFT
+
+    arr = tmp_path / "arr.jsonl"
+    arr.write_text("[1, 2, 3]\n")
+    with pytest.raises(SystemExit, match="arr.jsonl is not a"):
+        main(["train", "--data", str(arr), "--out", str(tmp_path / "t")])
+    draft = DraftModel.load(DEFAULT_DRAFT, engine.model)
+    state = {k: v.to(torch.float16) for k, v in draft.trainable_state().items()}
+    meta = {"tokenspeed_draft": json.dumps({**draft.meta, "extra": {}})}
+    for name, change in (("shape", lambda s: s.update({k: v[:-1] for k, v in s.items() if v.dim() == 2})),
+                         ("vocab", lambda s: s.update({"draft.vocab": torch.tensor([10**6], dtype=torch.int32)}))):
+        tensors = dict(state, **{"draft.vocab": draft.vocab.to(torch.int32)})
+        change(tensors)
+        path = tmp_path / f"{name}.safetensors"
+        save_file(tensors, str(path), metadata=meta)
+        with pytest.raises(ValueError, match=str(path)):
+            DraftModel.load(path, engine.model)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "checkpoint.pt").write_bytes(b"garbage")
+    data = tmp_path / "data.jsonl"
+    row = {"id": "r", "family": "robot", "split": "train", "prompt_ids": [1, 2, 3], "output_ids": [4, 5], "forced": [0, 0]}
+    data.write_text("\n".join(json.dumps(x) for x in (
+        {"format": "tokenspeed-draft-data/1", "target": draft.target_id, "model": "x"}, row)) + "\n")
+    with pytest.raises(SystemExit, match="checkpoint.pt is not a draft training checkpoint"):
+        main(["train", "--data", str(data), "--out", str(tmp_path / "ck"), "--resume"])
+    for argv in (["--window", "-5"], ["--epochs", "0"], ["--vocab", "0"]):
+        with pytest.raises(SystemExit, match="train: need"):
+            main(["train", "--data", str(data), "--out", str(tmp_path / "t2"), *argv])
+    with pytest.raises(ValueError, match="max_k"):
+        SpecConfig(max_k=0)
+    with pytest.raises(TypeError, match="SpecConfig or None"):
+        engine.speculation = True
+    assert dataclasses.replace(engine.speculation, forced_text=False).draft is engine.speculation.draft
