@@ -351,12 +351,12 @@ class DraftModel(nn.Module):
             raise ValueError(f"{path}: missing {own_missing}, unexpected {unexpected}")
         draft.meta = meta
         draft.window = meta.get("window")
-        if any(type(m).__name__ in ("Int4Linear", "Int8Linear") for m in target.modules()):
+        from .quant import Int4Linear, Int8Linear, quantize
+
+        if any(isinstance(m, (Int4Linear, Int8Linear)) for m in target.modules()):
             # A quantized target: the draft's linears go int8 too. Drafting between the target's
             # forwards reads the draft's weights from DRAM each time (the target evicts them from
             # the caches): 17 MB in fp32 took 2.0 ms per proposal, most of a drafting step.
-            from .quant import quantize
-
             quantize(draft.net, "int8")
         return draft.eval()
 
