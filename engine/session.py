@@ -246,12 +246,7 @@ class Session:
             self.kv = None
             self.cache = self.model.new_cache(capacity)
         else:
-            if isinstance(kv_budget, KVConfig):
-                self.kv = kv_budget
-            elif isinstance(kv_budget, int) and not isinstance(kv_budget, bool):
-                self.kv = KVConfig(budget=kv_budget)
-            else:
-                raise ValueError(f"kv_budget must be an int (tokens) or a KVConfig, got {kv_budget!r}")
+            self.kv = kv_budget if isinstance(kv_budget, KVConfig) else KVConfig(budget=kv_budget)  # validates it
             w = self.model.tok_embeddings.weight
             self.cache = TieredKVCache(self.model.args, self.kv, w.dtype, w.device)
         self.tokens: list[int] = []        # token ids whose KV is in the cache, in slot order

@@ -46,9 +46,9 @@ target forward against the number of verified tokens):
   to canonical tokenization, so these are accepted almost always, where the draft model had
   been guessing.
 
-Per position the canonical token of forced text is proposed first, then a copy from the last message (a prompt-lookup candidate there, or a `MessageMatch`)
-is proposed first - on the AAL turns this raised acceptance from 22% to ~50% - else the draft
-model proposes; an older prompt-lookup match replaces its proposal only when the model is unsure
+Per position the canonical token of forced text is proposed first; then a copy from the last
+message (a prompt-lookup candidate there, or a `MessageMatch`) - on the AAL turns copies first
+raised acceptance from 22% to ~50% - else the draft model proposes; an older prompt-lookup match replaces its proposal only when the model is unsure
 (`SpecConfig.lookup_below`), and with no match an unsure model ends the chain
 (`SpecConfig.min_confidence`); without a draft model, prompt lookup alone proposes. Every
 proposal is checked against the grammar before it enters the chain.
@@ -75,8 +75,8 @@ from torch import nn
 
 from .model import KVCache, ModelArgs, Transformer
 
-__all__ = ["SpecConfig", "PromptLookup", "MessageMatch", "ForcedText", "copy_source", "DraftModel", "DraftState", "AdaptiveLength",
-           "Speculator", "decode", "token_probs", "DEFAULT_DRAFT"]
+__all__ = ["SpecConfig", "PromptLookup", "MessageMatch", "ForcedText", "copy_source", "DraftModel", "DraftState",
+           "AdaptiveLength", "Speculator", "decode", "token_probs", "DEFAULT_DRAFT"]
 
 DEFAULT_DRAFT = Path(__file__).parent / "data" / "draft-smollm2-135m.safetensors"
 GRAMMAR, LOOKUP, MODEL, CANONICAL = "grammar", "lookup", "model", "canonical"
@@ -345,7 +345,8 @@ class DraftModel(nn.Module):
             missing, unexpected = draft.net.load_state_dict(
                 {k: v.to(device=p.device, dtype=p.dtype) for k, v in tensors.items()}, strict=False)
         except RuntimeError as exc:  # shape mismatches
-            raise ValueError(f"{path}: weights do not fit the draft's architecture: {str(exc).splitlines()[-1].strip()}") from exc
+            shape = str(exc).splitlines()[-1].strip()
+            raise ValueError(f"{path}: weights do not fit the draft's architecture: {shape}") from exc
         own_missing = [k for k in missing if not k.startswith(("tok_embeddings.", "output."))]
         if own_missing or unexpected:
             raise ValueError(f"{path}: missing {own_missing}, unexpected {unexpected}")

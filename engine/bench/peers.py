@@ -7,7 +7,8 @@ with a standard-library module:
     python engine/bench/peers.py ENGINE JOB.json OUT.json
 
 ENGINE is "tokenspeed" (fp32; "tokenspeed:int4" / "tokenspeed:int8" quantized; a third part
-":plain" turns speculation off), "llama.cpp" or "transformers". JOB.json is written by `tokenspeed.bench.aal`: the workload, the token ids every
+":plain" turns speculation off), "llama.cpp" or "transformers". JOB.json is written by
+`tokenspeed.bench.aal`: the workload, the token ids every
 engine feeds (system prompt, each observation, the assistant trigger and end), the call schema
 of each decision, the thread count and model paths. OUT.json receives one record per decision plus the short-context
 decode measurement (see `Recorder`).
@@ -336,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     engine, job_path, out = argv
     job = json.loads(Path(job_path).read_text())
     if engine.startswith("tokenspeed"):
-        parts = engine.split(":")
-        run_tokenspeed(job, out, (parts[1:2] or [None])[0] or None, speculation="plain" not in parts[2:])
+        _, quantize, mode = (engine.split(":") + ["", ""])[:3]
+        run_tokenspeed(job, out, quantize or None, speculation=mode != "plain")
     elif engine == "llama.cpp":
         run_llamacpp(job, out)
     elif engine == "transformers":

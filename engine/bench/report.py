@@ -50,6 +50,7 @@ def summarize(run: dict, bandwidth_gbs: float) -> dict:
     out_tokens = sum(t["output_tokens"] for t in turns)
     cold = [c["ttft_ms"] for c in run.get("cold_ttft_ms", [])]
     floor = run["weight_bytes"] / (bandwidth_gbs * 1e9) * 1e3 if run.get("weight_bytes") else None
+    decided = sum(t.get("decided_tokens", 0) for t in turns)  # TokenSpeed only
     return {
         "engine": run["engine"], "config": run["config"], "threads": run["threads"],
         "calls": len(turns), "valid_calls": sum(bool(t["valid"]) for t in turns),
@@ -73,9 +74,8 @@ def summarize(run: dict, bandwidth_gbs: float) -> dict:
         # Speculation on tool calls: decided (not grammar-forced) tokens emitted per target forward
         # (EAGLE's acceptance length: accepted proposals + the target's own token), and the
         # proposals per source.
-        "decided_tokens": sum(t.get("decided_tokens", 0) for t in turns),
-        "decided_per_forward": (sum(t.get("decided_tokens", 0) for t in turns) / max(sum(t["forwards"] for t in turns), 1)
-                                if turns and "decided_tokens" in turns[0] else None),
+        "decided_tokens": decided,
+        "decided_per_forward": decided / max(sum(t["forwards"] for t in turns), 1) if decided else None,
         "spec_sources": _sources(turns),
         "weight_mb": run["weight_bytes"] / 2**20 if run.get("weight_bytes") else None,
         "load_s": run.get("load_s"),
@@ -206,8 +206,8 @@ def print_table(report: dict) -> None:
     ours, plain = report["summary"].get(OURS), report["summary"].get(OURS + "-plain")
     if ours and ours.get("decided_tokens"):
         src = ", ".join(f"{k} {a}/{p}" for k, (p, a) in sorted(ours["spec_sources"].items()))
-        line = (f"  speculation ({OURS}): {ours['decided_tokens']} decided + {ours['jump_forward_tokens']} grammar-forced "
-                f"tokens; proposals accepted {_fmt(ours['spec_acceptance'], 3)} ({src}); decided tokens per target "
+        line = (f"  speculation ({OURS}): {ours['decided_tokens']} decided + {ours['jump_forward_tokens']} "
+                f"grammar-forced tokens; proposals accepted {_fmt(ours['spec_acceptance'], 3)} ({src}); decided tokens per target "
                 f"forward {_fmt(ours['decided_per_forward'], 2)}")
         if plain and plain.get("turn_ms"):
             line += (f"; speed-up vs no speculation (plain / speculative time, > 1: faster): turn "

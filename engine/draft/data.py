@@ -199,6 +199,18 @@ def build_data(engine, tasks: list[Task], out: Path, max_tokens: int = 128, resu
     trigger = engine.tokenizer.encode("<|im_start|>assistant\n")
     end = engine.tokenizer.encode("<|im_end|>\n")
     sessions: dict[str, tuple] = {}
+
+    def write(fields: dict, s, context: list[int], tool_choice, d) -> None:
+        """One row: `fields`, then the exact ids of the prompt (context + trigger) and of the call
+        that `d` left in session `s`, which tokens the grammar forced, and the call's text."""
+        prompt_ids = context + trigger
+        output_ids = (s.tokens + s.pending[:len(s.pending) - len(end)])[len(prompt_ids):]
+        forced = forced_mask(engine.grammar(s.tools, tool_choice).matcher(), output_ids)
+        f.write(json.dumps(dict(fields, prompt_ids=prompt_ids, output_ids=output_ids, forced=forced,
+                                text=d.text)) + "\n")
+        f.flush()  # an interrupted run leaves a usable file
+        written[fields["split"]] += 1
+
     with out.open("a" if done else "w") as f:
         if not done:
             f.write(json.dumps({"format": FORMAT, "target": fingerprint(engine.model), "model": engine.source}) + "\n")
@@ -222,15 +234,7 @@ def build_data(engine, tasks: list[Task], out: Path, max_tokens: int = 128, resu
             if not d.ok:
                 skipped += 1
                 continue
-            full = s.tokens + s.pending[:len(s.pending) - len(end)]
-            prompt_ids = context + trigger
-            output_ids = full[len(prompt_ids):]
-            matcher = engine.grammar(s.tools, "required").matcher()
-            row = dict(asdict(task), prompt_ids=prompt_ids, output_ids=output_ids,
-                       forced=forced_mask(matcher, output_ids), text=d.text)
-            f.write(json.dumps(row) + "\n")
-            f.flush()  # an interrupted run leaves a usable file
-            written[task.split] += 1
+            write(asdict(task), s, context, "required", d)
         for prefix, split, wl in tqdm([w for w in workloads if f"{w[0]}_0" not in done], desc="build-data agent",
                                       unit="session"):
             try:
@@ -241,20 +245,14 @@ def build_data(engine, tasks: list[Task], out: Path, max_tokens: int = 128, resu
             for i, turn in enumerate(wl.turns):
                 for o in turn.observations:
                     s.observe(o.content, role=o.role, kind=o.kind, source=o.source)
-                prompt_ids = list(s.tokens) + trigger
+                context = list(s.tokens)
                 d = s.decide(tool_choice=turn.tool_choice, max_tokens=wl.max_tokens)
                 if not d.ok:
                     skipped += len(wl.turns) - i
                     break
-                output_ids = (s.tokens + s.pending[:len(s.pending) - len(end)])[len(prompt_ids):]
-                matcher = engine.grammar(s.tools, turn.tool_choice).matcher()
-                row = {"id": f"{prefix}_{i}", "family": "agent", "split": split, "system": wl.system,
+                write({"id": f"{prefix}_{i}", "family": "agent", "split": split, "system": wl.system,
                        "tools": wl.tools, "messages": [o.content for o in turn.observations],
-                       "tool_choice": turn.tool_choice, "prompt_ids": prompt_ids, "output_ids": output_ids,
-                       "forced": forced_mask(matcher, output_ids), "text": d.text}
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                written[split] += 1
+                       "tool_choice": turn.tool_choice}, s, context, turn.tool_choice, d)
     return {"written": written, "kept": len(done), "skipped": skipped, "path": str(out)}
 
 

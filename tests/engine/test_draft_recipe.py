@@ -1,6 +1,6 @@
 """The draft recipe end to end on a tiny configuration: build-data with the real target (a few
-robot, trading and BFCL tasks and one short agent session), train a small draft with a checkpoint and a resume, evaluate it
-on the held-out split, and load it into a speculating session."""
+robot, trading and BFCL tasks and one short agent session), train a small draft with a checkpoint
+and a resume, evaluate it on the held-out split, and load it into a speculating session."""
 import json
 
 import pytest
@@ -110,7 +110,8 @@ def test_bad_files_and_settings_are_refused_with_their_names(tmp_path, engine):
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "checkpoint.pt").write_bytes(b"garbage")
     data = tmp_path / "data.jsonl"
-    row = {"id": "r", "family": "robot", "split": "train", "prompt_ids": [1, 2, 3], "output_ids": [4, 5], "forced": [0, 0]}
+    row = {"id": "r", "family": "robot", "split": "train", "prompt_ids": [1, 2, 3], "output_ids": [4, 5],
+           "forced": [0, 0]}
     data.write_text("\n".join(json.dumps(x) for x in (
         {"format": "tokenspeed-draft-data/1", "target": draft.target_id, "model": "x"}, row)) + "\n")
     with pytest.raises(SystemExit, match="checkpoint.pt is not a draft training checkpoint"):
