@@ -10,6 +10,9 @@ deadlines are `time.monotonic()` values.
 """
 from __future__ import annotations
 
+import itertools
+import math
+import re
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -24,10 +27,39 @@ from .speculative import SpecConfig, Speculator, decode
 from .tokenizer import Tokenizer
 from .weights import ModelLoadError, load_model_files, resolve_model
 
-__all__ = ["Engine", "Session", "Decision", "Checkpoint", "Segment"]
+__all__ = ["Engine", "Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError"]
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the attention mask and activations
 LM_HEAD_ROWS = 4096  # grammar allows at most this many ids next -> project only those lm_head rows
+_ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,31}$")  # chat roles are template text: no markup in them
+_SESSION_IDS = itertools.count(1)
+
+
+class SessionArgumentError(ValueError, TypeError):
+    """An argument of a `Session` method is invalid (the message names it and what is accepted).
+
+    A ValueError and a TypeError, so callers that caught either before keep working.
+    """
+
+
+class NonFiniteLogitsError(ArithmeticError):
+    """A forward produced NaN or infinite logits (corrupt weights or an overflow): the decision
+    is answered "invalid", never "ok"."""
+
+
+def _finite(value, name: str, unit: str = "") -> float | None:
+    """A finite number, or None; else SessionArgumentError (a NaN deadline would disable it)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SessionArgumentError(f"{name} must be a finite number{unit}, got {value!r}")
+    return float(value)
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SessionArgumentError(f"{name} must be a positive integer, got {value!r}")
+    return value
 
 
 @dataclass
@@ -111,6 +143,7 @@ class Checkpoint:
     n_segments: int
     last_segment_end: int
     kv: object = None  # tokenspeed.kv.KVSnapshot for pruned sessions
+    session_id: int = 0  # the session it belongs to: another session's checkpoint is refused
 
 
 class Engine:
@@ -217,7 +250,8 @@ class Engine:
         """Compiled grammar for (tools, tool_choice), cached per engine."""
         import json
 
-        key = (json.dumps(tools, sort_keys=True), json.dumps(tool_choice, sort_keys=True))
+        # default=repr: a tool_choice that is not JSON still reaches the parser, which names it
+        key = (json.dumps(tools, sort_keys=True), json.dumps(tool_choice, sort_keys=True, default=repr))
         if key not in self._grammars:
             self._grammars[key] = ToolGrammar.build(self.ll_tokenizer, self.tokenizer.vocab_size, tools, tool_choice)
         return self._grammars[key]
@@ -239,6 +273,7 @@ class Session:
     def __init__(self, engine: Engine, system: str | None, tools: list[dict], capacity: int | None,
                  kv_budget: "int | KVConfig | None" = None):
         self.engine = engine
+        self.id = next(_SESSION_IDS)
         self.model = engine.model
         self.tok = engine.tokenizer
         self.tools = tools
@@ -274,12 +309,10 @@ class Session:
 
     def _render(self, messages: list[dict]) -> list[int]:
         # Render messages on their own, after the system message, and keep only their tokens
-        # (chat templates are prefix-stable; this is O(message), not O(history)).
-        if not self.segments:
-            return self.tok.encode(self.tok.render_chat(messages))
-        head = self.tok.render_chat([{"role": "system", "content": self._system_text}])
-        full = self.tok.render_chat([{"role": "system", "content": self._system_text}] + messages)
-        return self.tok.encode(full[len(head):])
+        # (chat templates are prefix-stable; this is O(message), not O(history)). Contents are
+        # tokenized as text only: no special token can be forged from them.
+        head = [{"role": "system", "content": self._system_text}] if self.segments else []
+        return self.tok.encode_chat(messages, head)
 
     def _append(self, ids: list[int], kind: str, source: str = "", pinned: bool = False) -> None:
         start = self.num_tokens
@@ -301,6 +334,8 @@ class Session:
             pos = torch.arange(pos0 + i, pos0 + i + len(chunk), dtype=torch.long)
             out = self.model(t, pos, self.cache, logits_for if last else "none", head=rows is None)
         self.tokens.extend(ids)
+        if out is not None and out.numel() and not torch.isfinite(out).all():
+            raise NonFiniteLogitsError(f"non-finite logits at positions {pos0}..{pos0 + len(ids) - 1}")
         if rows is not None:  # logits of the allowed ids only; the rest stay -inf (the mask's value)
             logits = torch.full((1, self.model.args.vocab_size), float("-inf"))
             logits[:, rows] = linear_rows(self.model.output, out, rows)
@@ -337,18 +372,23 @@ class Session:
             pin: keep this observation in the hot tier for good (pruned sessions).
         Returns:
             tokens appended to the context.
+        Content is tokenized as text only: special tokens written in it (`<|im_end|>`) never
+        become control tokens, so observed text cannot end its turn or forge another.
+
         Raises:
-            TypeError: content is neither str nor a list of messages; ValueError: context full, or
-            `kind` is neither "text" nor "sensor".
+            SessionArgumentError: content is neither str nor a list of {"role": str, "content":
+            str} messages, a role is not a plain name, or `kind` is neither "text" nor "sensor".
+            ValueError: context full.
         """
         if kind not in ("text", "sensor"):
-            raise ValueError(f'observe(): kind must be "text" or "sensor", got {kind!r}')
-        if isinstance(content, str):
-            messages = [{"role": role, "content": content}]
-        elif isinstance(content, list) and all(isinstance(m, dict) and "content" in m for m in content):
-            messages = content
-        else:
-            raise TypeError("observe() takes a string or a list of {'role', 'content'} messages")
+            raise SessionArgumentError(f'observe(): kind must be "text" or "sensor", got {kind!r}')
+        messages = [{"role": role, "content": content}] if isinstance(content, str) else content
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role", "user"), str)
+                and _ROLE.match(m.get("role", "user")) for m in messages):
+            raise SessionArgumentError("observe() takes a string or a list of {'role': name, 'content': str} "
+                                       "messages (role: letters, digits, '_' or '-')")
+        messages = [{"role": m.get("role", "user"), "content": m["content"]} for m in messages]
         ids = self._render(messages)
         self._append(ids, kind, source, pinned=pin)
         self._flush()
@@ -358,14 +398,17 @@ class Session:
         """Capture the context (O(1): the KV prefix is immutable until rollback)."""
         last_end = self.segments[-1].end if self.segments else 0
         kv = self.cache.snapshot() if self.kv is not None else None
-        return Checkpoint(len(self.tokens), tuple(self.pending), len(self.segments), last_end, kv)
+        return Checkpoint(len(self.tokens), tuple(self.pending), len(self.segments), last_end, kv, self.id)
 
     def rollback(self, cp: Checkpoint) -> None:
         """Restore the context exactly as it was at `cp` (later tokens and KV are discarded).
 
         Raises:
+            SessionArgumentError: `cp` is not a Checkpoint of this session.
             ValueError: `cp` is from a longer context than the current one's cached prefix.
         """
+        if not isinstance(cp, Checkpoint) or cp.session_id != self.id:
+            raise SessionArgumentError("rollback() takes a Checkpoint taken from this same session")
         if cp.n_tokens > len(self.tokens) or cp.n_segments > len(self.segments):
             raise ValueError("checkpoint is not a prefix of this session's context")
         if self.kv is not None:
@@ -400,8 +443,13 @@ class Session:
             the session is rolled back to its state before the call.
         Raises:
             ToolSchemaError: tool_choice is malformed or names an unknown tool.
+            SessionArgumentError: deadline or deadline_at not a finite number (NaN would disable
+                the deadline), or max_tokens not a positive integer.
         """
         t0 = time.perf_counter()
+        deadline = _finite(deadline, "deadline", " of seconds or None")
+        deadline_at = _finite(deadline_at, "deadline_at", " (time.monotonic() seconds) or None")
+        _positive_int(max_tokens, "max_tokens")
         if deadline is not None:
             deadline_at = time.monotonic() + deadline
         grammar = self.engine.grammar(self.tools, tool_choice)
@@ -416,6 +464,9 @@ class Session:
             with self.cache.decision() if self.kv is not None else nullcontext():  # recall: first forward only
                 out, feed = decode(self, prefill, d, matcher=matcher, jump_forward=jump_forward,
                                    max_tokens=max_tokens, deadline_at=deadline_at, t0=t0)
+        except NonFiniteLogitsError as exc:  # never "ok" on garbage: the monitor's fallback applies
+            out, feed = [], []
+            d.status, d.reason = "invalid", str(exc)
         finally:
             self._rows_matcher = None
         d.prefill_tokens = len(prefill)
@@ -457,7 +508,15 @@ class Session:
         Returns:
             the generated text (the reply stays in the context). With speculation, greedy output
             is identical and sampled output has the same distribution (rejection sampling).
+        Raises:
+            SessionArgumentError: prompt not a string or None, max_tokens not a positive integer,
+                temperature negative or not finite, top_p outside (0, 1].
         """
+        if prompt is not None and not isinstance(prompt, str):
+            raise SessionArgumentError(f"prompt must be a string or None, got {type(prompt).__name__}")
+        _positive_int(max_tokens, "max_tokens")
+        if not (_finite(temperature, "temperature") >= 0 and 0 < _finite(top_p, "top_p") <= 1):
+            raise SessionArgumentError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
         if prompt is not None:
             self._append(self._render([{"role": "user", "content": prompt}]), "text")
         self._append(self.tok.encode("<|im_start|>assistant\n"), "assistant")
