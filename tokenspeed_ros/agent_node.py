@@ -189,6 +189,7 @@ class AgentNode(Node):
     def close(self) -> bool:
         """Stop the engine thread; False when it is still inside a load or forward (see
         EngineWorker.close)."""
+        self.monitor.close()
         return self.worker.close()
 
     # ------------------------------------------------------------------ inputs

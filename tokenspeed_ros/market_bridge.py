@@ -219,6 +219,7 @@ class MarketBridgeNode(Node):
         forward (see EngineWorker.close: end the process with os._exit then)."""
         self._stop.set()  # also silences the engine thread's notifications from now on
         self._feed_thread.join(5.0)
+        self.monitor.close()
         stopped = self.worker.close(timeout_s) if self.worker is not None else True
         self._sub.close()
         self._pub.close()
