@@ -261,11 +261,16 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
     `node.close()` (returns False while the engine thread is inside a load or forward) and
     destroy it.
 
-    Returns 0 on a clean shutdown, 2 when make_node() raises one of `errors` (printed on stderr
-    as "<name>: <error>"). When the engine thread is still busy, the process ends with
-    os._exit(0) after flushing stdout/stderr: interpreter finalization would wait on it.
+    Returns 0 on a clean shutdown, 2 when the ROS arguments do not parse or make_node() raises
+    one of `errors` (printed on stderr as "<name>: <error>"). When the engine thread is still
+    busy, the process ends with os._exit(0) after flushing stdout/stderr: interpreter
+    finalization would wait on it.
     """
-    rclpy.init(args=args)
+    try:
+        rclpy.init(args=args)
+    except RuntimeError as e:   # rcl's RCLError: e.g. "-p model:=" (an override without a value)
+        print(f"{name}: cannot parse the ROS arguments: {str(e).split(', at ')[0]}", file=sys.stderr)
+        return 2
     try:
         node = make_node()
     except errors as e:

@@ -36,6 +36,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import zmq
@@ -214,9 +215,10 @@ class MarketBridgeNode(Node):
                                f"agent {'on, model ' + (p.model or 'embedded') if p.agent else 'off'}")
 
     def close(self, timeout_s: float = 1.0) -> bool:
-        """Stop the feed and engine threads and close the sockets, waiting up to timeout_s
-        seconds for the engine. Returns False when the engine thread is still inside a load or
-        forward (see EngineWorker.close: end the process with os._exit then)."""
+        """Stop the feed and engine threads and close the sockets (removing the ipc:// files it
+        bound), waiting up to timeout_s seconds for the engine. Returns False when the engine
+        thread is still inside a load or forward (see EngineWorker.close: end the process with
+        os._exit then)."""
         self._stop.set()  # also silences the engine thread's notifications from now on
         self._feed_thread.join(5.0)
         self.monitor.close()
@@ -224,6 +226,9 @@ class MarketBridgeNode(Node):
         self._sub.close()
         self._pub.close()
         self._zmq.term()
+        for endpoint, bound in ((self.p.feed_endpoint, self.p.feed_bind), (self.p.decision_endpoint, self.p.decision_bind)):
+            if bound and endpoint.startswith("ipc://"):   # ZeroMQ leaves the socket file behind
+                Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
         return stopped
 
     # ------------------------------------------------------------------ feed thread

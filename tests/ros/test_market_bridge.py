@@ -419,3 +419,11 @@ def test_an_exception_in_the_feed_thread_is_counted_and_reported(ros, tmp_path, 
                    for d in diags for s in d.status)
     assert spin_until(executor, feed_warns, 10.0)
     pub.close()
+
+
+def test_close_removes_the_ipc_files_it_bound(ros, tmp_path):
+    node, feed_ep, decision_ep = start_bridge(ros, tmp_path)
+    files = [tmp_path / "feed", tmp_path / "decisions"]
+    assert all(f.exists() for f in files)
+    assert node.close()
+    assert not any(f.exists() for f in files)
