@@ -12,8 +12,9 @@ Nothing the host node does can delay a fallback: the deadline timer and the comm
 publishers live on a monitor-owned node spun by its own executor thread, so a slow callback of
 the host (a huge image in perception, a sensor flood) does not hold them. A fallback for a
 missed deadline goes out at most `FALLBACK_BOUND_S` after the deadline (one timer period plus
-scheduling); each one's lateness is measured and one beyond the bound is counted
-("fallback_late"). The host also publishes a heartbeat (std_msgs/Header on
+scheduling; for a decision the host opened on a reading already older than the budget, counted
+as "opened_after_deadline", after it was opened); each one's lateness is measured and one
+beyond the bound is counted ("fallback_late"). The host also publishes a heartbeat (std_msgs/Header on
 `{action_topic}/heartbeat`, every `HEARTBEAT_PERIOD_S`) from its own executor: a robot-side
 command timeout (the simulator's `cmd_timeout_s`) stops the arm when the agent goes silent.
 
@@ -50,11 +51,13 @@ HEARTBEAT_SUFFIX = "/heartbeat"
 
 @dataclass
 class Decision:
-    """One open decision: id, the stamp of the observation it answers and its absolute deadline."""
+    """One open decision: id, the stamp of the observation it answers, its absolute deadline and
+    when it was opened (None when unknown)."""
 
     decision_id: int
     observation_stamp: Time
     deadline: Time
+    opened: Time | None = None
 
 
 @dataclass
@@ -164,7 +167,10 @@ class DeadlineMonitor:
         """Open a decision answering the observation stamped `observation_stamp`; its deadline is
         the stamp plus the budget."""
         with self._lock:
-            d = Decision(self._next_id, observation_stamp, observation_stamp + self.budget)
+            now = self._clock.now()
+            d = Decision(self._next_id, observation_stamp, observation_stamp + self.budget, now)
+            if now > d.deadline:    # the host opened it on a reading already older than the budget
+                self.counts["opened_after_deadline"] += 1
             self._next_id += 1
             self._pending[d.decision_id] = d
             return d
@@ -226,8 +232,9 @@ class DeadlineMonitor:
         cmd = self._command(d, tool, args, ActionCommand.SOURCE_FALLBACK, 0.0)
         self.counts["fallback"] += 1
         self.counts[reason] += 1
-        if reason == "deadline_missed":
-            late_s = (Time.from_msg(cmd.header.stamp, clock_type=d.deadline.clock_type) - d.deadline).nanoseconds * 1e-9
+        if reason == "deadline_missed":   # the monitor's own lateness: from the deadline, or from the open
+            due = d.deadline if d.opened is None or d.opened < d.deadline else d.opened
+            late_s = (Time.from_msg(cmd.header.stamp, clock_type=d.deadline.clock_type) - due).nanoseconds * 1e-9
             self.fallback_lateness_s.append(late_s)
             if late_s > FALLBACK_BOUND_S:
                 self.counts["fallback_late"] += 1
