@@ -363,6 +363,9 @@ class Session:
     def observe(self, content, role: str = "user", kind: str = "text", source: str = "", pin: bool = False) -> int:
         """Append an observation to the context and prefill it now (streaming prefill).
 
+        Content is tokenized as text only: special tokens written in it (`<|im_end|>`) never
+        become control tokens, so observed text cannot end its turn or forge another.
+
         Args:
             content: text, or a list of chat messages [{"role", "content"}].
             role: chat role for text content ("user", "tool", ...).
@@ -372,9 +375,6 @@ class Session:
             pin: keep this observation in the hot tier for good (pruned sessions).
         Returns:
             tokens appended to the context.
-        Content is tokenized as text only: special tokens written in it (`<|im_end|>`) never
-        become control tokens, so observed text cannot end its turn or forge another.
-
         Raises:
             SessionArgumentError: content is neither str nor a list of {"role": str, "content":
             str} messages, a role is not a plain name, or `kind` is neither "text" nor "sensor".
@@ -511,11 +511,13 @@ class Session:
         Raises:
             SessionArgumentError: prompt not a string or None, max_tokens not a positive integer,
                 temperature negative or not finite, top_p outside (0, 1].
+            NonFiniteLogitsError: a forward produced NaN/inf logits (corrupt weights in memory).
         """
         if prompt is not None and not isinstance(prompt, str):
             raise SessionArgumentError(f"prompt must be a string or None, got {type(prompt).__name__}")
         _positive_int(max_tokens, "max_tokens")
-        if not (_finite(temperature, "temperature") >= 0 and 0 < _finite(top_p, "top_p") <= 1):
+        t, p = _finite(temperature, "temperature"), _finite(top_p, "top_p")
+        if t is None or p is None or t < 0 or not 0 < p <= 1:
             raise SessionArgumentError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
         if prompt is not None:
             self._append(self._render([{"role": "user", "content": prompt}]), "text")

@@ -141,7 +141,7 @@ def test_observe_refuses_bad_content(tiny_engine, content):
 
 
 @pytest.mark.parametrize("kwargs", [{"prompt": 5}, {"max_tokens": -1}, {"temperature": float("nan")},
-                                    {"top_p": 0.0}, {"temperature": -1.0}])
+                                    {"top_p": 0.0}, {"temperature": -1.0}, {"temperature": None}])
 def test_generate_refuses_bad_arguments(tiny_engine, kwargs):
     with pytest.raises(SessionArgumentError):
         tiny_engine.session().generate(**{"prompt": "hi", **kwargs})
