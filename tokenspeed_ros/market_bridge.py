@@ -226,7 +226,8 @@ class MarketBridgeNode(Node):
         self._sub.close()
         self._pub.close()
         self._zmq.term()
-        for endpoint, bound in ((self.p.feed_endpoint, self.p.feed_bind), (self.p.decision_endpoint, self.p.decision_bind)):
+        p = self.p
+        for endpoint, bound in ((p.feed_endpoint, p.feed_bind), (p.decision_endpoint, p.decision_bind)):
             if bound and endpoint.startswith("ipc://"):   # ZeroMQ leaves the socket file behind
                 Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
         return stopped
@@ -420,7 +421,8 @@ class MarketBridgeNode(Node):
             return "ERROR", "feed-gap alarm: no market data"
         errors = self.feed.counters[INTERNAL_ERROR] + self.counts[INTERNAL_ERROR]
         if errors:
-            return "WARN", f"receiving; {errors} internal errors (records dropped), last: {self.feed.last_internal_error}"
+            return "WARN", (f"receiving; {errors} internal errors (records dropped), "
+                            f"last: {self.feed.last_internal_error}")
         return "OK", "receiving"
 
     def _publish_status(self) -> None:
