@@ -65,8 +65,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     a.add_argument("--workload", default=None, help="run this workload JSON instead of generating one")
     a.add_argument("--engines", default=None,
-                   help="comma-separated subset of tokenspeed:int4,tokenspeed:int4:plain (no speculation),"
-                        "tokenspeed:int8,tokenspeed,llama.cpp,transformers (default: all but tokenspeed:int8)")
+                   help="comma-separated subset of tokenspeed:auto (the measured weight choice),tokenspeed:int4,"
+                        "tokenspeed:int4:plain (no speculation),tokenspeed:int8,tokenspeed,llama.cpp,transformers "
+                        "(default: all but tokenspeed:auto and tokenspeed:int8)")
     a.add_argument("--bfcl", default=None, help="BFCL data folder (default: shared/bfcl beside the repository)")
     a.add_argument("--out", default="bench-out/aal", help="output folder (default bench-out/aal)")
     a.set_defaults(func=_cmd_aal)
