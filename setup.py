@@ -21,7 +21,7 @@ setup(
     python_requires=">=3.10",
     packages=["tokenspeed", "tokenspeed_sim", "tokenspeed_ros"],
     package_dir={"tokenspeed": "engine", "tokenspeed_sim": "sim", "tokenspeed_ros": "tokenspeed_ros"},
-    package_data={"tokenspeed": ["data/*"], "tokenspeed_sim": ["data/*"]},
+    package_data={"tokenspeed": ["data/*", "kernels/*.cpp", "kernels/*.h"], "tokenspeed_sim": ["data/*"]},
     data_files=[
         ("share/ament_index/resource_index/packages", ["resource/tokenspeed_ros"]),
         ("share/tokenspeed_ros", ["package.xml"]),

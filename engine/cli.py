@@ -23,7 +23,9 @@ def _engine(args):
 
     t0 = time.perf_counter()
     engine = Engine.load(args.model, threads=args.threads, quantize=None if args.quantize == "none" else args.quantize)
-    print(f"# model {engine.source} loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    print(f"# model {engine.source} loaded in {time.perf_counter() - t0:.2f} s, {engine.weights} weights", file=sys.stderr)
+    if engine.weight_choice is not None:
+        print(f"# {engine.weight_choice.describe()}", file=sys.stderr)
     return engine
 
 
@@ -80,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=None,
                        help="a .gguf file or safetensors folder (default: embedded SmolLM2-135M-Instruct)")
         p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-        p.add_argument("--quantize", default="int4", choices=["int4", "int8", "none"],
-                       help="weights: int4 (the GGUF's Q4_1 codes; default), int8 or none (fp32)")
+        p.add_argument("--quantize", default="auto", choices=["auto", "int4", "int8", "none"],
+                       help="weights: auto (default: the fastest format on this CPU whose greedy tokens agree with "
+                            "fp32's, measured once and cached), int4 (the GGUF's Q4_1 codes), int8 or none (fp32)")
         p.add_argument("--system", default=None, help="system prompt")
         p.add_argument("--prompt", required=True, help="user message")
         p.add_argument("--max-tokens", type=int, default=256, help="most new tokens (default 256)")

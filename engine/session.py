@@ -25,11 +25,15 @@ from .model import ModelArgs, Transformer
 from .quant import linear_rows
 from .speculative import SpecConfig, Speculator, decode
 from .tokenizer import Tokenizer
-from .weights import ModelLoadError, load_model_files, resolve_model
+from .weights import ModelLoadError, cache_dir, load_model_files, resolve_model
 
 __all__ = ["Engine", "Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError"]
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the attention mask and activations
+# Probe prompts for quantize="auto": a format's greedy tokens after each must equal fp32's.
+_AUTO_PROBES = ("The red cube is at x=0.42 y=-0.10 on the table. Pick it up and",
+                '{"name": "move_to", "arguments": {"x": 0.31, "y":',
+                "Joint positions: [0.12, -0.54, 1.03]. The gripper is open. Next action:")
 LM_HEAD_ROWS = 4096  # grammar allows at most this many ids next -> project only those lm_head rows
 _ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,31}$")  # chat roles are template text: no markup in them
 _SESSION_IDS = itertools.count(1)
@@ -155,12 +159,16 @@ class Engine:
         args: the `ModelArgs`.
         source: what was loaded ("embedded", a path, or "tiny-random").
         load_s: load time in seconds.
+        weights: the weight format, "fp32", "int8" or "int4".
+        weight_choice: the `tokenspeed.quant.FormatChoice` behind `weights` when loaded with
+            quantize="auto" (its timings; None otherwise).
         speculation: `tokenspeed.speculative.SpecConfig` new sessions speculate with (default:
             prompt lookup, grammar runs and the shipped draft model when it matches this
             target), or None for plain decoding. Set it before creating sessions.
     """
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, source: str, load_s: float = 0.0):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, source: str, load_s: float = 0.0,
+                 weights: str = "fp32", weight_choice=None):
         import llguidance
 
         self.model = model.eval()
@@ -168,6 +176,8 @@ class Engine:
         self.args = model.args
         self.source = source
         self.load_s = load_s
+        self.weights = weights
+        self.weight_choice = weight_choice
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,
                                                    eos_token=tokenizer.eos_id)
         self._grammars: dict[tuple, ToolGrammar] = {}
@@ -185,7 +195,7 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, *, threads: int | None = None,
-             dtype: torch.dtype = torch.float32, device: str = "cpu", quantize: str | None = None) -> "Engine":
+             dtype: torch.dtype = torch.float32, device: str = "cpu", quantize: str | None = "auto") -> "Engine":
         """Load a model and keep it resident.
 
         Args:
@@ -195,10 +205,13 @@ class Engine:
             threads: torch intra-op threads (None leaves torch's default).
             dtype: weight and KV-cache dtype.
             device: torch device string.
-            quantize: None, "int8" or "int4" (CPU) for weight-only quantized linears (`tokenspeed.quant`).
+            quantize: "auto" (default: the fastest format on this machine whose greedy tokens agree
+                with fp32's, measured once and cached, see `tokenspeed.quant.choose_format`; fp32
+                where the model is not fp32 on the CPU, and for "tiny-random"), None (fp32 weights, the reference), "int8"
+                or "int4" (CPU) for weight-only quantized linears (`tokenspeed.quant`).
         Raises:
             ModelLoadError: bad path or unsupported file.
-            ValueError: unknown quantize mode.
+            ValueError: unknown quantize mode, or an unknown or unrunnable `$TOKENSPEED_CPU_ISA`.
         """
         if threads:
             torch.set_num_threads(threads)
@@ -222,12 +235,21 @@ class Engine:
             except (KeyError, ValueError) as exc:
                 raise ModelLoadError(f"{files.folder}: {exc}") from exc
         net = net.to(device=device, dtype=dtype)
-        if quantize:
+        tok = Tokenizer(files.folder)
+        choice = None
+        if quantize == "auto" and device == "cpu" and dtype == torch.float32 and model != "tiny-random":
+            from .quant import choose_format
+
+            identity = f"{model or 'embedded'}:{files.folder}"
+            net, choice = choose_format(net, [tok.encode(p) for p in _AUTO_PROBES], identity,
+                                        cache_dir() / "auto_quant.json")
+        elif quantize and quantize != "auto":
             from .quant import quantize as quantize_model
 
             quantize_model(net, quantize)
-        tok = Tokenizer(files.folder)
-        return cls(net, tok, source=model or "embedded", load_s=time.perf_counter() - t0)
+        weights = choice.format if choice else quantize if quantize in ("int8", "int4") else "fp32"
+        return cls(net, tok, source=model or "embedded", load_s=time.perf_counter() - t0, weights=weights,
+                   weight_choice=choice)
 
     def session(self, system: str | None = None, tools=None, capacity: int | None = None,
                 kv_budget: "int | KVConfig | None" = None) -> "Session":

@@ -67,7 +67,7 @@ class EngineWorker:
     """A daemon thread that loads the engine, prefills observations and runs decisions.
 
     model: path, "tiny-random" or "" (embedded model); threads: CPU threads (0 = engine default);
-    quantize: "int4", "int8" or "none" (fp32 weights), see `tokenspeed.quant`;
+    quantize: "auto", "int4", "int8" or "none" (fp32 weights), see `tokenspeed.Engine.load`;
     system: system prompt; tools: OpenAI tool dicts; tool_choice: passed to decide() unless a
     request brings its own;
     kv_budget: hot KV tokens of the session (relevance pruning beyond it); repeat_slack: see above
@@ -77,7 +77,7 @@ class EngineWorker:
     """
 
     def __init__(self, *, model: str, threads: int, system: str, tools: list[dict], tool_choice,
-                 kv_budget: int, notify: Callable[[], None], logger, repeat_slack: int = 0, quantize: str = "int4"):
+                 kv_budget: int, notify: Callable[[], None], logger, repeat_slack: int = 0, quantize: str = "auto"):
         self._cfg = dict(model=model or None, threads=threads or None, system=system, tools=tools,
                          quantize=None if quantize == "none" else quantize)
         self._tool_choice = tool_choice
@@ -88,6 +88,7 @@ class EngineWorker:
         self.state = "loading"
         self.fault = ""
         self.context_tokens = 0
+        self.weights = ""               # the engine's weight format once loaded (fp32, int8, int4)
         self.coalesced = 0          # observations replaced before they were prefilled
         self._cv = threading.Condition()
         self._obs: dict[str, tuple[str, str, float]] = {}  # source -> (text, kind, stamp_s), not yet prefilled
@@ -201,9 +202,12 @@ class EngineWorker:
             self._session = engine.session(system=self._cfg["system"], tools=self._cfg["tools"],
                                            kv_budget=self._kv_budget)
             self.context_tokens = self._session.num_tokens
+            self.weights = engine.weights
             self.state = "ready"
-            self._log.info(f"engine ready in {time.monotonic() - t0:.1f} s "
+            self._log.info(f"engine ready in {time.monotonic() - t0:.1f} s, {engine.weights} weights "
                            f"({self.context_tokens} tokens of system prompt and tools)")
+            if engine.weight_choice is not None:
+                self._log.info(engine.weight_choice.describe())
         except Exception as e:  # any failure leaves the node running on fallbacks
             self.state, self.fault = "fault", f"{type(e).__name__}: {e}"
             self._log.error(f"engine failed to load, every decision falls back: {self.fault}")
