@@ -343,6 +343,9 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
+    except Exception:
+        if rclpy.ok():
+            raise       # else a take raced with the signal handler's shutdown of the context
     finally:
         stopped = node.close()
         node.destroy_node()

@@ -20,23 +20,68 @@ PACKAGE = "tokenspeed_ros"
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """One process: a console entry point (= ROS executable), its node name and its parameter
-    file (a name inside the config directory)."""
+    """One process: a console entry point (= ROS executable), its node name, its parameter file
+    (a name inside the config directory), and whether it is a managed (lifecycle) node that runs
+    the engine: the `params_file` and `model` launch arguments apply to it."""
 
     executable: str
     name: str
     params_file: str
+    managed: bool = False
 
 
-AGENT = NodeSpec("tokenspeed_agent", "tokenspeed_agent", "agent.yaml")
+AGENT = NodeSpec("tokenspeed_agent", "tokenspeed_agent", "agent.yaml", managed=True)
 COBOT_SIM = NodeSpec("tokenspeed_cobot_sim", "tokenspeed_cobot_sim", "cobot_sim.yaml")
-MARKET_BRIDGE = NodeSpec("tokenspeed_market_bridge", "tokenspeed_market_bridge", "market_bridge.yaml")
+MARKET_BRIDGE = NodeSpec("tokenspeed_market_bridge", "tokenspeed_market_bridge", "market_bridge.yaml", managed=True)
 
 LAUNCHES: dict[str, tuple[NodeSpec, ...]] = {
     "agent": (AGENT,),                  # launch/agent.launch.py: the agent alone, for a real robot
     "cobot_sim": (COBOT_SIM, AGENT),    # launch/cobot_sim.launch.py: simulated cobot + agent
     "market": (MARKET_BRIDGE,),         # launch/market.launch.py: the market bridge (feeds connect to it)
 }
+
+
+# Launch arguments (name, default, description), declared by every launch file
+# (DeclareLaunchArgument) and accepted by `tokenspeed_launch` (--params-file, --model, ...).
+LAUNCH_ARGUMENTS: tuple[tuple[str, str, str], ...] = (
+    ("params_file", "", "parameter file of the managed node (agent / market bridge); '' = the packaged one"),
+    ("model", "", "model of the managed node (.gguf, HF folder, tiny-random); '' = the parameter file's"),
+    ("namespace", "", "ROS namespace of every node of the launch (one robot cell per namespace)"),
+    ("use_sim_time", "false", "every node follows /clock"),
+    ("log_level", "info", "log level of every node (debug, info, warn, error, fatal)"),
+)
+
+
+def launch_description(launch: str):
+    """The ROS 2 LaunchDescription of `launch` (a LAUNCHES key), for launch/*.launch.py with a
+    full ROS 2 installation (imports `launch` and `launch_ros`, which are not installable here):
+    the LAUNCH_ARGUMENTS declared, every node in the `namespace`, with `log_level` and
+    `use_sim_time`, the managed node with `params_file` (default: its packaged file) and `model`
+    (when given); when any node exits, the launch shuts down. Managed nodes autostart here (no
+    lifecycle manager); `tokenspeed_launch` drives their transitions instead."""
+    from launch import LaunchDescription
+    from launch.actions import DeclareLaunchArgument, Shutdown
+    from launch.conditions import IfCondition
+    from launch.substitutions import LaunchConfiguration, PythonExpression
+    from launch_ros.actions import Node
+
+    arg = LaunchConfiguration
+    declared = [DeclareLaunchArgument(name, default_value=default, description=text)
+                for name, default, text in LAUNCH_ARGUMENTS]
+    nodes = []
+    for spec in LAUNCHES[launch]:
+        common = dict(package=PACKAGE, executable=spec.executable, name=spec.name, namespace=arg("namespace"),
+                      output="screen", on_exit=Shutdown(), arguments=["--ros-args", "--log-level", arg("log_level")])
+        if not spec.managed:
+            nodes.append(Node(**common, parameters=[str(params_path(spec)), {"use_sim_time": arg("use_sim_time")}]))
+            continue
+        params = PythonExpression(["'", arg("params_file"), "' or '", str(params_path(spec)), "'"])
+        given = PythonExpression(["'", arg("model"), "' != ''"])
+        nodes.append(Node(**common, condition=IfCondition(given),
+                          parameters=[params, {"use_sim_time": arg("use_sim_time"), "model": arg("model")}]))
+        nodes.append(Node(**common, condition=IfCondition(PythonExpression(["not ", given])),
+                          parameters=[params, {"use_sim_time": arg("use_sim_time")}]))
+    return LaunchDescription(declared + nodes)
 
 
 def config_dir() -> Path:
