@@ -2,17 +2,19 @@
 
 Starts the simulator and the agent as separate processes over DDS on localhost with
 `tokenspeed_launch cobot_sim` (the same executables and parameter files as
-launch/cobot_sim.launch.py) and listens with the latency harness in this process: it waits for
-the agent's engine to load (at most `--ready-timeout` seconds; the robot gets fallbacks
-meanwhile), then measures `--duration` seconds of closed loop, stops the launch (which stops
-every node) and prints the latency table and the task outcome; writes report.json, latency.png
-and launch.log (the nodes' output) to `--out`.
+launch/cobot_sim.launch.py; the launcher configures and activates the agent) and listens with the
+latency harness in this process: it waits for the agent's engine to load (at most
+`--ready-timeout` seconds), sends the simulator's goal to the agent as a RunTask action goal,
+measures `--duration` seconds of closed loop, stops the launch (which deactivates the agent and
+stops every node) and prints the latency table, the task outcome and the action's result; writes
+report.json, latency.png and launch.log (the nodes' output) to `--out`.
 
 Discovery is limited to localhost and the ROS domain is `ROS_DOMAIN_ID` (default 0) unless the
 environment says otherwise. Exits 0 when the run completed and every node exited cleanly.
 
 Examples:
     tokenspeed_demo                         # embedded SmolLM2-135M, 60 s after it loads
+    tokenspeed_demo --seed 2                # another scene (cube and target positions)
     tokenspeed_demo --duration 30 --set tokenspeed_agent.model=tiny-random
 """
 from __future__ import annotations
@@ -31,8 +33,10 @@ STOP_TIMEOUT_S = 30.0     # the launcher's own SIGINT -> SIGTERM -> SIGKILL sequ
 
 
 def launch_command(duration_s: float, overrides: list[str]) -> list[str]:
-    """Command line of the launcher for the cobot_sim launch, running `duration_s` seconds."""
-    cmd = [sys.executable, "-m", "tokenspeed_ros.launcher", "cobot_sim", "--duration", f"{duration_s:g}"]
+    """Command line of the launcher for the cobot_sim launch, running `duration_s` seconds. The
+    agent takes its task from the RunTask action only (its goal topic is off)."""
+    cmd = [sys.executable, "-m", "tokenspeed_ros.launcher", "cobot_sim", "--duration", f"{duration_s:g}",
+           "--set", "tokenspeed_agent.goal_topic=''"]
     for o in overrides:
         cmd += ["--set", o]
     return cmd
@@ -54,7 +58,7 @@ def run(duration_s: float, out_dir: Path, overrides: list[str], ready_timeout_s:
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             report = listen(duration_s, out_dir, stop=lambda: launcher.poll() is not None, live=True,
-                            wait_engine_s=ready_timeout_s)
+                            wait_engine_s=ready_timeout_s, task=True)
         finally:
             if launcher.poll() is None:
                 launcher.send_signal(signal.SIGINT)
@@ -83,9 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-timeout", type=float, default=180.0,
                     help="seconds to wait for the agent's engine to load (default 180)")
     ap.add_argument("--out", type=Path, default=Path("out/demo"), help="folder for report.json, latency.png, launch.log")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="scene seed of the simulator (cube and target positions; default: its parameter file's)")
     ap.add_argument("--set", action="append", default=[], metavar="NODE.PARAM=VALUE",
                     help="parameter override passed to tokenspeed_launch (repeatable)")
     args = ap.parse_args(argv)
+    if args.seed is not None:
+        args.set.insert(0, f"tokenspeed_cobot_sim.seed={args.seed}")
     if args.duration <= 0 or args.ready_timeout <= 0:
         ap.error("--duration and --ready-timeout must be > 0")
     t0 = time.monotonic()

@@ -514,10 +514,11 @@ class AgentNode(ManagedNode):
 
     # ------------------------------------------------------------------ RunTask action, Decide service
     def _on_task_goal(self, goal: RunTask.Goal) -> GoalResponse:
+        """Accept a valid goal while configured (an inactive node starts deciding on activate)."""
         text = goal.task.strip()
         unknown = [t for t in goal.tools if t not in self._tool_names]
-        if not self.active or not text or len(text) > self.p.max_goal_chars or unknown or goal.timeout_s < 0:
-            self.get_logger().warning(f"RunTask goal rejected: active {self.active}, {len(text)} characters, "
+        if not self.configured or not text or len(text) > self.p.max_goal_chars or unknown or goal.timeout_s < 0:
+            self.get_logger().warning(f"RunTask goal rejected: configured {self.configured}, {len(text)} characters, "
                                       f"unknown tools {unknown}, timeout_s {goal.timeout_s}")
             return GoalResponse.REJECT
         return GoalResponse.ACCEPT
@@ -529,9 +530,15 @@ class AgentNode(ManagedNode):
         loop); feedback flows from the first decision on."""
         g = goal_handle.request
         task = Task(g.task.strip(), self.get_clock().now(), list(g.tools), g.timeout_s, g.max_decisions,
-                    on_finish=lambda t: goal_handle.execute(lambda gh: self._task_result(t, gh)))
+                    on_finish=lambda t: self._answer_goal(goal_handle, t))
         self._task_handles[id(task)] = goal_handle
         self._start_task(task)
+
+    def _answer_goal(self, goal_handle, task: Task) -> None:
+        """Send the goal through execute to its result; skipped once the context is shut down
+        (Ctrl-C: nothing can be published, the client sees the server go away)."""
+        if self.context.ok() and self._task_server is not None:
+            goal_handle.execute(lambda gh: self._task_result(task, gh))
 
     def _task_result(self, task: Task, goal_handle) -> RunTask.Result:
         self._task_handles.pop(id(task), None)
