@@ -17,6 +17,7 @@ from support import BIN, ROOT
 
 SCRIPTS = dict(re.findall(r'"(\w+)\s*=\s*([\w.]+:\w+)"', (ROOT / "setup.py").read_text()))
 LOCAL = {"tokenspeed", "tokenspeed_ros", "tokenspeed_sim", "tokenspeed_msgs"}
+FULL_ROS_ONLY = {"launch", "launch_ros"}    # launch_spec.launch_description, for `ros2 launch` (not on PyPI)
 
 
 def test_setup_lists_the_console_scripts():
@@ -47,7 +48,7 @@ def _third_party_imports() -> set[str]:
                 names.update(a.name.split(".")[0] for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module.split(".")[0])
-    return {n for n in names if n not in LOCAL and n not in sys.stdlib_module_names}
+    return {n for n in names if n not in LOCAL | FULL_ROS_ONLY and n not in sys.stdlib_module_names}
 
 
 def _closure(requirements: list[str]) -> set[str]:
