@@ -7,6 +7,11 @@ rate and on events (new goal, changed scene, the robot finishing or rejecting th
 at a time; while the robot executes a model call, rate and scene triggers wait for its feedback.
 Each decision's deadline is measured from the newest sensor stamp.
 
+It is a managed (lifecycle) node (`managed_node`): configure loads the model, activate starts
+decisions, deactivate publishes the safe fallback. Tasks arrive as `RunTask` action goals (or on
+the goal topic) and end when the model calls the completion tool `task_done`, offered only while
+the robot's status reports the goal achieved (`task`); `Decide` makes one decision on demand.
+
 The node tracks what the gripper holds from the robot's ActionFeedback (`GripperState`) and
 masks actions by precondition: each decision may only call the tools configured for the current
 state (`tools_when_empty` / `tools_when_holding`, OpenAI allowed_tools). Right before each
