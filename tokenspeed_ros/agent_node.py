@@ -181,15 +181,6 @@ class AgentNode(ManagedNode):
             self.create_subscription(ActionFeedback, p.action_feedback_topic, self._on_feedback, 50)
         if p.task_status_topic:
             self.create_subscription(String, p.task_status_topic, self._on_task_status, latched)
-        self._task_server = None
-        if p.run_task_action:
-            # goals are executed through goal_handle.execute(callback) when their task ends (see
-            # _on_task_accepted); rclpy requires a default callback, which is never used
-            self._task_server = ActionServer(self, RunTask, p.run_task_action, execute_callback=lambda _: None,
-                                             goal_callback=self._on_task_goal, cancel_callback=self._on_task_cancel,
-                                             handle_accepted_callback=self._on_task_accepted)
-        if p.decide_service:
-            self.create_service(Decide, p.decide_service, self._on_decide)
 
         self._wake = self.create_guard_condition(lambda: self.loop.on_engine_output())
         self.worker = EngineWorker(model=p.model, threads=p.threads, quantize=p.quantize,
@@ -206,6 +197,15 @@ class AgentNode(ManagedNode):
         self.worker.start()
         if self.worker.wait_loaded() != "ready":
             raise ConfigureError(f"the model did not load: {self.worker.fault}")
+        # the action server and the service appear once the model is loaded
+        if p.run_task_action:
+            # goals are executed through goal_handle.execute(callback) when their task ends (see
+            # _on_task_accepted); rclpy requires a default callback, which is never used
+            self._task_server = ActionServer(self, RunTask, p.run_task_action, execute_callback=lambda _: None,
+                                             goal_callback=self._on_task_goal, cancel_callback=self._on_task_cancel,
+                                             handle_accepted_callback=self._on_task_accepted)
+        if p.decide_service:
+            self.create_service(Decide, p.decide_service, self._on_decide)
         self.get_logger().info(f"tokenspeed_agent configured: budget {p.deadline_budget_s} s, fallback {p.fallback}, "
                                f"decision period {p.decision_period_s} s, model {p.model or 'embedded'}")
 
