@@ -2,32 +2,26 @@
 
 FastAPI + uvicorn, request bodies validated by pydantic, streaming as server-sent events
 (sse-starlette) in OpenAI's chunk format, metrics in Prometheus text format (prometheus-client).
+The answers, warm sessions included, come from `tokenspeed.chat.ChatEngine`.
 
 One engine, one stream: requests run one at a time on a single engine thread; at most
-`queue_size` wait behind the running one and the next is answered 429 at once. Warm sessions
-without client changes: a `ConversationCache` keeps the `Session` of each recent conversation
-keyed by its messages; a request whose messages extend a cached conversation continues that
-session (longest cached prefix), so only the new messages are prefilled. Sessions are evicted
-least-recently-used to stay within a KV-cache memory budget.
+`queue_size` wait behind the running one and the next is answered 429 at once.
 
 Source: OpenAI Chat Completions API reference (request, response, chunk and error objects).
 """
 import asyncio
 import json
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .grammar import ToolSchemaError, format_tool_calls, normalize_tools
-from .session import Checkpoint, Decision, Engine, Session
+from .chat import ChatEngine, ChatError
+from .session import Engine
 
-__all__ = ["ChatCompletionRequest", "ConversationCache", "Server", "create_app", "serve"]
+__all__ = ["ChatCompletionRequest", "Server", "create_app", "serve"]
 
 
 # ---------------------------------------------------------------- request models
@@ -53,11 +47,6 @@ class Message(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
-        return self.content or ""
 
 
 class StreamOptions(BaseModel):
@@ -91,161 +80,8 @@ class ChatCompletionRequest(BaseModel):
     deadline_ms: float | None = Field(default=None, gt=0)
 
 
-class RequestError(Exception):
-    """A request the server refuses: HTTP status, OpenAI error type, message and the field (param)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
-# ---------------------------------------------------------------- warm sessions
-
-
-def _message_key(m: Message) -> str:
-    # What identifies a message for conversation reuse: role, text and calls (ids are ignored:
-    # clients invent their own).
-    calls = [[c.function.name, _parse_arguments(c.function.arguments)] for c in m.tool_calls or ()]
-    return json.dumps([m.role, m.text(), calls], sort_keys=True)
-
-
-def _content(m: Message) -> str:
-    # The text a message puts in the context: its calls in the grammar's format, or its text.
-    if m.tool_calls:
-        return format_tool_calls([{"name": c.function.name, "arguments": json.loads(c.function.arguments)}
-                                  for c in m.tool_calls])
-    return m.text()
-
-
-def _parse_arguments(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
-        raise RequestError(400, f"tool call arguments are not JSON: {arguments[:80]!r}", "messages")
-
-
-@dataclass
-class _Entry:
-    prefix: str                     # system text + tools: sessions are only shared within one
-    messages: list[str]             # `_message_key` of each message after the system one
-    checkpoints: list[Checkpoint]   # session state after the system prompt and after each message
-    session: Session
-    nbytes: int
-
-
-class ConversationCache:
-    """Sessions of recent conversations, reused by the longest cached message prefix.
-
-    Each entry keeps a checkpoint after every message, so a request that shares only the first
-    messages of a cached conversation (a retry, a branch, a new conversation with the same
-    system prompt and tools) continues it from there: the session is rolled back to the longest
-    common prefix (the entry's later messages are dropped). A session is taken out while a
-    request uses it and put back afterwards. Least-recently-used sessions are evicted while the
-    KV bytes held exceed `budget_bytes`.
-
-    Attributes:
-        budget_bytes: KV-cache memory budget in bytes.
-        hits, misses, evictions: counters; cached_tokens: context tokens reused by hits.
-    """
-
-    def __init__(self, budget_bytes: int):
-        self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()
-        self._next = 0
-        self.hits = self.misses = self.evictions = self.cached_tokens = 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def take(self, prefix: str, messages: list[str]) -> tuple[Session | None, list[Checkpoint]]:
-        """Remove the session sharing the longest message prefix with `messages`, rolled back to it.
-
-        Returns:
-            (session, checkpoints up to the shared prefix: the last one is its current state),
-            or (None, []) on a miss (no cached session with this system prompt and tools).
-        """
-        best, best_n = None, -1
-        for key, e in self._entries.items():
-            if e.prefix != prefix:
-                continue
-            n = 0
-            while n < min(len(e.messages), len(messages)) and e.messages[n] == messages[n]:
-                n += 1
-            if n > best_n or (n == best_n and len(e.messages) == n):  # prefer an exact extension
-                best, best_n = key, n
-        if best is None:
-            self.misses += 1
-            return None, []
-        e = self._entries.pop(best)
-        checkpoints = e.checkpoints[:best_n + 1]
-        e.session.rollback(checkpoints[-1])
-        self.hits += 1
-        self.cached_tokens += checkpoints[-1].n_tokens + len(checkpoints[-1].pending)
-        return e.session, checkpoints
-
-    def put(self, prefix: str, messages: list[str], checkpoints: list[Checkpoint], session: Session) -> None:
-        """Store `session` as the conversation `messages` (checkpoints: one more than messages);
-        evict least-recently-used sessions beyond the budget."""
-        cache = session.cache
-        nbytes = sum(int(t.nbytes) for t in (getattr(cache, "k", None), getattr(cache, "v", None)) if t is not None)
-        self._entries[self._next] = _Entry(prefix, list(messages), list(checkpoints), session, nbytes)
-        self._next += 1
-        while len(self._entries) > 1 and self.nbytes > self.budget_bytes:
-            self._entries.popitem(last=False)
-            self.evictions += 1
-
-
-# ---------------------------------------------------------------- the engine side of a request
-
-
-class _StopFilter:
-    """Cuts text at the first stop sequence; holds back a tail that may be the start of one."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.text = ""
-        self.sent = 0
-        self.stopped = False
-
-    def feed(self, piece: str) -> str:
-        """Add a piece; return the text now safe to send."""
-        self.text += piece
-        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped, self.text = True, self.text[:cut]
-            safe = cut
-        else:
-            hold = max((len(s) - 1 for s in self.stops), default=0)
-            safe = max(self.sent, len(self.text) - hold)
-        out, self.sent = self.text[self.sent:safe], safe
-        return out
-
-    def flush(self) -> str:
-        out, self.sent = self.text[self.sent:], len(self.text)
-        return out
-
-
-def _response_schema(fmt: dict | None) -> dict | None:
-    if fmt is None or fmt.get("type") == "text":
-        return None
-    if fmt.get("type") == "json_object":
-        return {"type": "object"}
-    if fmt.get("type") == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise RequestError(400, "response_format.json_schema.schema must be a JSON schema object",
-                               "response_format.json_schema.schema")
-        return spec["schema"]
-    raise RequestError(400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got {fmt.get('type')!r}",
-                       "response_format.type")
-
-
 class Server:
-    """The engine side: one engine thread, the request queue and the conversation cache.
+    """The HTTP side's state: the `ChatEngine`, its single engine thread, the queue bound and metrics.
 
     Args:
         engine: the resident `Engine`.
@@ -259,150 +95,36 @@ class Server:
                  cache_budget_bytes: int = 1 << 30, context: int = 4096):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-        self.engine = engine
+        self.chat = ChatEngine(engine, context, cache_budget_bytes)
         self.model_name = model_name
         self.queue_size = queue_size
-        self.context = context
-        self.cache = ConversationCache(cache_budget_bytes)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenspeed-engine")
-        self.waiting = 0  # requests admitted and not finished (the running one included)
+        self.waiting = 0  # requests admitted and not finished (the running one included); event loop only
         self.registry = r = CollectorRegistry()
-        self.m_requests = Counter("tokenspeed_requests", "chat completion requests by outcome", ["finish_reason"],
-                                  registry=r)
+        self.m_requests = Counter("tokenspeed_requests", "chat completion requests by finish reason",
+                                  ["finish_reason"], registry=r)
         self.m_rejected = Counter("tokenspeed_queue_rejections", "requests answered 429 (queue full)", registry=r)
-        self.m_hits = Gauge("tokenspeed_cache_hits", "requests that continued a cached conversation", registry=r)
-        self.m_misses = Gauge("tokenspeed_cache_misses", "requests that started a new session", registry=r)
-        self.m_evictions = Gauge("tokenspeed_cache_evictions", "sessions evicted (LRU, memory budget)", registry=r)
-        self.m_cached_tokens = Gauge("tokenspeed_cache_reused_tokens", "context tokens reused from cache", registry=r)
-        self.m_sessions = Gauge("tokenspeed_cache_sessions", "conversations held", registry=r)
-        self.m_bytes = Gauge("tokenspeed_cache_bytes", "KV bytes held by cached conversations", registry=r)
-        self.m_queue = Gauge("tokenspeed_queue_depth", "requests running or waiting", registry=r)
         self.m_ttft = Histogram("tokenspeed_ttft_seconds", "request start on the engine -> first token", registry=r,
                                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
-        self._lock = threading.Lock()
+        cache = self.chat.cache
+        for name, doc, value in [
+                ("tokenspeed_cache_hits", "requests that continued a cached conversation", lambda: cache.hits),
+                ("tokenspeed_cache_misses", "requests that started a new session", lambda: cache.misses),
+                ("tokenspeed_cache_evictions", "sessions evicted (LRU, memory budget)", lambda: cache.evictions),
+                ("tokenspeed_cache_reused_tokens", "context tokens reused from cached sessions",
+                 lambda: cache.cached_tokens),
+                ("tokenspeed_cache_sessions", "conversations held", lambda: len(cache)),
+                ("tokenspeed_cache_bytes", "KV bytes held by cached conversations", lambda: cache.nbytes),
+                ("tokenspeed_queue_depth", "requests running or waiting", lambda: self.waiting)]:
+            Gauge(name, doc, registry=r).set_function(value)
 
-    def metrics_text(self) -> bytes:
-        """Prometheus text exposition of the server's metrics."""
-        from prometheus_client import generate_latest
-
-        c = self.cache
-        with self._lock:
-            self.m_hits.set(c.hits)
-            self.m_misses.set(c.misses)
-            self.m_evictions.set(c.evictions)
-            self.m_cached_tokens.set(c.cached_tokens)
-            self.m_sessions.set(len(c))
-            self.m_bytes.set(c.nbytes)
-        self.m_queue.set(self.waiting)
-        return generate_latest(self.registry)
-
-    def prepare(self, req: ChatCompletionRequest) -> dict:
-        """Validate what pydantic cannot (tools, tool_choice, response_format) before queueing.
-
-        Raises:
-            RequestError: 400 naming the field.
-        """
-        try:
-            tools = normalize_tools(req.tools)
-        except ToolSchemaError as exc:
-            raise RequestError(400, str(exc), "tools") from None
-        schema = _response_schema(req.response_format)
-        if schema is not None:
-            try:
-                self.engine.json_grammar(schema)
-            except ToolSchemaError as exc:
-                raise RequestError(400, str(exc), "response_format") from None
-        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
-        if choice != "none" and not tools:
-            raise RequestError(400, f"tool_choice {choice!r} needs tools", "tool_choice")
-        if choice != "none":
-            try:
-                self.engine.grammar(tools, choice, req.parallel_tool_calls)
-            except ToolSchemaError as exc:
-                raise RequestError(400, str(exc), "tool_choice") from None
-        first_is_system = req.messages[0].role in ("system", "developer")
-        rest = req.messages[1:] if first_is_system else req.messages
-        for i, m in enumerate(rest):
-            for c in m.tool_calls or ():
-                _parse_arguments(c.function.arguments)
-            if m.role == "assistant" and not m.text() and not m.tool_calls:
-                raise RequestError(400, f"messages[{i + first_is_system}]: an assistant message needs content or "
-                                        "tool_calls", f"messages[{i + first_is_system}].content")
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        return {"tools": tools, "choice": choice, "schema": schema, "system": req.messages[0].text() if first_is_system else None,
-                "messages": rest, "stops": stops, "max_tokens": req.max_completion_tokens or req.max_tokens or 256}
-
-    def run(self, req: ChatCompletionRequest, job: dict, deadline_at: float | None, on_text) -> dict:
-        """Answer one request on the engine thread.
-
-        Args:
-            on_text: callback(str) for streamed text pieces (None when not streaming).
-        Returns:
-            {"decision", "message", "finish_reason", "usage", "timings"}.
-        """
-        t0 = time.perf_counter()
-        prefix = json.dumps([job["system"], job["tools"]], sort_keys=True)
-        keys = [_message_key(m) for m in job["messages"]]
-        with self._lock:
-            session, checkpoints = self.cache.take(prefix, keys)
-        cached_tokens = session.num_tokens if session is not None else 0
-        if session is None:
-            session = self.engine.session(system=job["system"], tools=job["tools"], capacity=self.context)
-            checkpoints = [session.checkpoint()]
-        try:
-            for m in job["messages"][len(checkpoints) - 1:]:  # one at a time: a checkpoint after each
-                session.observe([{"role": "system" if m.role == "developer" else m.role, "content": _content(m)}])
-                checkpoints.append(session.checkpoint())
-        except ValueError as exc:
-            raise RequestError(400, f"messages do not fit the context of {self.context} tokens: {exc}", "messages")
-        prompt_tokens = session.num_tokens
-        t_prefill = time.perf_counter() - t0
-        stop = _StopFilter(job["stops"])
-        pieces: list[str] = []
-
-        def text_piece(piece: str) -> bool:
-            out = stop.feed(piece)
-            if out:
-                pieces.append(out)
-                if on_text is not None:
-                    on_text(out)
-            return stop.stopped
-
-        d: Decision = session.decide(
-            tool_choice=job["choice"] if job["schema"] is None else "none", deadline_at=deadline_at,
-            max_tokens=job["max_tokens"], parallel=req.parallel_tool_calls, response_format=job["schema"],
-            temperature=req.temperature, top_p=req.top_p, seed=req.seed, on_text=text_piece)
-        if d.status == "text" and not stop.stopped:
-            tail = stop.flush()
-            if tail and on_text is not None:
-                on_text(tail)
-        message = d.openai_message([f"call_{uuid.uuid4().hex[:24]}" for _ in d.tool_calls])
-        finish = d.finish_reason
-        if d.status == "text":
-            message["content"] = stop.text
-            if stop.stopped:
-                finish = "stop"
-        answer_key = None
-        if d.status == "ok" or (d.status == "text" and not stop.stopped):
-            answer_key = _message_key(Message(**message))
-        elif d.status == "text":
-            session.rollback(checkpoints[-1])  # the context holds more than the client will send back
-        if answer_key:
-            checkpoints.append(session.checkpoint())
-        with self._lock:
-            self.cache.put(prefix, keys + ([answer_key] if answer_key else []), checkpoints, session)
-        ttft = t_prefill + d.ttft_s
-        if d.generated_tokens or d.forced_tokens:
-            self.m_ttft.observe(ttft)
-        self.m_requests.labels(finish).inc()
-        completion = d.generated_tokens + d.forced_tokens
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                 "total_tokens": prompt_tokens + completion,
-                 "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-        timings = {"ttft_ms": ttft * 1e3, "prefill_ms": t_prefill * 1e3, "total_ms": (time.perf_counter() - t0) * 1e3,
-                   "cached_tokens": cached_tokens, "prefill_tokens": prompt_tokens - cached_tokens,
-                   "status": d.status, "reason": d.reason}
-        return {"decision": d, "message": message, "finish_reason": finish, "usage": usage, "timings": timings}
+    def run(self, job: dict, deadline_at: float | None, on_text):
+        """Answer on the engine thread; count the outcome."""
+        result = self.chat.complete(job, deadline_at, on_text)
+        self.m_requests.labels(result.finish_reason).inc()
+        if result.decision.generated_tokens or result.decision.forced_tokens:
+            self.m_ttft.observe(result.timings["ttft_ms"] / 1e3)
+        return result
 
 
 # ---------------------------------------------------------------- HTTP
@@ -431,9 +153,9 @@ def create_app(server: Server):
         param = ".".join(loc) or None
         return _error(400, f"{param or 'body'}: {first.get('msg')}", param)
 
-    @app.exception_handler(RequestError)
-    async def refused(request, exc: RequestError):
-        return _error(exc.status, exc.message, exc.param, exc.kind)
+    @app.exception_handler(ChatError)
+    async def refused(request, exc: ChatError):
+        return _error(400, str(exc), exc.param)
 
     @app.get("/health")
     async def health():
@@ -446,17 +168,19 @@ def create_app(server: Server):
 
     @app.get("/metrics")
     async def metrics():
-        return Response(server.metrics_text(), media_type="text/plain; version=0.0.4")
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(server.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         arrived = time.monotonic()
         deadline_at = arrived + req.deadline_ms / 1e3 if req.deadline_ms else None
-        job = server.prepare(req)
+        job = server.chat.prepare(req.model_dump(exclude_none=True))
         if server.waiting > server.queue_size:
             server.m_rejected.inc()
-            raise RequestError(429, f"the engine queue is full ({server.queue_size} waiting); retry later",
-                               None, "rate_limit_error")
+            return _error(429, f"the engine queue is full ({server.queue_size} waiting); retry later", None,
+                          "rate_limit_error")
         server.waiting += 1
         loop = asyncio.get_running_loop()
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
@@ -464,13 +188,13 @@ def create_app(server: Server):
         base = {"id": rid, "created": created, "model": server.model_name, "system_fingerprint": "tokenspeed"}
         if not req.stream:
             try:
-                result = await loop.run_in_executor(server.executor, server.run, req, job, deadline_at, None)
+                result = await loop.run_in_executor(server.executor, server.run, job, deadline_at, None)
             finally:
                 server.waiting -= 1
             return {**base, "object": "chat.completion",
-                    "choices": [{"index": 0, "message": result["message"], "finish_reason": result["finish_reason"],
+                    "choices": [{"index": 0, "message": result.message, "finish_reason": result.finish_reason,
                                  "logprobs": None}],
-                    "usage": result["usage"], "tokenspeed": result["timings"]}
+                    "usage": result.usage, "tokenspeed": result.timings}
 
         events: asyncio.Queue = asyncio.Queue()
 
@@ -481,7 +205,7 @@ def create_app(server: Server):
             server.waiting -= 1
             events.put_nowait(("done", future))
 
-        loop.run_in_executor(server.executor, server.run, req, job, deadline_at, on_text).add_done_callback(finished)
+        loop.run_in_executor(server.executor, server.run, job, deadline_at, on_text).add_done_callback(finished)
 
         def chunk(delta: dict, finish=None, usage=None) -> str:
             body = {**base, "object": "chat.completion.chunk",
@@ -499,15 +223,15 @@ def create_app(server: Server):
                     continue
                 try:
                     result = value.result()
-                except RequestError as exc:
-                    yield {"data": json.dumps({"error": {"message": exc.message, "type": exc.kind,
+                except ChatError as exc:
+                    yield {"data": json.dumps({"error": {"message": str(exc), "type": "invalid_request_error",
                                                          "param": exc.param, "code": None}})}
                     break
-                for i, call in enumerate(result["message"].get("tool_calls") or ()):
+                for i, call in enumerate(result.message.get("tool_calls") or ()):
                     yield {"data": chunk({"tool_calls": [dict(call, index=i)]})}
-                yield {"data": chunk({}, result["finish_reason"])}
+                yield {"data": chunk({}, result.finish_reason)}
                 if req.stream_options is not None and req.stream_options.include_usage:
-                    yield {"data": chunk({}, usage=result["usage"])}
+                    yield {"data": chunk({}, usage=result.usage)}
                 break
             yield {"data": "[DONE]"}
 
