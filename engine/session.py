@@ -484,6 +484,8 @@ class Session:
                                    top_p=top_p, generator=gen, on_token=stream)
         finally:
             self._rows_matcher = None
+        if stream is not None:
+            stream(out)  # grammar-forced tokens that closed the answer after the last step
         d.prefill_tokens = len(prefill)
         d.text = self.tok.decode(out)
         is_text = grammar is None or grammar.mode == "json" or (grammar.mode == "auto" and d.text[:1] not in ("", "<"))

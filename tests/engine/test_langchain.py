@@ -10,9 +10,7 @@ pytest.importorskip("langchain_core")
 standard_unit = pytest.importorskip("langchain_tests.unit_tests")
 standard_integration = pytest.importorskip("langchain_tests.integration_tests")
 
-from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402
-from langchain_core.tools import tool  # noqa: E402
-
+from support import readme_example  # noqa: E402
 from tokenspeed.integrations.langchain import ChatTokenSpeed  # noqa: E402
 
 PARAMS = {"model": None, "quantize": "int4"}
@@ -68,21 +66,12 @@ class TestChatTokenSpeedIntegration(_Flags, standard_integration.ChatModelIntegr
         pass
 
 
-@tool
-def pick(object: str) -> str:
-    """Pick up an object by its name, e.g. red_cube."""
-    return f"holding {object}"
-
-
-def test_tool_messages_go_back_into_the_warm_conversation():
-    """README example: bind a tool, run it, send its result back; the second turn reuses the first's KV."""
-    llm = ChatTokenSpeed()  # the embedded SmolLM2-135M-Instruct, int4, in this process
-    with_tools = llm.bind_tools([pick], tool_choice="any")
-    history = [HumanMessage("Pick up the red cube.")]
-    ai = with_tools.invoke(history)
+def test_readme_example_tool_messages_go_back_into_the_warm_conversation(monkeypatch):
+    """The README's LangChain example: bind a tool, run it, send its result back; the next turn reuses the KV."""
+    scope: dict = {}
+    exec(readme_example("langchain"), scope)
+    ai, answer = scope["ai"], scope["answer"]
     call = ai.tool_calls[0]
     assert call["name"] == "pick" and isinstance(call["args"]["object"], str)
-    history += [ai, ToolMessage(pick.invoke(call["args"]), tool_call_id=call["id"])]
-    answer = llm.bind_tools([pick], tool_choice="none").invoke(history + [HumanMessage("What do you hold now?")])
     assert answer.content and not answer.tool_calls
     assert answer.usage_metadata["input_token_details"]["cache_read"] > ai.usage_metadata["input_tokens"]

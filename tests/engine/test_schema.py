@@ -90,8 +90,10 @@ def test_response_format_schema(tiny_engine):
               "required": ["goal", "note"]}
     session = tiny_engine.session()
     session.observe("Where to?")
-    d = session.decide(response_format=schema, max_tokens=120)
+    pieces = []
+    d = session.decide(response_format=schema, max_tokens=120, on_text=pieces.append)
     assert d.status == "text", d.reason
+    assert "".join(pieces) == d.text  # streamed pieces include the grammar-forced closing tokens
     import json
     jsonschema.validate(json.loads(d.text), schema)
     with pytest.raises(ToolSchemaError, match="response_format: v:"):

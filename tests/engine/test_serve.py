@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from support import readme_example
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -70,6 +71,13 @@ def _metric(base_url, name: str) -> float:
 def _validate(call, tools=TOOLS):
     schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call.function.name)
     jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_readme_example(base_url, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    scope: dict = {}
+    exec(readme_example("serve").replace("http://127.0.0.1:8000", base_url), scope)
+    assert scope["r"].choices[0].message.tool_calls and scope["r"].usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_models(client):
