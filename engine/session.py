@@ -2,8 +2,9 @@
 
 An `Engine` loads a model once and stays resident. `Engine.session()` returns a `Session` that
 keeps its KV cache between calls: `observe()` prefills new context immediately (streaming
-prefill), so `decide()` only prefills its own trigger tokens (`<|im_start|>assistant\\n` and the
-grammar-forced start of the call) before the first decode step.
+prefill), so `decide()` only prefills its own trigger tokens (the chat template's assistant
+prefix, e.g. `<|im_start|>assistant\\n`, and the grammar-forced start of the call) before the
+first decode step.
 
 Timing conventions: all durations are seconds (float) from `time.perf_counter()`; absolute
 deadlines are `time.monotonic()` values.
@@ -469,7 +470,7 @@ class Session:
             grammar = self.engine.grammar(self.tools, tool_choice, parallel)
         matcher = grammar.matcher() if grammar is not None else None
         cp = self.checkpoint()
-        trigger = self.tok.encode("<|im_start|>assistant\n")
+        trigger = self.tok.encode(self.tok.assistant_prefix)
         self._append(trigger, "trigger")
         prefill, self.pending = self.pending, []
         d = Decision(status="invalid")
@@ -506,7 +507,7 @@ class Session:
             d.kv = self.cache.take_metrics()
         if d.status in ("ok", "text"):
             # The answer stays in the context; its unprocessed tail is prefilled with the next observe().
-            end = self.tok.encode("<|im_end|>\n")
+            end = self.tok.encode(self.tok.assistant_suffix)
             self.pending = feed + end
             self.segments[-1].kind = "assistant"
             self.segments[-1].end = len(self.tokens) + len(self.pending)
@@ -548,12 +549,12 @@ class Session:
         """
         if prompt is not None:
             self._append(self._render([{"role": "user", "content": prompt}]), "text")
-        self._append(self.tok.encode("<|im_start|>assistant\n"), "assistant")
+        self._append(self.tok.encode(self.tok.assistant_prefix), "assistant")
         feed, self.pending = self.pending, []
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         out, feed = decode(self, feed, Decision(status="text"), max_tokens=max_tokens, temperature=temperature,
                            top_p=top_p, generator=gen, on_token=self._text_stream(on_token))
-        self.pending = feed + self.tok.encode("<|im_end|>\n")
+        self.pending = feed + self.tok.encode(self.tok.assistant_suffix)
         self.segments[-1].end = len(self.tokens) + len(self.pending)
         return self.tok.decode(out)
 
