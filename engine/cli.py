@@ -24,7 +24,9 @@ def _engine(args):
 
     t0 = time.perf_counter()
     engine = Engine.load(args.model, threads=args.threads, quantize=None if args.quantize == "none" else args.quantize)
-    print(f"# model {engine.source} loaded in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    print(f"# model {engine.source} loaded in {time.perf_counter() - t0:.2f} s, {engine.weights} weights", file=sys.stderr)
+    if engine.weight_choice is not None:
+        print(f"# {engine.weight_choice.describe()}", file=sys.stderr)
     return engine
 
 
@@ -79,8 +81,6 @@ def cmd_serve(args) -> int:
         from .serve import serve
     except ImportError as exc:
         raise SystemExit(f"error: tokenspeed serve needs the serve extra (pip install 'tokenspeed_ros[serve]'): {exc}")
-    if args.model == "tiny-random":
-        args.quantize = "none"
     serve(_engine(args), args.host, args.port, args.served_model_name, args.queue_size,
           int(args.cache_budget_mb * (1 << 20)), args.context)
     return 0
@@ -96,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=None,
                        help="a .gguf file or safetensors folder (default: embedded SmolLM2-135M-Instruct)")
         p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-        p.add_argument("--quantize", default="int4", choices=["int4", "int8", "none"],
-                       help="weights: int4 (the GGUF's Q4_1 codes; default), int8 or none (fp32)")
+        p.add_argument("--quantize", default="auto", choices=["auto", "int4", "int8", "none"],
+                       help="weights: auto (default: the fastest format on this CPU whose greedy tokens agree with "
+                            "fp32's, measured once and cached), int4 (the GGUF's Q4_1 codes), int8 or none (fp32)")
         p.add_argument("--system", default=None, help="system prompt")
         p.add_argument("--prompt", required=True, help="user message")
         p.add_argument("--max-tokens", type=int, default=256, help="most new tokens (default 256)")
@@ -127,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="a .gguf file, a safetensors folder or tiny-random (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--quantize", default="int4", choices=["int4", "int8", "none"],
-                   help="weights: int4 (default), int8 or none (fp32)")
+    p.add_argument("--quantize", default="auto", choices=["auto", "int4", "int8", "none"],
+                   help="weights: auto (default: the measured fastest format), int4, int8 or none (fp32)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default="tokenspeed", help="the model id clients use (default tokenspeed)")

@@ -63,7 +63,10 @@ def normalize_tools(tools) -> list[dict]:
         props = params.get("properties", {})
         if not isinstance(props, dict):
             raise ToolSchemaError(f"tool {name!r}: parameters.properties must be an object")
-        for req in params.get("required", []):
+        required = params.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ToolSchemaError(f"tool {name!r}: parameters.required must be a list of parameter names")
+        for req in required:
             if req not in props:
                 raise ToolSchemaError(f"tool {name!r}: required parameter {req!r} is not in properties")
         clean = {"name": name, "description": str(fn.get("description") or ""), "parameters": params}
@@ -147,18 +150,26 @@ def parse_tool_choice(tool_choice) -> tuple[str, list[str] | None]:
         return tool_choice, None
     if isinstance(tool_choice, dict):
         if tool_choice.get("type") == "allowed_tools":
-            spec = tool_choice.get("allowed_tools", {})
-            mode = spec.get("mode", "required")
-            entries = spec.get("tools")
+            spec = tool_choice.get("allowed_tools")
+            mode = spec.get("mode", "required") if isinstance(spec, dict) else None
+            entries = spec.get("tools") if isinstance(spec, dict) else None
             if mode not in ("required", "auto") or not isinstance(entries, list) or not entries:
                 raise ToolSchemaError("allowed_tools needs mode 'required' or 'auto' and a non-empty tools list")
-            return mode, [e.get("function", e).get("name") if isinstance(e, dict) else e for e in entries]
-        fn = tool_choice.get("function", tool_choice)
-        name = fn.get("name") if isinstance(fn, dict) else None
+            names = [_choice_name(e) if isinstance(e, dict) else e for e in entries]
+            if not all(isinstance(n, str) for n in names):
+                raise ToolSchemaError(f"allowed_tools.tools must name tools, got {entries!r:.200}")
+            return mode, names
+        name = _choice_name(tool_choice)
         if isinstance(name, str):
             return "required", [name]
     raise ToolSchemaError("tool_choice must be 'auto', 'required', 'none', {'name': ...} or allowed_tools, "
-                          f"got {tool_choice!r}")
+                          f"got {tool_choice!r:.200}")
+
+
+def _choice_name(entry: dict):
+    """The tool name of {"name": ...} or {"type": "function", "function": {"name": ...}}, or None."""
+    fn = entry.get("function", entry)
+    return fn.get("name") if isinstance(fn, dict) else None
 
 
 @dataclass

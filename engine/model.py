@@ -293,7 +293,10 @@ class Transformer(nn.Module):
     def fused_decode(self) -> FusedDecode | None:
         """The fused CPU decode step for the current weights, or None where it does not apply."""
         if self._fused is False:
-            self._fused = FusedDecode.build(self)
+            from .quant import fused_ext
+
+            ext = fused_ext() if FusedDecode.supports(self) else None
+            self._fused = FusedDecode(ext, self) if ext is not None else None
         return self._fused
 
     def ensure_rope(self, length: int) -> None:

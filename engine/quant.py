@@ -21,13 +21,26 @@ the few token ids a grammar allows) for both `nn.Linear` and `Int8Linear`.
 """
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
+import logging
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Int8Linear", "Int4Linear", "quantize", "linear_rows", "MODES", "PACKED_ROWS"]
+__all__ = ["Int8Linear", "Int4Linear", "quantize", "linear_rows", "fused_ext", "choose_format", "FormatChoice",
+           "MODES", "FORMATS", "PACKED_ROWS"]
 
 MODES = ("int8", "int4")
+FORMATS = ("fp32",) + MODES  # what `choose_format` times: fp32 (no quantization) and each mode
+log = logging.getLogger(__name__)
 PACKED_ROWS = 32  # rows up to which the packed int8 kernel beats dequantize + GEMM (measured, 2-core CPU)
 
 
@@ -68,7 +81,7 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         packed = x2.shape[0] <= PACKED_ROWS and _has_int8pack(x.device)
-        if packed and (ext := _fused_ext()) is not None:
+        if packed and (ext := fused_ext()) is not None:
             y = ext.int8_gemv(x2.float(), self.qweight, self.scales).to(x.dtype)
         elif packed:
             y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.scales_bf16).to(x.dtype)
@@ -160,7 +173,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
-        ext = _fused_ext()
+        ext = fused_ext()
         y = ext.int4_matmul(x2, self.codes, self.scales) if ext is not None else self.reference(x2)
         if self.bias is not None:
             y = y + self.bias
@@ -170,10 +183,17 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.GROUP}, int8 activations"
 
 
-def _fused_ext():
-    from .kernels.cpu_decode import load
+def fused_ext(verbose: bool = False):
+    """The fused CPU decode extension for the variant in force (`tokenspeed.kernels.cpu_decode.load`,
+    built into the engine's cache folder on first use), or None where it cannot be built.
 
-    return load()
+    Raises:
+        ValueError: `$TOKENSPEED_CPU_ISA` names an unknown variant or one this CPU cannot run.
+    """
+    from .kernels.cpu_decode import load
+    from .weights import cache_dir
+
+    return load(cache_dir(), verbose=verbose)
 
 
 def linear_rows(linear: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -226,3 +246,127 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
     if hasattr(model, "invalidate_fused"):
         model.invalidate_fused()
     return model
+
+
+# ---- quantize="auto": the measured choice of weight format
+#
+# A turn of an agent is roughly one short observation's prefill and a decision's few dozen decoded
+# tokens, so a format's cost is DECODE_STEPS one-token steps plus one PREFILL_ROWS-token chunk.
+DECODE_STEPS, PREFILL_ROWS, PROBE_TOKENS = 32, 128, 6
+_AUTO_CACHE_VERSION = 1
+
+
+@dataclass
+class FormatChoice:
+    """The weight format `quantize="auto"` picked and the measurements behind it.
+
+    Attributes:
+        format: "fp32", "int8" or "int4".
+        timings: format -> {"decode_ms": median one-token decode step, "prefill_ms": median
+            `PREFILL_ROWS`-token prefill chunk, "cost_ms": DECODE_STEPS * decode_ms + prefill_ms,
+            "agrees": greedy tokens on the probe set equal fp32's} (ms, this process's threads).
+        variant: the CPU kernel variant in force (`tokenspeed.kernels.cpu_decode`).
+        cached: the choice came from the cache (no timing at this load).
+    """
+
+    format: str
+    timings: dict = field(default_factory=dict)
+    variant: str = ""
+    cached: bool = False
+
+    def describe(self) -> str:
+        """One line: the choice, the variant and each format's cost (for logs and reports)."""
+        parts = [f"{f} {t['cost_ms']:.0f} ms" + ("" if t["agrees"] else " (disagrees with fp32)")
+                 for f, t in self.timings.items()]
+        return (f"auto weights: {self.format} on {self.variant or 'no fused kernels'} "
+                f"({'cached' if self.cached else 'measured'}; {DECODE_STEPS} decode steps + {PREFILL_ROWS}-token "
+                f"prefill: {', '.join(parts)})")
+
+
+def _greedy(model: nn.Module, ids: list[int], n: int) -> list[int]:
+    cache = model.new_cache(len(ids) + n + 1)
+    logits = model(torch.tensor(ids), torch.arange(len(ids)), cache, "last")
+    out = []
+    for i in range(n):
+        out.append(int(logits[-1].argmax()))
+        pos = len(ids) + i
+        logits = model(torch.tensor(out[-1:]), torch.tensor([pos]), cache, "last")
+    return out
+
+
+def _time_format(model: nn.Module, repeats: int = 5) -> tuple[float, float]:
+    """(median decode step ms at a 64-token context, median PREFILL_ROWS-token prefill ms)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.args.vocab_size, (64 + PREFILL_ROWS + repeats + 1,), generator=gen)
+    cache = model.new_cache(len(ids) + PREFILL_ROWS * repeats)
+    model(ids[:64], torch.arange(64), cache, "none")
+    decode = []
+    for i in range(repeats + 1):  # the first step warms up
+        t0 = time.perf_counter()
+        model(ids[64 + i:65 + i], torch.tensor([64 + i]), cache, "last")
+        decode.append(time.perf_counter() - t0)
+    prefill = []
+    for _ in range(2):
+        cache.n = 64
+        t0 = time.perf_counter()
+        model(ids[:PREFILL_ROWS], torch.arange(64, 64 + PREFILL_ROWS), cache, "last")
+        prefill.append(time.perf_counter() - t0)
+    return statistics.median(decode[1:]) * 1e3, min(prefill) * 1e3
+
+
+def choose_format(model: nn.Module, probes: list[list[int]], identity: str, cache_file: Path) -> tuple[nn.Module, FormatChoice]:
+    """Pick the fastest weight format whose greedy tokens agree with fp32's, and return the model in it.
+
+    Each format in `FORMATS` is timed on this machine (`_time_format`: a decode step and a prefill
+    chunk, about a second per format) and greedy-decodes `PROBE_TOKENS` tokens after each probe;
+    the cheapest format (DECODE_STEPS decode steps + one prefill chunk) whose tokens equal fp32's
+    wins, so the pick is never slower than fp32 in its own timing. The choice and timings are
+    cached in `cache_file` per machine (CPU features, kernel variant, torch threads), model
+    `identity` and probe set; a cached choice costs only the quantization.
+
+    Args:
+        model: a fp32 `Transformer` on the CPU (quantized in place when int8/int4 wins).
+        probes: token-id lists (prompts) for the agreement check.
+        identity: names the model's weights (e.g. its converted folder).
+        cache_file: JSON file holding earlier choices.
+    Returns:
+        (the model in the chosen format, the `FormatChoice`).
+    """
+    from .kernels.cpu_decode import cpu_features, selected_variant
+
+    variant = selected_variant()
+    key = hashlib.sha256(json.dumps([_AUTO_CACHE_VERSION, platform.machine(), sorted(cpu_features()), variant,
+                                     torch.__version__, torch.get_num_threads(), identity, probes]).encode()).hexdigest()
+    try:
+        known = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        choice = FormatChoice(**{**known[key], "cached": True})
+        if choice.format != "fp32":
+            quantize(model, choice.format)
+        log.info("%s", choice.describe())
+        return model, choice
+    timings, models, reference = {}, {}, None
+    for fmt in FORMATS:
+        if fmt != "fp32":
+            model.invalidate_fused()  # the fused step's handle to the extension does not copy
+        m = model if fmt == "fp32" else quantize(copy.deepcopy(model), fmt)
+        tokens = [_greedy(m, ids, PROBE_TOKENS) for ids in probes]
+        reference = tokens if fmt == "fp32" else reference
+        decode_ms, prefill_ms = _time_format(m)
+        timings[fmt] = {"decode_ms": round(decode_ms, 3), "prefill_ms": round(prefill_ms, 3),
+                        "cost_ms": round(DECODE_STEPS * decode_ms + prefill_ms, 3), "agrees": tokens == reference}
+        models[fmt] = m
+    best = min((f for f in FORMATS if timings[f]["agrees"]), key=lambda f: timings[f]["cost_ms"])
+    choice = FormatChoice(best, timings, variant)
+    known[key] = {k: v for k, v in asdict(choice).items() if k != "cached"}
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(cache_file)
+    except OSError as exc:
+        log.warning("auto weights: choice not cached (%s)", exc)
+    log.info("%s", choice.describe())
+    return models[best], choice

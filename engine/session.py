@@ -11,7 +11,10 @@ deadlines are `time.monotonic()` values.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import re
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -24,12 +27,51 @@ from .model import ModelArgs, Transformer
 from .quant import linear_rows
 from .speculative import SpecConfig, Speculator, decode
 from .tokenizer import Tokenizer
-from .weights import ModelLoadError, load_model_files, resolve_model
+from .weights import ModelLoadError, cache_dir, load_model_files, resolve_model
 
-__all__ = ["Engine", "Session", "Decision", "Checkpoint", "Segment"]
+__all__ = ["Engine", "Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError"]
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the attention mask and activations
+# Probe prompts for quantize="auto": a format's greedy tokens after each must equal fp32's.
+_AUTO_PROBES = ("The red cube is at x=0.42 y=-0.10 on the table. Pick it up and",
+                '{"name": "move_to", "arguments": {"x": 0.31, "y":',
+                "Joint positions: [0.12, -0.54, 1.03]. The gripper is open. Next action:")
 LM_HEAD_ROWS = 4096  # grammar allows at most this many ids next -> project only those lm_head rows
+_ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,31}$")  # chat roles are template text: no markup in them
+_SESSION_IDS = itertools.count(1)
+
+
+class SessionArgumentError(ValueError, TypeError):
+    """An argument of a `Session` method is invalid (the message names it and what is accepted).
+
+    A ValueError and a TypeError, so callers that caught either before keep working.
+    """
+
+
+class NonFiniteLogitsError(ArithmeticError):
+    """A forward produced NaN or infinite logits (corrupt weights or an overflow): the decision
+    is answered "invalid", never "ok"."""
+
+
+def _finite(value, name: str, unit: str = "") -> float | None:
+    """A finite number, or None; else SessionArgumentError (a NaN deadline would disable it)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SessionArgumentError(f"{name} must be a finite number{unit}, got {value!r}")
+    return float(value)
+
+
+def _sampling(temperature, top_p) -> None:
+    t, p = _finite(temperature, "temperature"), _finite(top_p, "top_p")
+    if t is None or p is None or t < 0 or not 0 < p <= 1:
+        raise SessionArgumentError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SessionArgumentError(f"{name} must be a positive integer, got {value!r}")
+    return value
 
 
 @dataclass
@@ -146,6 +188,7 @@ class Checkpoint:
     n_segments: int
     last_segment_end: int
     kv: object = None  # tokenspeed.kv.KVSnapshot for pruned sessions
+    session_id: int = 0  # the session it belongs to: another session's checkpoint is refused
 
 
 class Engine:
@@ -157,12 +200,16 @@ class Engine:
         args: the `ModelArgs`.
         source: what was loaded ("embedded", a path, or "tiny-random").
         load_s: load time in seconds.
+        weights: the weight format, "fp32", "int8" or "int4".
+        weight_choice: the `tokenspeed.quant.FormatChoice` behind `weights` when loaded with
+            quantize="auto" (its timings; None otherwise).
         speculation: `tokenspeed.speculative.SpecConfig` new sessions speculate with (default:
             prompt lookup, grammar runs and the shipped draft model when it matches this
             target), or None for plain decoding. Set it before creating sessions.
     """
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, source: str, load_s: float = 0.0):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, source: str, load_s: float = 0.0,
+                 weights: str = "fp32", weight_choice=None):
         import llguidance
 
         self.model = model.eval()
@@ -170,6 +217,8 @@ class Engine:
         self.args = model.args
         self.source = source
         self.load_s = load_s
+        self.weights = weights
+        self.weight_choice = weight_choice
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,
                                                    eos_token=tokenizer.eos_id)
         self._grammars: dict[tuple, ToolGrammar] = {}
@@ -187,7 +236,7 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, *, threads: int | None = None,
-             dtype: torch.dtype = torch.float32, device: str = "cpu", quantize: str | None = None) -> "Engine":
+             dtype: torch.dtype = torch.float32, device: str = "cpu", quantize: str | None = "auto") -> "Engine":
         """Load a model and keep it resident.
 
         Args:
@@ -197,10 +246,13 @@ class Engine:
             threads: torch intra-op threads (None leaves torch's default).
             dtype: weight and KV-cache dtype.
             device: torch device string.
-            quantize: None, "int8" or "int4" (CPU) for weight-only quantized linears (`tokenspeed.quant`).
+            quantize: "auto" (default: the fastest format on this machine whose greedy tokens agree
+                with fp32's, measured once and cached, see `tokenspeed.quant.choose_format`; fp32
+                where the model is not fp32 on the CPU, and for "tiny-random"), None (fp32 weights, the reference), "int8"
+                or "int4" (CPU) for weight-only quantized linears (`tokenspeed.quant`).
         Raises:
             ModelLoadError: bad path or unsupported file.
-            ValueError: unknown quantize mode.
+            ValueError: unknown quantize mode, or an unknown or unrunnable `$TOKENSPEED_CPU_ISA`.
         """
         if threads:
             torch.set_num_threads(threads)
@@ -224,12 +276,21 @@ class Engine:
             except (KeyError, ValueError) as exc:
                 raise ModelLoadError(f"{files.folder}: {exc}") from exc
         net = net.to(device=device, dtype=dtype)
-        if quantize:
+        tok = Tokenizer(files.folder)
+        choice = None
+        if quantize == "auto" and device == "cpu" and dtype == torch.float32 and model != "tiny-random":
+            from .quant import choose_format
+
+            identity = f"{model or 'embedded'}:{files.folder}"
+            net, choice = choose_format(net, [tok.encode(p) for p in _AUTO_PROBES], identity,
+                                        cache_dir() / "auto_quant.json")
+        elif quantize and quantize != "auto":
             from .quant import quantize as quantize_model
 
             quantize_model(net, quantize)
-        tok = Tokenizer(files.folder)
-        return cls(net, tok, source=model or "embedded", load_s=time.perf_counter() - t0)
+        weights = choice.format if choice else quantize if quantize in ("int8", "int4") else "fp32"
+        return cls(net, tok, source=model or "embedded", load_s=time.perf_counter() - t0, weights=weights,
+                   weight_choice=choice)
 
     def session(self, system: str | None = None, tools=None, capacity: int | None = None,
                 kv_budget: "int | KVConfig | None" = None) -> "Session":
@@ -250,7 +311,9 @@ class Engine:
 
     def grammar(self, tools: list[dict], tool_choice, parallel: bool = False) -> ToolGrammar:
         """Compiled call grammar for (tools, tool_choice, parallel), cached per engine."""
-        key = ("call", json.dumps(tools, sort_keys=True), json.dumps(tool_choice, sort_keys=True), parallel)
+        # default=repr: a tool_choice that is not JSON still reaches the parser, which names it
+        key = ("call", json.dumps(tools, sort_keys=True), json.dumps(tool_choice, sort_keys=True, default=repr),
+               parallel)
         if key not in self._grammars:
             self._grammars[key] = ToolGrammar.build(self.ll_tokenizer, self.tokenizer.vocab_size, tools, tool_choice,
                                                     parallel)
@@ -284,6 +347,7 @@ class Session:
     def __init__(self, engine: Engine, system: str | None, tools: list[dict], capacity: int | None,
                  kv_budget: "int | KVConfig | None" = None):
         self.engine = engine
+        self.id = next(_SESSION_IDS)
         self.model = engine.model
         self.tok = engine.tokenizer
         self.tools = tools
@@ -319,12 +383,10 @@ class Session:
 
     def _render(self, messages: list[dict]) -> list[int]:
         # Render messages on their own, after the system message, and keep only their tokens
-        # (chat templates are prefix-stable; this is O(message), not O(history)).
-        if not self.segments:
-            return self.tok.encode(self.tok.render_chat(messages))
-        head = self.tok.render_chat([{"role": "system", "content": self._system_text}])
-        full = self.tok.render_chat([{"role": "system", "content": self._system_text}] + messages)
-        return self.tok.encode(full[len(head):])
+        # (chat templates are prefix-stable; this is O(message), not O(history)). Contents are
+        # tokenized as text only: no special token can be forged from them.
+        head = [{"role": "system", "content": self._system_text}] if self.segments else []
+        return self.tok.encode_chat(messages, head)
 
     def _append(self, ids: list[int], kind: str, source: str = "", pinned: bool = False) -> None:
         start = self.num_tokens
@@ -346,6 +408,8 @@ class Session:
             pos = torch.arange(pos0 + i, pos0 + i + len(chunk), dtype=torch.long)
             out = self.model(t, pos, self.cache, logits_for if last else "none", head=rows is None)
         self.tokens.extend(ids)
+        if out is not None and out.numel() and not torch.isfinite(out).all():
+            raise NonFiniteLogitsError(f"non-finite logits at positions {pos0}..{pos0 + len(ids) - 1}")
         if rows is not None:  # logits of the allowed ids only; the rest stay -inf (the mask's value)
             logits = torch.full((1, self.model.args.vocab_size), float("-inf"))
             logits[:, rows] = linear_rows(self.model.output, out, rows)
@@ -373,6 +437,9 @@ class Session:
     def observe(self, content, role: str = "user", kind: str = "text", source: str = "", pin: bool = False) -> int:
         """Append an observation to the context and prefill it now (streaming prefill).
 
+        Content is tokenized as text only: special tokens written in it (`<|im_end|>`) never
+        become control tokens, so observed text cannot end its turn or forge another.
+
         Args:
             content: text, or a list of chat messages [{"role", "content"}].
             role: chat role for text content ("user", "tool", ...).
@@ -383,17 +450,19 @@ class Session:
         Returns:
             tokens appended to the context.
         Raises:
-            TypeError: content is neither str nor a list of messages; ValueError: context full, or
-            `kind` is neither "text" nor "sensor".
+            SessionArgumentError: content is neither str nor a list of {"role": str, "content":
+            str} messages, a role is not a plain name, or `kind` is neither "text" nor "sensor".
+            ValueError: context full.
         """
         if kind not in ("text", "sensor"):
-            raise ValueError(f'observe(): kind must be "text" or "sensor", got {kind!r}')
-        if isinstance(content, str):
-            messages = [{"role": role, "content": content}]
-        elif isinstance(content, list) and all(isinstance(m, dict) and "content" in m for m in content):
-            messages = content
-        else:
-            raise TypeError("observe() takes a string or a list of {'role', 'content'} messages")
+            raise SessionArgumentError(f'observe(): kind must be "text" or "sensor", got {kind!r}')
+        messages = [{"role": role, "content": content}] if isinstance(content, str) else content
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role", "user"), str)
+                and _ROLE.match(m.get("role", "user")) for m in messages):
+            raise SessionArgumentError("observe() takes a string or a list of {'role': name, 'content': str} "
+                                       "messages (role: letters, digits, '_' or '-')")
+        messages = [{"role": m.get("role", "user"), "content": m["content"]} for m in messages]
         ids = self._render(messages)
         self._append(ids, kind, source, pinned=pin)
         self._flush()
@@ -403,14 +472,17 @@ class Session:
         """Capture the context (O(1): the KV prefix is immutable until rollback)."""
         last_end = self.segments[-1].end if self.segments else 0
         kv = self.cache.snapshot() if self.kv is not None else None
-        return Checkpoint(len(self.tokens), tuple(self.pending), len(self.segments), last_end, kv)
+        return Checkpoint(len(self.tokens), tuple(self.pending), len(self.segments), last_end, kv, self.id)
 
     def rollback(self, cp: Checkpoint) -> None:
         """Restore the context exactly as it was at `cp` (later tokens and KV are discarded).
 
         Raises:
+            SessionArgumentError: `cp` is not a Checkpoint of this session.
             ValueError: `cp` is from a longer context than the current one's cached prefix.
         """
+        if not isinstance(cp, Checkpoint) or cp.session_id != self.id:
+            raise SessionArgumentError("rollback() takes a Checkpoint taken from this same session")
         if cp.n_tokens > len(self.tokens) or cp.n_segments > len(self.segments):
             raise ValueError("checkpoint is not a prefix of this session's context")
         if self.kv is not None:
@@ -458,8 +530,15 @@ class Session:
         Raises:
             ToolSchemaError: tool_choice is malformed or names an unknown tool, or the response
                 format's schema is invalid.
+            SessionArgumentError: deadline or deadline_at not a finite number (NaN would disable
+                the deadline), max_tokens not a positive integer, temperature negative or not
+                finite, top_p outside (0, 1].
         """
         t0 = time.perf_counter()
+        deadline = _finite(deadline, "deadline", " of seconds or None")
+        deadline_at = _finite(deadline_at, "deadline_at", " (time.monotonic() seconds) or None")
+        _positive_int(max_tokens, "max_tokens")
+        _sampling(temperature, top_p)
         if deadline is not None:
             deadline_at = time.monotonic() + deadline
         if response_format is not None:
@@ -483,13 +562,21 @@ class Session:
                 out, feed = decode(self, prefill, d, matcher=matcher, jump_forward=jump_forward,
                                    max_tokens=max_tokens, deadline_at=deadline_at, t0=t0, temperature=temperature,
                                    top_p=top_p, generator=gen, on_token=stream)
+        except NonFiniteLogitsError as exc:  # never "ok" on garbage: the monitor's fallback applies
+            out, feed = [], []
+            d.status, d.reason = "invalid", str(exc)
+            grammar = stream = None
+            is_text = False
+        else:
+            is_text = True
         finally:
             self._rows_matcher = None
         if stream is not None:
             stream(out)  # grammar-forced tokens that closed the answer after the last step
         d.prefill_tokens = len(prefill)
         d.text = self.tok.decode(out)
-        is_text = grammar is None or grammar.mode == "json" or (grammar.mode == "auto" and d.text[:1] not in ("", "<"))
+        is_text = is_text and (grammar is None or grammar.mode == "json"
+                               or (grammar.mode == "auto" and d.text[:1] not in ("", "<")))
         if deadline_at is not None and time.monotonic() >= deadline_at and d.status != "deadline_missed":
             d.status, d.reason = "deadline_missed", "deadline passed before the answer completed"
         elif d.status == "deadline_missed":
@@ -546,7 +633,15 @@ class Session:
         Returns:
             the generated text (the reply stays in the context). With speculation, greedy output
             is identical and sampled output has the same distribution (rejection sampling).
+        Raises:
+            SessionArgumentError: prompt not a string or None, max_tokens not a positive integer,
+                temperature negative or not finite, top_p outside (0, 1].
+            NonFiniteLogitsError: a forward produced NaN/inf logits (corrupt weights in memory).
         """
+        if prompt is not None and not isinstance(prompt, str):
+            raise SessionArgumentError(f"prompt must be a string or None, got {type(prompt).__name__}")
+        _positive_int(max_tokens, "max_tokens")
+        _sampling(temperature, top_p)
         if prompt is not None:
             self._append(self._render([{"role": "user", "content": prompt}]), "text")
         self._append(self.tok.encode(self.tok.assistant_prefix), "assistant")

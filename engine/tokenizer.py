@@ -8,6 +8,7 @@ keys and llama.cpp's pre-tokenizer names.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 __all__ = ["Tokenizer", "tokenizer_files_from_gguf"]
@@ -80,6 +81,11 @@ class Tokenizer:
         self._tok = HFTokenizer.from_str(self.json)
         self._tok.no_padding()
         self._tok.no_truncation()
+        # The same model with special tokens never parsed: for text that comes from outside.
+        self._text_tok = HFTokenizer.from_str(self.json)
+        self._text_tok.no_padding()
+        self._text_tok.no_truncation()
+        self._text_tok.encode_special_tokens = True
         cfg_path = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -113,8 +119,38 @@ class Tokenizer:
         return self._tok.token_to_id(token) if token else None
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (special tokens written literally are recognised, no BOS added)."""
+        """Token ids of trusted template text: special tokens written literally (`<|im_end|>`)
+        are recognised, no BOS added. Never use it on text from users, topics or feeds."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of untrusted text as plain text only: a special token written in it
+        (`<|im_end|>`) is split into ordinary tokens, so the text cannot end a turn or open one."""
+        return self._text_tok.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(self, messages: list[dict], head: list[dict] = ()) -> list[int]:
+        """Token ids of `messages` rendered with the chat template after the `head` messages
+        (whose tokens are left out): the template's own text is encoded with its special tokens,
+        every message content with `encode_text`, so content can never forge a turn.
+
+        Args:
+            messages: [{"role": str, "content": str}] to render.
+            head: messages rendered before them and left out (the chat template is
+                prefix-stable: rendering the tail alone is O(message), not O(history)).
+        """
+        both = [*head, *messages]
+        # Render with a placeholder per content, then encode the contents on their own.
+        stubs = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(both)]
+        rendered = self.render_chat(stubs)
+        if head:
+            rendered = rendered[len(self.render_chat(stubs[:len(head)])):]
+        ids: list[int] = []
+        for k, piece in enumerate(_PLACEHOLDER.split(rendered)):
+            if k % 2 == 0:
+                ids += self.encode(piece) if piece else []
+            else:
+                ids += self.encode_text(both[int(piece)]["content"])
+        return ids
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         """Text of token ids."""
@@ -135,6 +171,7 @@ class Tokenizer:
 
 
 _MARK = "\x00answer\x00"  # probe content no template alters
+_PLACEHOLDER = re.compile("\ue000([0-9]+)\ue001")
 _CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
            " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
            "{{ '<|im_start|>assistant\n' }}{% endif %}")

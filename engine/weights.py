@@ -25,7 +25,8 @@ import torch
 
 from .model import ModelArgs
 
-__all__ = ["ModelLoadError", "ModelFiles", "default_model_path", "resolve_model", "load_model_files"]
+__all__ = ["ModelLoadError", "ModelFiles", "default_model_path", "resolve_model", "load_model_files", "model_args",
+           "check_finite"]
 
 
 class ModelLoadError(RuntimeError):
@@ -103,8 +104,48 @@ def resolve_model(model: str | os.PathLike | None) -> ModelFiles:
         folder = _converted_gguf(path)
     else:
         raise ModelLoadError(f"{path} is neither a .gguf file nor a safetensors folder")
-    return ModelFiles(folder=folder, args=ModelArgs.from_hf_config(_read_json(folder / "config.json")),
-                      source=source)
+    return ModelFiles(folder=folder, args=model_args(_read_json(folder / "config.json"), folder), source=source)
+
+
+# config.json integers: (required, largest accepted). The bounds refuse absurd values (e.g.
+# max_position_embeddings 1e9) before anything is allocated from them.
+_CONFIG_INTS = {
+    "hidden_size": (True, 1 << 16), "num_hidden_layers": (True, 1024), "num_attention_heads": (True, 1024),
+    "intermediate_size": (True, 1 << 18), "vocab_size": (True, 1 << 22), "num_key_value_heads": (False, 1024),
+    "head_dim": (False, 4096), "max_position_embeddings": (False, 1 << 20),
+}
+
+
+def model_args(cfg, folder: Path) -> ModelArgs:
+    """`ModelArgs` of a Hugging Face `config.json` dict, every value checked first.
+
+    Raises:
+        ModelLoadError: a missing or non-integer size, a value out of range (sizes in
+            [1, bound], max_position_embeddings up to 2**20 tokens), a non-finite or non-positive
+            rms_norm_eps/rope_theta, heads that do not divide, a rope_scaling that is not an object.
+    """
+    where = f"{folder / 'config.json'}"
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{where}: not a JSON object")
+    for key, (required, most) in _CONFIG_INTS.items():
+        value = cfg.get(key)
+        if value is None and not required:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise ModelLoadError(f"{where}: {key}={value!r:.40} must be an integer in [1, {most}]")
+    for key in ("rms_norm_eps", "rope_theta"):
+        value = cfg.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ModelLoadError(f"{where}: {key}={value!r:.40} must be a positive finite number")
+    for key in ("rope_scaling", "rope_parameters"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise ModelLoadError(f"{where}: {key} must be an object or null")
+    if cfg["num_attention_heads"] % (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]):
+        raise ModelLoadError(f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
+    try:
+        return ModelArgs.from_hf_config(cfg)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ModelLoadError(f"{where}: {exc!r}") from exc
 
 
 def load_model_files(files: ModelFiles) -> dict[str, torch.Tensor]:
@@ -121,7 +162,28 @@ def load_model_files(files: ModelFiles) -> dict[str, torch.Tensor]:
             state.update(load_file(str(shard)))
         except Exception as exc:  # safetensors raises several types for corrupt files
             raise ModelLoadError(f"cannot read {shard}: {exc}") from exc
+    check_finite(state, files.source)
     return state
+
+
+def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse weights with NaN or infinite values (a corrupt file would decide garbage silently).
+
+    Args:
+        state: name -> floating-point tensor (any shape).
+        source: what was loaded, for the message.
+    Raises:
+        ModelLoadError: naming the first tensors that hold non-finite values and how many.
+    """
+    bad = []
+    for name, t in state.items():
+        if t.is_floating_point():
+            n = t.numel() - int(torch.isfinite(t).sum())
+            if n:
+                bad.append(f"{name} ({n} values)")
+    if bad:
+        raise ModelLoadError(f"{source}: corrupt weights, non-finite values in {len(bad)} tensors: "
+                             + ", ".join(bad[:3]) + (" ..." if len(bad) > 3 else ""))
 
 
 def _read_json(path: Path) -> dict:

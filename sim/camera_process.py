@@ -20,7 +20,8 @@ _START_TIMEOUT_S = 60.0
 
 
 def _serve(config: SceneConfig, conn) -> None:
-    """Child process: render each snapshot received until None or the pipe closes."""
+    """Child process: render each snapshot received until None or the pipe closes (either way,
+    also when the parent was killed)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the parent decides when we stop
     with CobotScene(config) as scene:
         conn.send("ready")
@@ -32,7 +33,10 @@ def _serve(config: SceneConfig, conn) -> None:
             if snapshot is None:
                 return
             scene.restore(snapshot)
-            conn.send(scene.render())
+            try:
+                conn.send(scene.render())
+            except OSError:                           # the parent is gone (killed): end quietly
+                return
 
 
 class CameraProcess:

@@ -31,7 +31,18 @@ Published (all reliable; remap names with `--ros-args -r`):
   truth of `CobotScene.scenario_status()` plus wall `stamp` and `overruns`.
 
 Subscribed: `agent/action` (tokenspeed_msgs/ActionCommand): `tool_name` + `arguments_json` from
-the tool file; `decision_id` is echoed in the feedback.
+the tool file; `decision_id` is echoed in the feedback. `agent/action/heartbeat`
+(std_msgs/Header): the agent's deadline monitor says it is alive (see `HEARTBEAT_SUFFIX` in
+`tokenspeed_ros.deadline_monitor`).
+
+Command timeout (ros2_control's `cmd_timeout`): once a heartbeat has been received, silence
+on the heartbeat and the commands for `cmd_timeout_s` seconds (a killed or hung agent) stops the
+arm where it is, as the `stop` tool would; the executing command gets "preempted" with detail
+"command timeout", counted as `cmd_timeouts` in the scenario status. The next heartbeat re-arms
+it. A peer that sends commands without a heartbeat (a test, a teleop script) is not watched.
+`cmd_timeout_s` = 0 turns it off. A real robot needs the same watchdog in its driver or
+controller (ros2_control: the controller's `cmd_timeout`; twist_mux: the topic timeout), fed by
+the same heartbeat, so a dead agent can never leave the arm moving.
 """
 from __future__ import annotations
 
@@ -43,7 +54,7 @@ from geometry_msgs.msg import PoseStamped
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CameraInfo, Image, JointState
-from std_msgs.msg import String
+from std_msgs.msg import Header, String
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback
 
 from tokenspeed_sim import ros_spin
@@ -76,6 +87,7 @@ class CobotSimNode(Node):
             "fov_deg": d.fov_deg,
             "camera_eye": list(d.camera_eye),
             "camera_target": list(d.camera_target),
+            "cmd_timeout_s": 0.5,                     # stop the arm after this much agent silence; 0 = off
         }
         for name, default in prm.items():
             self.declare_parameter(name, default)
@@ -83,6 +95,11 @@ class CobotSimNode(Node):
         for name in ("physics_rate_hz", "tick_rate_hz", "joint_state_rate_hz", "camera_rate_hz", "status_rate_hz"):
             if not v[name] > 0:
                 raise ValueError(f"parameter {name} must be > 0, got {v[name]}")
+        if not 0 <= v["cmd_timeout_s"] < float("inf"):
+            raise ValueError(f"parameter cmd_timeout_s must be >= 0 and finite, got {v['cmd_timeout_s']}")
+        self.cmd_timeout_s = v["cmd_timeout_s"]
+        self.cmd_timeouts = 0
+        self._last_command: float | None = None   # monotonic time of the last heartbeat or command; None = unwatched
         self.scene = CobotScene(SceneConfig(
             seed=v["seed"], target_object=v["target_object"], success_tolerance=v["success_tolerance"],
             time_step=1.0 / v["physics_rate_hz"], image_width=v["image_width"], image_height=v["image_height"],
@@ -103,6 +120,7 @@ class CobotSimNode(Node):
         self.pub_feedback = self.create_publisher(ActionFeedback, "sim/action_feedback", 50)
         self.pub_status = self.create_publisher(String, "sim/scenario_status", LATCHED)
         self.create_subscription(ActionCommand, "agent/action", self._on_action, 10)
+        self.create_subscription(Header, "agent/action/heartbeat", self._on_heartbeat, 10)
 
         self._t0 = time.monotonic()
         self._steps = 0
@@ -116,6 +134,7 @@ class CobotSimNode(Node):
 
     # ------------------------------------------------------------------ physics and commands
     def _tick(self) -> None:
+        self._check_cmd_timeout()
         due = int((time.monotonic() - self._t0) / self.scene.config.time_step) - self._steps
         if due > self._max_catchup_steps:
             self.overruns += 1
@@ -126,7 +145,28 @@ class CobotSimNode(Node):
             self._steps += due
         self._publish_frame()
 
+    def _on_heartbeat(self, _msg: Header) -> None:
+        self._last_command = time.monotonic()
+
+    def _check_cmd_timeout(self) -> None:
+        """Stop the arm once the agent has been silent for cmd_timeout_s (then disarm until it
+        speaks again)."""
+        if (not self.cmd_timeout_s or self._last_command is None
+                or time.monotonic() - self._last_command <= self.cmd_timeout_s):
+            return
+        self._last_command = None
+        if not self.scene.busy:
+            return
+        self.cmd_timeouts += 1
+        events = [Event(e.tag, e.tool, e.state, "command timeout: no command or heartbeat for "
+                        f"{self.cmd_timeout_s} s" if e.state == "preempted" else e.detail)
+                  for e in self.scene.execute("stop", {}, tag=0)]
+        self.get_logger().warning(f"command timeout: agent silent for {self.cmd_timeout_s} s, arm stopped")
+        self._publish_events(events)
+
     def _on_action(self, msg: ActionCommand) -> None:
+        if self._last_command is not None:
+            self._last_command = time.monotonic()
         try:
             events = self.scene.execute(msg.tool_name, msg.arguments_json, tag=msg.decision_id)
         except CommandRejected as e:
@@ -198,6 +238,7 @@ class CobotSimNode(Node):
         status = self.scene.scenario_status()
         status["stamp"] = self.get_clock().now().nanoseconds * 1e-9
         status["overruns"] = self.overruns
+        status["cmd_timeouts"] = self.cmd_timeouts
         self.pub_status.publish(String(data=json.dumps(status)))
         return status
 

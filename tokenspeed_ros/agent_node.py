@@ -189,6 +189,7 @@ class AgentNode(Node):
     def close(self) -> bool:
         """Stop the engine thread; False when it is still inside a load or forward (see
         EngineWorker.close)."""
+        self.monitor.close()
         return self.worker.close()
 
     # ------------------------------------------------------------------ inputs
@@ -417,7 +418,8 @@ class AgentNode(Node):
         engine = DiagnosticStatus(
             name="tokenspeed_agent: engine", message=w.fault or w.state,
             level={"ready": DiagnosticStatus.OK, "loading": DiagnosticStatus.WARN}.get(w.state, DiagnosticStatus.ERROR),
-            values=[KeyValue(key="state", value=w.state), KeyValue(key="context_tokens", value=str(w.context_tokens)),
+            values=[KeyValue(key="state", value=w.state), KeyValue(key="weights", value=w.weights),
+                    KeyValue(key="context_tokens", value=str(w.context_tokens)),
                     KeyValue(key="triggers_skipped_busy", value=str(self._skipped_busy)),
                     KeyValue(key="triggers_skipped_executing", value=str(self._skipped_executing))])
         msg = DiagnosticArray(status=[self.monitor.diagnostic_status("tokenspeed_agent: decisions"), inputs, engine])

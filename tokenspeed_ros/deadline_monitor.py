@@ -8,6 +8,16 @@ engine returns no valid call, or the engine faults - the configured safe fallbac
 there was none). A model result that arrives after its fallback went out is dropped, never
 executed, and reported with reason "late_result_dropped". Each outcome is a `DeadlineStatus`.
 
+Nothing the host node does can delay a fallback: the deadline timer and the command and status
+publishers live on a monitor-owned node spun by its own executor thread, so a slow callback of
+the host (a huge image in perception, a sensor flood) does not hold them. A fallback for a
+missed deadline goes out at most `FALLBACK_BOUND_S` after the deadline (one timer period plus
+scheduling; for a decision the host opened on a reading already older than the budget, counted
+as "opened_after_deadline", after it was opened); each one's lateness is measured and one
+beyond the bound is counted ("fallback_late"). The host also publishes a heartbeat (std_msgs/Header on
+`{action_topic}/heartbeat`, every `HEARTBEAT_PERIOD_S`) from its own executor: a robot-side
+command timeout (the simulator's `cmd_timeout_s`) stops the arm when the agent goes silent.
+
 The command publisher also offers a QoS deadline (`qos_deadline_s`); the DDS layer reports
 periods without any command, which are counted (`qos_deadline_missed`). Everything is counted
 and exposed by `diagnostic_status()` for /diagnostics.
@@ -15,30 +25,39 @@ and exposed by `diagnostic_status()` for /diagnostics.
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import rclpy
 from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
 from rclpy.duration import Duration
 from rclpy.event_handler import PublisherEventCallbacks
+from rclpy.executors import SingleThreadedExecutor
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from rclpy.time import Time
+from std_msgs.msg import Header
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus
 
 FALLBACKS = ("hold", "stop", "last_valid")
 LATENCY_WINDOW = 1000          # decisions kept for the latency percentiles
 EXPIRED_KEPT = 256             # expired decisions remembered to flag their late results
+FALLBACK_BOUND_S = 0.02        # a missed deadline's fallback is published at most this late (s)
+HEARTBEAT_PERIOD_S = 0.1       # the host's heartbeat period on {action_topic}/heartbeat (s)
+HEARTBEAT_SUFFIX = "/heartbeat"
 
 
 @dataclass
 class Decision:
-    """One open decision: id, the stamp of the observation it answers and its absolute deadline."""
+    """One open decision: id, the stamp of the observation it answers, its absolute deadline and
+    when it was opened (None when unknown)."""
 
     decision_id: int
     observation_stamp: Time
     deadline: Time
+    opened: Time | None = None
 
 
 @dataclass
@@ -61,13 +80,15 @@ class ModelResult:
 class DeadlineMonitor:
     """Publishes model calls that meet their deadline, and the safe fallback for every other decision.
 
-    node: the rclpy Node that owns the publishers and the timer; budget_s: observation stamp ->
-    action deadline (seconds); fallback: one of FALLBACKS; period_s: timer period (seconds);
+    node: the host rclpy Node (its clock, its heartbeat timer and the guard condition that runs
+    on_outcome); budget_s: observation stamp -> action deadline (seconds); fallback: one of
+    FALLBACKS; period_s: deadline timer period (seconds; keep it under FALLBACK_BOUND_S);
     qos_deadline_s: QoS deadline offered on the command topic (0 disables); on_outcome: called
     after every DeadlineStatus is published, as on_outcome(command, status) with the
     ActionCommand published for that decision, or None for a late result dropped after its
-    fallback went out. Not thread-safe: call from the node's executor thread (on_outcome runs
-    there too). Raises ValueError for an unknown fallback.
+    fallback went out - always on the host's executor thread (an outcome of the deadline timer
+    is handed over through a guard condition), in order. The public methods are thread-safe;
+    call `close()` before destroying the host node. Raises ValueError for an unknown fallback.
     """
 
     def __init__(self, node, *, action_topic: str, status_topic: str, budget_s: float, fallback: str,
@@ -80,16 +101,8 @@ class DeadlineMonitor:
         self.budget = Duration(seconds=budget_s)
         self.fallback = fallback
         self._on_outcome = on_outcome
-        qos = QoSProfile(depth=qos_depth, reliability=ReliabilityPolicy.RELIABLE)
-        if qos_deadline_s > 0:
-            qos.deadline = Duration(seconds=qos_deadline_s)
-        self._action_pub = node.create_publisher(
-            ActionCommand, action_topic, qos,
-            event_callbacks=PublisherEventCallbacks(deadline=self._on_qos_deadline,
-                                                    incompatible_qos=self._on_incompatible_qos))
-        self._status_pub = node.create_publisher(DeadlineStatus, status_topic, 10)
-        self._timer = node.create_timer(period_s, self.check)   # runs only while decisions are open
-        self._timer.cancel()
+        self._lock = threading.RLock()
+        self._outcomes: deque = deque()         # (command, status) waiting for the host thread
         self._next_id = 1
         self._pending: dict[int, Decision] = {}
         self._expired: OrderedDict[int, Decision] = OrderedDict()
@@ -97,7 +110,49 @@ class DeadlineMonitor:
         self.counts: Counter[str] = Counter()               # outcomes and reasons, see diagnostic_status
         self.latency_s: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self.ttft_s: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self.fallback_lateness_s: deque[float] = deque(maxlen=LATENCY_WINDOW)  # deadline -> fallback, s
         self._reported: Counter[str] = Counter()
+
+        # The monitor's own node and executor thread: the timer and publishers nothing else holds.
+        self._own = rclpy.create_node(f"{node.get_name()}_deadline_monitor", namespace=node.get_namespace(),
+                                      context=node.context)
+        qos = QoSProfile(depth=qos_depth, reliability=ReliabilityPolicy.RELIABLE)
+        if qos_deadline_s > 0:
+            qos.deadline = Duration(seconds=qos_deadline_s)
+        self._action_pub = self._own.create_publisher(
+            ActionCommand, action_topic, qos,
+            event_callbacks=PublisherEventCallbacks(deadline=self._on_qos_deadline,
+                                                    incompatible_qos=self._on_incompatible_qos))
+        self._status_pub = self._own.create_publisher(DeadlineStatus, status_topic, 10)
+        self._own.create_timer(period_s, self.check)
+        self._executor = SingleThreadedExecutor(context=node.context)
+        self._executor.add_node(self._own)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, name="deadline-monitor", daemon=True)
+        self._thread.start()
+
+        # On the host's executor: outcomes of the timer, and the heartbeat (the host is alive).
+        self._wake_host = node.create_guard_condition(self._deliver)
+        self._heartbeat_pub = node.create_publisher(Header, action_topic + HEARTBEAT_SUFFIX, 10)
+        node.create_timer(HEARTBEAT_PERIOD_S, self._heartbeat)
+
+    def _spin(self) -> None:
+        while not self._stop.is_set() and self._own.context.ok():
+            try:
+                self._executor.spin_once(timeout_sec=0.05)
+            except Exception:  # noqa: BLE001 - the context is shutting down under us
+                if self._stop.is_set() or not self._own.context.ok():
+                    return
+                raise
+
+    def close(self) -> None:
+        """Stop the monitor's thread and destroy its node (idempotent)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(2.0)
+        self._executor.shutdown(0.5)
+        self._own.destroy_node()
 
     @property
     def pending(self) -> int:
@@ -111,30 +166,42 @@ class DeadlineMonitor:
     def open(self, observation_stamp: Time) -> Decision:
         """Open a decision answering the observation stamped `observation_stamp`; its deadline is
         the stamp plus the budget."""
-        d = Decision(self._next_id, observation_stamp, observation_stamp + self.budget)
-        self._next_id += 1
-        self._pending[d.decision_id] = d
-        if self._timer.is_canceled():
-            self._timer.reset()
-        return d
+        with self._lock:
+            now = self._clock.now()
+            d = Decision(self._next_id, observation_stamp, observation_stamp + self.budget, now)
+            if now > d.deadline:    # the host opened it on a reading already older than the budget
+                self.counts["opened_after_deadline"] += 1
+            self._next_id += 1
+            self._pending[d.decision_id] = d
+            return d
 
     def fail_now(self, observation_stamp: Time, reason: str) -> None:
         """Open a decision and answer it with the fallback at once (no engine, no sensor data, ...)."""
-        d = self.open(observation_stamp)
-        self._fall_back(self._pending.pop(d.decision_id), reason)
+        with self._lock:
+            d = self.open(observation_stamp)
+            self._fall_back(self._pending.pop(d.decision_id), reason)
+        self._deliver()
 
     def check(self) -> None:
-        """Timer callback: every open decision past its deadline gets the fallback now; the
-        timer stops when no decision is open."""
-        now = self._clock.now()
-        for d in [d for d in self._pending.values() if now > d.deadline]:
-            self._fall_back(self._pending.pop(d.decision_id), "deadline_missed")
-        if not self._pending:
-            self._timer.cancel()
+        """Timer callback (monitor thread): every open decision past its deadline gets the
+        fallback now, its lateness measured."""
+        with self._lock:
+            now = self._clock.now()
+            expired = [d for d in self._pending.values() if now > d.deadline]
+            for d in expired:
+                self._fall_back(self._pending.pop(d.decision_id), "deadline_missed")
+        if expired:
+            self._wake_host.trigger()
 
     def resolve(self, result: ModelResult) -> ActionCommand | None:
         """Apply the engine's result for an open decision; returns the published model command,
         or None when the fallback was published or the result was dropped as late."""
+        with self._lock:
+            cmd = self._resolve(result)
+        self._deliver()
+        return cmd
+
+    def _resolve(self, result: ModelResult) -> ActionCommand | None:
         d = self._pending.pop(result.decision_id, None)
         if d is None:
             late = self._expired.get(result.decision_id)
@@ -165,6 +232,12 @@ class DeadlineMonitor:
         cmd = self._command(d, tool, args, ActionCommand.SOURCE_FALLBACK, 0.0)
         self.counts["fallback"] += 1
         self.counts[reason] += 1
+        if reason == "deadline_missed":   # the monitor's own lateness: from the deadline, or from the open
+            due = d.deadline if d.opened is None or d.opened < d.deadline else d.opened
+            late_s = (Time.from_msg(cmd.header.stamp, clock_type=d.deadline.clock_type) - due).nanoseconds * 1e-9
+            self.fallback_lateness_s.append(late_s)
+            if late_s > FALLBACK_BOUND_S:
+                self.counts["fallback_late"] += 1
         self._expired[d.decision_id] = d
         while len(self._expired) > EXPIRED_KEPT:
             self._expired.popitem(last=False)
@@ -190,8 +263,19 @@ class DeadlineMonitor:
                              latency_s=(now - d.observation_stamp).nanoseconds * 1e-9)
         msg.header.stamp = now.to_msg()
         self._status_pub.publish(msg)
-        if self._on_outcome is not None:
-            self._on_outcome(cmd, msg)
+        self._outcomes.append((cmd, msg))
+
+    def _deliver(self) -> None:
+        """Host thread: run on_outcome for every outcome published so far, in order."""
+        while self._outcomes:
+            cmd, status = self._outcomes.popleft()
+            if self._on_outcome is not None:
+                self._on_outcome(cmd, status)
+
+    def _heartbeat(self) -> None:
+        msg = Header(frame_id=self._node.get_name())
+        msg.stamp = self._clock.now().to_msg()
+        self._heartbeat_pub.publish(msg)
 
     def _on_qos_deadline(self, event) -> None:
         self.counts["qos_deadline_missed"] = event.total_count
@@ -205,20 +289,23 @@ class DeadlineMonitor:
         """Counts and latency percentiles (ms, observation stamp -> command) as a DiagnosticStatus.
 
         Level WARN when a fallback was published since the previous call, ERROR when an engine
-        fault happened since then, OK otherwise.
+        fault or a fallback later than FALLBACK_BOUND_S happened since then, OK otherwise.
         """
-        new = self.counts - self._reported
-        self._reported = self.counts.copy()
-        level = (DiagnosticStatus.ERROR if new["engine_fault"] else
+        with self._lock:
+            counts, samples_of = self.counts.copy(), {"latency": list(self.latency_s), "ttft": list(self.ttft_s),
+                                                      "fallback_lateness": list(self.fallback_lateness_s)}
+        new = counts - self._reported
+        self._reported = counts
+        level = (DiagnosticStatus.ERROR if new["engine_fault"] or new["fallback_late"] else
                  DiagnosticStatus.WARN if new["fallback"] else DiagnosticStatus.OK)
-        values = {k: str(self.counts[k]) for k in sorted(self.counts)}
+        values = {k: str(counts[k]) for k in sorted(counts)}
         values["pending"] = str(self.pending)
-        for label, samples in (("latency", self.latency_s), ("ttft", self.ttft_s)):
+        for label, samples in samples_of.items():
             if samples:
                 p50, p90, p99 = np.percentile(np.asarray(samples), [50, 90, 99]) * 1e3
                 values.update({f"{label}_p50_ms": f"{p50:.1f}", f"{label}_p90_ms": f"{p90:.1f}",
                                f"{label}_p99_ms": f"{p99:.1f}", f"{label}_max_ms": f"{max(samples) * 1e3:.1f}"})
-        summary = (f"{self.counts['met']} met, {self.counts['fallback']} fallbacks, "
-                   f"{self.counts['late_result_dropped']} late results dropped")
+        summary = (f"{counts['met']} met, {counts['fallback']} fallbacks ({counts['fallback_late']} later than "
+                   f"{FALLBACK_BOUND_S * 1e3:.0f} ms), {counts['late_result_dropped']} late results dropped")
         return DiagnosticStatus(level=level, name=name, message=summary,
                                 values=[KeyValue(key=k, value=v) for k, v in values.items()])

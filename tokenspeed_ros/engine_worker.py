@@ -67,7 +67,7 @@ class EngineWorker:
     """A daemon thread that loads the engine, prefills observations and runs decisions.
 
     model: path, "tiny-random" or "" (embedded model); threads: CPU threads (0 = engine default);
-    quantize: "int4", "int8" or "none" (fp32 weights), see `tokenspeed.quant`;
+    quantize: "auto", "int4", "int8" or "none" (fp32 weights), see `tokenspeed.Engine.load`;
     system: system prompt; tools: OpenAI tool dicts; tool_choice: passed to decide() unless a
     request brings its own;
     kv_budget: hot KV tokens of the session (relevance pruning beyond it); repeat_slack: see above
@@ -77,7 +77,7 @@ class EngineWorker:
     """
 
     def __init__(self, *, model: str, threads: int, system: str, tools: list[dict], tool_choice,
-                 kv_budget: int, notify: Callable[[], None], logger, repeat_slack: int = 0, quantize: str = "int4"):
+                 kv_budget: int, notify: Callable[[], None], logger, repeat_slack: int = 0, quantize: str = "auto"):
         self._cfg = dict(model=model or None, threads=threads or None, system=system, tools=tools,
                          quantize=None if quantize == "none" else quantize)
         self._tool_choice = tool_choice
@@ -88,6 +88,7 @@ class EngineWorker:
         self.state = "loading"
         self.fault = ""
         self.context_tokens = 0
+        self.weights = ""               # the engine's weight format once loaded (fp32, int8, int4)
         self.coalesced = 0          # observations replaced before they were prefilled
         self._cv = threading.Condition()
         self._obs: dict[str, tuple[str, str, float]] = {}  # source -> (text, kind, stamp_s), not yet prefilled
@@ -201,9 +202,12 @@ class EngineWorker:
             self._session = engine.session(system=self._cfg["system"], tools=self._cfg["tools"],
                                            kv_budget=self._kv_budget)
             self.context_tokens = self._session.num_tokens
+            self.weights = engine.weights
             self.state = "ready"
-            self._log.info(f"engine ready in {time.monotonic() - t0:.1f} s "
+            self._log.info(f"engine ready in {time.monotonic() - t0:.1f} s, {engine.weights} weights "
                            f"({self.context_tokens} tokens of system prompt and tools)")
+            if engine.weight_choice is not None:
+                self._log.info(engine.weight_choice.describe())
         except Exception as e:  # any failure leaves the node running on fallbacks
             self.state, self.fault = "fault", f"{type(e).__name__}: {e}"
             self._log.error(f"engine failed to load, every decision falls back: {self.fault}")
@@ -261,11 +265,16 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
     `node.close()` (returns False while the engine thread is inside a load or forward) and
     destroy it.
 
-    Returns 0 on a clean shutdown, 2 when make_node() raises one of `errors` (printed on stderr
-    as "<name>: <error>"). When the engine thread is still busy, the process ends with
-    os._exit(0) after flushing stdout/stderr: interpreter finalization would wait on it.
+    Returns 0 on a clean shutdown, 2 when the ROS arguments do not parse or make_node() raises
+    one of `errors` (printed on stderr as "<name>: <error>"). When the engine thread is still
+    busy, the process ends with os._exit(0) after flushing stdout/stderr: interpreter
+    finalization would wait on it.
     """
-    rclpy.init(args=args)
+    try:
+        rclpy.init(args=args)
+    except RuntimeError as e:   # rcl's RCLError: e.g. "-p model:=" (an override without a value)
+        print(f"{name}: cannot parse the ROS arguments: {str(e).split(', at ')[0]}", file=sys.stderr)
+        return 2
     try:
         node = make_node()
     except errors as e:

@@ -12,6 +12,11 @@ import numpy as np
 
 ENCODINGS = {"rgb8": False, "bgr8": True}   # accepted image encodings -> channels need reversing
 MAX_IMAGE_SIDE = 8192                         # pixels
+# Perception costs ~40 ns per pixel on one core: an image above this many pixels (1920 x 1080 and
+# a little more) is refused ("image_too_large") instead of holding the executor for seconds.
+MAX_IMAGE_PIXELS = 1 << 21
+MAX_JOINTS = 64                               # positions per JointState
+MAX_JOINT_ABS = 1e3                           # |position| above this (rad or m) is not a reading
 
 
 class BadInput(ValueError):
@@ -65,15 +70,20 @@ def joint_state_text(msg) -> str:
     """sensor_msgs/JointState -> compact text, e.g. "joints q=[0.00,-0.79,...] (rad)".
 
     Positions are rounded to 0.01 rad so that jitter does not make a new observation.
-    Raises BadInput "joint_empty", "joint_size_mismatch" or "joint_nonfinite".
+    Raises BadInput "joint_empty", "joint_too_many" (more than MAX_JOINTS), "joint_size_mismatch",
+    "joint_nonfinite" or "joint_out_of_range" (|position| > MAX_JOINT_ABS).
     """
     q = list(msg.position)
     if not q:
         raise BadInput("joint_empty", "no positions")
+    if len(q) > MAX_JOINTS:
+        raise BadInput("joint_too_many", f"{len(q)} positions (at most {MAX_JOINTS})")
     if msg.name and len(msg.name) != len(q):
         raise BadInput("joint_size_mismatch", f"{len(msg.name)} names but {len(q)} positions")
     if not all(math.isfinite(v) for v in q):
         raise BadInput("joint_nonfinite", f"non-finite position in {q}")
+    if max(abs(v) for v in q) > MAX_JOINT_ABS:
+        raise BadInput("joint_out_of_range", f"|position| {max(abs(v) for v in q):.3g} > {MAX_JOINT_ABS}")
     return "joints q=[" + ",".join(f"{v:.2f}" for v in q) + "] (rad)"
 
 
@@ -81,13 +91,17 @@ def image_to_rgb(msg) -> np.ndarray:
     """sensor_msgs/Image (rgb8 or bgr8) -> uint8 array [height, width, 3], RGB, a copy.
 
     Raises BadInput "image_encoding" (anything else), "image_size" (zero/huge sides, step too
-    small) or "image_corrupt" (data length does not match height * step).
+    small), "image_too_large" (more than MAX_IMAGE_PIXELS pixels) or "image_corrupt" (data
+    length does not match height * step).
     """
     if msg.encoding not in ENCODINGS:
         raise BadInput("image_encoding", f"encoding {msg.encoding!r} is not one of {sorted(ENCODINGS)}")
     h, w, step = msg.height, msg.width, msg.step
     if not (0 < h <= MAX_IMAGE_SIDE and 0 < w <= MAX_IMAGE_SIDE) or step < 3 * w:
         raise BadInput("image_size", f"{w}x{h} with step {step}")
+    if h * w > MAX_IMAGE_PIXELS:
+        raise BadInput("image_too_large", f"{w}x{h} = {w * h} pixels (at most {MAX_IMAGE_PIXELS}: "
+                                          "downscale it in the camera driver)")
     if len(msg.data) != h * step:
         raise BadInput("image_corrupt", f"{len(msg.data)} bytes, expected {h} * {step}")
     rows = np.frombuffer(msg.data, dtype=np.uint8).reshape(h, step)

@@ -36,6 +36,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import zmq
@@ -48,7 +49,7 @@ from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, MarketTick
 from tokenspeed_ros.agent_node import load_tools
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
 from tokenspeed_ros.engine_worker import EngineWorker, run_engine_node
-from tokenspeed_ros.market_feed import FeedLimits, MarketFeed, SymbolState
+from tokenspeed_ros.market_feed import INTERNAL_ERROR, FeedLimits, MarketFeed, SymbolState
 from tokenspeed_ros.params import AgentParamsError, NodeParams
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -214,48 +215,68 @@ class MarketBridgeNode(Node):
                                f"agent {'on, model ' + (p.model or 'embedded') if p.agent else 'off'}")
 
     def close(self, timeout_s: float = 1.0) -> bool:
-        """Stop the feed and engine threads and close the sockets, waiting up to timeout_s
-        seconds for the engine. Returns False when the engine thread is still inside a load or
-        forward (see EngineWorker.close: end the process with os._exit then)."""
+        """Stop the feed and engine threads and close the sockets (removing the ipc:// files it
+        bound), waiting up to timeout_s seconds for the engine. Returns False when the engine
+        thread is still inside a load or forward (see EngineWorker.close: end the process with
+        os._exit then)."""
         self._stop.set()  # also silences the engine thread's notifications from now on
         self._feed_thread.join(5.0)
+        self.monitor.close()
         stopped = self.worker.close(timeout_s) if self.worker is not None else True
         self._sub.close()
         self._pub.close()
         self._zmq.term()
+        p = self.p
+        for endpoint, bound in ((p.feed_endpoint, p.feed_bind), (p.decision_endpoint, p.decision_bind)):
+            if bound and endpoint.startswith("ipc://"):   # ZeroMQ leaves the socket file behind
+                Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
         return stopped
 
     # ------------------------------------------------------------------ feed thread
     def _feed_loop(self) -> None:
-        p = self.p
+        """Feed-thread body. It cannot die silently: an unexpected exception is counted
+        (INTERNAL_ERROR in `counts`) and logged, its batch dropped, and the loop goes on;
+        `status()` and /diagnostics report the feed as failed when the thread is not alive."""
         last_rx = None
         while not self._stop.is_set():
-            if not self._sub.poll(int(p.poll_period_s * 1000)):
-                if not self.feed_alarm and last_rx is not None and time.monotonic() - last_rx > p.feed_gap_s:
-                    self.feed_alarm = True
-                    self.feed.counters["feed_gap"] += 1
-                    self.get_logger().warning(f"feed-gap alarm: no market data for {p.feed_gap_s} s")
-                continue
-            touched: dict[int, SymbolState] = {}
-            n = 0
-            while n < p.max_batch:
-                try:
-                    frames = self._sub.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                n += 1
-                state = self.feed.handle(frames)
-                if state is not None:
-                    touched[id(state)] = state
-            last_rx = time.monotonic()
-            if self.feed_alarm:
-                self.feed_alarm = False
-                self.get_logger().info("feed resumed")
-            self.counts["messages"] += n
-            self.counts["coalesced"] += n - len(touched)
-            self.counts["max_batch_seen"] = max(self.counts["max_batch_seen"], n)
-            for state in touched.values():
-                self._evaluate(state)
+            try:
+                last_rx = self._feed_batch(last_rx)
+            except Exception as err:  # noqa: BLE001 - one bad batch must not stop trading
+                self.counts[INTERNAL_ERROR] += 1
+                self.get_logger().error(f"feed thread: {err!r} (counted, batch dropped)",
+                                        throttle_duration_sec=5.0)
+
+    def _feed_batch(self, last_rx: float | None) -> float | None:
+        """Wait up to poll_period_s for messages and apply one batch; returns the monotonic
+        time of the last batch received (last_rx when none came)."""
+        p = self.p
+        if not self._sub.poll(int(p.poll_period_s * 1000)):
+            if not self.feed_alarm and last_rx is not None and time.monotonic() - last_rx > p.feed_gap_s:
+                self.feed_alarm = True
+                self.feed.counters["feed_gap"] += 1
+                self.get_logger().warning(f"feed-gap alarm: no market data for {p.feed_gap_s} s")
+            return last_rx
+        touched: dict[int, SymbolState] = {}
+        n = 0
+        while n < p.max_batch:
+            try:
+                frames = self._sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            n += 1
+            state = self.feed.handle(frames)
+            if state is not None:
+                touched[id(state)] = state
+        last_rx = time.monotonic()
+        if self.feed_alarm:
+            self.feed_alarm = False
+            self.get_logger().info("feed resumed")
+        self.counts["messages"] += n
+        self.counts["coalesced"] += n - len(touched)
+        self.counts["max_batch_seen"] = max(self.counts["max_batch_seen"], n)
+        for state in touched.values():
+            self._evaluate(state)
+        return last_rx
 
     def _evaluate(self, state: SymbolState) -> None:
         """Features, MarketTick and trigger rules for one symbol after a batch."""
@@ -382,20 +403,34 @@ class MarketBridgeNode(Node):
         self._pub.send(topic.encode() + b" " + json.dumps(out).encode())
 
     def status(self) -> dict:
-        """Feed counters, bridge counts and decision counts as one JSON-able dict."""
+        """Feed counters, bridge counts and decision counts as one JSON-able dict; `feed_health`
+        is [level name ("OK", "WARN", "ERROR"), message] of the feed, see `_feed_health`."""
         return {"feed": dict(self.feed.counters), "bridge": dict(self.counts),
                 "decisions": dict(self.monitor.counts), "feed_alarm": self.feed_alarm,
+                "feed_health": self._feed_health(),
                 "symbols": {f"{ex}-{sym}": {"synced": s.book.synced, "levels": s.book.depth(),
                                             "trades": len(s.trades)} for (ex, sym), s in list(self.feed.symbols.items())},
                 "engine": self.worker.state if self.worker else "off"}
 
+    def _feed_health(self) -> tuple[str, str]:
+        """(DiagnosticStatus level name, message): ERROR when the feed thread is dead or the feed
+        is silent, WARN after unexpected exceptions (counted as "internal_error"), else OK."""
+        if not self._feed_thread.is_alive() and not self._stop.is_set():
+            return "ERROR", "feed thread dead: no market data is processed"
+        if self.feed_alarm:
+            return "ERROR", "feed-gap alarm: no market data"
+        errors = self.feed.counters[INTERNAL_ERROR] + self.counts[INTERNAL_ERROR]
+        if errors:
+            return "WARN", (f"receiving; {errors} internal errors (records dropped), "
+                            f"last: {self.feed.last_internal_error}")
+        return "OK", "receiving"
+
     def _publish_status(self) -> None:
         status = self.status()
         self._pub.send(b"status " + json.dumps(status).encode())
+        level, message = status["feed_health"]
         feed = DiagnosticStatus(
-            name="tokenspeed_market_bridge: feed",
-            level=DiagnosticStatus.ERROR if self.feed_alarm else DiagnosticStatus.OK,
-            message="feed-gap alarm: no market data" if self.feed_alarm else "receiving",
+            name="tokenspeed_market_bridge: feed", level=getattr(DiagnosticStatus, level), message=message,
             values=[KeyValue(key=k, value=str(v)) for k, v in sorted({**status["feed"], **status["bridge"]}.items())])
         msg = DiagnosticArray(status=[self.monitor.diagnostic_status("tokenspeed_market_bridge: decisions"), feed])
         msg.header.stamp = self.get_clock().now().to_msg()

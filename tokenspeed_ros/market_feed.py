@@ -11,15 +11,18 @@ Wire convention (cryptofeed's ZeroMQ backend): a PUB socket sends either one fra
   new total at that level, 0 removes it.
 - ``ticker``: ``{"exchange", "symbol", "bid", "ask", "timestamp", "receipt_timestamp"}``
 
-Timestamps are float seconds since the Unix epoch. Everything malformed or implausible is
-counted in a :class:`collections.Counter` under the keys of :data:`BAD_INPUT_KINDS` and dropped;
-nothing raises past :meth:`MarketFeed.handle`.
+Timestamps are float seconds since the Unix epoch. Every value is checked (finite, bounded,
+timestamps not ahead of the local clock) before it touches the book, the trades or the feed
+time. Everything malformed or implausible is counted in a :class:`collections.Counter` under the
+keys of :data:`BAD_INPUT_KINDS` and dropped; nothing raises past :meth:`MarketFeed.handle` (an
+unexpected exception is counted as "internal_error", its record dropped).
 """
 from __future__ import annotations
 
 import json
 import math
 import statistics
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -39,7 +42,14 @@ BAD_INPUT_KINDS = (
     "bad_size",         # size < 0 (or 0 in a snapshot/trade), NaN or infinite
     "absurd_size",      # size above max_size
     "unsynced",         # delta for a book waiting for its snapshot
+    "bad_timestamp",    # timestamp NaN, infinite, negative or ahead of the local clock
+    "bad_sequence",     # sequence number negative or not below 2**63
+    "too_large",        # message above max_message_bytes, or JSON nested too deep to parse
+    "book_full",        # a new level on a side that already holds max_levels levels
 )
+
+#: Counter key for a record that raised an unexpected exception (a bug): counted, dropped.
+INTERNAL_ERROR = "internal_error"
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,11 @@ class FeedLimits:
             resynced from the next snapshot.
         trade_window: trades kept per symbol (bounded deque).
         vol_window: mid log-returns kept per symbol for the volatility estimate.
+        max_future_s: a timestamp more than this ahead of the local clock (s) is refused, so
+            one record stamped in the future cannot freeze feed time.
+        max_message_bytes: a ZeroMQ message above this size (all frames, bytes) is refused
+            before parsing.
+        max_levels: price levels kept per book side; a new level beyond it is refused.
     """
 
     price_band: float = 0.25
@@ -60,6 +75,9 @@ class FeedLimits:
     max_crossed_msgs: int = 100
     trade_window: int = 200
     vol_window: int = 50
+    max_future_s: float = 10.0
+    max_message_bytes: int = 1 << 20
+    max_levels: int = 10_000
 
 
 @dataclass
@@ -164,6 +182,7 @@ def split_message(frames: list[bytes]) -> tuple[str, str, str, bytes]:
 
 
 def _number(value, what: str) -> float:
+    """A JSON number or numeric string as a float (possibly NaN/inf: callers check the range)."""
     if type(value) is float:  # the common case, first
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
@@ -171,7 +190,9 @@ def _number(value, what: str) -> float:
     try:
         return float(value)
     except ValueError:
-        raise FeedError("malformed", f"{what}={value!r} is not a number") from None
+        raise FeedError("malformed", f"{what}={str(value)[:40]!r} is not a number") from None
+    except OverflowError:  # an integer too large for a float
+        return math.inf
 
 
 class MarketFeed:
@@ -183,34 +204,49 @@ class MarketFeed:
             "tickers", "resyncs") and refused ones (BAD_INPUT_KINDS).
     """
 
-    def __init__(self, limits: FeedLimits | None = None) -> None:
+    def __init__(self, limits: FeedLimits | None = None, clock=time.time) -> None:
+        """Args: limits: plausibility limits; clock: the local clock, () -> s since the epoch."""
         self.limits = limits or FeedLimits()
+        self.clock = clock
         self.symbols: dict[tuple[str, str], SymbolState] = {}
         self.counters: Counter = Counter()
+        self.last_internal_error = ""   # repr of the latest unexpected exception, for status
 
     def handle(self, frames: list[bytes]) -> SymbolState | None:
-        """Apply one ZeroMQ message; returns the symbol state it changed, or None if refused."""
+        """Apply one ZeroMQ message; returns the symbol state it changed, or None if refused.
+
+        Never raises: refused records are counted under their BAD_INPUT_KINDS kind, and an
+        unexpected exception under INTERNAL_ERROR (its repr kept in `last_internal_error`).
+        """
         try:
             return self._handle(frames)
         except FeedError as err:
             self.counters[err.kind] += 1
-            return None
+        except Exception as err:  # noqa: BLE001 - one bad record must not stop the feed
+            self.counters[INTERNAL_ERROR] += 1
+            self.last_internal_error = repr(err)[:200]
+        return None
 
     def _handle(self, frames: list[bytes]) -> SymbolState | None:
+        size = sum(len(f) for f in frames)
+        if size > self.limits.max_message_bytes:
+            raise FeedError("too_large", f"{size} bytes > {self.limits.max_message_bytes}")
         exchange, channel, symbol, body = split_message(frames)
         if channel not in CHANNELS:
-            raise FeedError("unknown_channel", channel)
+            raise FeedError("unknown_channel", channel[:40])
         try:
             msg = json.loads(body)
         except (ValueError, UnicodeDecodeError) as err:
             raise FeedError("malformed", f"JSON: {err}") from None
+        except RecursionError:
+            raise FeedError("too_large", "JSON nested too deep") from None
         if not isinstance(msg, dict):
             raise FeedError("malformed", "payload is not a JSON object")
+        timestamp = self._timestamp(msg.get("timestamp"))
         key = (exchange, symbol)
         state = self.symbols.get(key)
         if state is None:
             state = self.symbols[key] = SymbolState(exchange, symbol, self.limits)
-        timestamp = _number(msg.get("timestamp"), "timestamp")
         if channel == "trades":
             self._trade(state, msg, timestamp)
         elif channel == "ticker":
@@ -225,6 +261,16 @@ class MarketFeed:
         return state
 
     # -- validation -----------------------------------------------------------------------
+    def _timestamp(self, value) -> float:
+        """The record's timestamp (s since the epoch): finite, >= 0, at most max_future_s ahead."""
+        t = _number(value, "timestamp")
+        if not math.isfinite(t) or t < 0.0:
+            raise FeedError("bad_timestamp", f"timestamp {t}")
+        ahead = t - self.clock()
+        if ahead > self.limits.max_future_s:
+            raise FeedError("bad_timestamp", f"timestamp {ahead:.1f} s ahead of the local clock")
+        return t
+
     def _check(self, price: float, size: float, reference: float | None, *,
                zero_size_ok: bool) -> str | None:
         """Kind of problem with one (price, size), or None when plausible."""
@@ -257,6 +303,9 @@ class MarketFeed:
         for side in SIDES:
             for price, size in levels[side]:
                 problem = self._check(price, size, reference, zero_size_ok=not snapshot)
+                if problem is None and price not in state.book.levels[side] and size > 0.0 \
+                        and len(state.book.levels[side]) >= self.limits.max_levels:
+                    problem = "book_full"
                 if problem is not None:
                     self.counters[problem] += 1
                     continue
@@ -274,7 +323,9 @@ class MarketFeed:
         if seq is None:
             return None
         if isinstance(seq, bool) or not isinstance(seq, int):
-            raise FeedError("malformed", f"sequence_number={seq!r}")
+            raise FeedError("malformed", f"sequence_number={str(seq)[:40]!r}")
+        if not 0 <= seq < 1 << 63:
+            raise FeedError("bad_sequence", f"sequence_number {str(seq)[:40]}")
         return seq
 
     # -- channels -------------------------------------------------------------------------

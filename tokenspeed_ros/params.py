@@ -43,8 +43,9 @@ class NodeParams(BaseModel):
     # engine
     model: str = Field("", description='.gguf file, HF folder or "tiny-random"; empty = embedded SmolLM2-135M')
     threads: int = Field(1, ge=0, description="engine CPU threads; 0 = torch default. 1: the node shares the CPU with ROS callbacks (and the simulator), and torch's spinning thread pool stalls badly when oversubscribed")
-    quantize: Literal["int4", "int8", "none"] = Field(
-        "int4", description="engine weights: int4 (the GGUF's Q4_1 codes, fastest CPU decode), int8, or none (fp32)")
+    quantize: Literal["auto", "int4", "int8", "none"] = Field(
+        "auto", description="engine weights: auto (the fastest format on this CPU that agrees with fp32, measured "
+        "once and cached), int4 (the GGUF's Q4_1 codes), int8, or none (fp32)")
     tools_file: str = Field("", description="OpenAI tool list (JSON); empty = the node's default in launch/config")
     kv_budget_tokens: int = Field(
         1024, ge=64, description="hot KV cache of the session, tokens; older context is pruned by relevance")

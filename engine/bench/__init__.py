@@ -65,8 +65,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     a.add_argument("--workload", default=None, help="run this workload JSON instead of generating one")
     a.add_argument("--engines", default=None,
-                   help="comma-separated subset of tokenspeed:int4,tokenspeed:int4:plain (no speculation),"
-                        "tokenspeed:int8,tokenspeed,llama.cpp,transformers (default: all but tokenspeed:int8)")
+                   help="comma-separated subset of tokenspeed:auto (the measured weight choice),tokenspeed:int4,"
+                        "tokenspeed:int4:plain (no speculation),tokenspeed:int8,tokenspeed,llama.cpp,transformers "
+                        "(default: all but tokenspeed:auto and tokenspeed:int8)")
     a.add_argument("--bfcl", default=None, help="BFCL data folder (default: shared/bfcl beside the repository)")
     a.add_argument("--out", default="bench-out/aal", help="output folder (default bench-out/aal)")
     a.set_defaults(func=_cmd_aal)
@@ -77,7 +78,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.set_defaults(func=_cmd_gpu)
     f = sub.add_parser("profile", help="torch.profiler table of one decode step (what limits ITL)")
     f.add_argument("--model", default=None, help="a .gguf file or safetensors folder (default: embedded model)")
-    f.add_argument("--quantize", default="int4", choices=["int4", "int8", "none"])
+    f.add_argument("--quantize", default="auto", choices=["auto", "int4", "int8", "none"])
     f.add_argument("--threads", type=int, default=1)
     f.add_argument("--steps", type=int, default=10, help="decode steps profiled")
     f.add_argument("--context", type=int, default=256, help="tokens in the KV cache (default 256)")

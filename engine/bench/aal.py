@@ -20,13 +20,15 @@ import sys
 import time
 from pathlib import Path
 
+from ..kernels.cpu_decode import selected_variant
 from . import report as rep
 from .workload import Workload, build_workload
 
 __all__ = ["ENGINES", "DEFAULT_ENGINES", "LLAMA_CPP_INSTALL", "build_job", "measure_bandwidth", "run_aal", "make_report"]
 
 # "tokenspeed:int4:plain" is TokenSpeed int4 without speculation: the speed-up speculation gives.
-ENGINES = ["tokenspeed:int4", "tokenspeed:int4:plain", "tokenspeed:int8", "tokenspeed", "llama.cpp", "transformers"]
+ENGINES = ["tokenspeed:auto", "tokenspeed:int4", "tokenspeed:int4:plain", "tokenspeed:int8", "tokenspeed", "llama.cpp",
+           "transformers"]
 DEFAULT_ENGINES = ["tokenspeed:int4", "tokenspeed:int4:plain", "tokenspeed", "llama.cpp", "transformers"]
 LLAMA_CPP_INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install -e ".[bench]"   '
                      "(llama-cpp-python has no binary wheel here: it builds from source, ~10 min on 2 cores)")
@@ -164,9 +166,10 @@ def make_report(runs: dict[str, dict], bandwidth_gbs: float, threads: int, wl: W
     return {
         "command": f"tokenspeed bench aal --threads {threads}" + (" --quick" if wl.quick else ""),
         "machine": {"threads": threads, "bandwidth_gbs": bandwidth_gbs, "cpu": platform.processor() or platform.machine(),
-                    "cores": os.cpu_count(), "load_avg": os.getloadavg()},
+                    "cores": os.cpu_count(), "load_avg": os.getloadavg(), "cpu_kernels": selected_variant()},
         "workload": {"seed": wl.seed, "quick": wl.quick, "calls": len(wl.turns),
                      "context_tokens_last": max((s["context_tokens_last"] or 0) for s in summary.values())},
         "summary": summary, "ratios": rep.ratios(summary), "targets": rep.targets(summary),
         "agreement": rep.agreement(runs), "notes": notes,
+        "weights": {name: r["weights"] for name, r in runs.items() if r.get("weights")},
     }

@@ -19,22 +19,24 @@ __all__ = ["profile_decode"]
 _MATMULS = ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::linear")
 
 
-def profile_decode(model: str | None = None, quantize: str | None = "int4", threads: int = 1, steps: int = 10,
+def profile_decode(model: str | None = None, quantize: str | None = "auto", threads: int = 1, steps: int = 10,
                    context: int = 256, rows: int = 20) -> dict:
     """Time and profile `steps` decode steps after a `context`-token prefill; print the top `rows` ops.
 
     Args:
         model: as `Engine.load` (None: the embedded SmolLM2-135M; "tiny-random" for tests).
-        quantize: None, "int8" or "int4".
+        quantize: "auto", None (fp32), "int8" or "int4".
         threads: torch intra-op threads.
         context: tokens in the KV cache before each timed step.
     Returns:
         {"wall_ms_per_token" (median), "ops_per_token", "matmul_ms_per_token" (self CPU of the
-        matmul kernels), "matmul_share" (of the wall time, 0..1), "fused" (bool),
+        matmul kernels), "matmul_share" (of the wall time, 0..1), "fused" (bool), "weights" (the
+        format in force), "cpu_kernels" (the kernel variant),
         "top": [(op, self CPU ms per token)]}.
     """
     from torch.profiler import ProfilerActivity, profile
 
+    from ..kernels.cpu_decode import selected_variant
     from ..session import Engine
 
     engine = Engine.load(model, threads=threads, quantize=quantize)
@@ -64,8 +66,11 @@ def profile_decode(model: str | None = None, quantize: str | None = "int4", thre
     top = sorted(((k.key, k.self_cpu_time_total / steps / 1e3) for k in ka), key=lambda x: -x[1])[:rows]
     res = {"wall_ms_per_token": wall_ms, "ops_per_token": sum(k.count for k in ka) / steps,
            "matmul_ms_per_token": matmul, "matmul_share": min(1.0, matmul / wall_ms), "fused": net.fused_decode() is not None,
-           "top": top}
-    print(f"# decode step at {context} tokens of context ({quantize or 'fp32'}, {threads} threads, fused "
+           "top": top, "weights": engine.weights, "cpu_kernels": selected_variant()}
+    if engine.weight_choice is not None:
+        print(f"# {engine.weight_choice.describe()}")
+    print(f"# decode step at {context} tokens of context ({engine.weights}, {threads} threads, CPU kernels "
+          f"{res['cpu_kernels']}, fused "
           f"{'on' if res['fused'] else 'off'}): {wall_ms:.1f} ms wall, {res['ops_per_token']:.0f} ATen ops; matmul "
           f"kernels {matmul:.1f} ms ({100 * res['matmul_share']:.0f}%), the rest {max(0.0, wall_ms - matmul):.1f} ms")
     return res

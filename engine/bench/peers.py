@@ -112,10 +112,15 @@ def run_tokenspeed(job: dict, out: str, quantize: str | None, speculation: bool 
     engine = tokenspeed.Engine.load(job["model_gguf"], threads=job["threads"], quantize=quantize)
     if not speculation:
         engine.speculation = None
+    from tokenspeed.kernels.cpu_decode import selected_variant
+
+    choice = engine.weight_choice
+    weights = f"{engine.weights} weights" + (f" ({choice.describe()})" if choice else "")
     rec = Recorder("tokenspeed" + (f"-{quantize}" if quantize else "-fp32") + ("" if speculation else "-plain"),
-                   f"torch {torch.__version__}, {quantize or 'fp32'} weights, warm session, jump-forward on, "
-                   f"speculation {'on' if speculation else 'off'}", torch.get_num_threads())
+                   f"torch {torch.__version__}, {weights}, CPU kernels {selected_variant()}, warm session, "
+                   f"jump-forward on, speculation {'on' if speculation else 'off'}", torch.get_num_threads())
     rec.out["load_s"] = time.perf_counter() - t0
+    rec.out["weights"] = engine.weights
     rec.out["weight_bytes"] = _linear_bytes(engine.model)
     wl = job["workload"]
     session = engine.session(system=wl["system"], tools=wl["tools"])
@@ -344,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     elif engine == "transformers":
         run_transformers(job, out)
     else:
-        print(f"unknown engine {engine!r}: tokenspeed[:int4|:int8[:plain]], llama.cpp or transformers",
+        print(f"unknown engine {engine!r}: tokenspeed[:auto|:int4|:int8[:plain]], llama.cpp or transformers",
               file=sys.stderr)
         return 2
     return 0

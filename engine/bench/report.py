@@ -176,7 +176,8 @@ def print_table(report: dict) -> None:
     console = Console(width=200)
     m = report["machine"]
     t = Table(title=f"AAL: {report['workload']['calls']} calls, context to {report['workload']['context_tokens_last']} "
-                    f"tokens, {m['threads']} threads, bandwidth {m['bandwidth_gbs']:.1f} GB/s")
+                    f"tokens, {m['threads']} threads, bandwidth {m['bandwidth_gbs']:.1f} GB/s, CPU kernels "
+                    f"{m.get('cpu_kernels', '?')}")
     cols = [("engine", "engine", 0), ("TTFT p50", "ttft_p50_ms", 1), ("TTFT p90", "ttft_p90_ms", 1),
             ("cold TTFT", "cold_ttft_p50_ms", 0), ("ITL p50", "itl_p50_ms", 2), ("ITL p90", "itl_p90_ms", 2),
             ("ITL short", "itl_short_p50_ms", 2), ("CPU/tok short", "cpu_ms_per_token_short", 2),
@@ -189,6 +190,8 @@ def print_table(report: dict) -> None:
     for s in report["summary"].values():
         t.add_row(*[_fmt(s.get(k), d) if k != "engine" else s[k] for _, k, d in cols])
     console.print(t)
+    if report.get("weights"):
+        console.print("weights: " + ", ".join(f"{name} {w}" for name, w in report["weights"].items()))
     r = Table(title=f"ratios {OURS} / peer (lower is better)")
     for label in ("peer", "TTFT", "TTFT vs cold", "ITL", "ITL short", "CPU/tok short", "turn"):
         r.add_column(label, justify="right")

@@ -1,7 +1,7 @@
 """LangChain chat model over an in-process TokenSpeed engine (no HTTP on this path).
 
     from tokenspeed.integrations.langchain import ChatTokenSpeed
-    llm = ChatTokenSpeed()                        # embedded SmolLM2-135M-Instruct, int4
+    llm = ChatTokenSpeed()                        # embedded SmolLM2-135M-Instruct
     llm.bind_tools([pick]).invoke("Pick up the red cube.").tool_calls
 
 Requests go through `tokenspeed.chat.ChatEngine`, the same code `tokenspeed serve` answers
@@ -44,7 +44,7 @@ def _shared_chat(model: str | None, quantize: str | None, threads: int | None, c
     # (LangChain makes many), engines are not.
     from ..session import Engine
 
-    engine = Engine.load(model, threads=threads, quantize=None if model == "tiny-random" else quantize)
+    engine = Engine.load(model, threads=threads, quantize=quantize)
     return ChatEngine(engine, context, int(cache_budget_mb * (1 << 20)))
 
 
@@ -54,7 +54,8 @@ class ChatTokenSpeed(BaseChatModel):
     Attributes:
         model: None for the embedded SmolLM2-135M-Instruct, a `.gguf` file, a safetensors folder
             or "tiny-random".
-        quantize: "int4" (default), "int8" or None (fp32 weights).
+        quantize: "auto" (default: the measured fastest format, see `Engine.load`), "int4", "int8"
+            or None (fp32 weights).
         threads: torch threads (None: torch's choice).
         max_tokens: most tokens per answer.
         temperature, top_p, seed: sampling (temperature 0: greedy).
@@ -68,7 +69,7 @@ class ChatTokenSpeed(BaseChatModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
     model: str | None = None
-    quantize: str | None = "int4"
+    quantize: str | None = "auto"
     threads: int | None = None
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)

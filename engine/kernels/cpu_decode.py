@@ -7,14 +7,19 @@ the int4 matmuls themselves (`tokenspeed bench profile`). `cpu_decode.cpp` runs 
 new tokens, output projection, SwiGLU, residuals) as loops around the same matmul kernels as the
 Python path (`int4_matmul`, `int8_gemv`, fp32 GEMM), with the GIL released. It also holds those two
 kernels: `int4_matmul`, the W4A8 matmul of every `quant.Int4Linear` (Q4_1 codes x int8-quantized
-activations, AVX512-VNNI), and `int8_gemv`, the lm_head projection (int8 weight, fp32 activations, one
-pass over the weight).
+activations), and `int8_gemv`, the lm_head projection (int8 weight, fp32 activations, one pass
+over the weight).
 
-The extension is compiled once per machine with the C++ compiler torch uses (`make setup` calls
-`load()`, ~1 min; ninja comes from PyPI) into `<tokenspeed cache>/ext/<hash>`, the
-hash covering the source, torch version and CPU flags. Without a compiler, or if the build fails,
-`load()` returns None and the model keeps its Python path (same results, slower), with one
-warning.
+The numerical kernels (`cpu_kernels.cpp`, a small C ABI without torch) are written once over a
+thin ISA layer (`cpu_isa.h`) and compiled for one instruction-set variant (`VARIANTS`): by default
+the best this CPU runs; `TOKENSPEED_CPU_ISA=<variant>` forces one (for example the AVX2 build on
+an AVX-512 machine, to measure it). The extension is compiled on first use with the C++
+compiler torch uses (`make setup` calls `load()`, ~1 min; ninja comes from PyPI) into
+`<cache>/ext/<variant>-<hash>`, the hash covering the sources, torch version, variant flags and
+this CPU's feature set, so a cache shared between machines never loads a build the CPU cannot
+run. Without a compiler, or if the build fails, `load()` returns None and the model keeps its
+Python path (same results, slower), with one warning. This module imports nothing of the engine:
+callers pass the cache folder in.
 """
 from __future__ import annotations
 
@@ -26,45 +31,130 @@ import os
 import platform
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["load", "FusedDecode", "FUSED_ROWS"]
+__all__ = ["load", "FusedDecode", "FUSED_ROWS", "VARIANTS", "Variant", "cpu_features", "native_variant",
+           "selected_variant", "ISA_ENV", "SOURCES"]
 
 # Forwards of at most this many new tokens take the fused path (decode, draft verification chains
 # with their forced runs, short observations); longer ones (prefill chunks) take the Python path and
 # its SDPA attention. Measured at 2K tokens of context, 1 thread: 32 rows 120 vs 140 ms, 64 rows 297
 # vs 321 ms (fused vs Python path); at 200 tokens both are equal.
 FUSED_ROWS = 64
-_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno"]
+_HERE = Path(__file__).parent
+SOURCES = (_HERE / "cpu_decode.cpp", _HERE / "cpu_kernels.cpp")  # compiled into the extension
+_HEADERS = (_HERE / "cpu_kernels.h", _HERE / "cpu_isa.h")
+_FLAGS = ["-O3", "-fno-math-errno"]
+ISA_ENV = "TOKENSPEED_CPU_ISA"
 log = logging.getLogger(__name__)
 
 
-def _cpu_flags() -> str:
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return platform.processor()
+@dataclass(frozen=True)
+class Variant:
+    """One instruction-set build of the kernels.
+
+    Attributes:
+        name: the `TOKENSPEED_CPU_ISA` value.
+        arch: "x86_64" or "aarch64" ("" for any).
+        needs: CPU features it needs, as /proc/cpuinfo names them ("flags" on x86, "Features" on ARM).
+        cflags: compiler flags selecting its code in `cpu_isa.h`.
+    """
+
+    name: str
+    arch: str
+    needs: tuple[str, ...]
+    cflags: tuple[str, ...]
+
+
+_AVX2 = ("avx2", "fma", "f16c")
+# Best first: the default is the first one this CPU runs.
+VARIANTS = {v.name: v for v in (
+    Variant("avx512", "x86_64", _AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
+            ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")),
+    Variant("avx2-vnni", "x86_64", _AVX2 + ("avx_vnni",), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni")),
+    Variant("avx2", "x86_64", _AVX2, ("-mavx2", "-mfma", "-mf16c")),
+    Variant("neon-dotprod", "aarch64", ("asimd", "asimddp"), ("-march=armv8.2-a+dotprod",)),
+    Variant("neon", "aarch64", ("asimd",), ("-march=armv8-a",)),
+    Variant("generic", "", (), ("-DTS_ISA_FORCE_GENERIC",)),
+)}
 
 
 @functools.cache
-def load(verbose: bool = False):
-    """The compiled extension module (builds it on first use), or None if it cannot be built.
+def cpu_features() -> frozenset[str]:
+    """This CPU's feature names (/proc/cpuinfo "flags" or "Features"; empty where unreadable)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
+
+def _runs(variant: Variant, arch: str, features: frozenset[str]) -> bool:
+    return variant.arch in ("", arch) and set(variant.needs) <= features
+
+
+@functools.cache
+def native_variant() -> str:
+    """The best variant this CPU runs (the default)."""
+    arch, features = platform.machine(), cpu_features()
+    return next(name for name, v in VARIANTS.items() if _runs(v, arch, features))
+
+
+def selected_variant() -> str:
+    """The variant in force: `$TOKENSPEED_CPU_ISA` if set, else `native_variant()`.
+
+    Raises:
+        ValueError: the variable names an unknown variant or one this CPU cannot run.
+    """
+    name = os.environ.get(ISA_ENV, "").strip()
+    if not name:
+        return native_variant()
+    if name not in VARIANTS:
+        raise ValueError(f"{ISA_ENV}={name!r}: unknown variant; choose one of {', '.join(VARIANTS)}")
+    v, arch, features = VARIANTS[name], platform.machine(), cpu_features()
+    if not _runs(v, arch, features):
+        missing = sorted(set(v.needs) - features) or [v.arch]
+        raise ValueError(f"{ISA_ENV}={name}: this CPU ({arch}) lacks {', '.join(missing)}; "
+                         f"it runs {', '.join(n for n, w in VARIANTS.items() if _runs(w, arch, features))}")
+    return name
+
+
+def load(cache: Path, variant: str | None = None, verbose: bool = False):
+    """The compiled extension module for `variant` (builds it on first use), or None if it cannot be built.
+
+    Args:
+        cache: the cache root; the build goes to `cache/ext/<variant>-<hash>`.
+        variant: a `VARIANTS` name; None: `selected_variant()`.
+        verbose: print the compiler's output.
     Returns:
         a module with `decode_layers(...)`, `int4_matmul(x [T, K] fp32, codes, scales) -> [T, N] fp32` (the
-        `quant.Int4Linear` layout) and `int8_gemv(x [T, K] fp32, w [N, K] int8, scales [N] fp32) -> [T, N] fp32`.
+        `quant.Int4Linear` layout), `int8_gemv(x [T, K] fp32, w [N, K] int8, scales [N] fp32) -> [T, N] fp32`
+        and `isa() -> str` (the variant's family name).
+    Raises:
+        ValueError: unknown variant, or one this CPU cannot run.
     """
+    name = variant or selected_variant()
+    if name not in VARIANTS:
+        raise ValueError(f"unknown CPU kernel variant {name!r}; choose one of {', '.join(VARIANTS)}")
+    return _load(Path(cache), name, verbose)
+
+
+@functools.cache
+def _load(cache: Path, name: str, verbose: bool):
     from torch.utils.cpp_extension import load as load_ext
 
-    from ..weights import cache_dir
-
-    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(),
-                                     " ".join(_FLAGS).encode()])).hexdigest()[:16]
-    build = cache_dir() / "ext" / key
+    v = VARIANTS[name]
+    flags = _FLAGS + list(v.cflags)
+    key = hashlib.sha256(b"\0".join([*(f.read_bytes() for f in SOURCES + _HEADERS), torch.__version__.encode(),
+                                     " ".join(sorted(cpu_features())).encode(), " ".join(flags).encode()]))
+    build = cache / "ext" / f"{name}-{key.hexdigest()[:16]}"
     build.mkdir(parents=True, exist_ok=True)
+    module_name = "tokenspeed_cpu_decode_" + name.replace("-", "_")
     if shutil.which("ninja") is None:  # the PyPI wheel's binary, when the venv's bin/ is not on PATH
         try:
             import ninja
@@ -72,9 +162,9 @@ def load(verbose: bool = False):
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass
-    built = build / "tokenspeed_cpu_decode.so"
+    built = build / f"{module_name}.so"
     if built.exists():  # import it directly: torch's builder would wait forever on a lock left by a killed build
-        spec = importlib.util.spec_from_file_location("tokenspeed_cpu_decode", built)
+        spec = importlib.util.spec_from_file_location(module_name, built)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
@@ -82,11 +172,11 @@ def load(verbose: bool = False):
     if lock.exists() and time.time() - lock.stat().st_mtime > 600:
         lock.unlink(missing_ok=True)
     try:
-        return load_ext(name="tokenspeed_cpu_decode", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
+        return load_ext(name=module_name, sources=[str(s) for s in SOURCES], extra_cflags=flags,
                         build_directory=str(build), verbose=verbose)
     except Exception as exc:  # compiler missing, build error: the Python path still works
-        log.warning("fused CPU decode unavailable (%s: %s); using the Python decode path (build log: python -c "
-                    "'from tokenspeed.kernels.cpu_decode import load; load(verbose=True)')", type(exc).__name__,
+        log.warning("fused CPU decode (%s) unavailable (%s: %s); using the Python decode path (build log: python -c "
+                    "'from tokenspeed.quant import fused_ext; fused_ext(verbose=True)')", name, type(exc).__name__,
                     str(exc).splitlines()[0][:200])
         return None
 
@@ -96,47 +186,43 @@ def _projections(layer) -> tuple:
     return layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2
 
 
+def _kind(lin) -> int | None:
+    """The C++ step's kind of a projection: 2 W4A8 (`codes`, `scales` buffers), 1 int8 (`qweight`,
+    `scales`), 0 fp32 `nn.Linear`, None for anything else."""
+    if hasattr(lin, "codes") and hasattr(lin, "scales"):
+        return 2
+    if hasattr(lin, "qweight") and hasattr(lin, "scales"):
+        return 1
+    return 0 if isinstance(lin, torch.nn.Linear) else None
+
+
 class FusedDecode:
     """The fused decode step for one `Transformer`: its weights gathered once into flat lists.
 
-    Build it with `FusedDecode.build(model)`, which returns None when the model does not qualify
-    (not on the CPU, not fp32, a projection of an unknown type) or the extension is unavailable.
+    `FusedDecode.supports(model)` says whether the model qualifies (on the CPU, fp32, every block
+    projection an `nn.Linear`, `quant.Int8Linear` or `quant.Int4Linear`); then `FusedDecode(ext,
+    model)` with the extension from `load`.
     """
 
     def __init__(self, ext, model):
-        from ..quant import Int4Linear, Int8Linear
-
         self.ext, self.args = ext, model.args
         empty = torch.empty(0)
         self.tensors, self.kinds, self.norms = [], [], []
         for layer in model.layers:
             for lin in _projections(layer):
                 bias = lin.bias if lin.bias is not None else empty
-                if isinstance(lin, Int4Linear):
-                    self.tensors += [lin.codes, lin.scales, bias]
-                    self.kinds.append(2)
-                elif isinstance(lin, Int8Linear):
-                    self.tensors += [lin.qweight, lin.scales, bias]
-                    self.kinds.append(1)
-                else:
-                    self.tensors += [lin.weight, empty, bias]
-                    self.kinds.append(0)
+                kind = _kind(lin)
+                weight = lin.codes if kind == 2 else lin.qweight if kind == 1 else lin.weight
+                self.tensors += [weight, lin.scales if kind else empty, bias]
+                self.kinds.append(kind)
             self.norms += [layer.attention_norm, layer.ffn_norm]
 
-    @classmethod
-    def build(cls, model) -> "FusedDecode | None":
-        """A fused step for `model`, or None if it does not qualify or the extension is unavailable."""
-        from ..quant import Int4Linear, Int8Linear
-
+    @staticmethod
+    def supports(model) -> bool:
+        """Whether the fused step can run `model` (CPU, fp32, known projection types)."""
         p = model.tok_embeddings.weight
-        if p.device.type != "cpu" or p.dtype != torch.float32:
-            return None
-        for layer in model.layers:
-            for lin in _projections(layer):
-                if not isinstance(lin, (Int4Linear, Int8Linear, torch.nn.Linear)):
-                    return None
-        ext = load()
-        return cls(ext, model) if ext is not None else None
+        return (p.device.type == "cpu" and p.dtype == torch.float32
+                and all(_kind(lin) is not None for layer in model.layers for lin in _projections(layer)))
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int) -> torch.Tensor:
         """Run all layers for T new tokens.

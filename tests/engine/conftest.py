@@ -14,7 +14,7 @@ def engine():
     import tokenspeed
 
     torch.manual_seed(0)
-    return tokenspeed.Engine.load()
+    return tokenspeed.Engine.load(quantize=None)
 
 
 @pytest.fixture(scope="session")

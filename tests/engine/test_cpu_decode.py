@@ -8,13 +8,13 @@ import torch
 
 import tokenspeed
 from support import decide_each
-from tokenspeed.kernels.cpu_decode import FUSED_ROWS, load
-from tokenspeed.quant import Int4Linear, Int8Linear
+from tokenspeed.kernels.cpu_decode import FUSED_ROWS
+from tokenspeed.quant import Int4Linear, Int8Linear, fused_ext
 
 
 @pytest.fixture(scope="module")
 def ext():
-    mod = load()
+    mod = fused_ext()
     assert mod is not None, "the fused CPU decode extension did not build (see the warning above)"
     return mod
 

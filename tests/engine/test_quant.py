@@ -101,3 +101,24 @@ def test_decisions_read_only_the_allowed_lm_head_rows_with_the_same_result(monke
         results[limit] = (d.status, d.text)
     assert seen and max(seen) <= default  # the rows path ran, on small allowed sets
     assert results[0] == results[default] and results[0][0] == "ok"
+
+
+def test_auto_picks_a_format_no_slower_than_fp32_and_caches_it(tmp_path):
+    # the measured choice on this machine (tiny model: fast): every format timed and checked
+    # against fp32's greedy tokens; the pick costs at most fp32's cost in its own timing; a second
+    # load with the same key takes the cached choice and quantizes to it without timing
+    from tokenspeed.quant import FORMATS, choose_format
+
+    probes = [[1, 2, 3, 4, 5], [40, 41, 42]]
+    model = tokenspeed.Engine.load("tiny-random", quantize=None).model
+    model, choice = choose_format(model, probes, "tiny-random", tmp_path / "auto.json")
+    assert set(choice.timings) == set(FORMATS) and choice.timings["fp32"]["agrees"] and not choice.cached
+    assert choice.timings[choice.format]["agrees"]
+    assert choice.timings[choice.format]["cost_ms"] <= choice.timings["fp32"]["cost_ms"]
+    assert choice.format in choice.describe()
+    kinds = {"fp32": torch.nn.Linear, "int8": Int8Linear, "int4": Int4Linear}
+    again, cached = choose_format(tokenspeed.Engine.load("tiny-random", quantize=None).model, probes, "tiny-random",
+                                  tmp_path / "auto.json")
+    assert cached.cached and cached.format == choice.format and cached.timings == choice.timings
+    for m in (model, again):
+        assert isinstance(m.layers[0].attention.wqkv, kinds[choice.format])

@@ -35,7 +35,7 @@ def _free_port() -> int:
 def base_url():
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokenspeed.cli", "serve", "--port", str(port), "--queue-size", "1",
-                             "--context", "2048", "--cache-budget-mb", "200"],
+                             "--quantize", "int4", "--context", "2048", "--cache-budget-mb", "200"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     url = f"http://127.0.0.1:{port}"

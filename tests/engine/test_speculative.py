@@ -46,7 +46,7 @@ TEXT_PROMPTS = ["Name three colours.", "What is 12 + 30?", "Say hello to the rob
 
 @pytest.fixture(scope="module")
 def engine():
-    return tokenspeed.Engine.load()
+    return tokenspeed.Engine.load(quantize=None)
 
 
 def rejecting_config(engine) -> SpecConfig:

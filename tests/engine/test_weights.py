@@ -43,7 +43,7 @@ def _copy_tokenizer(dst):
 
 
 def _compare(model_path, hf_model, atol=1e-4):
-    engine = tokenspeed.Engine.load(str(model_path))
+    engine = tokenspeed.Engine.load(str(model_path), quantize=None)
     ids = engine.tokenizer.encode("<|im_start|>user\nPick the red cube at x=0.42.<|im_end|>\n")
     ours = engine.model(torch.tensor(ids), torch.arange(len(ids)), engine.model.new_cache(64), "all")
     with torch.no_grad():

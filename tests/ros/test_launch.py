@@ -161,3 +161,11 @@ def test_a_node_failing_ends_the_launch_with_its_status(ros_env):
                          env=ros_env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "fallback" in out.stderr and "tokenspeed_agent exited with status 2" in out.stdout
+
+
+def test_an_override_without_a_value_is_a_clear_error(ros_env):
+    """`-p model:=` (rcl cannot parse it) ends with status 2 and one line, not a traceback."""
+    out = subprocess.run([str(BIN / "tokenspeed_agent"), "--ros-args", "-p", "model:="], env=ros_env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "tokenspeed_agent: cannot parse the ROS arguments" in out.stderr and "model:=" in out.stderr

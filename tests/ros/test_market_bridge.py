@@ -336,3 +336,94 @@ def test_bad_parameters_are_refused_by_name(ros, tmp_path):
         MarketBridgeNode(parameter_overrides=[Parameter("deadline_budget_s", value=True)])
     with pytest.raises(AgentParamsError, match="price_band"):
         MarketBridgeNode(parameter_overrides=[Parameter("price_band", value=-1.0)])
+
+
+def raw(channel: str, body: bytes) -> FeedMessage:
+    """A record sent verbatim (its timestamp is whatever the body says)."""
+    return FeedMessage(0.0, f"{EX}-{channel}-{SYM}", body)
+
+
+def test_hostile_records_never_stop_trading(ros, tmp_path):
+    """What outside probes sent over ZeroMQ: each of these once killed the feed thread (or froze
+    feed time with a future trade) while the status still said synced. Now each is counted and
+    dropped, and the next good records still make ticks, triggers and decisions."""
+    executor, _ = ros
+    node, feed_ep, _ = start_bridge(ros, tmp_path, tick_period_s=0.0, move_bps=1.0, timer_s=0.0, feed_gap_s=60.0)
+    pub = FeedPublisher(feed_ep)
+    assert pub.wait_for_subscriber(10.0)
+    now = time.time()
+    digits = b"1" + b"0" * 400
+    hostile = [
+        raw("trades", b"[" * 100_000),                                                      # RecursionError
+        raw("trades", b'{"timestamp": %f, "side": "buy", "price": %s, "amount": 1}' % (now, digits)),
+        raw("trades", b'{"timestamp": %s, "side": "buy", "price": 100.0, "amount": 1}' % digits),
+        raw("trades", b'{"timestamp": Infinity, "side": "buy", "price": 100.0, "amount": 1}'),
+        raw("trades", b'{"timestamp": 1e30, "side": "buy", "price": 100.0, "amount": 1}'),
+        raw("book", b'{"timestamp": %f, "sequence_number": %s, "delta": {"bid": [[100.0, 1.0]]}}' % (now, digits)),
+    ]
+    pub.send(book(1, {100.0: 1.0, 99.5: 2.0}, {100.5: 1.0, 101.0: 2.0}), now)
+    pub.send(trade(100.5, 0.1), now)
+    pub.send(trade(100.5, 0.1), now + 86_400)                                            # a day ahead
+    for msg in hostile:
+        pub.send(msg, now)
+    # good records after them: the book moves, trades (stamped now) are accepted again
+    for i, msg in enumerate([delta(2, bid=[(100.25, 1.0)]), trade(100.75, 0.2, side="sell"),
+                             delta(3, ask=[(100.5, 0.0)])]):
+        time.sleep(0.1)    # separate batches: each one is evaluated (and may trigger) on its own
+        pub.send(msg, now + 0.1 * (i + 1))
+    n = 3 + len(hostile) + 3
+    assert spin_until(executor, lambda: node.counts["messages"] == n and node.counts["trigger_price_move"] == 2
+                      and node.counts["decisions_opened"] >= 1, 10.0), node.status()
+    c = node.feed.counters
+    assert (c["too_large"], c["bad_price"], c["bad_timestamp"], c["bad_sequence"]) == (1, 1, 4, 1), dict(c)
+    assert c["trades"] == 2 and node.feed.symbols[(EX, SYM)].last_trade.price == 100.75
+    status = node.status()
+    assert status["feed_health"] == ("OK", "receiving")
+    assert node._feed_thread.is_alive() and c["internal_error"] == 0 and node.counts["internal_error"] == 0
+    pub.close()
+
+
+def test_an_exception_in_the_feed_thread_is_counted_and_reported(ros, tmp_path, monkeypatch):
+    """A fake fault: `_evaluate` is made to raise once, standing for a bug that valid or invalid
+    market data can no longer cause. The thread survives, the error is counted, the status and
+    /diagnostics say WARN, and the next batch is processed."""
+    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+
+    executor, nodes = ros
+    node, feed_ep, _ = start_bridge(ros, tmp_path, tick_period_s=0.0, status_period_s=0.2)
+    listener = rclpy.create_node("diag_listener")
+    nodes.append(listener)
+    executor.add_node(listener)
+    diags = []
+    listener.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
+    real_evaluate, calls = node._evaluate, []
+
+    def evaluate_once_broken(state):
+        calls.append(state)
+        if len(calls) == 1:
+            raise RuntimeError("injected fault")
+        real_evaluate(state)
+
+    monkeypatch.setattr(node, "_evaluate", evaluate_once_broken)
+    pub = FeedPublisher(feed_ep)
+    assert pub.wait_for_subscriber(10.0)
+    pub.send(book(1, {100.0: 1.0}, {100.5: 1.0}), time.time())
+    assert spin_until(executor, lambda: node.counts["internal_error"] == 1, 10.0), node.status()
+    time.sleep(0.2)
+    pub.send(delta(2, bid=[(100.25, 1.0)]), time.time())
+    assert spin_until(executor, lambda: len(calls) == 2 and node.counts["messages"] == 2, 10.0), node.status()
+    assert node._feed_thread.is_alive() and node.status()["feed_health"][0] == "WARN"
+
+    def feed_warns():
+        return any(s.name.endswith("feed") and s.level == DiagnosticStatus.WARN and "internal errors" in s.message
+                   for d in diags for s in d.status)
+    assert spin_until(executor, feed_warns, 10.0)
+    pub.close()
+
+
+def test_close_removes_the_ipc_files_it_bound(ros, tmp_path):
+    node, feed_ep, decision_ep = start_bridge(ros, tmp_path)
+    files = [tmp_path / "feed", tmp_path / "decisions"]
+    assert all(f.exists() for f in files)
+    assert node.close()
+    assert not any(f.exists() for f in files)

@@ -1,6 +1,7 @@
 """The market feed parser and L2 book, record by record (the socket path is in test_market_bridge)."""
 import json
 import math
+import time
 
 import pytest
 
@@ -104,6 +105,20 @@ def test_crossed_book_is_counted_once_and_resynced_when_it_persists():
     (frame("trades", {"side": "buy", "price": 100.0, "amount": 1e9}), "absurd_size"),
     (frame("ticker", {"bid": 101.0, "ask": 100.0}), "crossed"),
     (frame("ticker", {"bid": 0.0, "ask": 100.0}), "bad_price"),
+    # what outside probes sent (each once stopped the feed thread or froze feed time)
+    ([b"TEST-trades-BTC-USD " + b"[" * 100_000], "too_large"),           # RecursionError in json
+    (frame("trades", b'{"timestamp": 1.0, "side": "buy", "price": 1' + b"0" * 400 + b', "amount": 1}'),
+     "bad_price"),                                                       # OverflowError in float()
+    (frame("trades", b'{"timestamp": 1' + b"0" * 400 + b', "side": "buy", "price": 100.0, "amount": 1}'),
+     "bad_timestamp"),
+    (frame("trades", b'{"timestamp": Infinity, "side": "buy", "price": 100.0, "amount": 1}'), "bad_timestamp"),
+    (frame("trades", b'{"timestamp": NaN, "side": "buy", "price": 100.0, "amount": 1}'), "bad_timestamp"),
+    (frame("trades", {"timestamp": 1e30, "side": "buy", "price": 100.0, "amount": 1}), "bad_timestamp"),
+    (frame("trades", {"timestamp": -5.0, "side": "buy", "price": 100.0, "amount": 1}), "bad_timestamp"),
+    (frame("trades", {"side": "buy", "price": 100.0, "amount": float("inf")}), "bad_size"),
+    (frame("book", {"delta": {"bid": [[100.0, 1.0]]}, "sequence_number": 10 ** 400}), "bad_sequence"),
+    (frame("book", {"delta": {"bid": [[100.0, 1.0]]}, "sequence_number": -3}), "bad_sequence"),
+    ([b"TEST-book-BTC-USD " + b" " * (2 << 20)], "too_large"),
 ])
 def test_bad_records_are_counted_and_change_nothing(frames, kind):
     feed = MarketFeed()
@@ -112,6 +127,37 @@ def test_bad_records_are_counted_and_change_nothing(frames, kind):
     assert feed.handle(frames) is None
     assert feed.counters - before == {kind: 1}
     assert feed.symbols[(EX, SYM)].book.levels == {"bid": {100.0: 1.0}, "ask": {100.5: 1.0}}
+
+
+def test_a_trade_stamped_in_the_future_does_not_freeze_feed_time():
+    now = time.time()
+    feed = MarketFeed()
+    feed.handle(frame("trades", {"timestamp": now, "side": "buy", "price": 100.0, "amount": 1.0}))
+    feed.handle(frame("trades", {"timestamp": now + 86_400, "side": "buy", "price": 100.0, "amount": 1.0}))
+    feed.handle(frame("trades", {"timestamp": now + 0.5, "side": "sell", "price": 100.5, "amount": 2.0}))
+    state = feed.symbols[(EX, SYM)]
+    assert feed.counters == {"trades": 2, "bad_timestamp": 1}
+    assert state.last_trade.price == 100.5 and state.last_timestamp == now + 0.5
+
+
+def test_book_depth_is_bounded():
+    feed = MarketFeed(FeedLimits(max_levels=3))
+    feed.handle(snapshot(1, {100.0: 1.0, 99.5: 1.0}, {100.5: 1.0}))
+    feed.handle(delta(2, bid=[(99.0, 1.0), (98.5, 1.0), (100.0, 2.0), (99.5, 0.0)]))
+    feed.handle(delta(3, bid=[(98.5, 1.0)]))       # room again after the removal
+    assert feed.symbols[(EX, SYM)].book.levels["bid"] == {100.0: 2.0, 99.0: 1.0, 98.5: 1.0}
+    assert feed.counters["book_full"] == 1
+
+
+def test_an_unexpected_exception_is_counted_and_the_record_dropped():
+    """A fake fault: a clock that raises stands for a bug inside the parser, which well-formed
+    or malformed input can no longer cause."""
+    def broken_clock():
+        raise RuntimeError("clock read failed")
+
+    feed = MarketFeed(clock=broken_clock)
+    assert feed.handle(frame("trades", {"side": "buy", "price": 100.0, "amount": 1.0})) is None
+    assert feed.counters == {"internal_error": 1} and "clock read failed" in feed.last_internal_error
 
 
 def test_bad_levels_are_skipped_inside_an_otherwise_good_update():

@@ -68,6 +68,7 @@ def test_image_conversion_bgr_and_padding():
     (dict(width=0), "image_size"),
     (dict(step=5), "image_size"),
     (dict(data=b"\x00" * 7), "image_corrupt"),
+    (dict(width=8000, height=8000, step=24000, data=b""), "image_too_large"),    # held perception 2.8 s
 ])
 def test_bad_images_raise_bad_input(kwargs, kind):
     with pytest.raises(BadInput) as e:
@@ -80,7 +81,9 @@ def test_joint_text_and_bad_joints():
     for msg, kind in [(JointState(position=[]), "joint_empty"),
                       (JointState(name=["a"], position=[0.0, 1.0]), "joint_size_mismatch"),
                       (JointState(position=[0.0, float("nan")]), "joint_nonfinite"),
-                      (JointState(position=[float("inf")]), "joint_nonfinite")]:
+                      (JointState(position=[float("inf")]), "joint_nonfinite"),
+                      (JointState(position=[0.0, 1e308]), "joint_out_of_range"),
+                      (JointState(position=[0.0] * 10_000), "joint_too_many")]:
         with pytest.raises(BadInput) as e:
             joint_state_text(msg)
         assert e.value.kind == kind

@@ -1,0 +1,84 @@
+"""The torch-free CPU kernels of one instruction-set variant, built and run outside torch.
+
+`build` compiles `cpu_kernels.cpp` with `kernel_harness.cpp` (a request/reply program on
+stdin/stdout) for a `cpu_decode.VARIANTS` entry, natively or with a cross compiler (aarch64:
+Debian's `g++-aarch64-linux-gnu`, run under `qemu-aarch64`); `Harness` sends it tensors and reads
+the results back. The tests check every variant this machine can run, and the ARM ones under
+qemu-user, against the same references as the extension; a build takes seconds (no torch headers).
+"""
+from __future__ import annotations
+
+import struct
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .cpu_decode import VARIANTS
+
+__all__ = ["build", "Harness"]
+
+_HERE = Path(__file__).parent
+
+
+def build(variant: str, out: Path, compiler: str = "g++", static: bool = False) -> Path:
+    """Compile the harness for `variant` into the file `out`; returns `out`.
+
+    Raises:
+        KeyError: unknown variant.
+        subprocess.CalledProcessError: the compiler failed (its output is in the exception).
+    """
+    cmd = [compiler, "-std=c++17", "-O3", "-fno-math-errno", *VARIANTS[variant].cflags, *(["-static"] if static else []),
+           str(_HERE / "cpu_kernels.cpp"), str(_HERE / "kernel_harness.cpp"), "-o", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return out
+
+
+def _i64(*values: int) -> bytes:
+    return struct.pack(f"<{len(values)}q", *values)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().numpy().tobytes()
+
+
+class Harness:
+    """A built harness program; `runner` prefixes its command (e.g. ["qemu-aarch64", "-cpu", "max"])."""
+
+    def __init__(self, exe: Path, runner: tuple[str, ...] = ()):
+        self.cmd = [*runner, str(exe)]
+
+    def _call(self, request: bytes, n_floats: int) -> np.ndarray:
+        out = subprocess.run(self.cmd, input=request, capture_output=True, check=True, timeout=120).stdout
+        return np.frombuffer(out, dtype=np.float32, count=n_floats)
+
+    def isa(self) -> str:
+        """The family name the build reports (as the extension's `isa()`)."""
+        out = subprocess.run(self.cmd, input=struct.pack("<i", 0), capture_output=True, check=True, timeout=60).stdout
+        return out[4:4 + struct.unpack("<i", out[:4])[0]].decode()
+
+    def int4_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """x [T, K] fp32, codes [N/16, K/8, 64] uint8, scales [N/16, K/32, 2, 16] bf16 -> y [T, N] fp32."""
+        T, K = x.shape
+        N = codes.shape[0] * 16
+        req = struct.pack("<i", 1) + _i64(T, K, N) + _raw(x.float()) + _raw(codes) + _raw(scales.view(torch.int16))
+        return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
+
+    def int8_gemv(self, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """x [T, K] fp32, w [N, K] int8, scales [N] fp32 -> y [T, N] fp32."""
+        T, K = x.shape
+        N = w.shape[0]
+        req = struct.pack("<i", 2) + _i64(T, K, N) + _raw(x.float()) + _raw(w) + _raw(scales.float())
+        return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
+
+    def attend(self, q: torch.Tensor, T: int, start: int, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [R, D] (row r = head-in-group * T + token), k and v [start + T, D] fp32 -> (probabilities
+        [R, start + T], out [R, D], log-sum-exp [R]); row r sees slots [0, start + r % T]."""
+        R, D = q.shape
+        end = start + T
+        req = (struct.pack("<i", 3) + _i64(R, T, start, D) + struct.pack("<f", scale) + _raw(q.float())
+               + _raw(k[:end].float()) + _raw(v[:end].float()))
+        flat = torch.from_numpy(self._call(req, R * end + R * D + R).copy())
+        return flat[:R * end].view(R, end), flat[R * end:R * end + R * D].view(R, D), flat[R * end + R * D:]

@@ -1,0 +1,257 @@
+// The thin ISA layer under cpu_kernels.cpp: one set of vector types and operations per
+// instruction-set family, chosen at compile time from the compiler's target macros (the build
+// passes the variant's -m flags, see cpu_decode.py VARIANTS). The kernels are written once over
+// these names and instantiated for whichever family is compiled.
+//
+//   family        float vector     int8 dot product (u8 x s8 -> s32, 4 bytes per 32-bit lane)
+//   avx512        __m512 (16)      vpdpbusd (AVX512-VNNI)
+//   avx2-vnni     __m256 (8)       vpdpbusd (AVX-VNNI, 256-bit)
+//   avx2          __m256 (8)       vpmaddubsw + vpmaddwd (exact: |code * q| <= 15 * 127)
+//   neon-dotprod  float32x4 (4)    sdot (ARMv8.2 dot product)
+//   neon          float32x4 (4)    smull + pairwise adds
+//   generic       float (1)        scalar
+//
+// Every family computes the same exact int32 sums and the same per-lane float operations (fused
+// multiply-adds) for the int4 matmul, so its results are bit-identical across families; float
+// reductions (dot products, softmax sums) depend on the vector width and agree to rounding.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(TS_ISA_FORCE_GENERIC)  // the "generic" variant: scalar code on any CPU
+#define TS_ISA_GENERIC 1
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TS_ISA_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TS_ISA_AVX2 1
+#include <immintrin.h>
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#define TS_ISA_NEON 1
+#include <arm_neon.h>
+#else
+#define TS_ISA_GENERIC 1
+#endif
+
+namespace ts {
+namespace isa {
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#if TS_ISA_AVX512
+constexpr const char* kName = "avx512";
+using vf = __m512;   // kW floats
+using vi = __m512i;  // kI int32 lanes (= kW)
+constexpr int kW = 16, kI = 16, kMaxRows = 8, kRegs = 32;  // kMaxRows: int4 rows per block
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float a) { return _mm512_set1_ps(a); }
+inline vf load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
+inline float reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
+inline vf round(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf scale_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
+inline vf load_i8(const int8_t* p) {  // kW int8 -> fp32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf load_bf16(const uint16_t* p) {  // kI bf16 -> fp32
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+// The four horizontal sums of a, b, c, d into out[0..3].
+inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
+  auto half = [](__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  };
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a), half(b)), _mm256_hadd_ps(half(c), half(d)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+inline vi izero() { return _mm512_setzero_si512(); }
+inline vi iload(const uint8_t* p) { return _mm512_loadu_si512(p); }  // 4 kI bytes
+inline vi nibbles_lo(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline vi nibbles_hi(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+inline vi bcast4(int32_t q) { return _mm512_set1_epi32(q); }
+// acc[lane] += sum_b u[lane, b] * s[lane, b] over its 4 bytes (u unsigned, s signed)
+inline vi dot4(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
+
+#elif TS_ISA_AVX2
+#if defined(__AVXVNNI__)
+constexpr const char* kName = "avx2-vnni";
+#else
+constexpr const char* kName = "avx2";
+#endif
+using vf = __m256;
+using vi = __m256i;
+constexpr int kW = 8, kI = 8, kMaxRows = 4, kRegs = 16;
+inline vf zero() { return _mm256_setzero_ps(); }
+inline vf set1(float a) { return _mm256_set1_ps(a); }
+inline vf load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline float reduce_add(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float reduce_max(vf v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline vf round(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf scale_pow2(vf p, vf n) {  // n in [-126, 127]: build 2^n in the exponent field
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline vf load_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf load_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+inline vi izero() { return _mm256_setzero_si256(); }
+inline vi iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vi nibbles_lo(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline vi nibbles_hi(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+inline vi bcast4(int32_t q) { return _mm256_set1_epi32(q); }
+#if defined(__AVXVNNI__)
+inline vi dot4(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+inline vi dot4(vi acc, vi u, vi s) {  // u <= 15, |s| <= 127: the int16 pair sums cannot saturate
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+inline vf to_float(vi v) { return _mm256_cvtepi32_ps(v); }
+
+#elif TS_ISA_NEON
+#if defined(__ARM_FEATURE_DOTPROD)
+constexpr const char* kName = "neon-dotprod";
+#else
+constexpr const char* kName = "neon";
+#endif
+using vf = float32x4_t;
+using vi = int32x4_t;
+constexpr int kW = 4, kI = 4, kMaxRows = 8, kRegs = 32;
+inline vf zero() { return vdupq_n_f32(0.f); }
+inline vf set1(float a) { return vdupq_n_f32(a); }
+inline vf load(const float* p) { return vld1q_f32(p); }
+inline void store(float* p, vf v) { vst1q_f32(p, v); }
+inline vf add(vf a, vf b) { return vaddq_f32(a, b); }
+inline vf sub(vf a, vf b) { return vsubq_f32(a, b); }
+inline vf mul(vf a, vf b) { return vmulq_f32(a, b); }
+inline vf max(vf a, vf b) { return vmaxq_f32(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
+inline float reduce_add(vf v) { return vaddvq_f32(v); }
+inline float reduce_max(vf v) { return vmaxvq_f32(v); }
+inline vf round(vf v) { return vrndnq_f32(v); }
+inline vf scale_pow2(vf p, vf n) {
+  const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+  return vmulq_f32(p, vreinterpretq_f32_s32(e));
+}
+inline vf load_i8(const int8_t* p) {
+  const int8x8_t b = vreinterpret_s8_s32(vdup_n_s32(load_i32(p)));
+  return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(b))));
+}
+inline vf load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
+  vst1q_f32(out, vpaddq_f32(vpaddq_f32(a, b), vpaddq_f32(c, d)));
+}
+inline vi izero() { return vdupq_n_s32(0); }
+inline vi iload(const uint8_t* p) { return vreinterpretq_s32_u8(vld1q_u8(p)); }
+inline vi nibbles_lo(vi v) { return vreinterpretq_s32_u8(vandq_u8(vreinterpretq_u8_s32(v), vdupq_n_u8(0x0F))); }
+inline vi nibbles_hi(vi v) { return vreinterpretq_s32_u8(vshrq_n_u8(vreinterpretq_u8_s32(v), 4)); }
+inline vi bcast4(int32_t q) { return vdupq_n_s32(q); }
+#if defined(__ARM_FEATURE_DOTPROD)
+inline vi dot4(vi acc, vi u, vi s) { return vdotq_s32(acc, vreinterpretq_s8_s32(u), vreinterpretq_s8_s32(s)); }
+#else
+inline vi dot4(vi acc, vi u, vi s) {  // codes 0..15 are valid signed bytes
+  const int8x16_t a = vreinterpretq_s8_s32(u), b = vreinterpretq_s8_s32(s);
+  const int32x4_t lo = vpaddlq_s16(vmull_s8(vget_low_s8(a), vget_low_s8(b)));
+  const int32x4_t hi = vpaddlq_s16(vmull_high_s8(a, b));
+  return vaddq_s32(acc, vpaddq_s32(lo, hi));
+}
+#endif
+inline vf to_float(vi v) { return vcvtq_f32_s32(v); }
+
+#else  // generic: one-lane "vectors"
+constexpr const char* kName = "generic";
+using vf = float;
+using vi = int32_t;
+constexpr int kW = 1, kI = 1, kMaxRows = 4, kRegs = 256;
+inline vf zero() { return 0.f; }
+inline vf set1(float a) { return a; }
+inline vf load(const float* p) { return *p; }
+inline void store(float* p, vf v) { *p = v; }
+inline vf add(vf a, vf b) { return a + b; }
+inline vf sub(vf a, vf b) { return a - b; }
+inline vf mul(vf a, vf b) { return a * b; }
+inline vf max(vf a, vf b) { return a > b ? a : b; }
+inline vf fmadd(vf a, vf b, vf c) { return __builtin_fmaf(a, b, c); }
+inline float reduce_add(vf v) { return v; }
+inline float reduce_max(vf v) { return v; }
+inline vf round(vf v) { return std::nearbyint(v); }
+inline vf scale_pow2(vf p, vf n) { return std::ldexp(p, static_cast<int>(n)); }
+inline vf load_i8(const int8_t* p) { return static_cast<float>(*p); }
+inline vf load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
+inline void hsum4(vf a, vf b, vf c, vf d, float* out) { out[0] = a, out[1] = b, out[2] = c, out[3] = d; }
+inline vi izero() { return 0; }
+inline vi iload(const uint8_t* p) { return load_i32(p); }
+inline vi nibbles_lo(vi v) { return v & 0x0F0F0F0F; }
+inline vi nibbles_hi(vi v) { return static_cast<int32_t>(static_cast<uint32_t>(v) >> 4) & 0x0F0F0F0F; }
+inline vi bcast4(int32_t q) { return q; }
+inline vi dot4(vi acc, vi u, vi s) {
+  for (int b = 0; b < 4; ++b)
+    acc += static_cast<int32_t>((static_cast<uint32_t>(u) >> (8 * b)) & 0xFF) *
+           static_cast<int8_t>((static_cast<uint32_t>(s) >> (8 * b)) & 0xFF);
+  return acc;
+}
+inline vf to_float(vi v) { return static_cast<float>(v); }
+#endif
+
+// e^x for x <= 0 (softmax; below -87 it returns ~1e-38): Cody-Waite range reduction x = n ln2 + r
+// and the Cephes expf polynomial on r, scaled by 2^n; relative error ~1e-7 (as std::exp in fp32).
+inline vf exp_neg(vf x) {
+  x = max(x, set1(-87.f));
+  const vf n = round(mul(x, set1(1.44269504088896341f)));
+  vf r = fmadd(n, set1(-0.693359375f), x);
+  r = fmadd(n, set1(2.12194440e-4f), r);
+  vf p = set1(1.9875691500e-4f);
+  p = fmadd(p, r, set1(1.3981999507e-3f));
+  p = fmadd(p, r, set1(8.3334519073e-3f));
+  p = fmadd(p, r, set1(4.1665795894e-2f));
+  p = fmadd(p, r, set1(1.6666665459e-1f));
+  p = fmadd(p, r, set1(5.0000001201e-1f));
+  p = fmadd(p, mul(r, r), add(r, set1(1.f)));
+  return scale_pow2(p, n);
+}
+
+}  // namespace isa
+}  // namespace ts

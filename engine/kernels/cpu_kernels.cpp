@@ -1,0 +1,283 @@
+// The numerical core of the fused CPU decode step (contract: cpu_kernels.h), written once over
+// the ISA layer of cpu_isa.h and compiled per instruction-set family. No torch: the kernel
+// harness builds it alone.
+#include "cpu_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+#include "cpu_isa.h"
+
+namespace ts {
+namespace {
+
+using namespace isa;
+
+constexpr int64_t kQGroup = 32;
+
+// Calls f(std::integral_constant<int, n>) for 1 <= n <= M: runtime row counts to the
+// compile-time ones the register-blocked kernels take.
+template <int M, typename F>
+inline void with_rows(int n, F&& f) {
+  if constexpr (M > 1) {
+    if (n < M) return with_rows<M - 1>(n, f);
+  }
+  f(std::integral_constant<int, M>{});
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float acc = 0.f;
+  if constexpr (kW > 1) {
+    vf v = zero();
+    for (; i + kW <= n; i += kW) v = fmadd(load(a + i), load(b + i), v);
+    acc = reduce_add(v);
+  }
+  for (; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// s[r, j] = q_r . k_j for R query rows q [R, kW C] and the n keys k [n, kW C]; row r of s starts
+// at s + r * ld. Blocks of 4 keys (L1-resident while all rows use them), every score one lane of
+// `hsum4` wherever it falls, so a row's scores do not depend on R or n.
+template <int C>
+void scores_rows(const float* q, int64_t R, const float* k, float* s, int64_t ld, int64_t n) {
+  constexpr int64_t D = kW * C;
+  const vf z = zero();
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4)
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = q + r * D;
+      vf p[4] = {z, z, z, z};
+      for (int c = 0; c < C; ++c) {
+        const vf qc = load(qr + kW * c);
+        for (int i = 0; i < 4; ++i) p[i] = fmadd(qc, load(k + (j + i) * D + kW * c), p[i]);
+      }
+      hsum4(p[0], p[1], p[2], p[3], s + r * ld + j);
+    }
+  for (; j < n; ++j)
+    for (int64_t r = 0; r < R; ++r) {
+      vf p = z;
+      for (int c = 0; c < C; ++c) p = fmadd(load(q + r * D + kW * c), load(k + j * D + kW * c), p);
+      float out[4];
+      hsum4(p, z, z, z, out);
+      s[r * ld + j] = out[0];
+    }
+}
+
+// o[r] = sum_j p[r, j] v_j for RR rows of weights p (row stride ld) over n values v [n, kW C]:
+// each value is loaded once for all rows, accumulators in registers, j in ascending order.
+template <int C, int RR>
+void weighted_block(const float* p, int64_t ld, const float* v, float* o, int64_t n) {
+  vf acc[RR][C];
+  for (int r = 0; r < RR; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = zero();
+  for (int64_t j = 0; j < n; ++j) {
+    vf pj[RR];
+    for (int r = 0; r < RR; ++r) pj[r] = set1(p[r * ld + j]);
+    for (int c = 0; c < C; ++c) {
+      const vf vj = load(v + (j * C + c) * kW);
+      for (int r = 0; r < RR; ++r) acc[r][c] = fmadd(pj[r], vj, acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RR; ++r)
+    for (int c = 0; c < C; ++c) store(o + (r * C + c) * kW, acc[r][c]);
+}
+
+template <int C>
+void weighted_rows(const float* p, int64_t R, int64_t ld, const float* v, float* o, int64_t n) {
+  constexpr int64_t D = kW * C;
+  constexpr int RB = std::clamp((kRegs - 2) / (C + 1), 1, 4);  // accumulator rows that fit the registers
+  int64_t r = 0;
+  for (; r + RB <= R; r += RB) weighted_block<C, RB>(p + r * ld, ld, v, o + r * D, n);
+  if (r < R)
+    with_rows<RB>(static_cast<int>(R - r), [&](auto rr) { weighted_block<C, decltype(rr)::value>(p + r * ld, ld, v, o + r * D, n); });
+}
+
+// s [R, ld] = q [R, D] k^T over the first n keys k [n, D].
+void scores_of(const float* q, int64_t R, const float* k, float* s, int64_t ld, int64_t n, int64_t D) {
+  switch (D) {
+    case 16: return scores_rows<16 / kW>(q, R, k, s, ld, n);
+    case 32: return scores_rows<32 / kW>(q, R, k, s, ld, n);
+    case 64: return scores_rows<64 / kW>(q, R, k, s, ld, n);
+    case 128: return scores_rows<128 / kW>(q, R, k, s, ld, n);
+    default: break;
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j) s[r * ld + j] = dot(q + r * D, k + j * D, D);
+}
+
+// o [R, D] = p [R, ld] v over the first n values v [n, D].
+void weighted_sum_of(const float* p, int64_t R, int64_t ld, const float* v, float* o, int64_t n, int64_t D) {
+  switch (D) {
+    case 16: return weighted_rows<16 / kW>(p, R, ld, v, o, n);
+    case 32: return weighted_rows<32 / kW>(p, R, ld, v, o, n);
+    case 64: return weighted_rows<64 / kW>(p, R, ld, v, o, n);
+    case 128: return weighted_rows<128 / kW>(p, R, ld, v, o, n);
+    default: break;
+  }
+  std::fill(o, o + R * D, 0.f);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < n; ++j) {
+      const float a = p[r * ld + j];
+      for (int64_t i = 0; i < D; ++i) o[r * D + i] += a * v[j * D + i];
+    }
+}
+
+// Rows t0 .. t0 + TT of the int8 product for output rows [j0, j1): each weight row is converted to
+// fp32 once per kW input channels for all TT activation rows (accumulators in registers).
+template <int TT>
+void int8_block(const float* x, int64_t t0, int64_t K, const int8_t* w, const float* scales, float* y, int64_t N,
+                int64_t j0, int64_t j1) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const int8_t* wr = w + j * K;
+    float a[TT];
+    int64_t k = 0;
+    vf acc[TT];
+    for (int t = 0; t < TT; ++t) acc[t] = zero();
+    for (; k + kW <= K; k += kW) {
+      const vf wv = load_i8(wr + k);
+      for (int t = 0; t < TT; ++t) acc[t] = fmadd(load(x + (t0 + t) * K + k), wv, acc[t]);
+    }
+    for (int t = 0; t < TT; ++t) a[t] = reduce_add(acc[t]);
+    for (int t = 0; t < TT; ++t) {
+      for (int64_t kk = k; kk < K; ++kk) a[t] += x[(t0 + t) * K + kk] * static_cast<float>(wr[kk]);
+      y[(t0 + t) * N + j] = a[t] * scales[j];
+    }
+  }
+}
+
+// ---- int4 weights x int8 activations (W4A8, the Q4_1 x Q8_1 scheme of GGML/llama.cpp)
+//
+// Weight: 4-bit codes c in 0..15 per group of 32 input channels, w[n, k] = c * s[n, g] + m[n, g].
+// Codes [N / 16, K / 8, 64]: for output block nb (16 channels, one per 32-bit lane) and input
+// octet o, lane j's 4 bytes hold channel nb * 16 + j's codes k = 8o + b in the low nibble and
+// k = 8o + 4 + b in the high nibble (b = 0..3). Scales [N / 16, K / 32, 2, 16] bf16: s then m.
+// y[t, n] = sum_g s[n, g] * sx[t, g] * sum_k c * q + m[n, g] * sx[t, g] * sum_k q: the inner sums
+// are exact int32 (dot4: 4 byte products per lane) and the float accumulation runs in a fixed
+// order per lane, so a row's result depends neither on how many rows share the call
+// (speculative verification == plain decoding, bit for bit) nor on the vector width.
+template <int TT>
+void int4_block(const int8_t* q, const float* sx, const float* xs, int64_t t0, int64_t K, const uint8_t* codes,
+                const uint16_t* sm, float* y, int64_t N, int64_t nb0, int64_t nb1) {
+  const int64_t G = K / kQGroup, O = K / 8;
+  for (int64_t nb = nb0; nb < nb1; ++nb)
+    for (int p = 0; p < 16 / kI; ++p) {  // kI of the block's 16 output channels
+      vf acc[TT];
+      for (int t = 0; t < TT; ++t) acc[t] = zero();
+      const uint8_t* cb = codes + nb * O * 64 + p * 4 * kI;
+      const uint16_t* sb = sm + nb * G * 32 + p * kI;
+      for (int64_t g = 0; g < G; ++g) {
+        vi dot[TT];
+        for (int t = 0; t < TT; ++t) dot[t] = izero();
+        for (int64_t o = 0; o < kQGroup / 8; ++o) {
+          const vi v = iload(cb + (g * (kQGroup / 8) + o) * 64);
+          const vi lo = nibbles_lo(v), hi = nibbles_hi(v);
+          const int8_t* qk = q + t0 * K + g * kQGroup + o * 8;
+          for (int t = 0; t < TT; ++t)
+            dot[t] = dot4(dot4(dot[t], lo, bcast4(load_i32(qk + t * K))), hi, bcast4(load_i32(qk + t * K + 4)));
+        }
+        const vf s = load_bf16(sb + g * 32), m = load_bf16(sb + g * 32 + 16);
+        for (int t = 0; t < TT; ++t) {
+          const int64_t i = (t0 + t) * G + g;
+          acc[t] = fmadd(to_float(dot[t]), mul(s, set1(sx[i])), acc[t]);
+          acc[t] = fmadd(m, set1(xs[i]), acc[t]);
+        }
+      }
+      for (int t = 0; t < TT; ++t) store(y + (t0 + t) * N + nb * 16 + p * kI, acc[t]);
+    }
+}
+
+// s [n] (raw scores) -> softmax(scale * s) in place; returns the log-sum-exp of scale * s.
+float softmax_row(float* s, int64_t n, float scale) {
+  float m = -INFINITY, sum = 0.f;
+  int64_t j = 0;
+  if constexpr (kW > 1) {
+    vf vm = set1(-INFINITY), vs = zero();
+    const vf vscale = set1(scale);
+    for (; j + kW <= n; j += kW) {
+      const vf x = mul(load(s + j), vscale);
+      store(s + j, x);
+      vm = max(vm, x);
+    }
+    m = reduce_max(vm);
+    for (int64_t i = j; i < n; ++i) { s[i] *= scale; m = std::max(m, s[i]); }
+    const vf vmax = set1(m);
+    for (j = 0; j + kW <= n; j += kW) {
+      const vf e = exp_neg(sub(load(s + j), vmax));
+      store(s + j, e);
+      vs = add(vs, e);
+    }
+    sum = reduce_add(vs);
+  } else {
+    for (; j < n; ++j) { s[j] *= scale; m = std::max(m, s[j]); }
+    j = 0;
+  }
+  for (; j < n; ++j) { s[j] = std::exp(s[j] - m); sum += s[j]; }
+  const float inv = 1.f / sum;
+  for (j = 0; j < n; ++j) s[j] *= inv;
+  return m + std::log(sum);
+}
+
+}  // namespace
+}  // namespace ts
+
+extern "C" {
+
+const char* ts_isa_name(void) { return ts::isa::kName; }
+
+void ts_quantize_rows(const float* x, int64_t T, int64_t K, int8_t* q, float* sx, float* xs) {
+  const int64_t G = K / ts::kQGroup;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + t * K + g * ts::kQGroup;
+      int8_t* qg = q + t * K + g * ts::kQGroup;
+      float amax = 0.f;
+      for (int64_t i = 0; i < ts::kQGroup; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < ts::kQGroup; ++i) {
+        qg[i] = static_cast<int8_t>(std::nearbyint(xg[i] * inv));
+        sum += qg[i];
+      }
+      sx[t * G + g] = amax / 127.f;
+      xs[t * G + g] = sx[t * G + g] * static_cast<float>(sum);
+    }
+}
+
+void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* codes,
+                  const uint16_t* scales, float* y, int64_t N, int64_t nb0, int64_t nb1) {
+  constexpr int M = ts::isa::kMaxRows;
+  int64_t t0 = 0;
+  for (; t0 + M <= T; t0 += M) ts::int4_block<M>(q, sx, xs, t0, K, codes, scales, y, N, nb0, nb1);
+  if (t0 < T)
+    ts::with_rows<M>(static_cast<int>(T - t0),
+                     [&](auto tt) { ts::int4_block<decltype(tt)::value>(q, sx, xs, t0, K, codes, scales, y, N, nb0, nb1); });
+}
+
+void ts_int8_rows(const float* x, int64_t T, int64_t K, const int8_t* w, const float* scales, float* y, int64_t N,
+                  int64_t j0, int64_t j1) {
+  int64_t t0 = 0;
+  for (; t0 + 4 <= T; t0 += 4) ts::int8_block<4>(x, t0, K, w, scales, y, N, j0, j1);
+  if (t0 < T)
+    ts::with_rows<4>(static_cast<int>(T - t0), [&](auto tt) { ts::int8_block<decltype(tt)::value>(x, t0, K, w, scales, y, N, j0, j1); });
+}
+
+void ts_attend(const float* q, int64_t R, int64_t T, int64_t start, const float* k, const float* v, int64_t D,
+               float scale, float* scores, float* out, float* lse) {
+  const int64_t end = start + T;
+  // Each row scores every slot (the softmax keeps its visible ones, the rest weigh 0), each key
+  // and value is read once for all rows, and a row's result does not depend on R.
+  ts::scores_of(q, R, k, scores, end, end, D);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t visible = start + r % T + 1;
+    float* srow = scores + r * end;
+    const float row_lse = ts::softmax_row(srow, visible, scale);
+    std::fill(srow + visible, srow + end, 0.f);
+    if (lse != nullptr) lse[r] = row_lse;
+  }
+  ts::weighted_sum_of(scores, R, end, v, out, end, D);
+}
+
+}  // extern "C"

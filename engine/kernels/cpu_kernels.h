@@ -1,0 +1,42 @@
+// The numerical core of the fused CPU decode step: a small C ABI, no torch (cpu_kernels.cpp).
+// cpu_decode.cpp binds it to torch and splits the work over threads; kernel_harness.cpp runs it
+// alone (cross-compiled for aarch64 under qemu in the tests). All arrays are contiguous, row-major.
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// The instruction-set family this build was compiled for ("avx512", "avx2-vnni", "avx2",
+// "neon-dotprod", "neon" or "generic"; see cpu_isa.h).
+const char* ts_isa_name(void);
+
+// Activations x [T, K] fp32 (K a multiple of 32) -> per group of 32: int8 codes q [T, K]
+// (round(x * 127 / max|x|)), scale sx [T, K / 32] (max|x| / 127) and sx * sum(q) xs [T, K / 32].
+void ts_quantize_rows(const float* x, int64_t T, int64_t K, int8_t* q, float* sx, float* xs);
+
+// y [T, N] fp32, output blocks [nb0, nb1) of 16 channels: the W4A8 product of the quantized
+// activations (ts_quantize_rows) with int4 codes [N / 16, K / 8, 64] uint8 and bf16 scales
+// [N / 16, K / 32, 2, 16] (layout: tokenspeed.quant.Int4Linear.pack). Each row's result is
+// bit-identical whatever T is, and across instruction-set families.
+void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* codes,
+                  const uint16_t* scales, float* y, int64_t N, int64_t nb0, int64_t nb1);
+
+// y[t, j] = scales[j] * sum_k x[t, k] * w[j, k] for output rows j in [j0, j1): x [T, K] fp32,
+// w [N, K] int8, scales [N] fp32, y [T, N] fp32 (one pass over the weight for all T rows).
+void ts_int8_rows(const float* x, int64_t T, int64_t K, const int8_t* w, const float* scales, float* y, int64_t N,
+                  int64_t j0, int64_t j1);
+
+// Attention of R query rows q [R, D] over one KV head's keys k and values v [>= start + T, D]:
+// row r sees slots [0, start + r % T] (the cached prefix, then causal among T new tokens; r =
+// head-in-group * T + token). scores [R, start + T] receives the softmax probabilities (0 past a
+// row's visible slots), out [R, D] the weighted values, lse [R] (may be NULL) the log-sum-exp of
+// the scaled scores.
+void ts_attend(const float* q, int64_t R, int64_t T, int64_t start, const float* k, const float* v, int64_t D,
+               float scale, float* scores, float* out, float* lse);
+
+#ifdef __cplusplus
+}
+#endif

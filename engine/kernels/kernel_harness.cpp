@@ -1,0 +1,79 @@
+// Runs the torch-free kernels of cpu_kernels.cpp on requests read from stdin, for tests that
+// check a build without torch (other instruction-set variants; aarch64 under qemu-user).
+// Request: int32 op, then its sizes (int64) and arrays (raw little-endian); the reply on stdout:
+//   op 0 (name):   -> int32 length, the ISA family's name
+//   op 1 (int4):   T K N, x [T, K] f32, codes [N/16, K/8, 64] u8, scales [N/16, K/32, 2, 16] u16 -> y [T, N] f32
+//   op 2 (int8):   T K N, x [T, K] f32, w [N, K] i8, scales [N] f32 -> y [T, N] f32
+//   op 3 (attend): R T start D, scale f32, q [R, D], k and v [start + T, D] f32
+//                  -> scores [R, start + T], out [R, D], lse [R] f32
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+template <typename T>
+std::vector<T> take(size_t n) {
+  std::vector<T> v(n);
+  if (n && std::fread(v.data(), sizeof(T), n, stdin) != n) throw 1;
+  return v;
+}
+
+template <typename T>
+void give(const std::vector<T>& v) {
+  std::fwrite(v.data(), sizeof(T), v.size(), stdout);
+}
+
+int64_t size() { return take<int64_t>(1)[0]; }
+
+}  // namespace
+
+int main() {
+  int32_t op;
+  try {
+    while (std::fread(&op, 4, 1, stdin) == 1) {
+      if (op == 0) {
+        const int32_t n = static_cast<int32_t>(std::strlen(ts_isa_name()));
+        std::fwrite(&n, 4, 1, stdout);
+        std::fwrite(ts_isa_name(), 1, n, stdout);
+      } else if (op == 1) {
+        const int64_t T = size(), K = size(), N = size();
+        auto x = take<float>(T * K);
+        auto codes = take<uint8_t>(N / 16 * K / 8 * 64);
+        auto scales = take<uint16_t>(N / 16 * K / 32 * 32);
+        std::vector<int8_t> q(T * K);
+        std::vector<float> sx(T * K / 32), xs(T * K / 32), y(T * N);
+        ts_quantize_rows(x.data(), T, K, q.data(), sx.data(), xs.data());
+        ts_int4_rows(q.data(), sx.data(), xs.data(), T, K, codes.data(), scales.data(), y.data(), N, 0, N / 16);
+        give(y);
+      } else if (op == 2) {
+        const int64_t T = size(), K = size(), N = size();
+        auto x = take<float>(T * K);
+        auto w = take<int8_t>(N * K);
+        auto s = take<float>(N);
+        std::vector<float> y(T * N);
+        ts_int8_rows(x.data(), T, K, w.data(), s.data(), y.data(), N, 0, N);
+        give(y);
+      } else if (op == 3) {
+        const int64_t R = size(), T = size(), start = size(), D = size();
+        const float scale = take<float>(1)[0];
+        auto q = take<float>(R * D);
+        auto k = take<float>((start + T) * D);
+        auto v = take<float>((start + T) * D);
+        std::vector<float> scores(R * (start + T)), out(R * D), lse(R);
+        ts_attend(q.data(), R, T, start, k.data(), v.data(), D, scale, scores.data(), out.data(), lse.data());
+        give(scores), give(out), give(lse);
+      } else {
+        std::fprintf(stderr, "unknown op %d\n", op);
+        return 2;
+      }
+      std::fflush(stdout);
+    }
+  } catch (int) {
+    std::fprintf(stderr, "truncated request\n");
+    return 2;
+  }
+  return 0;
+}

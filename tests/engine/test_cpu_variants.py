@@ -1,0 +1,137 @@
+"""Every instruction-set variant of the CPU kernels against the same torch references.
+
+Variants this machine runs: the torch-free kernels through the harness (a build takes seconds)
+and the whole fused step through the extension built for that variant (~1 min each, so the ones
+beyond the native variant are in the slow suite). The aarch64 variants (NEON with and without the
+dot-product extension) are cross-compiled with Debian's g++-aarch64-linux-gnu and run under
+qemu-user; without that toolchain these tests skip and say how to install it.
+"""
+import platform
+import shutil
+
+import pytest
+import torch
+
+import tokenspeed
+from tokenspeed.kernels import cpu_decode
+from tokenspeed.kernels.cpu_decode import FUSED_ROWS, VARIANTS, cpu_features, native_variant
+from tokenspeed.kernels.cpu_harness import Harness, build
+from tokenspeed.quant import Int4Linear, Int8Linear, fused_ext
+from tokenspeed.weights import cache_dir
+
+ARCH = platform.machine()
+RUNNABLE = [n for n, v in VARIANTS.items() if v.arch in ("", ARCH) and set(v.needs) <= cpu_features()]
+ARM = ["neon-dotprod", "neon"]
+CROSS, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
+NO_ARM = ("needs Debian's g++-aarch64-linux-gnu and qemu-user (apt-get install -y g++-aarch64-linux-gnu qemu-user; "
+          ".ci/run installs them)")
+
+
+@pytest.fixture(scope="module")
+def harnesses(tmp_path_factory):
+    """Variant name -> built harness (native variants, and the ARM ones when the toolchain is present)."""
+    out, built = tmp_path_factory.mktemp("harness"), {}
+    for name in RUNNABLE:
+        built[name] = Harness(build(name, out / name))
+    if ARCH != "aarch64" and shutil.which(CROSS) and shutil.which(QEMU):
+        for name in ARM:
+            built[name] = Harness(build(name, out / name, compiler=CROSS, static=True), runner=(QEMU, "-cpu", "max"))
+    return built
+
+
+def _harness(harnesses, name):
+    if name not in harnesses:
+        pytest.skip(NO_ARM if name in ARM else f"this CPU cannot run {name}")
+    return harnesses[name]
+
+
+def _attention_reference(q, T, start, k, v, scale):
+    """Softmax attention of rows q [R, D] where row r sees slots [0, start + r % T]."""
+    end = start + T
+    s = (q.double() @ k[:end].double().T) * scale
+    visible = start + torch.arange(q.shape[0]) % T + 1
+    s = s.masked_fill(torch.arange(end)[None, :] >= visible[:, None], float("-inf"))
+    return torch.softmax(s, -1), torch.softmax(s, -1) @ v[:end].double(), torch.logsumexp(s, -1)
+
+
+ALL = RUNNABLE + [n for n in ARM if n not in RUNNABLE]
+
+
+@pytest.mark.parametrize("variant", ALL)
+def test_harness_kernels_match_reference(harnesses, variant):
+    h = _harness(harnesses, variant)
+    assert h.isa() == variant
+    torch.manual_seed(0)
+    # W4A8: every variant computes the same exact integer sums and per-lane fused multiply-adds, so
+    # its results equal the extension's bit for bit; rows 1..9 cover the register blocks and remainders
+    lin = Int4Linear(torch.randn(48, 96))
+    native = fused_ext()
+    for rows in (1, 3, 4, 8, 9):
+        x = torch.randn(rows, 96)
+        x[0, :32] = 0  # an all-zero group: scale 0, codes 0
+        y = h.int4_matmul(x, lin.codes, lin.scales)
+        torch.testing.assert_close(y, lin.reference(x), rtol=1e-5, atol=1e-5)
+        assert torch.equal(y, native.int4_matmul(x, lin.codes, lin.scales))
+    # int8 GEMV (K not a multiple of any vector width: the scalar tail runs too)
+    lin8 = Int8Linear(torch.randn(40, 70))
+    x = torch.randn(5, 70)
+    ref = (x.double() @ lin8.qweight.double().T * lin8.scales.double()).float()
+    torch.testing.assert_close(h.int8_gemv(x, lin8.qweight, lin8.scales), ref, rtol=1e-5, atol=1e-4)
+    # attention: decode (1 row per query head of a group of 3), a verification chain (T = 4), head
+    # sizes of every specialised width and one that is not (40: the plain loops)
+    for D, T, start in ((64, 1, 37), (64, 4, 30), (32, 5, 3), (128, 2, 9), (16, 3, 6), (40, 2, 7)):
+        q, k, v = torch.randn(3 * T, D), torch.randn(start + T, D), torch.randn(start + T, D)
+        p, out, lse = h.attend(q, T, start, k, v, D ** -0.5)
+        rp, rout, rlse = _attention_reference(q, T, start, k, v, D ** -0.5)
+        torch.testing.assert_close(p.double(), rp, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.double(), rout, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse.double(), rlse, rtol=1e-5, atol=1e-5)
+
+
+def test_variant_selection(monkeypatch):
+    monkeypatch.setenv(cpu_decode.ISA_ENV, "avx3")
+    with pytest.raises(ValueError, match="unknown variant"):
+        cpu_decode.selected_variant()
+    foreign = "neon" if ARCH == "x86_64" else "avx2"
+    monkeypatch.setenv(cpu_decode.ISA_ENV, foreign)
+    with pytest.raises(ValueError, match="lacks"):
+        cpu_decode.selected_variant()
+    monkeypatch.delenv(cpu_decode.ISA_ENV)
+    assert cpu_decode.selected_variant() == native_variant() == RUNNABLE[0]
+    assert fused_ext().isa() == native_variant()
+
+
+def _fused_vs_python(model, new):
+    """Logits of forwards of len(n) new tokens after a 37-token prefill, fused and Python path."""
+    outs = {}
+    for fused in (False, True):
+        torch.manual_seed(1)
+        ids = torch.randint(0, 1000, (37 + sum(new),))
+        model.use_fused = fused
+        cache = model.new_cache(37 + sum(new) + 4)
+        model(ids[:37], torch.arange(37), cache, "none")
+        outs[fused], at = [], 37
+        for n in new:
+            outs[fused].append(model(ids[at:at + n], torch.arange(at, at + n), cache, "all"))
+            at += n
+    model.use_fused = True
+    return outs[False], outs[True]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [n for n in RUNNABLE if n != RUNNABLE[0]])
+def test_fused_step_of_each_variant_matches_python_path(monkeypatch, variant):
+    # the extension built for `variant` (its own cache folder): the fused step equals the Python
+    # path on the tiny model in every weight format, and its int4 matmul equals the native build's
+    monkeypatch.setenv(cpu_decode.ISA_ENV, variant)
+    ext = cpu_decode.load(cache_dir())
+    assert ext is not None and ext.isa() == variant
+    for quant in (None, "int8", "int4"):
+        model = tokenspeed.Engine.load("tiny-random", quantize=quant).model
+        assert model.fused_decode().ext is ext
+        for a, b in zip(*_fused_vs_python(model, [1, 2, 5, FUSED_ROWS])):
+            assert (a - b).abs().max() <= 1e-4
+    torch.manual_seed(0)
+    lin, x = Int4Linear(torch.randn(64, 128)), torch.randn(5, 128)
+    monkeypatch.delenv(cpu_decode.ISA_ENV)
+    assert torch.equal(ext.int4_matmul(x, lin.codes, lin.scales), fused_ext().int4_matmul(x, lin.codes, lin.scales))

@@ -1,0 +1,305 @@
+"""Fault matrix over real processes: the simulator and the agent (tiny-random model) each in
+their own process over DDS, one fault at a time. For every fault, every decision the agent
+opened ends in a model call published on time or in the fallback within the monitor's bound,
+and nothing crashes.
+
+Per fault the table row (printed, and written to $TOKENSPEED_FAULT_MATRIX_OUT when set, one
+JSON line) holds: decisions, met (model call on time), fallbacks, decisions without a command,
+the monitor's own measure of its fallbacks' lateness (/diagnostics), and crashes.
+
+Faults caused for real: sim kill, agent kill + restart, sensor flood (1 kHz joint states),
+oversize images, stamps from the future (what a clock jump looks like to the agent), CPU
+starvation (busy processes beside the agent). Faults that cannot be caused from outside are
+injected, and named as such: "engine_stall" and "decide_exception" run the agent with
+Session.decide wrapped to sleep past the deadline or to raise (fakes standing for a hung or
+failing engine).
+"""
+import json
+import os
+from collections import Counter
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import rclpy
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.time import Time
+from sensor_msgs.msg import CameraInfo, Image, JointState
+from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus
+
+from support import BIN, ROOT, spin_until, stop
+from tokenspeed_ros.deadline_monitor import FALLBACK_BOUND_S
+
+pytestmark = pytest.mark.slow
+
+AGENT_PARAMS = ROOT / "launch" / "config" / "agent.yaml"
+SIM_PARAMS = ROOT / "launch" / "config" / "cobot_sim.yaml"
+RUN_S = 10.0
+BUDGET_S = 0.5
+# What a test may tolerate on this shared 2-core machine beyond the stated bound (see
+# test_deadline_monitor): late fallbacks are counted and reported, none may exceed this.
+WORST_S = 5 * FALLBACK_BOUND_S
+
+# Fakes for faults that cannot be caused from outside the process (see the module docstring).
+WRAPPED_AGENT = r'''
+import sys, time
+import tokenspeed.session as s
+real = s.Session.decide
+def decide(self, *a, **k):
+    if FAULT == "engine_stall":
+        time.sleep(2 * BUDGET)      # a hung engine: the deadline passes first
+        return real(self, *a, **k)
+    raise RuntimeError("injected fault inside decide()")
+s.Session.decide = decide
+from tokenspeed_ros.agent_node import main
+sys.exit(main())
+'''
+
+
+def start_agent(env, log, fault: str = "") -> subprocess.Popen:
+    params = {"model": "tiny-random", "deadline_budget_s": BUDGET_S, "decision_period_s": 0.3,
+              "decide_while_executing": "true", "quantize": "none"}
+    ros_args = ["--ros-args", "--params-file", str(AGENT_PARAMS)]
+    for k, v in params.items():
+        ros_args += ["-p", f"{k}:={v}"]
+    if fault in ("engine_stall", "decide_exception"):
+        code = f"FAULT = {fault!r}; BUDGET = {BUDGET_S}\n" + WRAPPED_AGENT
+        cmd = [sys.executable, "-c", code, *ros_args]
+    else:
+        cmd = [str(BIN / "tokenspeed_agent"), *ros_args]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=open(log, "a"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def start_sim(env, log) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tokenspeed_sim.sim_node", "--ros-args", "--params-file",
+                             str(SIM_PARAMS)], env=env, cwd=ROOT, stdout=open(log, "a"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def with_epochs(msgs) -> list[tuple[tuple[int, int], object]]:
+    """((agent run, decision id), msg) in arrival order: a restarted agent counts from 1 again."""
+    out, epoch, top = [], 0, 0
+    for m in msgs:
+        if m.decision_id < top and m.decision_id <= 2:
+            epoch, top = epoch + 1, 0
+        top = max(top, m.decision_id)
+        out.append(((epoch, m.decision_id), m))
+    return out
+
+
+def outcome_table(statuses: list[DeadlineStatus], actions: list[ActionCommand], diag: dict) -> dict:
+    """One row of the matrix: what arrived over DDS (decisions, model calls on time, fallbacks,
+    commands missing) and what the monitor measured itself (/diagnostics: its fallbacks later
+    than the bound after their deadline or, for a decision opened on a reading already older
+    than the budget, after their opening; the worst such lateness)."""
+    first = {}
+    for key, s in with_epochs(statuses):
+        first.setdefault(key, s)                # a later "late_result_dropped" repeats an id
+    sent = dict(with_epochs(actions))
+    row = {"decisions": len(first), "met": sum(s.met for s in first.values()),
+           "fallback": sum(s.fallback_used for s in first.values()),
+           "without_command": sum(key not in sent for key in first),
+           "opened_after_deadline": int(diag.get("opened_after_deadline", 0)),
+           "fallback_late": int(diag.get("fallback_late", 0)),
+           "worst_fallback_late_ms": float(diag.get("fallback_lateness_max_ms", 0.0)),
+           "reasons": dict(Counter(s.reason for s in first.values()))}
+    return row
+
+
+def record(row: dict) -> None:
+    print(json.dumps(row))
+    out = os.environ.get("TOKENSPEED_FAULT_MATRIX_OUT")
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def check(row: dict) -> None:
+    assert row["crashes"] == 0, row
+    assert row["decisions"] >= 3 and row["without_command"] == 0, row
+    assert row["met"] + row["fallback"] == row["decisions"], row
+    assert row["worst_fallback_late_ms"] <= WORST_S * 1e3, row
+
+
+def listen_diagnostics(node, name: str) -> dict:
+    """The latest values of the DiagnosticStatus `name` on /diagnostics (a live dict)."""
+    from diagnostic_msgs.msg import DiagnosticArray
+
+    values: dict = {}
+
+    def on_diag(msg):
+        for st in msg.status:
+            if st.name == name:
+                values.update({kv.key: kv.value for kv in st.values})
+    node.create_subscription(DiagnosticArray, "/diagnostics", on_diag, 10)
+    return values
+
+
+def busy_loop_process():
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+
+
+FAULTS = ["none", "engine_stall", "decide_exception", "sim_kill", "agent_kill_restart", "sensor_flood",
+          "oversize_image", "future_stamps", "cpu_starvation"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_fault(fault, ros_env, tmp_path):
+    log, sim_log = tmp_path / "agent.log", tmp_path / "sim.log"
+    sim = start_sim(ros_env, sim_log)
+    agent = start_agent(ros_env, log, fault)
+    extra: list[subprocess.Popen] = []
+    rclpy.init()
+    node = rclpy.create_node("fault_probe")
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    statuses, actions = [], []
+    diag = listen_diagnostics(node, "tokenspeed_agent: decisions")
+    node.create_subscription(DeadlineStatus, "agent/deadline_status", statuses.append, 1000)
+    node.create_subscription(ActionCommand, "agent/action", actions.append, 1000)
+    joints = node.create_publisher(JointState, "joint_states", 10)
+    images = node.create_publisher(Image, "camera/image_raw", 2)
+    crashes = 0
+    try:
+        # warm: the engine loaded and the sensors flowing (a decision the engine answered)
+        assert spin_until(executor, lambda: any(s.reason not in ("engine_loading", "no_sensor_data") for s in statuses),
+                          120.0), log.read_text()[-3000:]
+        spin_until(executor, lambda: False, 2 * BUDGET_S)    # decisions in flight end before the window
+        del statuses[:], actions[:]
+        t0 = time.monotonic()
+        killed = False
+        if fault == "cpu_starvation":
+            extra = [busy_loop_process() for _ in range(2)]
+        while time.monotonic() - t0 < RUN_S:
+            t = time.monotonic() - t0
+            if fault == "sim_kill" and not killed and t > 2.0:
+                sim.send_signal(signal.SIGKILL)
+                killed = True
+            elif fault == "agent_kill_restart" and not killed and t > 2.0:
+                agent.send_signal(signal.SIGKILL)
+                agent.wait()
+                agent = start_agent(ros_env, log)
+                killed = True
+            elif fault == "sensor_flood":
+                for _ in range(10):          # ~1 kHz with the 10 ms spin below
+                    msg = JointState(name=[f"j{i}" for i in range(9)], position=[0.1] * 9)
+                    msg.header.stamp = node.get_clock().now().to_msg()
+                    joints.publish(msg)
+            elif fault == "future_stamps":
+                msg = JointState(position=[0.0] * 9)
+                msg.header.stamp = Time(nanoseconds=node.get_clock().now().nanoseconds + 86_400 * 10 ** 9).to_msg()
+                joints.publish(msg)
+            elif fault == "oversize_image" and int(t * 2) != int((t - 0.01) * 2):   # 2 per second
+                img = Image(width=3000, height=3000, encoding="rgb8", step=9000, data=bytes(9000 * 3000))
+                img.header.stamp = node.get_clock().now().to_msg()
+                images.publish(img)
+            executor.spin_once(timeout_sec=0.01)
+        spin_until(executor, lambda: False, 2 * BUDGET_S + 1.5)    # outcomes of the last decisions, diagnostics
+        if agent.poll() is not None:
+            crashes += 1
+        if fault != "sim_kill" and sim.poll() is not None:
+            crashes += 1
+    finally:
+        for p in extra:
+            p.kill()
+            p.wait()
+        agent_rc = stop(agent)
+        stop(sim)
+        node.destroy_node()
+        rclpy.try_shutdown()
+    row = outcome_table(statuses, actions, diag)
+    row.update(fault=fault, crashes=crashes)
+    record(row)
+    text = log.read_text() + sim_log.read_text()
+    assert agent_rc in (0, -signal.SIGINT) and "Traceback" not in text, text[-3000:]
+    check(row)
+    if fault in ("engine_stall", "decide_exception"):
+        assert row["met"] == 0, row
+
+
+MARKET_FAULTS = ["none", "feed_gap", "feed_burst", "bad_market_values"]
+HOSTILE_RECORDS = [b"[" * 100_000, b'{"timestamp": Infinity, "side": "buy", "price": 50000.0, "amount": 1}',
+                   b'{"timestamp": 1e30, "side": "buy", "price": 50000.0, "amount": 1}',
+                   b'{"timestamp": 1' + b"0" * 400 + b', "side": "buy", "price": 50000.0, "amount": 1}',
+                   b'{"timestamp": %d, "side": "buy", "price": 1' + b"0" * 400 + b', "amount": 1}']
+
+
+@pytest.mark.parametrize("fault", MARKET_FAULTS)
+def test_market_fault(fault, ros_env, tmp_path):
+    """The market bridge process (tiny-random model) fed synthetic order flow over ZeroMQ with one
+    fault: 3 s of silence, a 10x burst, or hostile records (overflowing numbers, infinite and
+    future timestamps, deep nesting) between the good ones."""
+    from tokenspeed_sim.market_replay import FeedMessage, FeedPublisher, synthetic_messages
+
+    log = tmp_path / "bridge.log"
+    feed_ep = f"ipc://{tmp_path}/feed"
+    params = {"model": "tiny-random", "quantize": "none", "feed_endpoint": feed_ep,
+              "decision_endpoint": f"ipc://{tmp_path}/decisions", "deadline_budget_s": 1.0, "move_bps": 2.0,
+              "timer_s": 1.0, "feed_gap_s": 1.0}
+    cmd = [str(BIN / "tokenspeed_market_bridge"), "--ros-args", "--params-file",
+           str(ROOT / "launch" / "config" / "market_bridge.yaml")]
+    for k, v in params.items():
+        cmd += ["-p", f"{k}:={v}"]
+    bridge = subprocess.Popen(cmd, env=ros_env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    rclpy.init()
+    node = rclpy.create_node("market_fault_probe")
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    statuses, actions = [], []
+    diag = listen_diagnostics(node, "tokenspeed_market_bridge: decisions")
+    node.create_subscription(DeadlineStatus, "market/deadline_status", statuses.append, 1000)
+    node.create_subscription(ActionCommand, "market/action", actions.append, 1000)
+    messages, _ = synthetic_messages(seed=3, n=20_000, rate_hz=200.0)
+    pub = None
+    try:
+        assert spin_until(executor, lambda: node.count_publishers("market/deadline_status") > 0, 60.0)
+        pub = FeedPublisher(feed_ep)
+        assert pub.wait_for_subscriber(30.0)
+        it = iter(messages)
+        t_start = time.monotonic()
+
+        def feed_for(seconds: float, rate_hz: float = 200.0, hostile: bool = False):
+            end, i = time.monotonic() + seconds, 0
+            while time.monotonic() < end:
+                pub.send(next(it), time.time())
+                i += 1
+                if hostile and i % 20 == 0:
+                    body = HOSTILE_RECORDS[(i // 20) % len(HOSTILE_RECORDS)]
+                    pub.send(FeedMessage(0.0, "SYNTH-trades-BTC-USD", body.replace(b"%d", b"%d" % time.time())),
+                             time.time())
+                executor.spin_once(timeout_sec=1.0 / rate_hz)
+
+        # warm: the engine loaded and answering
+        while not any(s.reason in ("ok", "invalid", "deadline_missed") for s in statuses):
+            assert time.monotonic() - t_start < 120.0, log.read_text()[-3000:]
+            feed_for(0.5)
+        feed_for(2.0)
+        del statuses[:], actions[:]
+        if fault == "feed_gap":
+            feed_for(2.0)
+            spin_until(executor, lambda: False, 3.0)
+            feed_for(3.0)
+        elif fault == "feed_burst":
+            feed_for(2.0)
+            feed_for(2.0, rate_hz=2000.0)
+            feed_for(2.0)
+        else:
+            feed_for(RUN_S - 2.0, hostile=fault == "bad_market_values")
+        spin_until(executor, lambda: False, 3.5)       # outcomes of the last decisions, diagnostics
+        crashes = int(bridge.poll() is not None)
+    finally:
+        if pub is not None:
+            pub.close()
+        rc = stop(bridge)
+        node.destroy_node()
+        rclpy.try_shutdown()
+    row = outcome_table(statuses, actions, diag)
+    row.update(fault=fault, crashes=crashes)
+    record(row)
+    text = log.read_text()
+    assert rc in (0, -signal.SIGINT) and "Traceback" not in text, text[-3000:]
+    check(row)
