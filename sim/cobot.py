@@ -14,7 +14,7 @@ URDF's 20 N finger force limit, friction 1.5 on the fingers and 1.0 on the cubes
 both fingers touch it; no constraint glues the cube to the hand, so a cube can slip or drop as it
 would on a real gripper. A cube is "held" while both fingers touch it.
 
-Tools are the ones in `launch/config/robot_tools.json` (OpenAI function format). Arguments are
+Tools are the ones in `tokenspeed_ros/config/robot_tools.json` (OpenAI function format). Arguments are
 validated against the tool's JSON schema; invalid commands raise `CommandRejected` and never
 change the robot's motion.
 """
@@ -24,6 +24,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 
 import jsonschema
@@ -53,7 +54,7 @@ REACH_TOL = 0.01             # a move is done when the gripper is this close, me
 SETTLE_S = 1.0               # extra time a move may take to converge after its path ends, seconds
 GRIPPER_S = 0.4              # time given to open/close the fingers, seconds
 
-DEFAULT_TOOLS = Path(__file__).resolve().parent.parent / "launch" / "config" / "robot_tools.json"
+DEFAULT_TOOLS = Path(str(files("tokenspeed_ros") / "config" / "robot_tools.json"))   # package data
 
 
 class CommandRejected(ValueError):

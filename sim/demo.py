@@ -2,17 +2,20 @@
 
 Starts the simulator and the agent as separate processes over DDS on localhost with
 `tokenspeed_launch cobot_sim` (the same executables and parameter files as
-launch/cobot_sim.launch.py) and listens with the latency harness in this process: it waits for
-the agent's engine to load (at most `--ready-timeout` seconds; the robot gets fallbacks
-meanwhile), then measures `--duration` seconds of closed loop, stops the launch (which stops
-every node) and prints the latency table and the task outcome; writes report.json, latency.png
-and launch.log (the nodes' output) to `--out`.
+launch/cobot_sim.launch.py; the launcher configures and activates the agent) and listens with the
+latency harness in this process: it waits for the agent's engine to load (at most
+`--ready-timeout` seconds), sends the simulator's goal to the agent as a RunTask action goal,
+measures `--duration` seconds of closed loop, stops the launch (which deactivates the agent and
+stops every node) and prints the latency table, the task outcome and the action's result; writes
+report.json, latency.png and launch.log (the nodes' output) to `--out`.
 
 Discovery is limited to localhost and the ROS domain is `ROS_DOMAIN_ID` (default 0) unless the
 environment says otherwise. Exits 0 when the run completed and every node exited cleanly.
 
 Examples:
     tokenspeed_demo                         # embedded SmolLM2-135M, 60 s after it loads
+    tokenspeed_demo --seed 2                # another scene (cube and target positions)
+    tokenspeed_demo --record out/bag        # also record a rosbag2 (MCAP); tokenspeed_replay out/bag
     tokenspeed_demo --duration 30 --set tokenspeed_agent.model=tiny-random
 """
 from __future__ import annotations
@@ -25,22 +28,27 @@ import sys
 import time
 from pathlib import Path
 
+from tokenspeed_sim.bag import BagError, Recorder
 from tokenspeed_sim.harness import listen
 
 STOP_TIMEOUT_S = 30.0     # the launcher's own SIGINT -> SIGTERM -> SIGKILL sequence fits in this
 
 
 def launch_command(duration_s: float, overrides: list[str]) -> list[str]:
-    """Command line of the launcher for the cobot_sim launch, running `duration_s` seconds."""
-    cmd = [sys.executable, "-m", "tokenspeed_ros.launcher", "cobot_sim", "--duration", f"{duration_s:g}"]
+    """Command line of the launcher for the cobot_sim launch, running `duration_s` seconds. The
+    agent takes its task from the RunTask action only (its goal topic is off)."""
+    cmd = [sys.executable, "-m", "tokenspeed_ros.launcher", "cobot_sim", "--duration", f"{duration_s:g}",
+           "--set", "tokenspeed_agent.goal_topic=''"]
     for o in overrides:
         cmd += ["--set", o]
     return cmd
 
 
-def run(duration_s: float, out_dir: Path, overrides: list[str], ready_timeout_s: float = 180.0) -> int:
-    """Run the demo; returns the exit status (0 = clean). Raises OSError when the launcher
-    cannot be started."""
+def run(duration_s: float, out_dir: Path, overrides: list[str], ready_timeout_s: float = 180.0,
+        record: Path | None = None) -> int:
+    """Run the demo; returns the exit status (0 = clean). record: a new rosbag2 folder (MCAP) to
+    record the run's topics into (tokenspeed_sim.bag). Raises OSError when the launcher cannot be
+    started, BagError when `record` exists."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
@@ -48,13 +56,14 @@ def run(duration_s: float, out_dir: Path, overrides: list[str], ready_timeout_s:
     log_path = out_dir / "launch.log"
     print(f"tokenspeed_demo: simulator + agent, {duration_s:g} s once the engine is ready "
           f"(node output: {log_path})", flush=True)
+    recorder = Recorder(record) if record is not None else None
     with open(log_path, "w") as log:
         # the launch runs a little longer than the harness so the last decisions are seen applied
         launcher = subprocess.Popen(launch_command(ready_timeout_s + duration_s + 10, overrides), env=env,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             report = listen(duration_s, out_dir, stop=lambda: launcher.poll() is not None, live=True,
-                            wait_engine_s=ready_timeout_s)
+                            wait_engine_s=ready_timeout_s, task=True)
         finally:
             if launcher.poll() is None:
                 launcher.send_signal(signal.SIGINT)
@@ -63,6 +72,8 @@ def run(duration_s: float, out_dir: Path, overrides: list[str], ready_timeout_s:
             except subprocess.TimeoutExpired:
                 os.killpg(launcher.pid, signal.SIGKILL)
                 rc = launcher.wait()
+            if recorder is not None:
+                print(f"recorded {record}: {recorder.close()}", flush=True)
     ended_early = report["duration_s"] < duration_s - 1
     log_lines = log_path.read_text().splitlines()
     if ended_early or rc != 0:
@@ -83,13 +94,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-timeout", type=float, default=180.0,
                     help="seconds to wait for the agent's engine to load (default 180)")
     ap.add_argument("--out", type=Path, default=Path("out/demo"), help="folder for report.json, latency.png, launch.log")
+    ap.add_argument("--record", type=Path, default=None, metavar="DIR",
+                    help="record the run's topics to a new rosbag2 folder (MCAP); replay it with tokenspeed_replay")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="scene seed of the simulator (cube and target positions; default: its parameter file's)")
     ap.add_argument("--set", action="append", default=[], metavar="NODE.PARAM=VALUE",
                     help="parameter override passed to tokenspeed_launch (repeatable)")
     args = ap.parse_args(argv)
+    if args.seed is not None:
+        args.set.insert(0, f"tokenspeed_cobot_sim.seed={args.seed}")
     if args.duration <= 0 or args.ready_timeout <= 0:
         ap.error("--duration and --ready-timeout must be > 0")
     t0 = time.monotonic()
-    rc = run(args.duration, args.out, args.set, args.ready_timeout)
+    try:
+        rc = run(args.duration, args.out, args.set, args.ready_timeout, args.record)
+    except BagError as e:
+        ap.error(str(e))
     print(f"tokenspeed_demo: done in {time.monotonic() - t0:.0f} s, exit status {rc}", flush=True)
     return rc
 

@@ -38,6 +38,8 @@ from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from std_msgs.msg import String
+from rclpy.action import ActionClient
+from tokenspeed_msgs.action import RunTask
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback, DeadlineStatus, Observation
 
 from tokenspeed_sim import ros_spin
@@ -121,6 +123,42 @@ class LatencyHarness(Node):
         self.create_subscription(ActionFeedback, "sim/action_feedback", self._on_feedback, 100)
         self.create_subscription(String, "sim/scenario_status", self._on_status, latched)
         self.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 10)
+        self.create_subscription(String, "goal", self._on_goal, latched)
+        self.goal_text = ""                     # the task the simulator asks for (its goal topic)
+        self.run_task: dict | None = None       # the RunTask goal sent to the agent and its result
+        self._task_client = ActionClient(self, RunTask, "run_task")
+
+    def _on_goal(self, msg: String) -> None:
+        self.goal_text = msg.data
+
+    def send_task(self) -> bool:
+        """Send the simulator's goal to the agent as a RunTask action goal (once the agent's
+        action server and the goal are known); returns whether it was sent. Its feedback and
+        result are recorded in `run_task`."""
+        if self.run_task is not None or not self.goal_text or not self._task_client.server_is_ready():
+            return False
+        self.run_task = {"task": self.goal_text, "sent_s": time.time() - self.started, "feedback": 0,
+                         "accepted": None, "outcome": None}
+        sent = self._task_client.send_goal_async(RunTask.Goal(task=self.goal_text), feedback_callback=self._on_task_feedback)
+        sent.add_done_callback(self._on_task_accepted)
+        return True
+
+    def _on_task_feedback(self, _msg) -> None:
+        self.run_task["feedback"] += 1
+
+    def _on_task_accepted(self, future) -> None:
+        handle = future.result()
+        self.run_task["accepted"] = handle.accepted
+        if handle.accepted:
+            handle.get_result_async().add_done_callback(self._on_task_result)
+
+    def _on_task_result(self, future) -> None:
+        r = future.result().result
+        self.run_task.update(outcome=r.outcome, evidence=r.evidence, decisions=r.decisions, duration_s=r.duration_s,
+                             result_s=time.time() - self.started)
+        if self.live:
+            print(f"[{time.time() - self.started:6.1f} s] RunTask {r.outcome} after {r.decisions} decisions: "
+                  f"{r.evidence}", flush=True)
 
     def _on_observation(self, msg: Observation) -> None:
         key = _ns(msg.header.stamp)
@@ -227,6 +265,7 @@ class LatencyHarness(Node):
             "feedback": dict(Counter(state for i in in_window for state, _, _ in self._feedback.get(i, []))),
             "duplicate_decision_ids": self.duplicate_ids,
             "observation_echoes": len(self._echo_keys),
+            "run_task": self.run_task,
             "task": None if self.scenario is None else {
                 **self.scenario, "first_success_s": None if self.first_success_at is None
                 else self.first_success_at - self.started},
@@ -314,8 +353,13 @@ def print_table(report: dict) -> None:
                       f"(tolerance {task['tolerance_m'] * 100:.0f} cm), holding {task['holding']}, "
                       f"commands accepted {task['commands_accepted']}, rejected {task['commands_rejected']}")
         if task.get("first_success_s") is not None:
-            state = "and kept" if task["success"] else "then undone by later actions"
+            state = "and still achieved at the end" if task["success"] else "then undone by later actions"
             console.print(f"  first achieved {task['first_success_s']:.1f} s into the run ({state})")
+    run = report.get("run_task")
+    if run is not None:
+        console.print(f"RunTask action: sent {run['sent_s']:.1f} s into the run, {run['feedback']} feedback messages, "
+                      f"outcome {run['outcome'] or 'none yet'}"
+                      + (f" after {run['decisions']} decisions: {run['evidence']}" if run["outcome"] else ""))
 
 
 def write_outputs(report: dict, out_dir: Path) -> tuple[Path, Path]:
@@ -327,14 +371,16 @@ def write_outputs(report: dict, out_dir: Path) -> tuple[Path, Path]:
     return json_path, png_path
 
 
-def listen(duration_s: float, out_dir: Path, stop=None, live: bool = False, wait_engine_s: float = 0.0) -> dict:
+def listen(duration_s: float, out_dir: Path, stop=None, live: bool = False, wait_engine_s: float = 0.0,
+           task: bool = False) -> dict:
     """Run the harness in this process (rclpy must not be initialised yet), write the outputs,
     print the table and return the report.
 
     wait_engine_s > 0: first wait up to that many seconds for an agent's engine to report ready
     on /diagnostics; the measured window of duration_s seconds starts then (or at the timeout).
     Ends early when `stop()` returns True or on SIGINT, reporting what was seen. live: print each
-    decision as it arrives.
+    decision as it arrives. task: when the window starts, send the simulator's goal to the agent as
+    a RunTask action goal (waiting up to 30 s for its action server) and report its outcome.
     """
     ros_spin.init()
     harness = LatencyHarness(live=live)
@@ -346,6 +392,8 @@ def listen(duration_s: float, out_dir: Path, stop=None, live: bool = False, wait
             harness.window_start = time.time()
             if why == "duration":
                 print(f"no engine ready within {wait_engine_s:g} s; measuring anyway", flush=True)
+        if task and why in ("duration", "until"):
+            ros_spin.spin(harness, 30.0, until=lambda: harness.send_task() or bool(stop and stop()))
         if why in ("duration", "until") and not (stop and stop()):
             ros_spin.spin(harness, duration_s, until=stop)
         report = harness.report()

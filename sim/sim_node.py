@@ -57,6 +57,7 @@ from sensor_msgs.msg import CameraInfo, Image, JointState
 from std_msgs.msg import Header, String
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback
 
+from tokenspeed_ros.launch_spec import COBOT_SIM, help_requested, params_path
 from tokenspeed_sim import ros_spin
 from tokenspeed_sim.camera_process import CameraProcess
 from tokenspeed_sim.cobot import DEFAULT_TOOLS, CobotScene, CommandRejected, Event, SceneConfig
@@ -66,7 +67,7 @@ LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability
 
 class CobotSimNode(Node):
     """The simulator as a ROS 2 node; parameters are declared in `__init__` with their defaults
-    (the same values as launch/config/cobot_sim.yaml)."""
+    (the same values as tokenspeed_ros/config/cobot_sim.yaml)."""
 
     def __init__(self, **node_kwargs):
         super().__init__("tokenspeed_cobot_sim", **node_kwargs)
@@ -75,7 +76,7 @@ class CobotSimNode(Node):
             "seed": d.seed,
             "target_object": d.target_object,
             "success_tolerance": d.success_tolerance,
-            "tools_file": "",                         # empty: the bundled launch/config/robot_tools.json
+            "tools_file": "",                         # empty: the bundled tokenspeed_ros/config/robot_tools.json
             "physics_rate_hz": 1.0 / d.time_step,
             "tick_rate_hz": 100.0,                    # how often physics catches up with wall time
             "max_catchup_s": 0.25,
@@ -250,7 +251,12 @@ class CobotSimNode(Node):
 
 def main(args: list[str] | None = None) -> None:
     """Console entry point `tokenspeed_cobot_sim`: spin the node until SIGINT/SIGTERM, then print
-    the final scenario status and the camera/physics timing."""
+    the final scenario status and the camera/physics timing. With -h/--help before `--ros-args`:
+    print the parameter file (defaults with their meaning) and exit without starting the node."""
+    if help_requested(args):
+        print("usage: tokenspeed_cobot_sim [--help] [--ros-args [-p NAME:=VALUE] [--params-file FILE] ...]\n\n"
+              f"ROS parameters of tokenspeed_cobot_sim ({params_path(COBOT_SIM)}):\n{params_path(COBOT_SIM).read_text()}")
+        return
     ros_spin.init(args)
     node = None
     try:

@@ -7,6 +7,11 @@ rate and on events (new goal, changed scene, the robot finishing or rejecting th
 at a time; while the robot executes a model call, rate and scene triggers wait for its feedback.
 Each decision's deadline is measured from the newest sensor stamp.
 
+It is a managed (lifecycle) node (`managed_node`): configure loads the model, activate starts
+decisions, deactivate publishes the safe fallback. Tasks arrive as `RunTask` action goals (or on
+the goal topic) and end when the model calls the completion tool `task_done`, offered only while
+the robot's status reports the goal achieved (`task`); `Decide` makes one decision on demand.
+
 The node tracks what the gripper holds from the robot's ActionFeedback (`GripperState`) and
 masks actions by precondition: each decision may only call the tools configured for the current
 state (`tools_when_empty` / `tools_when_holding`, OpenAI allowed_tools). Right before each
@@ -16,31 +21,35 @@ each valid, timely tool call as an `ActionCommand` (plus a `PoseStamped` target 
 position) and the safe fallback otherwise. Bad input is counted and dropped; missing sensors or a
 missing engine give fallbacks. Counts and latency percentiles go to /diagnostics.
 
-Run: `tokenspeed_agent --ros-args --params-file launch/config/agent.yaml`.
+Run: `tokenspeed_agent --ros-args --params-file tokenspeed_ros/config/agent.yaml`.
 """
 from __future__ import annotations
 
 import json
 import re
 import sys
-import time
 from collections import OrderedDict
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from geometry_msgs.msg import PoseStamped
-from rcl_interfaces.msg import SetParametersResult
-from rclpy.node import Node
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.duration import Duration
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.time import Time
 from sensor_msgs.msg import CameraInfo, Image, JointState
 from std_msgs.msg import String
-from tokenspeed_msgs.msg import ActionCommand, ActionFeedback, Observation
+from tokenspeed_msgs.action import RunTask
+from tokenspeed_msgs.msg import ActionCommand, ActionFeedback, DeadlineStatus, Observation
+from tokenspeed_msgs.srv import Decide
 
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
-from tokenspeed_ros.engine_worker import EngineWorker, Observed, run_engine_node
+from tokenspeed_ros.decision_loop import DecisionLoop
+from tokenspeed_ros.engine_worker import EngineWorker, Observed, ToolsFileError, load_tools, run_engine_node
 from tokenspeed_ros.inputs import BadInput, InputHealth, check_stamp, image_to_rgb, joint_state_text
+from tokenspeed_ros.managed_node import ConfigureError, ManagedNode
 from tokenspeed_ros.params import AgentParams, AgentParamsError
 from tokenspeed_ros.perception import CameraModel, locate_cubes, objects_text
+from tokenspeed_ros.task import CANCELLED, DONE, FAILED, TASK_DONE, TASK_DONE_TOOL, Task, achieved, parse_status
 
 SENSORS = ("joint_states", "camera")    # sources that must be fresh for the engine to decide
 CALLS_KEPT = 256                        # published calls remembered to interpret the robot's feedback
@@ -93,20 +102,6 @@ class GripperState:
         return "gripper empty" if self.holding is None else f"gripper holding {self.holding}"
 
 
-def load_tools(path) -> list[dict]:
-    """Read an OpenAI tool list (JSON array of {"type": "function", "function": {...}}).
-
-    Raises AgentParamsError naming the file when it is missing or malformed.
-    """
-    try:
-        tools = json.loads(open(path).read())
-    except (OSError, json.JSONDecodeError) as e:
-        raise AgentParamsError(f"tools_file {path}: {e}") from None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) and "function" in t for t in tools):
-        raise AgentParamsError(f"tools_file {path}: expected a JSON list of OpenAI function tools")
-    return tools
-
-
 def target_pose(arguments: dict, frame_id: str, default_z: float) -> PoseStamped | None:
     """The gripper target of a tool call with a position (move_to, place: "x", "y" and optional
     "z", metres in `frame_id`; `default_z` when there is no "z"), pointing down; None for calls
@@ -121,16 +116,31 @@ def target_pose(arguments: dict, frame_id: str, default_z: float) -> PoseStamped
     return pose
 
 
-class AgentNode(Node):
-    """The agent node. Parameters: see `AgentParams`. Raises AgentParamsError on bad parameters
-    or an unreadable tool file; everything after construction is handled without raising."""
+class AgentNode(ManagedNode):
+    """The agent node, a managed (lifecycle) node: see `ManagedNode` for the transitions and
+    `AgentParams` for the parameters. Raises AgentParamsError at construction on bad parameters;
+    a bad tool file or model fails configure; everything after that is handled without raising."""
+
+    PARAMS = AgentParams
+    CONFIGURE_ERRORS = (ToolsFileError,)
 
     def __init__(self, **node_kwargs):
+        self.worker: EngineWorker | None = None     # from configure to cleanup
+        self.monitor: DeadlineMonitor | None = None  # made at configure, closed at cleanup
+        self.task: Task | None = None               # the current or last task
+        self._task_server: ActionServer | None = None
+        self._task_handles: dict[int, object] = {}  # id(task) -> its RunTask goal handle, until answered
         super().__init__("tokenspeed_agent", **node_kwargs)
-        self.p = p = AgentParams.declare(self)
-        self.add_on_set_parameters_callback(lambda _: SetParametersResult(
-            successful=False, reason="tokenspeed_agent reads its parameters at start-up; restart it to change them"))
+
+    def configure(self) -> None:
+        """Topics, deadline monitor, timers; compiles the tools and loads the model (waits for
+        it). Raises ToolsFileError, AgentParamsError or ConfigureError (the model did not load)."""
+        p = self.p
         tools = load_tools(p.resolved_tools_file())
+        if TASK_DONE not in [t["function"]["name"] for t in tools]:
+            tools.append(TASK_DONE_TOOL)
+        self._tool_names = [t["function"]["name"] for t in tools]
+        p.check_tool_names(self._tool_names)
         self.health = InputHealth(self.get_logger())
         self._camera_info: CameraInfo | None = None
         self._camera_pose: PoseStamped | None = None
@@ -141,21 +151,19 @@ class AgentNode(Node):
         self._texts: dict[str, str] = {}            # source -> newest text (sent to the engine, or held)
         self._held: dict[str, tuple[Time, str]] = {}  # source -> (stamp, kind) of a reading held back
         self._state_queued = ""                     # the last state line given to the engine
-        self._outstanding: int | None = None        # decision id the engine is working on
-        self._event_pending = False                 # an event trigger waits for the engine
         self._executing: tuple[int, Time] | None = None    # robot's current model call: (id, applied at)
         self._skipped_busy = 0
         self._skipped_executing = 0
         self._diag_seen_bad = 0
         self.gripper = GripperState()
-        p.check_tool_names([t["function"]["name"] for t in tools])
+        self.task = None
+        self._status: dict | None = None            # the robot cell's latest status (task_status_topic)
+        self._decide_outcome: tuple | None = None   # (DeadlineStatus, ActionCommand) of the latest outcome
 
         self.monitor = DeadlineMonitor(
             self, action_topic=p.action_topic, status_topic=p.deadline_status_topic,
             budget_s=p.deadline_budget_s, fallback=p.fallback, period_s=p.monitor_period_s,
-            qos_depth=p.command_qos_depth, qos_deadline_s=p.command_qos_deadline_s,
-            on_outcome=lambda cmd, _: cmd is not None and self.gripper.sent(
-                cmd.decision_id, cmd.tool_name, cmd.arguments_json))
+            qos_depth=p.command_qos_depth, qos_deadline_s=p.command_qos_deadline_s, on_outcome=self._on_outcome)
         self._obs_pub = self.create_publisher(Observation, p.observation_topic, 10)
         self._pose_pub = self.create_publisher(PoseStamped, p.target_pose_topic, 10)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
@@ -172,25 +180,77 @@ class AgentNode(Node):
             self.create_subscription(String, p.goal_topic, self._on_goal, latched)
         if p.action_feedback_topic:
             self.create_subscription(ActionFeedback, p.action_feedback_topic, self._on_feedback, 50)
+        if p.task_status_topic:
+            self.create_subscription(String, p.task_status_topic, self._on_task_status, latched)
 
-        self._wake = self.create_guard_condition(self._on_engine_output)
+        self._wake = self.create_guard_condition(lambda: self.loop.on_engine_output())
         self.worker = EngineWorker(model=p.model, threads=p.threads, quantize=p.quantize,
                                    system=p.system_prompt, tools=tools,
                                    tool_choice=self._tool_choice(), kv_budget=p.kv_budget_tokens,
                                    notify=self._wake.trigger, logger=self.get_logger(),
                                    repeat_slack=p.restate_slack_tokens)
-        if p.decision_period_s > 0:
-            self.create_timer(p.decision_period_s, lambda: self._trigger("rate"))
-        self.create_timer(p.diagnostics_period_s, self._publish_diagnostics)
+        self.loop = DecisionLoop(self.monitor, self.worker, self.get_clock(), publish_margin_s=p.publish_margin_s,
+                                 on_observed=self._echo_observation, check_result=self._check_result,
+                                 on_resolved=self._on_resolved)
+        self._rate_timer = None
+        self._set_rate_timer(p.decision_period_s)
+        self._diag_timer = self.create_timer(p.diagnostics_period_s, self._publish_diagnostics)
         self.worker.start()
-        self.get_logger().info(f"tokenspeed_agent up: budget {p.deadline_budget_s} s, fallback {p.fallback}, "
+        if self.worker.wait_loaded() != "ready":
+            raise ConfigureError(f"the model did not load: {self.worker.fault}")
+        # the action server and the service appear once the model is loaded
+        if p.run_task_action:
+            # goals are executed through goal_handle.execute(callback) when their task ends (see
+            # _on_task_accepted); rclpy requires a default callback, which is never used
+            self._task_server = ActionServer(self, RunTask, p.run_task_action, execute_callback=lambda _: None,
+                                             goal_callback=self._on_task_goal, cancel_callback=self._on_task_cancel,
+                                             handle_accepted_callback=self._on_task_accepted)
+        if p.decide_service:
+            self.create_service(Decide, p.decide_service, self._on_decide)
+        self.get_logger().info(f"tokenspeed_agent configured: budget {p.deadline_budget_s} s, fallback {p.fallback}, "
                                f"decision period {p.decision_period_s} s, model {p.model or 'embedded'}")
 
-    def close(self) -> bool:
-        """Stop the engine thread; False when it is still inside a load or forward (see
-        EngineWorker.close)."""
-        self.monitor.close()
-        return self.worker.close()
+    def deactivate(self) -> None:
+        """The safe fallback goes out (for the decision in progress, or on its own) and nothing
+        decides until activate."""
+        self.loop.stop(self._latest_stamp or self.get_clock().now(), "deactivated")
+
+    def cleanup(self, timeout_s: float = 1.0) -> bool:
+        """End the task, remove the action server, stop the deadline monitor's thread and the
+        engine thread (see ManagedNode.cleanup)."""
+        if self.task is not None:
+            self.task.finish(CANCELLED, "the node was cleaned up")
+        if self._task_server is not None:
+            self._task_server.destroy()
+            self._task_server = None
+        if self.monitor is not None:
+            self.monitor.close()
+        worker, self.worker = self.worker, None
+        return worker.close(timeout_s) if worker is not None else True
+
+    def apply_live(self, new: AgentParams, changed: set[str]) -> None:
+        """Apply live parameters (AgentParams.LIVE) to the running node."""
+        if {"tools_when_empty", "tools_when_holding"} & changed:
+            new.check_tool_names(self._tool_names)
+        if "deadline_budget_s" in changed:
+            self.monitor.budget = Duration(seconds=new.deadline_budget_s)
+        self.monitor.fallback = new.fallback
+        self.loop.publish_margin_s = new.publish_margin_s
+        self.worker.set_repeat_slack(new.restate_slack_tokens)
+        if "threads" in changed:
+            self.worker.set_threads(new.threads)
+        if "decision_period_s" in changed:
+            self._set_rate_timer(new.decision_period_s)
+        if "diagnostics_period_s" in changed:
+            self.destroy_timer(self._diag_timer)
+            self._diag_timer = self.create_timer(new.diagnostics_period_s, self._publish_diagnostics)
+
+    def _set_rate_timer(self, period_s: float) -> None:
+        if self._rate_timer is not None:
+            self.destroy_timer(self._rate_timer)
+            self._rate_timer = None
+        if period_s > 0:
+            self._rate_timer = self.create_timer(period_s, lambda: self._trigger("rate"))
 
     # ------------------------------------------------------------------ inputs
     def _stamp(self, stamp) -> Time:
@@ -284,13 +344,35 @@ class AgentNode(Node):
             self._trigger("scene")
 
     def _on_goal(self, msg: String) -> None:
+        """The goal topic, the thin way in: a new text starts a task (without feedback or result);
+        the same text again (a latched re-delivery) changes nothing."""
         text = msg.data.strip()
         if not text or len(text) > self.p.max_goal_chars:
             self.health.report(BadInput("goal_invalid", f"{len(text)} characters (1..{self.p.max_goal_chars})"),
                                self.p.goal_topic)
             return
-        if self._submit("goal", f"goal: {text}", self.get_clock().now(), kind="text") and self.p.decide_on_goal:
+        if self.task is None or self.task.text != text:
+            self._start_task(Task(text, self.get_clock().now()))
+
+    def _start_task(self, task: Task) -> None:
+        """Make `task` the current one (a running one is cancelled) and decide on it."""
+        if self.task is not None:
+            self.task.finish(CANCELLED, "replaced by a new task")
+        self.task = task
+        self.get_logger().info(f"task: {task.text}")
+        if self._submit("goal", f"goal: {task.text}", self.get_clock().now(), kind="text") and self.p.decide_on_goal:
             self._trigger("goal")
+
+    def _on_task_status(self, msg: String) -> None:
+        status = parse_status(msg.data)
+        if status is None:
+            self.health.report(BadInput("status_invalid", "not a JSON object"), self.p.task_status_topic)
+            return
+        was = achieved(self._status)
+        self._status = status
+        if self.task is not None and self.task.running and achieved(status) and not was:
+            self.get_logger().info(f"the robot reports the task achieved: {achieved(status)}")
+            self._queue_state(self.get_clock().now())
 
     def _on_feedback(self, msg: ActionFeedback) -> None:
         """Track which call the robot is executing (its end triggers a decision) and tell the
@@ -315,17 +397,31 @@ class AgentNode(Node):
         return (self.get_clock().now() - self._executing[1]).nanoseconds * 1e-9 < self.p.execution_timeout_s
 
     # ------------------------------------------------------------------ decisions
-    def _tool_choice(self):
-        """decide()'s tool_choice for the current gripper state: the tools_when_empty /
-        tools_when_holding subset in OpenAI's allowed_tools form (mode = the tool_choice
-        parameter), all tools when that list is empty, or the one tool tool_choice names."""
-        if self.p.tool_choice not in ("required", "auto"):
+    def _tool_choice(self, tools: list[str] | None = None):
+        """decide()'s tool_choice: only the completion tool while a task runs and the robot
+        reports it achieved; else `tools` (a Decide request's), or the task's tools, or the
+        tools_when_empty / tools_when_holding subset for the gripper state, in OpenAI's
+        allowed_tools form (mode = the tool_choice parameter; an empty subset = every tool but
+        the completion tool); or the one tool tool_choice names."""
+        if self.task is not None and self.task.running and self._done_evidence() is not None:
+            names = [TASK_DONE]
+        elif self.p.tool_choice not in ("required", "auto"):
             return {"name": self.p.tool_choice}
-        names = self.p.tools_when_empty if self.gripper.holding is None else self.p.tools_when_holding
-        if not names:
-            return self.p.tool_choice
+        else:
+            names = self.p.tools_when_empty if self.gripper.holding is None else self.p.tools_when_holding
+            names = [n for n in names or self._tool_names if n != TASK_DONE]
+            wanted = tools or (self.task.tools if self.task is not None else [])
+            names = [n for n in names if n in wanted] if wanted else names
         return {"type": "allowed_tools", "allowed_tools": {
-            "mode": self.p.tool_choice, "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
+            "mode": "required" if names == [TASK_DONE] else self.p.tool_choice,
+            "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
+
+    def _done_evidence(self) -> str | None:
+        """Why the task counts as achieved now (the robot cell's status, or with no status topic
+        an empty gripper), or None."""
+        if self.p.task_status_topic:
+            return achieved(self._status)
+        return "the gripper is empty" if self.gripper.holding is None else None
 
     def _state_text(self) -> str:
         """The state line restated before each decision: "<objects>; <gripper>; task: <goal>"."""
@@ -333,6 +429,8 @@ class AgentNode(Node):
         goal = self._texts.get("goal")
         if goal:
             parts.append("task: " + goal.removeprefix("goal: "))
+        if self.task is not None and self.task.running and self._done_evidence() is not None:
+            parts.append("the robot reports the task achieved")
         return "; ".join(parts)
 
     def _missing_sensors(self) -> list[str]:
@@ -350,51 +448,160 @@ class AgentNode(Node):
     def _trigger(self, why: str) -> None:
         """Start a decision now if the engine is free. `why`: "rate", "scene", "goal",
         "feedback" or "event" (deferred while the engine was busy). Rate triggers also keep safe
-        actions flowing while the engine is stuck past a deadline."""
+        actions flowing while the engine is stuck past a deadline. Nothing decides while the
+        node is not active."""
+        if not self.active:
+            return
         now = self.get_clock().now()
         stamp = self._latest_stamp or now
+        if self.task is not None:
+            over = self.task.over_budget(now) if self.task.running else None
+            if over is not None:
+                self._end_task(FAILED, over)
+            if not self.task.running:       # done, failed or cancelled: the agent stops acting
+                return
         if why in ("rate", "scene") and self._robot_executing():
             self._skipped_executing += 1
             return
-        if self._outstanding is not None:
-            if why == "rate" and not self.monitor.is_pending(self._outstanding):
+        if self.loop.busy:
+            if why == "rate" and not self.monitor.is_pending(self.loop.outstanding):
                 self.monitor.fail_now(stamp, "engine_busy")
             else:
-                self._event_pending |= why != "rate"
+                if why != "rate":
+                    self.loop.defer(lambda: self._trigger("event"))
                 self._skipped_busy += 1
             return
         if self._missing_sensors():
             self.monitor.fail_now(stamp, "no_sensor_data")
             return
-        if self.worker.state != "ready":
-            self.monitor.fail_now(stamp, "engine_fault" if self.worker.state == "fault" else "engine_loading")
-            return
-        d = self.monitor.open(stamp)
-        remaining_s = (d.deadline - now).nanoseconds * 1e-9 - self.p.publish_margin_s
-        self._outstanding = d.decision_id
+        self._decide(stamp)
+
+    def _decide(self, stamp: Time, tools: list[str] | None = None) -> None:
+        """Open a decision on the observation stamped `stamp` and hand it to the (free) engine."""
+        d = self.loop.open(stamp)
         # the state line is prefilled just before the decision (queued readings wait behind it; it is
         # not prefilled again while it is the context's last message); its echo carries the decision's stamp
         self._state_queued = self._state_text()
         restate = ("state", self._state_queued, stamp.nanoseconds * 1e-9) if self.p.restate_before_decisions else None
-        self.worker.decide(d.decision_id, time.monotonic() + remaining_s, self._tool_choice(), restate)
+        self.loop.dispatch(d, self._tool_choice(tools), restate)
         self._release_held()
 
-    def _on_engine_output(self) -> None:
-        for item in self.worker.drain():
-            if isinstance(item, Observed):
-                msg = Observation(source=item.source, text=item.text, tokens=item.tokens)
-                msg.header.stamp = Time(nanoseconds=int(round(item.stamp_s * 1e9))).to_msg()
-                self._obs_pub.publish(msg)
-                continue
-            assert isinstance(item, ModelResult)
-            if item.decision_id == self._outstanding:
-                self._outstanding = None
-            cmd = self.monitor.resolve(item)
-            if cmd is not None:
-                self._publish_target(cmd)
-        if self._outstanding is None and self._event_pending:
-            self._event_pending = False
-            self._trigger("event")
+    def _end_task(self, outcome: str, evidence: str) -> None:
+        self.get_logger().info(f"task {outcome}: {evidence}")
+        self.task.finish(outcome, evidence)
+
+    def _check_result(self, result: ModelResult) -> ModelResult:
+        """A completion call never reaches the robot: when the robot still reports the task
+        achieved, the task is done once its outcome is out (the monitor publishes the safe
+        fallback with reason "task_done": the arm holds; see _on_resolved); otherwise the call is refused ("task_not_done") and the model
+        is told."""
+        if result.status != "ok" or result.tool_call is None or result.tool_call["name"] != TASK_DONE:
+            return result
+        evidence = self._done_evidence()
+        if self.task is None or not self.task.running or evidence is None:
+            self._submit("robot", f"robot: task not done yet (decision {result.decision_id})", self.get_clock().now())
+            return ModelResult(result.decision_id, "task_not_done", reason="the robot does not report it achieved",
+                               ttft_s=result.ttft_s, total_s=result.total_s)
+        return ModelResult(result.decision_id, "task_done", ttft_s=result.ttft_s, total_s=result.total_s,
+                           reason=f"decision {result.decision_id}: the model called {TASK_DONE}; {evidence}")
+
+    def _on_outcome(self, cmd: ActionCommand | None, status: DeadlineStatus) -> None:
+        """Every decision outcome (DeadlineMonitor hook): remember the call for the gripper state,
+        count it for the task and send it as the task's feedback, answer a waiting Decide."""
+        if cmd is None:
+            return      # a late result dropped after its fallback
+        self.gripper.sent(cmd.decision_id, cmd.tool_name, cmd.arguments_json)
+        task = self.task
+        if task is not None and task.running and status.reason != CANCELLED:
+            task.decisions += 1
+            handle = self._task_handles.get(id(task))
+            if handle is not None:
+                handle.publish_feedback(RunTask.Feedback(
+                    decision_id=cmd.decision_id, tool_name=cmd.tool_name, arguments_json=cmd.arguments_json,
+                    source=cmd.source, status=status.reason, latency_s=status.latency_s))
+        self._decide_outcome = (status, cmd)        # read by a Decide request that waits for it
+
+    # ------------------------------------------------------------------ RunTask action, Decide service
+    def _on_task_goal(self, goal: RunTask.Goal) -> GoalResponse:
+        """Accept a valid goal while configured (an inactive node starts deciding on activate)."""
+        text = goal.task.strip()
+        unknown = [t for t in goal.tools if t not in self._tool_names]
+        if not self.configured or not text or len(text) > self.p.max_goal_chars or unknown or goal.timeout_s < 0:
+            self.get_logger().warning(f"RunTask goal rejected: configured {self.configured}, {len(text)} characters, "
+                                      f"unknown tools {unknown}, timeout_s {goal.timeout_s}")
+            return GoalResponse.REJECT
+        return GoalResponse.ACCEPT
+
+    def _on_task_accepted(self, goal_handle) -> None:
+        """Start the goal's task. The goal is answered when the task ends: only then does it go
+        through execute (ACCEPTED -> EXECUTING -> SUCCEEDED / ABORTED, or CANCELING -> CANCELED),
+        so no coroutine waits in the executor meanwhile (rclpy polls pending coroutines in a busy
+        loop); feedback flows from the first decision on."""
+        g = goal_handle.request
+        task = Task(g.task.strip(), self.get_clock().now(), list(g.tools), g.timeout_s, g.max_decisions,
+                    on_finish=lambda t: self._answer_goal(goal_handle, t))
+        self._task_handles[id(task)] = goal_handle
+        self._start_task(task)
+
+    def _answer_goal(self, goal_handle, task: Task) -> None:
+        """Send the goal through execute to its result; skipped once the context is shut down
+        (Ctrl-C: nothing can be published, the client sees the server go away)."""
+        if self.context.ok() and self._task_server is not None:
+            goal_handle.execute(lambda gh: self._task_result(task, gh))
+
+    def _task_result(self, task: Task, goal_handle) -> RunTask.Result:
+        self._task_handles.pop(id(task), None)
+        if task.outcome == DONE:
+            goal_handle.succeed()
+        elif goal_handle.is_cancel_requested:
+            goal_handle.canceled()
+        else:
+            goal_handle.abort()
+        return RunTask.Result(outcome=task.outcome, evidence=task.evidence, decisions=task.decisions,
+                              duration_s=(self.get_clock().now() - task.started).nanoseconds * 1e-9)
+
+    def _on_task_cancel(self, goal_handle) -> CancelResponse:
+        """Cancel mid-task: the safe fallback goes out (the arm holds) and the agent stops acting."""
+        task = self.task
+        if task is not None and task.running and self._task_handles.get(id(task)) is goal_handle:
+            self.loop.stop(self._latest_stamp or self.get_clock().now(), CANCELLED)
+            self._end_task(CANCELLED, f"cancel requested after {task.decisions} decisions; the safe fallback "
+                                      f"({self.monitor.fallback}) was published")
+        return CancelResponse.ACCEPT
+
+    def _on_decide(self, request: Decide.Request, response: Decide.Response) -> Decide.Response:
+        """One decision on demand, through the deadline monitor. Answers once its outcome is out
+        (at most the deadline budget): the executor waits on the engine thread meanwhile, resolving
+        its output and the deadline itself."""
+        unknown = [t for t in request.tools if t not in self._tool_names]
+        if not self.active or self.loop.busy or unknown:
+            response.reason = ("inactive" if not self.active else "engine_busy" if self.loop.busy
+                               else f"unknown tools {unknown}")
+            return response
+        self._decide_outcome = None
+        stamp = self._latest_stamp or self.get_clock().now()
+        if self._missing_sensors():
+            self.monitor.fail_now(stamp, "no_sensor_data")
+        else:
+            self._decide(stamp, list(request.tools))
+        while self._decide_outcome is None:
+            self.worker.wait_output(self.p.monitor_period_s)
+            self.loop.on_engine_output()
+            self.monitor.check()
+        (status, cmd), self._decide_outcome = self._decide_outcome, None
+        response.success, response.reason, response.command = status.met, status.reason, cmd
+        return response
+
+    def _echo_observation(self, item: Observed) -> None:
+        msg = Observation(source=item.source, text=item.text, tokens=item.tokens)
+        msg.header.stamp = Time(nanoseconds=int(round(item.stamp_s * 1e9))).to_msg()
+        self._obs_pub.publish(msg)
+
+    def _on_resolved(self, result: ModelResult, cmd: ActionCommand | None) -> None:
+        if cmd is not None:
+            self._publish_target(cmd)
+        if result.status == "task_done" and self.task is not None:
+            self._end_task(DONE, result.reason)     # after the completion's feedback went out
 
     def _publish_target(self, cmd: ActionCommand) -> None:
         pose = target_pose(json.loads(cmd.arguments_json), self.p.base_frame, self.p.object_plane_z)
@@ -429,8 +636,9 @@ class AgentNode(Node):
 
 def main(args: list[str] | None = None) -> int:
     """Console entry point `tokenspeed_agent`. Returns 0 on a clean shutdown (Ctrl-C / SIGTERM),
-    2 on bad parameters."""
-    return run_engine_node("tokenspeed_agent", AgentNode, (AgentParamsError,), args)
+    2 on bad parameters or a failed start-up configure (tool file, model)."""
+    return run_engine_node("tokenspeed_agent", AgentNode, (AgentParamsError, ConfigureError), args,
+                           AgentParams.help_text())
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ tier instead of growing the per-token cost.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -29,6 +30,11 @@ import rclpy
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 
 from tokenspeed_ros.deadline_monitor import ModelResult
+from tokenspeed_ros.launch_spec import help_requested
+
+
+class ToolsFileError(ValueError):
+    """A tool file is missing or is not a JSON list of OpenAI function tools; the message names it."""
 
 
 @dataclass
@@ -61,6 +67,20 @@ class CallChecker:
             where = "/".join(str(p) for p in error.absolute_path) or "arguments"
             return f"{call['name']}: {where}: {error.message}"
         return None
+
+
+def load_tools(path) -> list[dict]:
+    """Read an OpenAI tool list (JSON array of {"type": "function", "function": {...}}).
+
+    Raises ToolsFileError naming the file when it is missing or malformed.
+    """
+    try:
+        tools = json.loads(open(path).read())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ToolsFileError(f"tools_file {path}: {e}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and "function" in t for t in tools):
+        raise ToolsFileError(f"tools_file {path}: expected a JSON list of OpenAI function tools")
+    return tools
 
 
 class EngineWorker:
@@ -99,6 +119,10 @@ class EngineWorker:
         self._previous: dict[str, tuple[str, int]] = {}    # source -> (text, self._observed after it)
         self._out: list[Observed | ModelResult] = []
         self._stop = False
+        self._loaded = threading.Event()
+        self._has_output = threading.Event()     # set while drain() has something
+        self._threads: int | None = None     # CPU threads to switch to before the next engine step
+        self.threads = 0                     # CPU threads of the engine thread (0 until loaded)
         self._session = None
         self._thread = threading.Thread(target=self._run, name="tokenspeed-engine", daemon=True)
 
@@ -118,6 +142,24 @@ class EngineWorker:
             self._cv.notify()
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def wait_loaded(self, timeout: float | None = None) -> str:
+        """Wait until the model is loaded or failed to (at most `timeout` seconds; None = no
+        limit); returns `state`."""
+        self._loaded.wait(timeout)
+        return self.state
+
+    def set_threads(self, threads: int) -> None:
+        """Use `threads` CPU threads (0 = the count torch had before the engine loaded) from the
+        engine's next step on."""
+        with self._cv:
+            self._threads = threads
+            self._cv.notify()
+
+    def set_repeat_slack(self, tokens: int) -> None:
+        """Change repeat_slack (see the class docstring), tokens."""
+        with self._cv:
+            self._repeat_slack = tokens
 
     def observe(self, source: str, text: str, stamp_s: float, kind: str = "sensor") -> None:
         """Queue an observation: kind "sensor" (superseded by newer readings of the source) or
@@ -152,23 +194,39 @@ class EngineWorker:
         """Everything finished since the last call, in order."""
         with self._cv:
             out, self._out = self._out, []
+            self._has_output.clear()
         return out
+
+    def wait_output(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds until drain() has something; returns whether it has."""
+        return self._has_output.wait(timeout)
 
     # ------------------------------------------------------------------ engine thread
     def _emit(self, item) -> None:
         with self._cv:      # after close() the node and its guard condition may be gone
             self._out.append(item)
+            self._has_output.set()
             if not self._stop:
                 self._notify()
 
     def _run(self) -> None:
+        import torch
+
+        default_threads = torch.get_num_threads()
         self._load()
         while True:
             with self._cv:
-                while not self._stop and not self._obs and self._request is None:
+                while not self._stop and not self._obs and self._request is None and self._threads is None:
                     self._cv.wait()
                 if self._stop:
                     return
+                if self._threads is not None:
+                    torch.set_num_threads(self._threads or default_threads)   # OpenMP: this thread's own
+                    self.threads = torch.get_num_threads()
+                    self._log.info(f"engine threads: {self.threads}")
+                    self._threads = None
+                    if not self._obs and self._request is None:
+                        continue
                 request, self._request = self._request, None
                 if request is not None and request[3] is not None:     # the state line stands for the queue
                     source, text, stamp_s = request[3]
@@ -195,6 +253,7 @@ class EngineWorker:
     def _load(self) -> None:
         try:
             import tokenspeed
+            import torch
 
             t0 = time.monotonic()
             engine = tokenspeed.Engine.load(self._cfg["model"], threads=self._cfg["threads"],
@@ -203,14 +262,16 @@ class EngineWorker:
                                            kv_budget=self._kv_budget)
             self.context_tokens = self._session.num_tokens
             self.weights = engine.weights
+            self.threads = torch.get_num_threads()
             self.state = "ready"
             self._log.info(f"engine ready in {time.monotonic() - t0:.1f} s, {engine.weights} weights "
                            f"({self.context_tokens} tokens of system prompt and tools)")
             if engine.weight_choice is not None:
                 self._log.info(engine.weight_choice.describe())
-        except Exception as e:  # any failure leaves the node running on fallbacks
+        except Exception as e:  # any failure: state "fault" (a managed node fails configure)
             self.state, self.fault = "fault", f"{type(e).__name__}: {e}"
-            self._log.error(f"engine failed to load, every decision falls back: {self.fault}")
+            self._log.error(f"engine failed to load: {self.fault}")
+        self._loaded.set()
         with self._cv:
             if not self._stop:
                 self._notify()
@@ -259,17 +320,21 @@ class EngineWorker:
 
 
 def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception], ...],
-                    args: list[str] | None = None) -> int:
+                    args: list[str] | None = None, help_text: str = "") -> int:
     """Body of a console entry point for a node that owns an EngineWorker (the agent, the market
     bridge): rclpy.init(args), `make_node()`, spin until Ctrl-C / SIGTERM / shutdown, then
     `node.close()` (returns False while the engine thread is inside a load or forward) and
     destroy it.
 
     Returns 0 on a clean shutdown, 2 when the ROS arguments do not parse or make_node() raises
-    one of `errors` (printed on stderr as "<name>: <error>"). When the engine thread is still
+    one of `errors` (printed on stderr as "<name>: <error>"); with -h/--help before `--ros-args`
+    it prints `help_text` and returns 0 without starting ROS. When the engine thread is still
     busy, the process ends with os._exit(0) after flushing stdout/stderr: interpreter
     finalization would wait on it.
     """
+    if help_requested(args):
+        print(help_text)
+        return 0
     try:
         rclpy.init(args=args)
     except RuntimeError as e:   # rcl's RCLError: e.g. "-p model:=" (an override without a value)
@@ -287,6 +352,9 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
+    except Exception:
+        if rclpy.ok():
+            raise       # else a take raced with the signal handler's shutdown of the context
     finally:
         stopped = node.close()
         node.destroy_node()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
 PACKAGE = "tokenspeed_ros"
@@ -19,17 +20,19 @@ PACKAGE = "tokenspeed_ros"
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """One process: a console entry point (= ROS executable), its node name and its parameter
-    file (a name inside the config directory)."""
+    """One process: a console entry point (= ROS executable), its node name, its parameter file
+    (a name inside the config directory), and whether it is a managed (lifecycle) node that runs
+    the engine: the `params_file` and `model` launch arguments apply to it."""
 
     executable: str
     name: str
     params_file: str
+    managed: bool = False
 
 
-AGENT = NodeSpec("tokenspeed_agent", "tokenspeed_agent", "agent.yaml")
+AGENT = NodeSpec("tokenspeed_agent", "tokenspeed_agent", "agent.yaml", managed=True)
 COBOT_SIM = NodeSpec("tokenspeed_cobot_sim", "tokenspeed_cobot_sim", "cobot_sim.yaml")
-MARKET_BRIDGE = NodeSpec("tokenspeed_market_bridge", "tokenspeed_market_bridge", "market_bridge.yaml")
+MARKET_BRIDGE = NodeSpec("tokenspeed_market_bridge", "tokenspeed_market_bridge", "market_bridge.yaml", managed=True)
 
 LAUNCHES: dict[str, tuple[NodeSpec, ...]] = {
     "agent": (AGENT,),                  # launch/agent.launch.py: the agent alone, for a real robot
@@ -38,19 +41,65 @@ LAUNCHES: dict[str, tuple[NodeSpec, ...]] = {
 }
 
 
-def config_dir() -> Path:
-    """The parameter-file directory: the repository's launch/config in a source checkout
-    (editable install), else the installed share/tokenspeed_ros/config.
+# Launch arguments (name, default, description), declared by every launch file
+# (DeclareLaunchArgument) and accepted by `tokenspeed_launch` (--params-file, --model, ...).
+LAUNCH_ARGUMENTS: tuple[tuple[str, str, str], ...] = (
+    ("params_file", "", "parameter file of the managed node (agent / market bridge); '' = the packaged one"),
+    ("model", "", "model of the managed node (.gguf, HF folder, tiny-random); '' = the parameter file's"),
+    ("namespace", "", "ROS namespace of every node of the launch (one robot cell per namespace)"),
+    ("use_sim_time", "false", "every node follows /clock"),
+    ("log_level", "info", "log level of every node (debug, info, warn, error, fatal)"),
+)
 
-    Raises FileNotFoundError when neither exists.
-    """
-    for candidate in (Path(__file__).resolve().parent.parent / "launch" / "config",
-                      Path(sys.prefix) / "share" / PACKAGE / "config"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError(f"no launch/config directory and no {sys.prefix}/share/{PACKAGE}/config")
+
+def launch_description(launch: str):
+    """The ROS 2 LaunchDescription of `launch` (a LAUNCHES key), for launch/*.launch.py with a
+    full ROS 2 installation (imports `launch` and `launch_ros`, which are not installable here):
+    the LAUNCH_ARGUMENTS declared, every node in the `namespace`, with `log_level` and
+    `use_sim_time`, the managed node with `params_file` (default: its packaged file) and `model`
+    (when given); when any node exits, the launch shuts down. Managed nodes autostart here (no
+    lifecycle manager); `tokenspeed_launch` drives their transitions instead."""
+    from launch import LaunchDescription
+    from launch.actions import DeclareLaunchArgument, Shutdown
+    from launch.conditions import IfCondition
+    from launch.substitutions import LaunchConfiguration, PythonExpression
+    from launch_ros.actions import Node
+
+    arg = LaunchConfiguration
+    declared = [DeclareLaunchArgument(name, default_value=default, description=text)
+                for name, default, text in LAUNCH_ARGUMENTS]
+    nodes = []
+    for spec in LAUNCHES[launch]:
+        common = dict(package=PACKAGE, executable=spec.executable, name=spec.name, namespace=arg("namespace"),
+                      output="screen", on_exit=Shutdown(), arguments=["--ros-args", "--log-level", arg("log_level")])
+        if not spec.managed:
+            nodes.append(Node(**common, parameters=[str(params_path(spec)), {"use_sim_time": arg("use_sim_time")}]))
+            continue
+        params = PythonExpression(["'", arg("params_file"), "' or '", str(params_path(spec)), "'"])
+        given = PythonExpression(["'", arg("model"), "' != ''"])
+        nodes.append(Node(**common, condition=IfCondition(given),
+                          parameters=[params, {"use_sim_time": arg("use_sim_time"), "model": arg("model")}]))
+        nodes.append(Node(**common, condition=IfCondition(PythonExpression(["not ", given])),
+                          parameters=[params, {"use_sim_time": arg("use_sim_time")}]))
+    return LaunchDescription(declared + nodes)
+
+
+def config_dir() -> Path:
+    """The parameter files and tool lists: package data of tokenspeed_ros (`tokenspeed_ros/config`),
+    found through the package in a source checkout and in an installed wheel alike."""
+    return Path(str(files(PACKAGE) / "config"))
 
 
 def params_path(spec: NodeSpec) -> Path:
     """Absolute path of the node's parameter file."""
     return config_dir() / spec.params_file
+
+
+def help_requested(args: list[str] | None) -> bool:
+    """True when the command line of a ROS node's console entry point (`args` as given to
+    rclpy.init; None = sys.argv) asks for -h/--help before any `--ros-args`: the entry point then
+    prints its usage and exits 0 without starting the node."""
+    argv = (sys.argv if args is None else args)[1:]
+    user = argv[:argv.index("--ros-args")] if "--ros-args" in argv else argv
+    return "-h" in user or "--help" in user
+

@@ -25,7 +25,7 @@ Three threads, none waiting on another:
 - engine thread: `EngineWorker` (shared with the robot agent) owns the tokenspeed Session.
 
 Counters and the feed-gap alarm go to /diagnostics and, every `status_period_s`, to ZeroMQ topic
-`status` (JSON). Run: `tokenspeed_market_bridge --ros-args --params-file launch/config/market_bridge.yaml`.
+`status` (JSON). Run: `tokenspeed_market_bridge --ros-args --params-file tokenspeed_ros/config/market_bridge.yaml`.
 """
 from __future__ import annotations
 
@@ -42,13 +42,14 @@ from typing import ClassVar
 import zmq
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from pydantic import Field
-from rclpy.node import Node
+from rclpy.duration import Duration
 from rclpy.time import Time
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, MarketTick
 
-from tokenspeed_ros.agent_node import load_tools
-from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
-from tokenspeed_ros.engine_worker import EngineWorker, run_engine_node
+from tokenspeed_ros.deadline_monitor import DeadlineMonitor, Decision, ModelResult
+from tokenspeed_ros.decision_loop import DecisionLoop
+from tokenspeed_ros.engine_worker import EngineWorker, Observed, ToolsFileError, load_tools, run_engine_node
+from tokenspeed_ros.managed_node import ConfigureError, ManagedNode
 from tokenspeed_ros.market_feed import INTERNAL_ERROR, FeedLimits, MarketFeed, SymbolState
 from tokenspeed_ros.params import AgentParamsError, NodeParams
 
@@ -64,6 +65,10 @@ class MarketBridgeParams(NodeParams):
 
     NODE: ClassVar[str] = "tokenspeed_market_bridge"
     DEFAULT_TOOLS: ClassVar[str] = "trading_tools.json"
+    LIVE: ClassVar[frozenset[str]] = frozenset({
+        "threads", "deadline_budget_s", "publish_margin_s", "status_period_s", "poll_period_s", "max_batch",
+        "feed_gap_s", "tick_period_s", "recent_trades", "move_bps", "burst_trades", "burst_window_s", "timer_s",
+        "stream_period_s"})
 
     # ZeroMQ
     feed_endpoint: str = Field("tcp://127.0.0.1:5555", description="market-data SUB endpoint")
@@ -152,19 +157,32 @@ def trigger_text(trigger: Trigger) -> str:
     return line if trigger.streamed else f"{state_text(f)}\n{line}"
 
 
-class MarketBridgeNode(Node):
-    """The bridge node; parameters: `MarketBridgeParams`. Raises AgentParamsError on bad parameters
-    or tool file, zmq.ZMQError when an endpoint cannot be bound/connected.
+class MarketBridgeNode(ManagedNode):
+    """The bridge node, a managed (lifecycle) node: see `ManagedNode` for the transitions and
+    `MarketBridgeParams` for the parameters. Raises AgentParamsError at construction on bad
+    parameters; a bad tool file, model or endpoint (zmq.ZMQError) fails configure.
 
     Attributes read by tests and the demo (executor thread): `feed.counters` (feed records,
     bad input, "feed_gap"), `counts` (triggers, coalescing, decisions), `outcomes` (recent
-    decision JSON dicts), `engine_turn_s` (seconds from handing a decision to the engine to its
+    decision JSON dicts), `loop.engine_turn_s` (seconds from handing a decision to the engine to its
     result, late ones included), `feed_alarm` (True while the feed is silent).
     """
 
+    PARAMS = MarketBridgeParams
+    CONFIGURE_ERRORS = (ToolsFileError, zmq.ZMQError)
+
     def __init__(self, **node_kwargs):
+        self.worker: EngineWorker | None = None      # from configure to cleanup (None: agent off)
+        self.monitor: DeadlineMonitor | None = None  # made at configure, closed at cleanup
+        self._zmq: zmq.Context | None = None
+        self._feed_thread: threading.Thread | None = None
+        self._stop = threading.Event()
         super().__init__("tokenspeed_market_bridge", **node_kwargs)
-        self.p = p = MarketBridgeParams.declare(self)
+
+    def configure(self) -> None:
+        """Sockets, feed thread, deadline monitor, topics; compiles the tools and loads the model
+        (waits for it). Raises ToolsFileError, zmq.ZMQError or ConfigureError."""
+        p = self.p
         self.feed = MarketFeed(FeedLimits(price_band=p.price_band, max_size=p.max_size,
                                           max_crossed_msgs=p.max_crossed_msgs))
         self.counts: Counter = Counter()
@@ -174,20 +192,17 @@ class MarketBridgeNode(Node):
         self._open: dict[int, Trigger] = {}          # decision id -> trigger, until its outcome
         self._slot: Trigger | None = None            # feed thread -> executor, newest wins
         self._slot_lock = threading.Lock()
-        self._outstanding: int | None = None         # decision the engine is working on
-        self._dispatched_at = 0.0                    # time.monotonic() of the last dispatch
-        self.engine_turn_s: deque = deque(maxlen=10_000)  # dispatch -> engine result (prefill + decide), s
-        self._queued: int | None = None              # decision waiting for the engine
         self._streaming = False                      # a streamed state is waiting or being prefilled
         self._stop = threading.Event()
 
+        tools = load_tools(p.resolved_tools_file()) if p.agent else None
         self._zmq = zmq.Context()
         self._pub = self._zmq.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 500)
-        (self._pub.bind if p.decision_bind else self._pub.connect)(p.decision_endpoint)
         self._sub = self._zmq.socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, p.rcvhwm)
         self._sub.setsockopt(zmq.LINGER, 0)
+        (self._pub.bind if p.decision_bind else self._pub.connect)(p.decision_endpoint)
         for prefix in p.subscribe:
             self._sub.setsockopt(zmq.SUBSCRIBE, prefix.encode())
         (self._sub.bind if p.feed_bind else self._sub.connect)(p.feed_endpoint)
@@ -198,39 +213,62 @@ class MarketBridgeNode(Node):
         self._tick_pub = self.create_publisher(MarketTick, p.tick_topic, 10)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._wake_trigger = self.create_guard_condition(self._on_trigger)
-        self.worker = None
         if p.agent:
-            tools = load_tools(p.resolved_tools_file())
-            self._wake_engine = self.create_guard_condition(self._on_engine_output)
+            self._wake_engine = self.create_guard_condition(lambda: self.loop.on_engine_output())
             self.worker = EngineWorker(model=p.model, threads=p.threads, quantize=p.quantize,
                                        system=p.system_prompt, tools=tools,
                                        tool_choice="required", kv_budget=p.kv_budget_tokens,
                                        notify=self._notify_engine_output, logger=self.get_logger())
+        self.loop = DecisionLoop(self.monitor, self.worker, self.get_clock(), publish_margin_s=p.publish_margin_s,
+                                 on_observed=self._on_observed)
+        self._status_timer = self.create_timer(p.status_period_s, self._publish_status)
+        if self.worker is not None:
             self.worker.start()
-        self.create_timer(p.status_period_s, self._publish_status)
+            if self.worker.wait_loaded() != "ready":
+                raise ConfigureError(f"the model did not load: {self.worker.fault}")
         self._feed_thread = threading.Thread(target=self._feed_loop, name="market-feed", daemon=True)
         self._feed_thread.start()
-        self.get_logger().info(f"tokenspeed_market_bridge up: feed {p.feed_endpoint}, decisions "
+        self.get_logger().info(f"tokenspeed_market_bridge configured: feed {p.feed_endpoint}, decisions "
                                f"{p.decision_endpoint}, budget {p.deadline_budget_s} s, "
                                f"agent {'on, model ' + (p.model or 'embedded') if p.agent else 'off'}")
 
-    def close(self, timeout_s: float = 1.0) -> bool:
-        """Stop the feed and engine threads and close the sockets (removing the ipc:// files it
-        bound), waiting up to timeout_s seconds for the engine. Returns False when the engine
-        thread is still inside a load or forward (see EngineWorker.close: end the process with
-        os._exit then)."""
+    def deactivate(self) -> None:
+        """Hold goes out (for the decision in progress, or on its own); triggers are counted, not decided."""
+        self.loop.stop(self.get_clock().now(), "deactivated")
+
+    def cleanup(self, timeout_s: float = 1.0) -> bool:
+        """Stop the feed, monitor and engine threads and close the sockets, removing the ipc://
+        files it bound (see ManagedNode.cleanup)."""
         self._stop.set()  # also silences the engine thread's notifications from now on
-        self._feed_thread.join(5.0)
-        self.monitor.close()
-        stopped = self.worker.close(timeout_s) if self.worker is not None else True
-        self._sub.close()
-        self._pub.close()
-        self._zmq.term()
-        p = self.p
-        for endpoint, bound in ((p.feed_endpoint, p.feed_bind), (p.decision_endpoint, p.decision_bind)):
-            if bound and endpoint.startswith("ipc://"):   # ZeroMQ leaves the socket file behind
-                Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
+        if self._feed_thread is not None:
+            self._feed_thread.join(5.0)
+            self._feed_thread = None
+        if self.monitor is not None:
+            self.monitor.close()
+        worker, self.worker = self.worker, None
+        stopped = worker.close(timeout_s) if worker is not None else True
+        if self._zmq is not None:
+            self._sub.close()
+            self._pub.close()
+            self._zmq.term()
+            self._zmq = None
+            p = self.p
+            for endpoint, bound in ((p.feed_endpoint, p.feed_bind), (p.decision_endpoint, p.decision_bind)):
+                if bound and endpoint.startswith("ipc://"):   # ZeroMQ leaves the socket file behind
+                    Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
         return stopped
+
+    def apply_live(self, new: MarketBridgeParams, changed: set[str]) -> None:
+        """Apply live parameters (MarketBridgeParams.LIVE): the feed thread and the triggers read
+        `self.p` as they go; the rest is pushed here."""
+        if "deadline_budget_s" in changed:
+            self.monitor.budget = Duration(seconds=new.deadline_budget_s)
+        self.loop.publish_margin_s = new.publish_margin_s
+        if "threads" in changed and self.worker is not None:
+            self.worker.set_threads(new.threads)
+        if "status_period_s" in changed:
+            self.destroy_timer(self._status_timer)
+            self._status_timer = self.create_timer(new.status_period_s, self._publish_status)
 
     # ------------------------------------------------------------------ feed thread
     def _feed_loop(self) -> None:
@@ -249,7 +287,7 @@ class MarketBridgeNode(Node):
     def _feed_batch(self, last_rx: float | None) -> float | None:
         """Wait up to poll_period_s for messages and apply one batch; returns the monotonic
         time of the last batch received (last_rx when none came)."""
-        p = self.p
+        p = self.p     # live parameters apply from the next batch
         if not self._sub.poll(int(p.poll_period_s * 1000)):
             if not self.feed_alarm and last_rx is not None and time.monotonic() - last_rx > p.feed_gap_s:
                 self.feed_alarm = True
@@ -315,7 +353,7 @@ class MarketBridgeNode(Node):
         p = self.p
         if (p.stream_period_s <= 0 or self.worker is None or self.worker.state != "ready"
                 or f["timestamp"] - rules.last_stream_t < p.stream_period_s
-                or self._outstanding is not None or self._queued is not None or self._streaming):
+                or self.loop.busy or self._streaming):
             return
         rules.last_stream_t = f["timestamp"]
         self._streaming = True            # cleared when the engine reports it prefilled
@@ -342,44 +380,25 @@ class MarketBridgeNode(Node):
             trig, self._slot = self._slot, None
         if trig is None:
             return
-        d = self.monitor.open(Time(nanoseconds=int(trig.stamp_s * 1e9), clock_type=self.get_clock().clock_type))
+        if not self.active:
+            self.counts["triggers_inactive"] += 1
+            return
+        d = self.loop.open(Time(nanoseconds=int(trig.stamp_s * 1e9), clock_type=self.get_clock().clock_type))
         self._open[d.decision_id] = trig
         self.counts["decisions_opened"] += 1
-        if self.worker is None or self.worker.state != "ready":
-            state = "no_agent" if self.worker is None else (
-                "engine_fault" if self.worker.state == "fault" else "engine_loading")
-            self.monitor.resolve(ModelResult(d.decision_id, state))
-        elif self._outstanding is None:
-            self._dispatch(d.decision_id)
-        else:
-            if self._queued is not None and self.monitor.is_pending(self._queued):
-                self.monitor.resolve(ModelResult(self._queued, "superseded"))
-            self._queued = d.decision_id
+        prefill = (f"trigger:{trig.features['symbol']}", trigger_text(trig), trig.stamp_s)
+        if not self.loop.busy:
+            self.loop.dispatch(d, prefill=prefill)
+        else:   # waits for the engine; a newer trigger supersedes it
+            self.loop.defer(lambda: self.loop.dispatch(d, prefill=prefill), replaced=lambda: self._supersede(d))
 
-    def _dispatch(self, decision_id: int) -> None:
-        trig = self._open[decision_id]
-        remaining_s = trig.stamp_s + self.p.deadline_budget_s - self.p.publish_margin_s - time.time()
-        if remaining_s <= 0:  # a stale tick (or one that waited for the engine): no engine work
-            self.monitor.resolve(ModelResult(decision_id, "deadline_missed", reason="no time left to decide"))
-            return
-        self._outstanding = decision_id
-        self._dispatched_at = time.monotonic()
-        self.worker.observe(f"trigger:{trig.features['symbol']}", trigger_text(trig), trig.stamp_s)
-        self.worker.decide(decision_id, time.monotonic() + remaining_s)
+    def _supersede(self, d: Decision) -> None:
+        """A newer trigger replaced `d` while it waited for the engine: answer it "superseded"."""
+        if self.monitor.is_pending(d.decision_id):
+            self.monitor.resolve(ModelResult(d.decision_id, "superseded"))
 
-    def _on_engine_output(self) -> None:
-        for item in self.worker.drain():
-            if not isinstance(item, ModelResult):   # an observation prefilled
-                self._streaming &= not item.source.startswith("market:")
-                continue
-            if item.decision_id == self._outstanding:
-                self._outstanding = None
-                self.engine_turn_s.append(time.monotonic() - self._dispatched_at)
-            self.monitor.resolve(item)
-        if self._outstanding is None and self._queued is not None:
-            queued, self._queued = self._queued, None
-            if self.monitor.is_pending(queued):
-                self._dispatch(queued)
+    def _on_observed(self, item: Observed) -> None:
+        self._streaming &= not item.source.startswith("market:")
 
     def _on_outcome(self, cmd: ActionCommand | None, status: DeadlineStatus) -> None:
         """DeadlineMonitor hook, every decision outcome: count it and publish the decision JSON
@@ -415,7 +434,7 @@ class MarketBridgeNode(Node):
     def _feed_health(self) -> tuple[str, str]:
         """(DiagnosticStatus level name, message): ERROR when the feed thread is dead or the feed
         is silent, WARN after unexpected exceptions (counted as "internal_error"), else OK."""
-        if not self._feed_thread.is_alive() and not self._stop.is_set():
+        if (self._feed_thread is None or not self._feed_thread.is_alive()) and not self._stop.is_set():
             return "ERROR", "feed thread dead: no market data is processed"
         if self.feed_alarm:
             return "ERROR", "feed-gap alarm: no market data"
@@ -439,8 +458,10 @@ class MarketBridgeNode(Node):
 
 def main(args: list[str] | None = None) -> int:
     """Console entry point `tokenspeed_market_bridge`. Returns 0 on a clean shutdown, 2 on bad
-    parameters or an endpoint that cannot be opened."""
-    return run_engine_node("tokenspeed_market_bridge", MarketBridgeNode, (AgentParamsError, zmq.ZMQError), args)
+    parameters or a failed start-up configure (tool file, model, an endpoint that cannot be opened)."""
+    return run_engine_node("tokenspeed_market_bridge", MarketBridgeNode,
+                           (AgentParamsError, ConfigureError), args,
+                           MarketBridgeParams.help_text())
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def summary(node: MarketBridgeNode, received: int, replay_stats: dict) -> str:
         f"tick-to-decision latency, all decisions: {_percentiles_ms([o['latency_s'] for o in outcomes])}",
         f"tick-to-decision latency, model decisions: {_percentiles_ms([o['latency_s'] for o in model])}",
         f"time to first token, model decisions: {_percentiles_ms([o['ttft_s'] for o in model if o['ttft_s']])}",
-        f"engine turn (a streamed prefill still running, the trigger line, decide), late ones included: {_percentiles_ms(list(node.engine_turn_s))}; "
+        f"engine turn (a streamed prefill still running, the trigger line, decide), late ones included: {_percentiles_ms(list(node.loop.engine_turn_s))}; "
         f"{node.monitor.counts['late_result_dropped']} late model results dropped",
     ]
     for o in model[:3]:

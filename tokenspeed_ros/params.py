@@ -3,7 +3,7 @@
 `NodeParams` is the shared base: `declare(node)` declares every field as a ROS parameter (default
 and description from the field) and returns the validated values; `resolved_tools_file()` finds
 the node's tool list. `AgentParams` is the agent's table (the market bridge's,
-`MarketBridgeParams`, lives in market_bridge.py). `launch/config/*.yaml` repeat the defaults for
+`MarketBridgeParams`, lives in market_bridge.py). `tokenspeed_ros/config/*.yaml` repeat the defaults for
 users to edit, and the launch-file test checks that every key there is a field of the table.
 """
 from __future__ import annotations
@@ -31,14 +31,20 @@ class NodeParams(BaseModel):
     """Base of a node's parameter table: frozen, no unknown keys, strict types (no bool -> 1.0),
     and the engine parameters every node with an EngineWorker has.
 
-    Subclasses set NODE (the node name, used in error messages) and DEFAULT_TOOLS (the tool list
-    in the config directory used when the `tools_file` field is empty).
+    Subclasses set NODE (the node name, used in error messages), DEFAULT_TOOLS (the tool list
+    in the config directory used when the `tools_file` field is empty) and LIVE (the parameters a
+    configured node applies while running; every other one is read at configure).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     NODE: ClassVar[str]
     DEFAULT_TOOLS: ClassVar[str]
+    LIVE: ClassVar[frozenset[str]] = frozenset({"threads"})   # applied while configured (ManagedNode)
+
+    # lifecycle
+    autostart: bool = Field(True, description="configure and activate at start-up; false: stay unconfigured "
+                                              "until a lifecycle transition (tokenspeed_launch drives them)")
 
     # engine
     model: str = Field("", description='.gguf file, HF folder or "tiny-random"; empty = embedded SmolLM2-135M')
@@ -46,7 +52,7 @@ class NodeParams(BaseModel):
     quantize: Literal["auto", "int4", "int8", "none"] = Field(
         "auto", description="engine weights: auto (the fastest format on this CPU that agrees with fp32, measured "
         "once and cached), int4 (the GGUF's Q4_1 codes), int8, or none (fp32)")
-    tools_file: str = Field("", description="OpenAI tool list (JSON); empty = the node's default in launch/config")
+    tools_file: str = Field("", description="OpenAI tool list (JSON); empty = the node's default in tokenspeed_ros/config")
     kv_budget_tokens: int = Field(
         1024, ge=64, description="hot KV cache of the session, tokens; older context is pruned by relevance")
 
@@ -58,27 +64,42 @@ class NodeParams(BaseModel):
         integer is accepted for a float), so a wrong type gets a message naming the parameter.
         Raises AgentParamsError naming the bad parameter(s).
         """
-        fields = cls.model_fields
         node.declare_parameters("", [
             (name, f.default, ParameterDescriptor(description=f.description or "", dynamic_typing=True))
-            for name, f in fields.items()
+            for name, f in cls.model_fields.items()
         ])
-        values = {name: node.get_parameter(name).value for name in fields}
+        return cls.read(node)
+
+    @classmethod
+    def read(cls, node):
+        """The validated values of the fields as the node's parameters hold them now.
+        Raises AgentParamsError naming the bad parameter(s)."""
+        return cls.validated({name: node.get_parameter(name).value for name in cls.model_fields})
+
+    @classmethod
+    def validated(cls, values: dict):
+        """`values` (field name -> value) as a validated table. Raises AgentParamsError naming the
+        bad parameter(s)."""
         try:
             return cls(**values)
         except ValidationError as e:
             raise AgentParamsError(f"bad {cls.NODE} parameters: {e}") from None
 
+    @classmethod
+    def help_text(cls) -> str:
+        """`--help` of the node's console entry point: its ROS parameters with defaults and
+        descriptions, and how to set them (`--ros-args -p name:=value`, `--params-file`)."""
+        lines = [f"usage: {cls.NODE} [--help] [--ros-args [-p NAME:=VALUE] [--params-file FILE] "
+                 "[-r __ns:=/NAMESPACE] ...]", "",
+                 f"ROS parameters of {cls.NODE} (default file: {config_dir() / (cls.NODE.removeprefix('tokenspeed_') + '.yaml')}):"]
+        for name, f in cls.model_fields.items():
+            lines.append(f"  {name} (default {f.default!r}): {f.description or ''}")
+        return "\n".join(lines)
+
     def resolved_tools_file(self) -> Path:
-        """The tool list to load: the `tools_file` field, or DEFAULT_TOOLS in the config directory
-        (launch_spec.config_dir). Raises AgentParamsError when tools_file is empty and there is no
-        config directory."""
-        if self.tools_file:
-            return Path(self.tools_file)
-        try:
-            return config_dir() / self.DEFAULT_TOOLS
-        except FileNotFoundError as e:
-            raise AgentParamsError(f"tools_file is empty and {e}; set tools_file") from None
+        """The tool list to load: the `tools_file` field, or DEFAULT_TOOLS in the package's
+        config directory (launch_spec.config_dir)."""
+        return Path(self.tools_file) if self.tools_file else config_dir() / self.DEFAULT_TOOLS
 
 
 class AgentParams(NodeParams):
@@ -86,6 +107,12 @@ class AgentParams(NodeParams):
 
     NODE: ClassVar[str] = "tokenspeed_agent"
     DEFAULT_TOOLS: ClassVar[str] = "robot_tools.json"
+    LIVE: ClassVar[frozenset[str]] = frozenset({
+        "threads", "base_frame", "decision_period_s", "decide_on_goal", "decide_on_scene_change",
+        "decide_while_executing", "observe_while_executing", "execution_timeout_s", "deadline_budget_s",
+        "publish_margin_s", "fallback", "tool_choice", "tools_when_empty", "tools_when_holding",
+        "restate_before_decisions", "joint_states_in_context", "restate_slack_tokens", "diagnostics_period_s",
+        "stale_after_s", "max_future_s", "max_age_s", "max_goal_chars", "object_plane_z", "min_blob_area_px"})
 
     # topics (relative names: they follow the node's namespace)
     joint_states_topic: str = Field("joint_states", description="sensor_msgs/JointState input")
@@ -101,6 +128,13 @@ class AgentParams(NodeParams):
     action_feedback_topic: str = Field(
         "sim/action_feedback", description="tokenspeed_msgs/ActionFeedback from the robot; empty disables")
     base_frame: str = Field("base", description="frame_id of target poses (robot base frame)")
+    task_status_topic: str = Field(
+        "sim/scenario_status", description="std_msgs/String JSON status of the robot cell ({\"success\": bool, ...}, "
+        "latched): the completion tool task_done is offered and accepted only while it reports success; "
+        "empty: task_done is accepted whenever the gripper is empty")
+    run_task_action: str = Field("run_task", description="tokenspeed_msgs/action/RunTask server; empty disables")
+    decide_service: str = Field("decide", description="tokenspeed_msgs/srv/Decide server (one decision on demand); "
+                                                      "empty disables")
 
     # QoS
     sensor_reliability: Literal["best_effort", "reliable"] = Field(

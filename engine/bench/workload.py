@@ -1,6 +1,6 @@
 """The Agent Action Latency (AAL) workload: one agent turn of tool calls over a growing context.
 
-An agent holds robot-arm tools (`launch/config/robot_tools.json`), a few trading tools (defined
+An agent holds robot-arm tools (`tokenspeed_ros/config/robot_tools.json`), a few trading tools (defined
 here) and real, externally written functions from the Berkeley Function Calling Leaderboard
 (BFCL v4 simple_python, `shared/bfcl/`). It performs `n_calls` decisions; before each one, new
 observations (sensor readings, camera detections, market ticks, the previous call's tool result,
@@ -17,6 +17,7 @@ import json
 import os
 import random
 from dataclasses import asdict, dataclass, field
+from importlib.resources import files
 from pathlib import Path
 
 from ..bfcl import bfcl_dir as find_bfcl_dir
@@ -24,7 +25,6 @@ from ..bfcl import bfcl_dir as find_bfcl_dir
 __all__ = ["Observation", "Turn", "Workload", "build_workload", "bfcl_tool", "TRADING_TOOLS"]
 
 WORKLOAD_VERSION = 1
-_REPO = Path(__file__).resolve().parents[2]
 
 TRADING_TOOLS = [
     {"type": "function", "function": {
@@ -183,10 +183,7 @@ def _bfcl_entries(folder: Path, rng: random.Random, count: int, exclude=frozense
 
 
 def _robot_tools() -> list[dict]:
-    for p in (_REPO / "launch" / "config" / "robot_tools.json",):
-        if p.is_file():
-            return json.loads(p.read_text())
-    raise FileNotFoundError(f"robot tool set not found: {p}")
+    return json.loads((files("tokenspeed_ros") / "config" / "robot_tools.json").read_text())
 
 
 def _joint_states(rng: random.Random, t: float) -> Observation:

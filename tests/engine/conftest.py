@@ -27,5 +27,5 @@ def tiny_engine():
 
 @pytest.fixture(scope="session")
 def robot_tools():
-    """The robot-arm tool set from launch/config/robot_tools.json."""
-    return json.loads((ROOT / "launch" / "config" / "robot_tools.json").read_text())
+    """The robot-arm tool set from tokenspeed_ros/config/robot_tools.json."""
+    return json.loads((ROOT / "tokenspeed_ros" / "config" / "robot_tools.json").read_text())

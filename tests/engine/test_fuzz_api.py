@@ -100,12 +100,24 @@ def check_session(engine, robot_tools, content, role, kind, deadline, deadline_a
         assert d.tool_call is None and s.num_tokens == n
 
 
-@FAST
-@given(content=contents, role=st.one_of(st.sampled_from(["user", "tool"]), scalars),
-       kind=st.sampled_from(["text", "sensor", "image"]), deadline=deadlines, deadline_at=deadlines,
-       max_tokens=st.one_of(st.integers(-1, 12), scalars),
-       choice=st.one_of(st.sampled_from(["required", "auto", {"name": "hold"}]), tool_choices))
+session_arguments = given(
+    content=contents, role=st.one_of(st.sampled_from(["user", "tool"]), scalars),
+    kind=st.sampled_from(["text", "sensor", "image"]), deadline=deadlines, deadline_at=deadlines,
+    max_tokens=st.one_of(st.integers(-1, 12), scalars),
+    choice=st.one_of(st.sampled_from(["required", "auto", {"name": "hold"}]), tool_choices))
+
+
+@settings(FAST, max_examples=20)      # each example builds a session and may decode: keep it short here
+@session_arguments
 def test_session_arguments(tiny_engine, robot_tools, content, role, kind, deadline, deadline_at, max_tokens, choice):
+    check_session(tiny_engine, robot_tools, content, role, kind, deadline, deadline_at, max_tokens, choice)
+
+
+@pytest.mark.slow
+@settings(FAST, max_examples=300)
+@session_arguments
+def test_session_arguments_many(tiny_engine, robot_tools, content, role, kind, deadline, deadline_at, max_tokens,
+                                choice):
     check_session(tiny_engine, robot_tools, content, role, kind, deadline, deadline_at, max_tokens, choice)
 
 

@@ -192,6 +192,13 @@ def test_bad_config_values_are_refused_before_allocating(tmp_path, changes, need
         resolve_model(str(_folder_with_config(tmp_path, **changes)))
 
 
+def test_null_config_values_take_their_defaults(tmp_path):
+    """Found by the config.json fuzzer: "max_position_embeddings": null became max_seq_len None."""
+    args = resolve_model(str(_folder_with_config(tmp_path, max_position_embeddings=None, head_dim=None,
+                                                 rope_theta=None))).args
+    assert (args.max_seq_len, args.head_dim, args.rope_theta) == (4096, 16, 10000.0)
+
+
 def test_bad_config_json_shape(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     (tmp_path / "model.safetensors").write_bytes(b"")

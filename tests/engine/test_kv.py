@@ -12,7 +12,7 @@ import torch
 
 from tokenspeed.kv import KVConfig
 
-TOOLS = json.loads((Path(__file__).resolve().parents[2] / "launch/config/robot_tools.json").read_text())
+TOOLS = json.loads((Path(__file__).resolve().parents[2] / "tokenspeed_ros/config/robot_tools.json").read_text())
 
 
 def _session(tiny_engine, **kw):

@@ -9,7 +9,7 @@ import numpy as np
 
 from support import ROOT, spin_until
 
-AGENT_PARAMS = ROOT / "launch" / "config" / "agent.yaml"
+AGENT_PARAMS = ROOT / "tokenspeed_ros" / "config" / "agent.yaml"
 
 # A synthetic camera: 320x240, f = 200 px, 1 m above (0.5, 0) looking straight down; image right
 # is the robot's right (-y), image down is towards the robot (-x).
@@ -125,3 +125,33 @@ class SensorFeed:
 def diagnostics(msg) -> dict[str, dict[str, str]]:
     """diagnostic_msgs/DiagnosticArray -> {status name: {key: value}}."""
     return {s.name: {kv.key: kv.value for kv in s.values} for s in msg.status}
+
+
+class Lifecycle:
+    """Lifecycle client of a managed node from the probe: `state()` and `change(transition)`
+    (lifecycle_msgs/Transition ids) over its get_state / change_state services."""
+
+    def __init__(self, probe: Probe, node: str = "tokenspeed_agent"):
+        from lifecycle_msgs.srv import ChangeState, GetState
+
+        self.probe = probe
+        self._get = probe.node.create_client(GetState, f"/{node}/get_state")
+        self._change = probe.node.create_client(ChangeState, f"/{node}/change_state")
+        self._GetState, self._ChangeState = GetState, ChangeState
+
+    def _call(self, client, request, timeout: float):
+        assert self.probe.spin_until(client.service_is_ready, 60), "lifecycle services did not appear"
+        future = client.call_async(request)
+        assert self.probe.spin_until(future.done, timeout), "no answer"
+        return future.result()
+
+    def state(self) -> str:
+        """The node's lifecycle state label ("unconfigured", "inactive", "active", ...)."""
+        return self._call(self._get, self._GetState.Request(), 10).current_state.label
+
+    def change(self, transition: int, timeout: float = 120.0) -> bool:
+        """Request a transition; returns its success (configure waits for the model)."""
+        from lifecycle_msgs.msg import Transition
+
+        return self._call(self._change, self._ChangeState.Request(transition=Transition(id=transition)),
+                          timeout).success

@@ -10,7 +10,7 @@ from support import BIN, ROOT, stop
 
 @pytest.fixture
 def start_agent(ros_env, tmp_path):
-    """Factory: start `tokenspeed_agent` with launch/config/agent.yaml plus `-p name:=value`
+    """Factory: start `tokenspeed_agent` with tokenspeed_ros/config/agent.yaml plus `-p name:=value`
     overrides; returns the Popen (output in `proc.log_path`). Stopped with SIGINT at teardown."""
     procs = []
 

@@ -11,7 +11,7 @@ from support import ROOT
 from tokenspeed_ros.deadline_monitor import ModelResult
 from tokenspeed_ros.engine_worker import EngineWorker, Observed
 
-TOOLS = json.loads((ROOT / "launch" / "config" / "robot_tools.json").read_text())
+TOOLS = json.loads((ROOT / "tokenspeed_ros" / "config" / "robot_tools.json").read_text())
 
 
 def make_worker(model: str, woke: threading.Event) -> EngineWorker:

@@ -3,6 +3,7 @@ entry points, parameter files that exist, and parameters the nodes declare; the 
 the same processes and leaves none behind."""
 import ast
 import importlib
+import inspect
 import os
 import re
 import signal
@@ -14,7 +15,7 @@ import yaml
 from rcl_interfaces.srv import ListParameters
 
 from support import BIN, ROOT, stop
-from tokenspeed_ros.launch_spec import LAUNCHES, params_path
+from tokenspeed_ros.launch_spec import LAUNCH_ARGUMENTS, LAUNCHES, params_path
 from tokenspeed_ros.market_bridge import MarketBridgeParams
 from tokenspeed_ros.params import AgentParams
 
@@ -32,7 +33,7 @@ def yaml_parameters(spec) -> dict:
     """The ros__parameters a params file gives the node (its own section or `/**`)."""
     doc = yaml.safe_load(params_path(spec).read_text())
     out = {}
-    for key in ("/**", spec.name, "/" + spec.name):
+    for key in ("/**", spec.name, "/" + spec.name, "/**/" + spec.name):
         out.update((doc.get(key) or {}).get("ros__parameters", {}))
     assert out, f"{spec.params_file} has no ros__parameters for {spec.name}"
     return out
@@ -42,10 +43,30 @@ def test_each_launch_file_reads_its_entry_in_the_launch_table():
     assert {f.name.removesuffix(".launch.py") for f in LAUNCH_FILES} == set(LAUNCHES)
     for f in LAUNCH_FILES:
         tree = ast.parse(f.read_text())
-        keys = {n.slice.value for n in ast.walk(tree)
-                if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == "LAUNCHES"}
-        assert keys == {f.name.removesuffix(".launch.py")}, f.name
+        calls = {n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call)
+                 and getattr(n.func, "id", "") == "launch_description"}
+        assert calls == {f.name.removesuffix(".launch.py")}, f.name
         assert any(isinstance(n, ast.FunctionDef) and n.name == "generate_launch_description" for n in tree.body)
+
+
+def test_launch_arguments_are_declared_and_accepted_by_the_launcher():
+    """launch_description declares every LAUNCH_ARGUMENTS entry (checked in its source: `launch`
+    is not installable here), and tokenspeed_launch takes each as an option."""
+    from tokenspeed_ros import launch_spec
+    assert {name for name, _, _ in LAUNCH_ARGUMENTS} == {"params_file", "model", "namespace", "use_sim_time",
+                                                         "log_level"}
+    source = inspect.getsource(launch_spec.launch_description)
+    assert "DeclareLaunchArgument(name" in source and "LAUNCH_ARGUMENTS" in source
+    out = subprocess.run([str(BIN / "tokenspeed_launch"), "--help"], capture_output=True, text=True, check=True).stdout
+    for name, _, _ in LAUNCH_ARGUMENTS:
+        assert "--" + name.replace("_", "-") in out
+    dry = subprocess.run([str(BIN / "tokenspeed_launch"), "cobot_sim", "--dry-run", "--namespace", "cell7",
+                          "--model", "tiny-random", "--log-level", "warn", "--use-sim-time", "false",
+                          "--params-file", "/tmp/agent.yaml"], capture_output=True, text=True, check=True).stdout
+    sim, agent = dry.strip().splitlines()
+    assert "-r __ns:=/cell7" in sim and "-r __ns:=/cell7" in agent and "--log-level warn" in agent
+    assert "--params-file /tmp/agent.yaml" in agent and "--params-file /tmp/agent.yaml" not in sim
+    assert "-p model:=tiny-random" in agent and "model:=" not in sim and "-p autostart:=false" in agent
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)
@@ -96,7 +117,7 @@ def test_dry_run_prints_the_table():
     for line, spec in zip(lines, LAUNCHES["cobot_sim"]):
         assert line.split()[0] == str(BIN / spec.executable)
         assert f"--params-file {params_path(spec)}" in line and f"__node:={spec.name}" in line
-    assert lines[1].endswith("-p model:=tiny-random")
+    assert lines[1].endswith("-p model:=tiny-random")       # --set overrides come last
 
 
 def test_bad_override_is_a_clear_error():
@@ -136,14 +157,14 @@ def test_launcher_runs_both_nodes_and_ctrl_c_leaves_no_process(probe, ros_env):
     from tokenspeed_msgs.msg import ActionCommand
 
     actions = probe.listen(ActionCommand, "agent/action")
-    # the agent answers with fallbacks (no engine) and the sim is up: both processes run
-    launch_until_ready_then_ctrl_c(probe, ros_env, "cobot_sim", ["tokenspeed_agent.model=/nonexistent.gguf"],
+    # the agent (tiny random model) decides and the sim is up: both processes run
+    launch_until_ready_then_ctrl_c(probe, ros_env, "cobot_sim", ["tokenspeed_agent.model=tiny-random"],
                                    lambda: actions and probe.node.count_publishers("joint_states") >= 1)
 
 
 def test_market_launch_runs_the_bridge(probe, ros_env, tmp_path):
     """`tokenspeed_launch market` (feed summaries only, endpoints private to the test) brings the
-    bridge up with launch/config/market_bridge.yaml: its tick publisher and diagnostics appear."""
+    bridge up with tokenspeed_ros/config/market_bridge.yaml: its tick publisher and diagnostics appear."""
     from diagnostic_msgs.msg import DiagnosticArray
 
     diags = probe.listen(DiagnosticArray, "/diagnostics")
@@ -169,3 +190,31 @@ def test_an_override_without_a_value_is_a_clear_error(ros_env):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "tokenspeed_agent: cannot parse the ROS arguments" in out.stderr and "model:=" in out.stderr
+def test_two_cells_in_two_namespaces_on_one_domain(probe, ros_env):
+    """Two launches (simulator + agent each, tiny random model) in namespaces cell1 and cell2 on
+    one ROS domain, as a fleet scales over DDS: each agent is brought up by its launcher (lifecycle
+    active), acts on its own cell's topics, and Ctrl-C ends both with no process left."""
+    from tokenspeed_msgs.msg import ActionCommand
+
+    from agent_support import Lifecycle
+
+    actions = {cell: probe.listen(ActionCommand, f"/{cell}/agent/action") for cell in ("cell1", "cell2")}
+    launchers = [subprocess.Popen([str(BIN / "tokenspeed_launch"), "cobot_sim", "--namespace", cell, "--model",
+                                   "tiny-random", "--grace", "10", "--set", "tokenspeed_cobot_sim.seed=" + str(i)],
+                                  env=ros_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i, cell in enumerate(actions, 1)]
+    try:
+        assert probe.spin_until(lambda: all(len(a) >= 2 for a in actions.values()), 120)
+        for cell in actions:
+            assert Lifecycle(probe, f"{cell}/tokenspeed_agent").state() == "active"
+        assert not probe.node.count_publishers("/agent/action")      # nothing outside the namespaces
+    finally:
+        for launcher in launchers:
+            launcher.send_signal(signal.SIGINT)
+        outs = [launcher.communicate(timeout=60)[0] for launcher in launchers]
+    for launcher, out in zip(launchers, outs):
+        assert launcher.returncode == 0, out
+        assert "tokenspeed_agent: configured" in out and "tokenspeed_agent: activated" in out
+        pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", out)]
+        time.sleep(0.2)
+        assert not [p for p in pids if _alive(p)], out

@@ -193,7 +193,7 @@ def test_missed_deadline_publishes_hold_never_a_late_order(ros, tmp_path):
         else:
             assert (o["tool"], o["arguments"], o["met"]) == ("hold", {}, False)
             assert o["reason"] in ("deadline_missed", "superseded", "invalid", "text")
-    assert node.engine_turn_s, "no decision reached the engine"
+    assert node.loop.engine_turn_s, "no decision reached the engine"
     assert [d["decision_id"] for d in decisions] == [o["decision_id"] for o in outcomes]
     fallbacks = [a for a in actions if a.source == "fallback"]
     assert len(fallbacks) == sum(o["source"] == "fallback" for o in outcomes) and all(a.tool_name == "hold" for a in fallbacks)
@@ -246,7 +246,7 @@ def test_bridge_keeps_up_with_the_whole_capture_at_10x(ros, tmp_path):
 @pytest.mark.slow
 def test_embedded_model_answers_ticks_with_bounded_trading_calls(ros, tmp_path):
     """The embedded SmolLM2 with a generous budget: model decisions come back as valid calls of
-    launch/config/trading_tools.json (enums and bounds respected)."""
+    tokenspeed_ros/config/trading_tools.json (enums and bounds respected)."""
     executor, _ = ros
     node, feed_ep, _ = start_bridge(ros, tmp_path, agent=True, deadline_budget_s=60.0, timer_s=1.0,
                                     move_bps=1000.0, burst_trades=1000)
@@ -272,7 +272,7 @@ def test_embedded_model_answers_ticks_with_bounded_trading_calls(ros, tmp_path):
 
 @pytest.mark.usefixtures("bitstamp_capture")
 def test_bridge_process_with_its_params_file(probe, ros_env, tmp_path):
-    """`tokenspeed_market_bridge` as its own process with launch/config/market_bridge.yaml, fed
+    """`tokenspeed_market_bridge` as its own process with tokenspeed_ros/config/market_bridge.yaml, fed
     by the replay process: MarketTick and /diagnostics over DDS, status JSON over ZeroMQ, the
     feed-gap alarm when the replay ends, and a clean SIGINT shutdown."""
     from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
@@ -283,7 +283,7 @@ def test_bridge_process_with_its_params_file(probe, ros_env, tmp_path):
     log = tmp_path / "bridge.log"
     bridge = subprocess.Popen(
         [str(BIN / "tokenspeed_market_bridge"), "--ros-args", "--params-file",
-         str(ROOT / "launch" / "config" / "market_bridge.yaml"), "-p", "agent:=false", "-p", "feed_gap_s:=1.0",
+         str(ROOT / "tokenspeed_ros" / "config" / "market_bridge.yaml"), "-p", "agent:=false", "-p", "feed_gap_s:=1.0",
          "-p", f"feed_endpoint:={feed_ep}", "-p", f"decision_endpoint:={decision_ep}"],
         env=ros_env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     sub = zmq.Context.instance().socket(zmq.SUB)

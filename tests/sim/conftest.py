@@ -6,12 +6,12 @@ import pytest
 
 from support import ROOT, spin_until, stop
 
-SIM_PARAMS = ROOT / "launch" / "config" / "cobot_sim.yaml"
+SIM_PARAMS = ROOT / "tokenspeed_ros" / "config" / "cobot_sim.yaml"
 
 
 @pytest.fixture
 def sim_process(ros_env):
-    """`tokenspeed_cobot_sim` with launch/config/cobot_sim.yaml in a child process (same ROS
+    """`tokenspeed_cobot_sim` with tokenspeed_ros/config/cobot_sim.yaml in a child process (same ROS
     domain, own process group: stop it with support.stop)."""
     proc = subprocess.Popen([sys.executable, "-m", "tokenspeed_sim.sim_node", "--ros-args",
                              "--params-file", str(SIM_PARAMS)], env=ros_env, cwd=ROOT,

@@ -38,7 +38,9 @@ def test_demo_runs_the_closed_loop_and_leaves_no_process(ros_env, tmp_path):
     assert report["engine_ready_after_s"] is not None and report["decisions"] >= 1
     assert report["feedback"].get("applied", 0) >= report["decisions"] - 1     # the last may be in flight
     assert report["task"]["target_object"] == "red_cube"
+    assert report["run_task"]["accepted"] and report["run_task"]["feedback"] >= 1     # the task came as an action
     assert (tmp_path / "latency.png").stat().st_size > 10_000
     log = (tmp_path / "launch.log").read_text()
     assert "tokenspeed_cobot_sim exit status 0" in log and "tokenspeed_agent exit status 0" in log
+    assert "/tokenspeed_agent: activated" in log and "task: Put the red cube" in log
     assert processes_in_domain(ros_env["ROS_DOMAIN_ID"]) == []

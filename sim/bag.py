@@ -1,0 +1,285 @@
+"""rosbag2 record and replay of a cobot run (MCAP storage, written and read with `rosbags`, a pure
+Python rosbag2 library: no ros2 CLI needed).
+
+- `Recorder`: records TOPICS as they go over DDS (serialized CDR, unchanged) into a rosbag2 folder
+  that `ros2 bag play` / Foxglove read as well; `tokenspeed_demo --record DIR` uses it.
+- `tokenspeed_replay BAG`: starts the agent (`tokenspeed_launch agent`, with --model / --set to
+  try another model or setting), replays the bag's sensor inputs (INPUTS) into it as if live
+  (original timing, header stamps moved to now), records what it decides, and compares the
+  replayed run with the recorded one decision by decision. Open loop: the robot's feedback is
+  not replayed (it answered the recorded calls, not the new ones).
+
+Never imports `tokenspeed` internals; the agent is a separate process reached over DDS.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import rclpy
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.serialization import deserialize_message
+from rclpy.signals import SignalHandlerOptions
+
+TOPICS = {          # recorded topic (relative) -> ROS type
+    "joint_states": "sensor_msgs/msg/JointState",
+    "camera/image_raw": "sensor_msgs/msg/Image",
+    "camera/camera_info": "sensor_msgs/msg/CameraInfo",
+    "camera/pose": "geometry_msgs/msg/PoseStamped",
+    "goal": "std_msgs/msg/String",
+    "sim/scenario_status": "std_msgs/msg/String",
+    "sim/action_feedback": "tokenspeed_msgs/msg/ActionFeedback",
+    "agent/action": "tokenspeed_msgs/msg/ActionCommand",
+    "agent/deadline_status": "tokenspeed_msgs/msg/DeadlineStatus",
+    "agent/observation": "tokenspeed_msgs/msg/Observation",
+}
+INPUTS = ("joint_states", "camera/image_raw", "camera/camera_info", "camera/pose", "goal", "sim/scenario_status")
+LATCHED_TOPICS = ("camera/pose", "goal", "sim/scenario_status")
+LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+
+
+class BagError(RuntimeError):
+    """A bag folder cannot be written or read; the message says which and why."""
+
+
+def message_class(ros_type: str):
+    """The rclpy message class of "pkg/msg/Name"."""
+    pkg, _, name = ros_type.split("/")
+    return getattr(importlib.import_module(f"{pkg}.msg"), name)
+
+
+def typestore():
+    """A rosbags typestore of ROS 2 Kilted plus tokenspeed_msgs (from its installed .msg files)."""
+    from rosbags.typesys import Stores, get_types_from_msg, get_typestore
+
+    store = get_typestore(Stores.ROS2_KILTED)
+    share = Path(sys.prefix) / "share" / "tokenspeed_msgs" / "msg"
+    types = {}
+    for path in sorted(share.glob("*.msg")):
+        types.update(get_types_from_msg(path.read_text(), f"tokenspeed_msgs/msg/{path.stem}"))
+    if not types:
+        raise BagError(f"no tokenspeed_msgs .msg files in {share}: build the interfaces (make msgs)")
+    store.register(types)
+    return store
+
+
+def _qos(topic: str):
+    return LATCHED if topic in LATCHED_TOPICS else 100
+
+
+class Recorder:
+    """Records TOPICS into a new rosbag2 folder `path` (MCAP),
+    from an rclpy node of its own context spun in a background thread. `close()` ends the bag;
+    `counts` says how many messages each topic had. Raises BagError when `path` exists."""
+
+    def __init__(self, path: Path):
+        from rosbags.rosbag2 import StoragePlugin, Writer
+
+        if path.exists():
+            raise BagError(f"{path} exists; rosbag2 writes a new folder")
+        self.path = path
+        self.counts: Counter[str] = Counter()
+        self._writer = Writer(path, version=9, storage_plugin=StoragePlugin.MCAP)
+        self._writer.open()
+        store = typestore()
+        self._connections = {t: self._writer.add_connection(t, ros_type, typestore=store)
+                             for t, ros_type in TOPICS.items()}
+        self._ctx = rclpy.Context()
+        rclpy.init(context=self._ctx, signal_handler_options=SignalHandlerOptions.NO)
+        self._node = rclpy.create_node("tokenspeed_bag_recorder", context=self._ctx)
+        for topic, ros_type in TOPICS.items():
+            self._node.create_subscription(message_class(ros_type), topic,
+                                           lambda raw, t=topic: self._write(t, raw), _qos(topic), raw=True)
+        self._executor = SingleThreadedExecutor(context=self._ctx)
+        self._executor.add_node(self._node)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, name="bag-recorder", daemon=True)
+        self._thread.start()
+
+    def _spin(self) -> None:
+        while not self._stop.is_set():
+            self._executor.spin_once(timeout_sec=0.05)
+
+    def _write(self, topic: str, raw: bytes) -> None:
+        self._writer.write(self._connections[topic], time.time_ns(), raw)
+        self.counts[topic] += 1
+
+    def close(self) -> dict[str, int]:
+        """Stop recording and finish the bag; returns the message count per topic."""
+        self._stop.set()
+        self._thread.join(5.0)
+        self._executor.shutdown()
+        self._node.destroy_node()
+        self._ctx.try_shutdown()
+        self._writer.close()
+        return dict(self.counts)
+
+
+def read_bag(path: Path) -> list[tuple[int, str, bytes]]:
+    """(receive time ns, topic, CDR bytes) of every message of the bag, in time order.
+    Raises BagError when it cannot be read."""
+    from rosbags.rosbag2 import Reader
+
+    try:
+        with Reader(path) as reader:
+            return [(t, conn.topic, bytes(raw)) for conn, t, raw in reader.messages()]
+    except Exception as e:     # rosbags raises its own error types for a missing or broken bag
+        raise BagError(f"cannot read bag {path}: {e}") from e
+
+
+def compare(recorded: list, replayed: list, recorded_obs: list, replayed_obs: list) -> dict:
+    """Recorded vs replayed model decisions (ActionCommands) and camera observations
+    (Observation echoes): counts, tools in order, latency medians (s)."""
+    def model(cmds):
+        return [c for c in cmds if c.source == "model"]
+
+    rec, rep = model(recorded), model(replayed)
+    pairs = list(zip(rec, rep))
+    cams_rec = {o.text for o in recorded_obs if o.source in ("camera", "state")}
+    cams_rep = {o.text for o in replayed_obs if o.source in ("camera", "state")}
+    objects = {t.split(";")[0] for t in cams_rec}
+    return {
+        "recorded": {"decisions": len(recorded), "model": len(rec), "tools": dict(Counter(c.tool_name for c in rec)),
+                     "latency_p50_s": float(np.median([c.decision_latency_s for c in rec])) if rec else None},
+        "replayed": {"decisions": len(replayed), "model": len(rep), "tools": dict(Counter(c.tool_name for c in rep)),
+                     "latency_p50_s": float(np.median([c.decision_latency_s for c in rep])) if rep else None},
+        "same_tool_in_order": sum(a.tool_name == b.tool_name for a, b in pairs),
+        "same_call_in_order": sum((a.tool_name, a.arguments_json) == (b.tool_name, b.arguments_json) for a, b in pairs),
+        "compared": len(pairs),
+        "observed_scenes_recorded": len(objects),
+        "observed_scenes_replayed_seen_in_recording": sum(t.split(";")[0] in objects for t in cams_rep),
+        "observed_scenes_replayed": len(cams_rep),
+    }
+
+
+class _Replayer:
+    """Publishes INPUTS from a bag as if live and records the agent's outputs."""
+
+    def __init__(self, messages: list[tuple[int, str, bytes]]):
+        self._ctx = rclpy.Context()
+        rclpy.init(context=self._ctx, signal_handler_options=SignalHandlerOptions.NO)
+        self.node = rclpy.create_node("tokenspeed_replay", context=self._ctx)
+        self.executor = SingleThreadedExecutor(context=self._ctx)
+        self.executor.add_node(self.node)
+        self.messages = [(t, topic, raw) for t, topic, raw in messages if topic in INPUTS]
+        self._types = {topic: message_class(TOPICS[topic]) for topic in INPUTS}
+        self._pubs = {topic: self.node.create_publisher(self._types[topic], topic, _qos(topic)) for topic in INPUTS}
+        self.actions, self.observations = [], []
+        self.node.create_subscription(message_class(TOPICS["agent/action"]), "agent/action", self.actions.append, 100)
+        self.node.create_subscription(message_class(TOPICS["agent/observation"]), "agent/observation",
+                                      self.observations.append, 100)
+
+    def spin_for(self, seconds: float, until=None) -> bool:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if until is not None and until():
+                return True
+            self.executor.spin_once(timeout_sec=0.01)
+        return until is not None and until()
+
+    def play(self, stop) -> int:
+        """Publish the inputs at their recorded pace, stamps moved to now; returns how many."""
+        if not self.messages:
+            return 0
+        t0_bag, t0 = self.messages[0][0], time.monotonic()
+        shift_ns = self.node.get_clock().now().nanoseconds - t0_bag
+        sent = 0
+        for t, topic, raw in self.messages:
+            if stop():
+                break
+            self.spin_for(max(0.0, (t - t0_bag) * 1e-9 - (time.monotonic() - t0)))
+            msg = deserialize_message(raw, self._types[topic])
+            header = getattr(msg, "header", None)
+            if header is not None and (header.stamp.sec or header.stamp.nanosec):
+                ns = header.stamp.sec * 1_000_000_000 + header.stamp.nanosec + shift_ns
+                header.stamp.sec, header.stamp.nanosec = divmod(ns, 1_000_000_000)
+            self._pubs[topic].publish(msg)
+            sent += 1
+        return sent
+
+    def close(self) -> None:
+        self.executor.shutdown()
+        self.node.destroy_node()
+        self._ctx.try_shutdown()
+
+
+def replay(bag: Path, out_dir: Path, *, model: str = "", overrides: list[str] = (), ready_timeout_s: float = 300.0,
+           tail_s: float = 3.0) -> dict:
+    """Re-decide a recorded run: start the agent, wait for it to be up, play the bag's inputs,
+    compare (see module docstring). Writes replay.json and launch.log into out_dir; returns the
+    comparison. Raises BagError for an unreadable bag or an agent that does not come up."""
+    messages = read_bag(bag)
+    by_topic = {}
+    for _, topic, raw in messages:
+        by_topic.setdefault(topic, []).append(raw)
+    recorded = [deserialize_message(r, message_class(TOPICS["agent/action"])) for r in by_topic.get("agent/action", [])]
+    recorded_obs = [deserialize_message(r, message_class(TOPICS["agent/observation"]))
+                    for r in by_topic.get("agent/observation", [])]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "tokenspeed_ros.launcher", "agent"]
+    cmd += ["--model", model] if model else []
+    for o in overrides:
+        cmd += ["--set", o]
+    replayer = _Replayer(messages)
+    with open(out_dir / "launch.log", "w") as log:
+        launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            up = replayer.spin_for(ready_timeout_s, until=lambda: launcher.poll() is not None or (
+                replayer.node.count_subscribers("joint_states") > 0 and "activated" in (out_dir / "launch.log").read_text()))
+            if not up or launcher.poll() is not None:
+                raise BagError(f"the agent did not come up (see {out_dir / 'launch.log'})")
+            sent = replayer.play(stop=lambda: launcher.poll() is not None)
+            replayer.spin_for(tail_s)
+        finally:
+            if launcher.poll() is None:
+                launcher.send_signal(signal.SIGINT)
+            try:
+                launcher.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+            replayer.close()
+    result = {"bag": str(bag), "inputs_replayed": sent, "model": model, "overrides": list(overrides),
+              **compare(recorded, replayer.actions, recorded_obs, replayer.observations)}
+    (out_dir / "replay.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point `tokenspeed_replay`."""
+    ap = argparse.ArgumentParser(prog="tokenspeed_replay", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("bag", type=Path, help="rosbag2 folder recorded with tokenspeed_demo --record")
+    ap.add_argument("--model", default="", help="model of the replayed agent ('' = its parameter file's)")
+    ap.add_argument("--set", action="append", default=[], metavar="NODE.PARAM=VALUE",
+                    help="agent parameter override passed to tokenspeed_launch (repeatable)")
+    ap.add_argument("--out", type=Path, default=Path("out/replay"), help="folder for replay.json and launch.log")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+    try:
+        result = replay(args.bag, args.out, model=args.model, overrides=args.set)
+    except BagError as e:
+        print(f"tokenspeed_replay: {e}", file=sys.stderr)
+        return 2
+    rec, rep = result["recorded"], result["replayed"]
+    print(f"replayed {result['inputs_replayed']} inputs from {args.bag}\n"
+          f"recorded: {rec['model']} model decisions {rec['tools']}, latency p50 {rec['latency_p50_s']}\n"
+          f"replayed: {rep['model']} model decisions {rep['tools']}, latency p50 {rep['latency_p50_s']}\n"
+          f"same tool in order: {result['same_tool_in_order']}/{result['compared']}, same call: "
+          f"{result['same_call_in_order']}/{result['compared']}\nreport: {args.out / 'replay.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

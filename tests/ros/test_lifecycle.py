@@ -1,0 +1,90 @@
+"""The agent as a managed (lifecycle) node, in its own process over DDS: started with
+autostart false it waits unconfigured; configure loads the model, activate starts decisions,
+deactivate publishes the safe fallback and stops them, cleanup frees the engine; a configure that
+cannot load the model or the tool file fails cleanly with the reason, and the node stays up."""
+import time
+
+from lifecycle_msgs.msg import Transition
+from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
+from rcl_interfaces.srv import SetParameters
+from tokenspeed_msgs.msg import ActionCommand
+
+from agent_support import Lifecycle, SensorFeed
+from test_agent_node import ENGINE_TIMEOUT, listen_all
+
+
+def set_parameter(probe, name: str, value: str):
+    """Set a string parameter of tokenspeed_agent over its set_parameters service; returns the result."""
+    client = probe.node.create_client(SetParameters, "/tokenspeed_agent/set_parameters")
+    assert probe.spin_until(client.service_is_ready, 30)
+    future = client.call_async(SetParameters.Request(parameters=[Parameter(
+        name=name, value=ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value))]))
+    assert probe.spin_until(future.done, 10)
+    return future.result().results[0]
+
+
+def test_transitions_drive_decisions(probe, start_agent):
+    actions, statuses, _, _ = listen_all(probe)
+    SensorFeed(probe)
+    agent = start_agent(autostart="false", model="tiny-random", tool_choice="hold", deadline_budget_s=30.0,
+                        decision_period_s=0.3)
+    life = Lifecycle(probe)
+    assert life.state() == "unconfigured"
+    assert life.change(Transition.TRANSITION_CONFIGURE, ENGINE_TIMEOUT), agent.log_path.read_text()
+    assert life.state() == "inactive"
+    probe.spin_until(lambda: False, 1.5)          # configured but inactive: nothing decides
+    assert actions == []
+
+    assert life.change(Transition.TRANSITION_ACTIVATE)
+    assert probe.spin_until(lambda: any(a.source == "model" for a in actions), 30), agent.log_path.read_text()
+
+    assert life.change(Transition.TRANSITION_DEACTIVATE)
+    assert probe.spin_until(lambda: any(s.reason == "deactivated" for s in statuses), 5)
+    stop = next(s for s in statuses if s.reason == "deactivated")
+    assert stop.fallback_used and stop.fallback == "hold"
+    assert probe.spin_until(lambda: any(a.decision_id == stop.decision_id and a.tool_name == "hold" for a in actions), 5)
+    probe.spin_until(lambda: False, 1.0)
+    seen = len(actions)
+    probe.spin_until(lambda: False, 1.5)
+    assert len(actions) == seen, "decisions went on after deactivate"
+
+    # cleanup frees the engine; a parameter that is read at configure can change now
+    assert life.change(Transition.TRANSITION_CLEANUP)
+    assert life.state() == "unconfigured"
+    assert set_parameter(probe, "action_topic", "agent/action2").successful
+    moved = probe.listen(ActionCommand, "agent/action2")
+    assert life.change(Transition.TRANSITION_CONFIGURE, ENGINE_TIMEOUT)
+    assert life.change(Transition.TRANSITION_ACTIVATE)
+    assert probe.spin_until(lambda: len(moved) > 0, 30), agent.log_path.read_text()
+    assert agent.poll() is None
+
+
+def test_failed_configure_is_a_clean_transition_failure(probe, start_agent, tmp_path):
+    bad_tools = tmp_path / "tools.json"
+    bad_tools.write_text("{not json")
+    agent = start_agent(autostart="false", model="/nonexistent/model.gguf")
+    life = Lifecycle(probe)
+    assert not life.change(Transition.TRANSITION_CONFIGURE, ENGINE_TIMEOUT)
+    assert life.state() == "unconfigured"
+    deadline = time.monotonic() + 5
+    while "configure failed" not in agent.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = agent.log_path.read_text()
+    assert "configure failed: the model did not load" in log and "/nonexistent/model.gguf" in log, log
+
+    # a bad tool file: the same, with the file named
+    assert set_parameter(probe, "model", "tiny-random").successful
+    assert set_parameter(probe, "tools_file", str(bad_tools)).successful
+    assert not life.change(Transition.TRANSITION_CONFIGURE, ENGINE_TIMEOUT)
+    assert life.state() == "unconfigured"
+    time.sleep(0.5)
+    assert f"configure failed: tools_file {bad_tools}" in agent.log_path.read_text()
+
+    # fixed while unconfigured: configure now succeeds
+    assert set_parameter(probe, "tools_file", "").successful
+    assert life.change(Transition.TRANSITION_CONFIGURE, ENGINE_TIMEOUT), agent.log_path.read_text()
+    assert life.state() == "inactive"
+    # once configured, parameters read at configure are refused with a reason
+    refused = set_parameter(probe, "model", "/elsewhere.gguf")
+    assert not refused.successful and "read at configure" in refused.reason
+    assert agent.poll() is None

@@ -1,0 +1,121 @@
+"""Live parameters over DDS (the nodes' set_parameters services, from a parameter client node):
+on a configured node every parameter either applies at once - checked on the running node - or
+is refused with a reason; bad values are refused; nothing is accepted and ignored."""
+import pytest
+import rclpy
+from rclpy.duration import Duration
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.parameter import Parameter
+from rclpy.parameter_client import AsyncParameterClient
+
+from support import spin_until
+from tokenspeed_ros.agent_node import AgentNode
+from tokenspeed_ros.market_bridge import MarketBridgeNode, MarketBridgeParams
+from tokenspeed_ros.params import AgentParams
+
+NOT_DEFAULT = {"quantize": "int8", "sensor_reliability": "reliable", "fallback": "stop", "tool_choice": "auto"}
+
+
+def other_value(name: str, default):
+    """A valid value of the field's type that differs from its default."""
+    if name in NOT_DEFAULT:
+        return NOT_DEFAULT[name]
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 2
+    if isinstance(default, float):
+        return default + 0.5
+    if isinstance(default, list):
+        return default[:1]
+    return (default or "x") + "_2"
+
+
+@pytest.fixture
+def ros(ros_env):
+    rclpy.init()
+    executor = SingleThreadedExecutor()
+    client_node = rclpy.create_node("param_client")
+    executor.add_node(client_node)
+    nodes = [client_node]
+    yield executor, nodes
+    for node in nodes:
+        if hasattr(node, "close"):
+            assert node.close(timeout_s=60.0)
+        node.destroy_node()
+    rclpy.try_shutdown()
+
+
+def setter(ros, node_name: str):
+    executor, nodes = ros
+    client = AsyncParameterClient(nodes[0], node_name)
+    assert spin_until(executor, client.services_are_ready, 30)
+
+    def set_one(name, value):
+        future = client.set_parameters([Parameter(name, value=value)])
+        assert spin_until(executor, future.done, 10)
+        return future.result().results[0]
+    return set_one
+
+
+AGENT_EFFECTS = {
+    "threads": lambda n, v: n.worker.threads == v,
+    "decision_period_s": lambda n, v: n._rate_timer.timer_period_ns == round(v * 1e9),
+    "deadline_budget_s": lambda n, v: n.monitor.budget == Duration(seconds=v),
+    "publish_margin_s": lambda n, v: n.loop.publish_margin_s == v,
+    "fallback": lambda n, v: n.monitor.fallback == v,
+    "restate_slack_tokens": lambda n, v: n.worker._repeat_slack == v,
+    "diagnostics_period_s": lambda n, v: n._diag_timer.timer_period_ns == round(v * 1e9),
+    "tools_when_empty": lambda n, v: [t["function"]["name"] for t in
+                                      n._tool_choice()["allowed_tools"]["tools"]] == v,
+    "tool_choice": lambda n, v: n._tool_choice()["allowed_tools"]["mode"] == v,
+}
+
+
+def test_agent_parameters_apply_live_or_are_refused(ros):
+    executor, nodes = ros
+    node = AgentNode(parameter_overrides=[Parameter("model", value="tiny-random")])
+    nodes.append(node)
+    executor.add_node(node)
+    assert node.active and node.worker.state == "ready"
+    set_one = setter(ros, "tokenspeed_agent")
+    for name, field in AgentParams.model_fields.items():
+        value, before = other_value(name, field.default), getattr(node.p, name)
+        result = set_one(name, value)
+        if name in AgentParams.LIVE:
+            assert result.successful, (name, result.reason)
+            assert getattr(node.p, name) == value, name
+            check = AGENT_EFFECTS.get(name)
+            assert check is None or spin_until(executor, lambda: check(node, value), 5), name
+        else:
+            assert not result.successful and name in result.reason and "read at configure" in result.reason, name
+            assert getattr(node.p, name) == before, name
+    assert set_one("decision_period_s", 0.0).successful and node._rate_timer is None      # events only
+    bad = set_one("fallback", "explode")
+    assert not bad.successful and "fallback" in bad.reason and node.monitor.fallback == "stop"
+    unknown = set_one("tools_when_holding", ["fly"])
+    assert not unknown.successful and "fly" in unknown.reason
+
+
+def test_bridge_parameters_apply_live_or_are_refused(ros, tmp_path):
+    executor, nodes = ros
+    node = MarketBridgeNode(parameter_overrides=[
+        Parameter("feed_endpoint", value=f"ipc://{tmp_path}/feed"),
+        Parameter("decision_endpoint", value=f"ipc://{tmp_path}/decisions"), Parameter("agent", value=False)])
+    nodes.append(node)
+    executor.add_node(node)
+    set_one = setter(ros, "tokenspeed_market_bridge")
+    effects = {"deadline_budget_s": lambda v: node.monitor.budget == Duration(seconds=v),
+               "publish_margin_s": lambda v: node.loop.publish_margin_s == v,
+               "status_period_s": lambda v: node._status_timer.timer_period_ns == round(v * 1e9)}
+    for name, field in MarketBridgeParams.model_fields.items():
+        value, before = other_value(name, field.default), getattr(node.p, name)
+        result = set_one(name, value)
+        if name in MarketBridgeParams.LIVE:
+            assert result.successful, (name, result.reason)
+            assert getattr(node.p, name) == value, name
+            assert name not in effects or effects[name](value), name
+        else:
+            assert not result.successful and name in result.reason and "read at configure" in result.reason, name
+            assert getattr(node.p, name) == before, name
+    assert not set_one("move_bps", -1.0).successful and node.p.move_bps == other_value("move_bps", 5.0)

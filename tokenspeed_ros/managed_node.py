@@ -1,0 +1,159 @@
+"""Lifecycle (managed) base of the TokenSpeed nodes, after the ROS 2 managed-node design
+(design.ros2.org/articles/node_lifecycle.html).
+
+- configure: read the parameters, create the topics and timers, compile the tools and load the
+  model (it waits for the engine); a bad parameter, tool file or model path fails the transition
+  cleanly: the node stays unconfigured, logs the reason and keeps it in `configure_error`.
+- activate: decisions start. deactivate: the safe fallback goes out and decisions stop.
+- cleanup: the engine is freed and every topic, timer and guard condition that configure made
+  is destroyed, so the next configure starts from the parameters as they are then.
+
+Parameters: while the node is unconfigured any valid value is taken (it applies at the next
+configure); once configured, the table's LIVE parameters apply at once (the subclass's
+`apply_live`) and every other change is refused with a reason; bad values are always refused.
+With `autostart` (default) the node configures and activates itself at start-up, as a plain node
+(a failed start-up configure then ends the process with status 2); `tokenspeed_launch` starts it
+with autostart false and drives the transitions.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+
+from tokenspeed_ros.params import AgentParamsError, NodeParams
+
+KINDS = ("publishers", "subscriptions", "timers", "guards", "clients", "services")
+
+
+class ConfigureError(RuntimeError):
+    """configure cannot complete (e.g. the model does not load); the message says why."""
+
+
+class ManagedNode(LifecycleNode):
+    """Base of the agent and the market bridge. Subclasses set PARAMS (their NodeParams table)
+    and CONFIGURE_ERRORS (exceptions that fail configure cleanly, besides AgentParamsError and
+    ConfigureError) and implement `configure`, `activate`, `deactivate`, `cleanup` and
+    `apply_live`. `self.p` holds the validated parameters; `active` is True between activate and
+    deactivate. Raises AgentParamsError at construction on bad parameters, and with autostart
+    ConfigureError when the start-up configure fails (a plain node's start-up error: the entry
+    point exits 2)."""
+
+    PARAMS: ClassVar[type[NodeParams]]
+    CONFIGURE_ERRORS: ClassVar[tuple[type[Exception], ...]] = ()
+
+    def __init__(self, name: str, **node_kwargs):
+        super().__init__(name, **node_kwargs)
+        self.p = self.PARAMS.declare(self)
+        self.active = False
+        self.configured = False
+        self.configure_error = ""
+        self._baseline = {kind: set(getattr(self, kind)) for kind in KINDS}
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+        if self.p.autostart:
+            if self.trigger_configure() != TransitionCallbackReturn.SUCCESS:
+                raise ConfigureError(f"configure failed: {self.configure_error}")
+            self.trigger_activate()
+
+    # ------------------------------------------------------------------ subclass hooks
+    def configure(self) -> None:
+        """Create topics, timers and the engine from `self.p`; raise on failure."""
+        raise NotImplementedError
+
+    def activate(self) -> None:
+        """Start deciding (called after `active` is set)."""
+
+    def deactivate(self) -> None:
+        """Publish the safe fallback and stop deciding (called after `active` is cleared)."""
+
+    def cleanup(self, timeout_s: float = 1.0) -> bool:
+        """Stop the threads and free the engine and sockets that configure started, waiting up to
+        `timeout_s` seconds for the engine; False when its thread is still inside a load or
+        forward (see EngineWorker.close). The base destroys topics, timers and guard conditions
+        afterwards. Also called after a failed configure and more than once: it must work on a
+        partly configured or already clean node."""
+        return True
+
+    def apply_live(self, new: NodeParams, changed: set[str]) -> None:
+        """Apply LIVE parameters `changed` (new values in `new`) to the running node; raise
+        AgentParamsError to refuse them. `self.p` still holds the old values."""
+
+    # ------------------------------------------------------------------ transitions
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        try:
+            self.p = self.PARAMS.read(self)
+            self.configure()
+        except (AgentParamsError, ConfigureError, *self.CONFIGURE_ERRORS) as e:
+            self.configure_error = str(e)
+            self.get_logger().error(f"configure failed: {e}")
+            self._release()
+            return TransitionCallbackReturn.FAILURE
+        self.configured, self.configure_error = True, ""
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.active = True
+        self.activate()
+        self.get_logger().info("active: deciding")
+        return super().on_activate(state)
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.active = False
+        self.deactivate()
+        self.get_logger().info("inactive: safe fallback published, not deciding")
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        if self.active:
+            self.active = False
+            self.deactivate()
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self.active = False
+        self._release()
+        return TransitionCallbackReturn.SUCCESS
+
+    def _release(self) -> None:
+        """Free the engine and destroy what configure created (idempotent)."""
+        self.cleanup()
+        self.configured = False
+        for kind in KINDS:
+            for entity in set(getattr(self, kind)) - self._baseline[kind]:
+                getattr(self, "destroy_" + kind.removesuffix("s").replace("guard", "guard_condition"))(entity)
+
+    def close(self, timeout_s: float = 1.0) -> bool:
+        """Shut down from any state (deactivate and clean up); returns False when the engine
+        thread is still inside a load or forward (see EngineWorker.close). After Ctrl-C the
+        context is already shut down: nothing can be published then, so deactivate is skipped."""
+        if self.active:
+            self.active = False
+            if self.context.ok():
+                self.deactivate()
+        return self.cleanup(timeout_s)
+
+    # ------------------------------------------------------------------ parameters
+    def _on_set_parameters(self, params) -> SetParametersResult:
+        fields = self.PARAMS.model_fields
+        changes = {p.name: p.value for p in params if p.name in fields}
+        if not changes:
+            return SetParametersResult(successful=True)
+        try:
+            new = self.PARAMS.validated({**self.p.model_dump(), **changes})
+            if self.configured:
+                fixed = sorted(set(changes) - self.PARAMS.LIVE)
+                if fixed:
+                    raise AgentParamsError(
+                        f"{', '.join(fixed)}: read at configure; deactivate and clean up {self.PARAMS.NODE}, "
+                        f"set it, then configure again (live parameters: {', '.join(sorted(self.PARAMS.LIVE))})")
+                self.apply_live(new, set(changes))
+        except AgentParamsError as e:
+            return SetParametersResult(successful=False, reason=str(e))
+        self.p = new
+        return SetParametersResult(successful=True)
