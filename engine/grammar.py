@@ -3,7 +3,8 @@
 OpenAI function/tool schemas are validated, rendered into the system prompt in the format the
 SmolLM2/Hermes family was trained on (`<tools>...</tools>`, answer as
 `<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>`), and compiled with llguidance into a
-Lark grammar for exactly one call. Every decode step the grammar's token mask is applied to the
+Lark grammar for one call (several in the list with parallel calls; or free text with
+tool_choice="auto"). Parameter schemas are prepared by `tokenspeed.schema`. Every decode step the grammar's token mask is applied to the
 logits; tokens the grammar fully determines are appended without sampling (jump-forward), using
 llguidance's canonical tokenization of the forced bytes (`compute_ff_tokens`).
 
@@ -18,30 +19,26 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["ToolSchemaError", "normalize_tools", "tools_system_prompt", "ToolGrammar", "parse_tool_call"]
+from .schema import JSON_STYLE, Prepared, ToolSchemaError, compile_check, prepare
+
+__all__ = ["ToolSchemaError", "normalize_tools", "tools_system_prompt", "call_schema", "ToolGrammar",
+           "parse_tool_calls", "parse_tool_call", "format_tool_calls"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-# JSON formatting the model sees in the prompt and must produce: ", " and ": " separators.
-_JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 CALL_OPEN, CALL_CLOSE = "<tool_call>[", "]</tool_call>"
-
-
-class ToolSchemaError(ValueError):
-    """A tool definition is not a valid OpenAI function schema, or its grammar does not compile.
-
-    The message names the tool and the offending part.
-    """
 
 
 def normalize_tools(tools) -> list[dict]:
     """Validate OpenAI tool definitions and return them as [{"type": "function", "function": {...}}].
 
     Accepts `{"type": "function", "function": {...}}` or a bare `{"name", "description",
-    "parameters"}` per tool.
+    "parameters"}` per tool. Parameter schemas may use everything `tokenspeed.schema` accepts
+    (`$defs`/`$ref`, `anyOf`/`oneOf`, `nullable`, `enum`/`const`, `pattern`, `format`, ...).
 
     Raises:
         ToolSchemaError: not a list, a tool without a valid unique name, parameters that are not
-            a JSON-schema object, or a schema llguidance cannot compile.
+            a JSON-schema object, or a schema llguidance cannot enforce (the message names the
+            tool and the property path).
     """
     if tools is None:
         return []
@@ -60,7 +57,7 @@ def normalize_tools(tools) -> list[dict]:
         if name in seen:
             raise ToolSchemaError(f"tools[{i}]: duplicate tool name {name!r}")
         seen.add(name)
-        params = fn.get("parameters", {"type": "object", "properties": {}})
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise ToolSchemaError(f"tool {name!r}: parameters must be a JSON schema with type 'object'")
         props = params.get("properties", {})
@@ -72,30 +69,34 @@ def normalize_tools(tools) -> list[dict]:
         for req in required:
             if req not in props:
                 raise ToolSchemaError(f"tool {name!r}: required parameter {req!r} is not in properties")
-        clean = {"name": name, "description": str(fn.get("description", "")), "parameters": params}
-        _check_compiles(name, _call_schema(clean))
+        clean = {"name": name, "description": str(fn.get("description") or ""), "parameters": params}
+        args = _arguments(clean)
+        compile_check(dict(args.schema, **({"$defs": args.defs} if args.defs else {})), f"tool {name!r}")
         out.append({"type": "function", "function": clean})
     return out
 
 
-def _call_schema(fn: dict) -> dict:
+def _arguments(fn: dict) -> Prepared:
     params = dict(fn["parameters"])
     params.setdefault("type", "object")
     params.setdefault("additionalProperties", False)
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return prepare(params, f"{fn['name']}.", f"tool {fn['name']!r}")
 
 
-def _check_compiles(name: str, schema: dict) -> None:
-    import llguidance
+def call_schema(functions: list[dict]) -> dict:
+    """The JSON schema of one call object `{"name": ..., "arguments": {...}}` to any of `functions`.
 
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_STYLE)
-    except ValueError as exc:
-        raise ToolSchemaError(f"tool {name!r}: invalid JSON schema: {exc}") from exc
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise ToolSchemaError(f"tool {name!r}: schema does not compile: {messages[0]}")
+    functions: the "function" parts of normalized tools. Definitions of every tool are hoisted to
+    the root `$defs` (see `tokenspeed.schema.prepare`), so the schema is self-contained.
+    """
+    variants, defs = [], {}
+    for fn in functions:
+        args = _arguments(fn)
+        defs.update(args.defs)
+        variants.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": args.schema},
+                         "required": ["name", "arguments"], "additionalProperties": False})
+    schema = {"oneOf": variants} if len(variants) > 1 else variants[0]
+    return dict(schema, **({"$defs": defs} if defs else {}))
 
 
 def tools_system_prompt(system: str | None, tools: list[dict]) -> str:
@@ -109,27 +110,43 @@ def tools_system_prompt(system: str | None, tools: list[dict]) -> str:
             '<tool_call>[{"name": "tool_name", "arguments": {"arg": "value"}}]</tool_call>')
 
 
-def parse_tool_call(text: str) -> dict | None:
-    """Parse `<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>` into {"name", "arguments"}."""
+def format_tool_calls(calls: list[dict]) -> str:
+    """The assistant text of `calls` ([{"name", "arguments": dict}]) as the grammar writes it."""
+    body = ", ".join(json.dumps({"name": c["name"], "arguments": c["arguments"]}, separators=(", ", ": "))
+                     for c in calls)
+    return f"{CALL_OPEN}{body}{CALL_CLOSE}"
+
+
+def parse_tool_calls(text: str) -> list[dict] | None:
+    """Parse `<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>` into [{"name", "arguments"}].
+
+    Returns None unless the text is exactly one complete call list with at least one call.
+    """
     text = text.strip()
     if not (text.startswith(CALL_OPEN) and text.endswith(CALL_CLOSE)):
         return None
     try:
-        call = json.loads(text[len(CALL_OPEN):-len(CALL_CLOSE)])
+        calls = json.loads(text[len(CALL_OPEN) - 1:-len(CALL_CLOSE) + 1])
     except json.JSONDecodeError:
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("arguments"), dict):
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("arguments"), dict) for c in calls):
         return None
-    return {"name": call.get("name"), "arguments": call["arguments"]}
+    return [{"name": c.get("name"), "arguments": c["arguments"]} for c in calls]
 
 
-def _parse_tool_choice(tool_choice) -> tuple[str, list[str] | None]:
-    """tool_choice -> (mode "required" | "auto", tool names or None for all).
+def parse_tool_call(text: str) -> dict | None:
+    """The first call of `parse_tool_calls(text)` ({"name", "arguments"}), or None."""
+    calls = parse_tool_calls(text)
+    return calls[0] if calls else None
+
+
+def parse_tool_choice(tool_choice) -> tuple[str, list[str] | None]:
+    """tool_choice -> (mode "required" | "auto" | "none", tool names or None for all).
 
     Raises:
         ToolSchemaError: malformed tool_choice.
     """
-    if tool_choice in ("required", "auto"):
+    if tool_choice in ("required", "auto", "none"):
         return tool_choice, None
     if isinstance(tool_choice, dict):
         if tool_choice.get("type") == "allowed_tools":
@@ -145,7 +162,7 @@ def _parse_tool_choice(tool_choice) -> tuple[str, list[str] | None]:
         name = _choice_name(tool_choice)
         if isinstance(name, str):
             return "required", [name]
-    raise ToolSchemaError(f"tool_choice must be 'auto', 'required', {{'name': ...}} or allowed_tools, "
+    raise ToolSchemaError("tool_choice must be 'auto', 'required', 'none', {'name': ...} or allowed_tools, "
                           f"got {tool_choice!r:.200}")
 
 
@@ -157,58 +174,85 @@ def _choice_name(entry: dict):
 
 @dataclass
 class ToolGrammar:
-    """A compiled grammar for one decision: a tool call (or free text, for tool_choice="auto").
+    """A compiled grammar for one answer: tool call(s), text or a call (auto), or JSON (response format).
 
     Create matchers with `matcher()`; each is an `llguidance.LLMatcher` in its start state.
+
+    Attributes:
+        mode: "required" (call(s) only), "auto" (call(s) or free text; the first token settles
+            which: text may not start with "<"), or "json" (one JSON value of a response schema).
     """
 
     grammar: str
     ll_tokenizer: object
     vocab_size: int
-    mode: str = "required"  # "auto": the answer may be text instead of a call
+    mode: str = "required"
 
     @classmethod
-    def build(cls, ll_tokenizer, vocab_size: int, tools: list[dict], tool_choice="required") -> "ToolGrammar":
+    def build(cls, ll_tokenizer, vocab_size: int, tools: list[dict], tool_choice="required",
+              parallel: bool = False) -> "ToolGrammar":
         """Compile the grammar for `tools` (normalized) and `tool_choice`.
 
-        tool_choice: "required" (one call to any tool), "auto" (a call or free text),
+        tool_choice: "required" (a call to any tool), "auto" (a call or free text),
         {"name": "..."} or {"type": "function", "function": {"name": "..."}} (that tool), or
         OpenAI's allowed-tools form {"type": "allowed_tools", "allowed_tools": {"mode":
         "required" | "auto", "tools": [{"type": "function", "function": {"name": ...}}, ...]}}
-        (one call to one of those tools, e.g. the tools whose preconditions hold now).
+        (a call to one of those tools, e.g. the tools whose preconditions hold now).
+        parallel: the answer may hold several calls (`<tool_call>[{...}, {...}]</tool_call>`).
 
         Raises:
-            ToolSchemaError: no tools, or tool_choice names an unknown tool or is malformed.
+            ToolSchemaError: no tools, tool_choice "none" (no grammar: free text), or names an
+                unknown tool or is malformed.
         """
-        import llguidance
-
         if not tools:
             raise ToolSchemaError("decide() needs tools: pass tools=[...] to engine.session()")
         known = {t["function"]["name"]: t for t in tools}
-        mode, names = _parse_tool_choice(tool_choice)
+        mode, names = parse_tool_choice(tool_choice)
+        if mode == "none":
+            raise ToolSchemaError('tool_choice="none" answers in free text and has no call grammar')
         unknown = [n for n in names or () if n not in known]
         if unknown:
             raise ToolSchemaError(f"tool_choice names unknown tool {unknown[0]!r}; known: {list(known)}")
-        chosen = [known[n] for n in names] if names else tools
-        variants = [_call_schema(t["function"]) for t in chosen]
-        schema = {"oneOf": variants} if len(variants) > 1 else variants[0]
-        schema["x-guidance"] = dict(_JSON_STYLE, coerce_one_of=True)
-        lark = f'call: "{CALL_OPEN}" body "{CALL_CLOSE}"\nbody: %json {json.dumps(schema)}\n'
-        if mode == "auto":
-            lark = "start: call | text\ntext: /[^<][^\\x00]*/\n" + lark
-        else:
-            lark = "start: call\n" + lark
-        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer)
-        if is_error:
-            raise ToolSchemaError(f"tool-call grammar does not compile: {messages[0]}")
-        return cls(grammar=grammar, ll_tokenizer=ll_tokenizer, vocab_size=vocab_size, mode=mode)
+        chosen = [known[n]["function"] for n in names] if names else [t["function"] for t in tools]
+        schema = call_schema(chosen)
+        schema["x-guidance"] = dict(JSON_STYLE, coerce_one_of=True)
+        item = f"item: %json {json.dumps(schema)}\n"
+        body = 'body: item (", " item)*\n' if parallel else "body: item\n"
+        lark = f'call: "{CALL_OPEN}" body "{CALL_CLOSE}"\n{body}{item}'
+        lark = ("start: call | text\ntext: /[^<][^\\x00]*/\n" if mode == "auto" else "start: call\n") + lark
+        return cls(_compile_lark(lark, ll_tokenizer, "tool-call grammar"), ll_tokenizer, vocab_size, mode)
+
+    @classmethod
+    def json_response(cls, ll_tokenizer, vocab_size: int, schema: dict) -> "ToolGrammar":
+        """Compile the grammar of one JSON value valid under `schema` (OpenAI's response_format json_schema).
+
+        Raises:
+            ToolSchemaError: the schema is invalid or unenforceable (the message names the path).
+        """
+        if not isinstance(schema, dict):
+            raise ToolSchemaError(f"response_format: json_schema.schema must be an object, got {type(schema).__name__}")
+        prepared = prepare(schema, "", "response_format")
+        full = dict(prepared.schema, **({"$defs": prepared.defs} if prepared.defs else {}))
+        compile_check(full, "response_format")
+        full["x-guidance"] = dict(JSON_STYLE, coerce_one_of=True)
+        lark = f"start: %json {json.dumps(full)}\n"
+        return cls(_compile_lark(lark, ll_tokenizer, "response_format"), ll_tokenizer, vocab_size, "json")
 
     def matcher(self):
         """A fresh `llguidance.LLMatcher` for this grammar."""
         import llguidance
 
         return llguidance.LLMatcher(self.ll_tokenizer, self.grammar, log_level=0)
+
+
+def _compile_lark(lark: str, ll_tokenizer, what: str) -> str:
+    import llguidance
+
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer)
+    if is_error:
+        raise ToolSchemaError(f"{what} does not compile: {messages[0]}")
+    return grammar
 
 
 class TokenMask:

@@ -2,8 +2,9 @@
 
 An `Engine` loads a model once and stays resident. `Engine.session()` returns a `Session` that
 keeps its KV cache between calls: `observe()` prefills new context immediately (streaming
-prefill), so `decide()` only prefills its own trigger tokens (`<|im_start|>assistant\\n` and the
-grammar-forced start of the call) before the first decode step.
+prefill), so `decide()` only prefills its own trigger tokens (the chat template's assistant
+prefix, e.g. `<|im_start|>assistant\\n`, and the grammar-forced start of the call) before the
+first decode step.
 
 Timing conventions: all durations are seconds (float) from `time.perf_counter()`; absolute
 deadlines are `time.monotonic()` values.
@@ -11,6 +12,7 @@ deadlines are `time.monotonic()` values.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 import time
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .grammar import TokenMask, ToolGrammar, ToolSchemaError, normalize_tools, parse_tool_call, tools_system_prompt
+from .grammar import TokenMask, ToolGrammar, ToolSchemaError, normalize_tools, parse_tool_calls, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
 from .quant import linear_rows
@@ -60,6 +62,12 @@ def _finite(value, name: str, unit: str = "") -> float | None:
     return float(value)
 
 
+def _sampling(temperature, top_p) -> None:
+    t, p = _finite(temperature, "temperature"), _finite(top_p, "top_p")
+    if t is None or p is None or t < 0 or not 0 < p <= 1:
+        raise SessionArgumentError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+
+
 def _positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SessionArgumentError(f"{name} must be a positive integer, got {value!r}")
@@ -71,10 +79,14 @@ class Decision:
     """Result of `Session.decide()`.
 
     Attributes:
-        status: "ok" (valid tool call, in time), "deadline_missed", "invalid" (the budget of
-            tokens ran out or the grammar failed), or "text" (tool_choice="auto" and the model
-            answered in text).
-        tool_call: {"name": str, "arguments": dict} (OpenAI shape) when status == "ok", else None.
+        status: "ok" (valid tool call(s), in time), "deadline_missed", "invalid" (the budget of
+            tokens ran out inside a call, or the grammar failed), or "text" (tool_choice "auto" or
+            "none", or a response format: the model answered in text; `reason` is "max_tokens"
+            when the text was cut there, else empty).
+        tool_call: the first call, `{"name": str, "arguments": dict}` (TokenSpeed's own shape:
+            arguments already parsed), when status == "ok", else None. `openai_message()` gives
+            OpenAI's shape.
+        tool_calls: every call of the answer in the same shape (several only with parallel=True).
         text: the generated text (the raw call, or the text answer).
         reason: why the status is not "ok" (empty when ok).
         ttft_s: decide() start -> first token chosen, seconds.
@@ -95,6 +107,7 @@ class Decision:
 
     status: str
     tool_call: dict | None = None
+    tool_calls: list[dict] = field(default_factory=list)
     text: str = ""
     reason: str = ""
     ttft_s: float = 0.0
@@ -112,6 +125,34 @@ class Decision:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's finish_reason: "tool_calls", "stop", "length" (max_tokens), or TokenSpeed's
+        "deadline" (deadline_missed) and "invalid" (no valid call: see `reason`)."""
+        if self.status == "ok":
+            return "tool_calls"
+        if self.status == "text":
+            return "length" if self.reason == "max_tokens" else "stop"
+        return "deadline" if self.status == "deadline_missed" else "invalid"
+
+    def openai_message(self, call_ids: list[str] | None = None) -> dict:
+        """The answer as an OpenAI chat-completions assistant message.
+
+        `{"role": "assistant", "content": None, "tool_calls": [{"id", "type": "function",
+        "function": {"name", "arguments": "<JSON string>"}}]}` for calls; `{"role": "assistant",
+        "content": text}` for a text answer; content None for "deadline_missed" and "invalid"
+        (never a half call).
+
+        Args:
+            call_ids: ids for the calls (default "call_0", "call_1", ...).
+        """
+        if self.status == "ok":
+            ids = call_ids or [f"call_{i}" for i in range(len(self.tool_calls))]
+            return {"role": "assistant", "content": None, "tool_calls": [
+                {"id": i, "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                for i, c in zip(ids, self.tool_calls)]}
+        return {"role": "assistant", "content": self.text if self.status == "text" else None}
 
     def timings(self) -> dict:
         """Timings in milliseconds plus token counts, for printing or JSON."""
@@ -268,14 +309,25 @@ class Engine:
         """
         return Session(self, system=system, tools=normalize_tools(tools), capacity=capacity, kv_budget=kv_budget)
 
-    def grammar(self, tools: list[dict], tool_choice) -> ToolGrammar:
-        """Compiled grammar for (tools, tool_choice), cached per engine."""
-        import json
-
+    def grammar(self, tools: list[dict], tool_choice, parallel: bool = False) -> ToolGrammar:
+        """Compiled call grammar for (tools, tool_choice, parallel), cached per engine."""
         # default=repr: a tool_choice that is not JSON still reaches the parser, which names it
-        key = (json.dumps(tools, sort_keys=True), json.dumps(tool_choice, sort_keys=True, default=repr))
+        key = ("call", json.dumps(tools, sort_keys=True), json.dumps(tool_choice, sort_keys=True, default=repr),
+               parallel)
         if key not in self._grammars:
-            self._grammars[key] = ToolGrammar.build(self.ll_tokenizer, self.tokenizer.vocab_size, tools, tool_choice)
+            self._grammars[key] = ToolGrammar.build(self.ll_tokenizer, self.tokenizer.vocab_size, tools, tool_choice,
+                                                    parallel)
+        return self._grammars[key]
+
+    def json_grammar(self, schema: dict) -> ToolGrammar:
+        """Compiled grammar of one JSON value valid under `schema`, cached per engine.
+
+        Raises:
+            ToolSchemaError: the schema is invalid or unenforceable (the message names the path).
+        """
+        key = ("json", json.dumps(schema, sort_keys=True))
+        if key not in self._grammars:
+            self._grammars[key] = ToolGrammar.json_response(self.ll_tokenizer, self.tokenizer.vocab_size, schema)
         return self._grammars[key]
 
     def generate(self, prompt: str, **kwargs) -> str:
@@ -446,61 +498,95 @@ class Session:
     # ---------------------------------------------------------------- decisions
 
     def decide(self, tool_choice="required", deadline: float | None = None, deadline_at: float | None = None,
-               max_tokens: int = 256, jump_forward: bool = True) -> Decision:
-        """Produce one schema-valid tool call, before a deadline or say why not.
+               max_tokens: int = 256, jump_forward: bool = True, parallel: bool = False,
+               response_format: dict | None = None, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int | None = None, on_text=None) -> Decision:
+        """Produce schema-valid tool call(s), before a deadline or say why not; or a text answer.
 
-        Greedy decoding under the tool-call grammar; jump-forward appends grammar-forced tokens
-        without sampling them (they still enter the KV cache, batched with the next forward).
-        With speculation (`Engine.speculation`) drafted tokens are verified several per forward;
-        the output is token-for-token the plain greedy output.
+        Greedy decoding (by default) under the tool-call grammar; jump-forward appends
+        grammar-forced tokens without sampling them (they still enter the KV cache, batched with
+        the next forward). With speculation (`Engine.speculation`) drafted tokens are verified
+        several per forward; the output is token-for-token the plain greedy output.
+
+        With tool_choice "auto" the first token settles call or text (a text answer may not start
+        with "<", a call starts with "<tool_call>"); a text answer comes back as status "text".
 
         Args:
-            tool_choice: "required", "auto" (call or text), {"name": tool}, or OpenAI's
-                {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}} (see `ToolGrammar.build`).
+            tool_choice: "required", "auto" (call or text), "none" (text, no grammar), {"name":
+                tool}, or OpenAI's {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}
+                (see `ToolGrammar.build`).
             deadline: seconds from now; or deadline_at: absolute `time.monotonic()` time.
             max_tokens: most tokens the answer may take.
             jump_forward: append forced tokens without a model call (off: one forward per token).
+            parallel: the answer may hold several calls (`Decision.tool_calls`).
+            response_format: a JSON schema: the answer is one JSON value valid under it (status
+                "text"; tools and tool_choice are ignored).
+            temperature, top_p, seed: sampling (temperature 0: greedy), as in `generate()`.
+            on_text: callback(str) receiving each new piece of a text answer as it is generated
+                (never pieces of a call); returning True stops the answer there (stop sequences).
         Returns:
-            a `Decision`. On "ok" the call stays in the context as the assistant turn; otherwise
-            the session is rolled back to its state before the call.
+            a `Decision`. On "ok" and "text" the answer stays in the context as the assistant
+            turn; otherwise the session is rolled back to its state before the call.
         Raises:
-            ToolSchemaError: tool_choice is malformed or names an unknown tool.
+            ToolSchemaError: tool_choice is malformed or names an unknown tool, or the response
+                format's schema is invalid.
             SessionArgumentError: deadline or deadline_at not a finite number (NaN would disable
-                the deadline), or max_tokens not a positive integer.
+                the deadline), max_tokens not a positive integer, temperature negative or not
+                finite, top_p outside (0, 1].
         """
         t0 = time.perf_counter()
         deadline = _finite(deadline, "deadline", " of seconds or None")
         deadline_at = _finite(deadline_at, "deadline_at", " (time.monotonic() seconds) or None")
         _positive_int(max_tokens, "max_tokens")
+        _sampling(temperature, top_p)
         if deadline is not None:
             deadline_at = time.monotonic() + deadline
-        grammar = self.engine.grammar(self.tools, tool_choice)
-        matcher = grammar.matcher()
+        if response_format is not None:
+            grammar = self.engine.json_grammar(response_format)
+        elif tool_choice == "none" or (tool_choice == "auto" and not self.tools):
+            grammar = None
+        else:
+            grammar = self.engine.grammar(self.tools, tool_choice, parallel)
+        matcher = grammar.matcher() if grammar is not None else None
         cp = self.checkpoint()
-        trigger = self.tok.encode("<|im_start|>assistant\n")
+        trigger = self.tok.encode(self.tok.assistant_prefix)
         self._append(trigger, "trigger")
         prefill, self.pending = self.pending, []
         d = Decision(status="invalid")
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        stream = None if grammar is not None and grammar.mode == "required" else \
+            self._text_stream(on_text, calls=grammar is not None and grammar.mode == "auto")
         self._rows_matcher = matcher
         try:
             with self.cache.decision() if self.kv is not None else nullcontext():  # recall: first forward only
                 out, feed = decode(self, prefill, d, matcher=matcher, jump_forward=jump_forward,
-                                   max_tokens=max_tokens, deadline_at=deadline_at, t0=t0)
+                                   max_tokens=max_tokens, deadline_at=deadline_at, t0=t0, temperature=temperature,
+                                   top_p=top_p, generator=gen, on_token=stream)
         except NonFiniteLogitsError as exc:  # never "ok" on garbage: the monitor's fallback applies
             out, feed = [], []
             d.status, d.reason = "invalid", str(exc)
+            grammar = stream = None
+            is_text = False
+        else:
+            is_text = True
         finally:
             self._rows_matcher = None
+        if stream is not None:
+            stream(out)  # grammar-forced tokens that closed the answer after the last step
         d.prefill_tokens = len(prefill)
         d.text = self.tok.decode(out)
+        is_text = is_text and (grammar is None or grammar.mode == "json"
+                               or (grammar.mode == "auto" and d.text[:1] not in ("", "<")))
         if deadline_at is not None and time.monotonic() >= deadline_at and d.status != "deadline_missed":
-            d.status, d.reason = "deadline_missed", "deadline passed before the call completed"
+            d.status, d.reason = "deadline_missed", "deadline passed before the answer completed"
+        elif d.status == "deadline_missed":
+            pass
+        elif is_text and (matcher is None or matcher.is_accepting() or len(out) >= max_tokens):
+            d.status, d.reason = "text", "max_tokens" if len(out) >= max_tokens else ""
         elif d.status == "invalid" and not d.reason and matcher.is_accepting():
-            call = parse_tool_call(d.text)
-            if call is not None:
-                d.status, d.tool_call = "ok", call
-            elif grammar.mode == "auto":
-                d.status = "text"
+            calls = parse_tool_calls(d.text)
+            if calls is not None:
+                d.status, d.tool_calls, d.tool_call = "ok", calls, calls[0]
             else:
                 d.reason = f"output is not a tool call: {d.text[:80]!r}"
         d.total_s = time.perf_counter() - t0
@@ -508,13 +594,30 @@ class Session:
             d.kv = self.cache.take_metrics()
         if d.status in ("ok", "text"):
             # The answer stays in the context; its unprocessed tail is prefilled with the next observe().
-            end = self.tok.encode("<|im_end|>\n")
+            end = self.tok.encode(self.tok.assistant_suffix)
             self.pending = feed + end
             self.segments[-1].kind = "assistant"
             self.segments[-1].end = len(self.tokens) + len(self.pending)
         else:
             self.rollback(cp)
         return d
+
+    def _text_stream(self, on_text, calls: bool = False):
+        # decode()'s on_token callback: new complete UTF-8 text of a text answer -> on_text(piece);
+        # calls: the answer may be a call instead (tool_choice="auto"), whose text is never streamed.
+        if on_text is None:
+            return None
+        printed = ""
+
+        def stream(out: list[int]) -> bool:
+            nonlocal printed
+            text = self.tok.decode(out)
+            if (calls and text.startswith("<")) or text.endswith("\ufffd"):  # a call, or an incomplete character
+                return False
+            piece, printed = text[len(printed):], text
+            return bool(piece) and bool(on_text(piece))
+
+        return stream
 
     def generate(self, prompt: str | None = None, max_tokens: int = 128, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, on_token=None) -> str:
@@ -538,26 +641,15 @@ class Session:
         if prompt is not None and not isinstance(prompt, str):
             raise SessionArgumentError(f"prompt must be a string or None, got {type(prompt).__name__}")
         _positive_int(max_tokens, "max_tokens")
-        t, p = _finite(temperature, "temperature"), _finite(top_p, "top_p")
-        if t is None or p is None or t < 0 or not 0 < p <= 1:
-            raise SessionArgumentError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+        _sampling(temperature, top_p)
         if prompt is not None:
             self._append(self._render([{"role": "user", "content": prompt}]), "text")
-        self._append(self.tok.encode("<|im_start|>assistant\n"), "assistant")
+        self._append(self.tok.encode(self.tok.assistant_prefix), "assistant")
         feed, self.pending = self.pending, []
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        printed = ""
-
-        def stream(out: list[int]) -> None:
-            nonlocal printed
-            text = self.tok.decode(out)
-            if not text.endswith("\ufffd"):  # wait for complete UTF-8 characters
-                on_token(text[len(printed):])
-                printed = text
-
         out, feed = decode(self, feed, Decision(status="text"), max_tokens=max_tokens, temperature=temperature,
-                           top_p=top_p, generator=gen, on_token=stream if on_token is not None else None)
-        self.pending = feed + self.tok.encode("<|im_end|>\n")
+                           top_p=top_p, generator=gen, on_token=self._text_stream(on_token))
+        self.pending = feed + self.tok.encode(self.tok.assistant_suffix)
         self.segments[-1].end = len(self.tokens) + len(self.pending)
         return self.tok.decode(out)
 

@@ -840,7 +840,8 @@ def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = Tr
         deadline_at: absolute `time.monotonic()` deadline; passed -> d.status = "deadline_missed".
         temperature, top_p, generator: sampling (temperature 0: greedy).
         t0: `time.perf_counter()` at the call's start (for ttft_s).
-        on_token: callback(list[int]) receiving the output token ids after each step.
+        on_token: callback(list[int]) receiving the output token ids after each step; returning
+            True ends the answer after that step.
     Returns:
         (out, feed): the output token ids (stop token excluded), and the last chosen token(s)
         not yet in the KV cache.
@@ -951,8 +952,8 @@ def decode(session, feed: list[int], d, *, matcher=None, jump_forward: bool = Tr
         if spec.enabled:
             spec.length.record(len(ids), t_fwd, proposals, t_draft, spec.model_calls, spec.model_s, len(chain) - row)
             spec.model_calls, spec.model_s = 0, 0.0
-        if on_token is not None:
-            on_token(out)
+        if on_token is not None and on_token(out):
+            stop = True  # the caller ends the answer here (a stop sequence)
         feed = next_feed
         if stop or (matcher is None and len(out) >= max_tokens):
             break

@@ -68,6 +68,9 @@ class Tokenizer:
         vocab_size: number of token ids (int).
         eos_id: end-of-sequence / end-of-turn token id.
         stop_ids: ids that end a turn (eos plus the chat template's end-of-turn token if any).
+        assistant_prefix, assistant_suffix: the text the chat template writes before and after an
+            assistant message's content (ChatML: "<|im_start|>assistant\\n", "<|im_end|>\\n"):
+            the session's trigger and end of an answer, taken from the model's own template.
         json: the `tokenizer.json` text (for llguidance).
     """
 
@@ -90,9 +93,25 @@ class Tokenizer:
         self.add_bos = bool(cfg.get("add_bos_token", False))
         self.bos_id = self._special_id(cfg.get("bos_token"))
         self.eos_id = self._special_id(cfg.get("eos_token"))
-        end_turn = self._tok.token_to_id("<|im_end|>")
-        self.stop_ids = sorted({i for i in (self.eos_id, end_turn) if i is not None})
+        self._eos_text = self._tok.id_to_token(self.eos_id) if self.eos_id is not None else ""
         self._template = None
+        self.assistant_prefix, self.assistant_suffix = self._assistant_affixes()
+        # The template's end-of-turn token (e.g. ChatML's <|im_end|>, Llama 3's <|eot_id|>) ends a turn too.
+        end_turn = [i for i in self._tok.encode(self.assistant_suffix, add_special_tokens=False).ids
+                    if self._tok.decode([i], skip_special_tokens=True) == ""][:1]
+        self.stop_ids = sorted({i for i in [self.eos_id, *end_turn] if i is not None})
+
+    def _assistant_affixes(self) -> tuple[str, str]:
+        # What the template writes before and after an assistant message's content, found by
+        # rendering a probe conversation with and without the generation prompt.
+        probe = [{"role": "user", "content": "ping"}]
+        head = self.render_chat(probe)
+        prompt = self.render_chat(probe, add_generation_prompt=True)
+        full = self.render_chat(probe + [{"role": "assistant", "content": _MARK}])
+        if not (prompt.startswith(head) and full.startswith(prompt) and _MARK in full):
+            raise ValueError("the chat template does not render an assistant turn after the generation prompt")
+        at = full.index(_MARK)
+        return full[len(head):at], full[at + len(_MARK):]
 
     def _special_id(self, token) -> int | None:
         if isinstance(token, dict):  # AddedToken serialised as a dict
@@ -148,9 +167,10 @@ class Tokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             self._template = env.from_string(self.chat_template or _CHATML)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token="", eos_token="")
+                                     bos_token="", eos_token=self._eos_text)
 
 
+_MARK = "\x00answer\x00"  # probe content no template alters
 _PLACEHOLDER = re.compile("\ue000([0-9]+)\ue001")
 _CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
            " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"

@@ -1,5 +1,5 @@
 """Helpers shared by the tests: repository paths, stopping a child process, spinning an rclpy
-executor until a condition holds, one decision per prompt. (tests/ is on sys.path through
+executor until a condition holds, one decision per prompt, README examples. (tests/ is on sys.path through
 tests/conftest.py.)"""
 from __future__ import annotations
 
@@ -48,3 +48,10 @@ def decide_each(engine, tools: list[dict], prompts: list[str], system: str = "Yo
         decisions.append(session.decide())
         assert decisions[-1].status == "ok", decisions[-1].reason
     return decisions
+
+
+def readme_example(name: str) -> str:
+    """The Python code of the README block between `<!-- example: NAME -->` and `<!-- /example -->`."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split(f"<!-- example: {name} -->", 1)[1].split("<!-- /example -->", 1)[0]
+    return block.split("```python\n", 1)[1].rsplit("```", 1)[0]

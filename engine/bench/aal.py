@@ -64,7 +64,7 @@ def build_job(wl: Workload, threads: int, cold_turns: list[int]) -> dict:
     """
     import gguf
 
-    from ..grammar import _call_schema, normalize_tools, tools_system_prompt
+    from ..grammar import call_schema, normalize_tools, tools_system_prompt
     from ..tokenizer import Tokenizer
     from ..weights import default_model_path, resolve_model
 
@@ -85,10 +85,9 @@ def build_job(wl: Workload, threads: int, cold_turns: list[int]) -> dict:
     for t in wl.turns:
         chosen = [x["function"] for x in tools
                   if not isinstance(t.tool_choice, dict) or x["function"]["name"] == t.tool_choice["name"]]
-        variants = [_call_schema(f) for f in chosen]
         turns.append({"obs_ids": [message_ids(system_text, {"role": o.role, "content": o.content})
                                   for o in t.observations],
-                      "schema": {"oneOf": variants} if len(variants) > 1 else variants[0]})
+                      "schema": call_schema(chosen)})
     reader = gguf.GGUFReader(str(gguf_path))
     return {
         "workload": json.loads(wl.to_json()) | {"tools": tools},

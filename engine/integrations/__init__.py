@@ -1,0 +1,1 @@
+"""Agent-framework integrations: `tokenspeed.integrations.langchain.ChatTokenSpeed` (LangChain)."""

@@ -1,0 +1,234 @@
+"""`tokenspeed serve` as a real server process on 127.0.0.1, driven by the official `openai` client.
+
+One server (the embedded SmolLM2-135M-Instruct, int4) serves the whole module; its queue holds one
+waiting request so that overflow can be caused with three requests.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+from support import readme_example
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = json.loads((ROOT / "tokenspeed_ros" / "config" / "robot_tools.json").read_text())
+SYSTEM = {"role": "system", "content": "You control a robot arm."}
+PICK = [SYSTEM, {"role": "user", "content": "Pick up the red cube."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tokenspeed.cli", "serve", "--port", str(port), "--queue-size", "1",
+                             "--quantize", "int4", "--context", "2048", "--cache-budget-mb", "200"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            if proc.poll() is not None:
+                pytest.fail(f"server exited: {proc.stdout.read()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("server did not come up in 300 s")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _metric(base_url, name: str) -> float:
+    for line in httpx.get(f"{base_url}/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def _validate(call, tools=TOOLS):
+    schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_readme_example(base_url, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    scope: dict = {}
+    exec(readme_example("serve").replace("http://127.0.0.1:8000", base_url), scope)
+    assert scope["r"].choices[0].message.tool_calls and scope["r"].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list()] == ["tokenspeed"]
+
+
+@pytest.mark.parametrize("tool_choice,expect", [
+    ("required", None),
+    ({"type": "function", "function": {"name": "place"}}, "place"),
+    ({"type": "allowed_tools", "allowed_tools": {"mode": "required",
+                                                 "tools": [{"type": "function", "function": {"name": "move_to"}}]}},
+     "move_to"),
+])
+def test_tool_choice_forces_valid_calls(client, tool_choice, expect):
+    r = client.chat.completions.create(model="tokenspeed", messages=PICK, tools=TOOLS, tool_choice=tool_choice)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    _validate(call)
+    assert call.function.name == (expect or "pick")
+
+
+def test_tool_choice_none_and_auto_answer_in_text_or_calls(client):
+    r = client.chat.completions.create(model="tokenspeed", messages=PICK, tools=TOOLS, tool_choice="none",
+                                       max_tokens=24)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    r = client.chat.completions.create(model="tokenspeed", messages=PICK, tools=TOOLS, tool_choice="auto",
+                                       max_tokens=8)
+    msg = r.choices[0].message
+    if msg.tool_calls:  # either is right for auto; a text answer cut at max_tokens is "length", never invalid
+        assert r.choices[0].finish_reason == "tool_calls"
+        _validate(msg.tool_calls[0])
+    else:
+        assert msg.content and r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streaming_reassembles_into_the_non_streaming_answer(client):
+    plain = client.chat.completions.create(model="tokenspeed", messages=PICK, tools=TOOLS, tool_choice="required")
+    chunks = list(client.chat.completions.create(model="tokenspeed", messages=PICK, tools=TOOLS,
+                                                 tool_choice="required", stream=True,
+                                                 stream_options={"include_usage": True}))
+    calls: dict[int, dict] = {}
+    for ch in chunks:
+        for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            c["name"] += tc.function.name or ""
+            c["arguments"] += tc.function.arguments or ""
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finish == ["tool_calls"] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in plain.choices[0].message.tool_calls]
+
+    text = [{"role": "user", "content": "Write one sentence about robots."}]
+    plain = client.chat.completions.create(model="tokenspeed", messages=text, max_tokens=30)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                       client.chat.completions.create(model="tokenspeed", messages=text, max_tokens=30, stream=True))
+    assert streamed == plain.choices[0].message.content and streamed
+
+
+def test_stop_sequence_cuts_the_text(client):
+    text = [{"role": "user", "content": "Count from one to ten in words, separated by commas."}]
+    full = client.chat.completions.create(model="tokenspeed", messages=text, max_tokens=40).choices[0].message.content
+    stop = full.split(",")[1] if "," in full else full[3:6]
+    r = client.chat.completions.create(model="tokenspeed", messages=text, max_tokens=40, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == full[:full.index(stop)]
+
+
+def test_parallel_calls_only_when_allowed(client):
+    ask = [SYSTEM, {"role": "user", "content": "Pick the red cube and then pick the blue cube."}]
+    r = client.chat.completions.create(model="tokenspeed", messages=ask, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False)
+    assert len(r.choices[0].message.tool_calls) == 1
+    r = client.chat.completions.create(model="tokenspeed", messages=ask, tools=TOOLS, tool_choice="required")
+    for call in r.choices[0].message.tool_calls:
+        _validate(call)
+
+
+def test_response_format_json_schema(client):
+    schema = {"$defs": {"Pose": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                                 "required": ["x", "y"]}},
+              "type": "object", "properties": {"target": {"$ref": "#/$defs/Pose"}, "object": {"enum": ["cube", "ball"]}},
+              "required": ["target", "object"]}
+    r = client.chat.completions.create(
+        model="tokenspeed", max_tokens=60,
+        messages=[{"role": "user", "content": "The cube is at x=0.4 y=0.1. Reply in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "goal", "schema": schema}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_warm_session_reuses_the_conversation(client, base_url):
+    hits = _metric(base_url, "tokenspeed_cache_hits")
+    first = [SYSTEM, {"role": "user", "content": "Move the arm home, please."}]
+    r1 = client.chat.completions.create(model="tokenspeed", messages=first, tools=TOOLS, tool_choice="required")
+    call = r1.choices[0].message.tool_calls[0]
+    second = first + [r1.choices[0].message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": "done"},
+                      {"role": "user", "content": "Now pick up the red cube."}]
+    r2 = client.chat.completions.create(model="tokenspeed", messages=second, tools=TOOLS, tool_choice="required")
+    ts = r2.model_extra["tokenspeed"]
+    # Everything up to the first answer came from the cache; only the tool result and the new
+    # user message were prefilled.
+    assert r2.usage.prompt_tokens_details.cached_tokens > r1.usage.prompt_tokens
+    assert ts["prefill_tokens"] < 40 and ts["cached_tokens"] == r2.usage.prompt_tokens_details.cached_tokens
+    assert _metric(base_url, "tokenspeed_cache_hits") >= hits + 1
+
+
+def test_deadline_gives_a_clear_finish_reason_and_no_call(client):
+    r = client.chat.completions.create(model="tokenspeed", messages=PICK, tools=TOOLS, tool_choice="required",
+                                       extra_body={"deadline_ms": 1})
+    assert r.choices[0].finish_reason == "deadline"
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content is None
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 9}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "act", "parameters": {"type": "object", "properties": {"j": {"type": "array", "enum": ["a"]}}}}}]},
+     "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": {"name": "fly"}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, "response_format.type"),
+])
+def test_bad_bodies_get_openai_errors_naming_the_field(base_url, body, param):
+    r = httpx.post(f"{base_url}/v1/chat/completions", json={"model": "tokenspeed", **body}, timeout=60)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+    if param == "tools":
+        assert "j:" in err["message"]  # the offending property is named
+
+
+def test_full_queue_answers_429_at_once(client, base_url):
+    long = dict(model="tokenspeed", messages=[{"role": "user", "content": "Tell a long story about a robot."}],
+                max_tokens=150)
+    results = []
+    workers = [threading.Thread(target=lambda: results.append(client.chat.completions.create(**long)))
+               for _ in range(2)]
+    workers[0].start()
+    while _metric(base_url, "tokenspeed_queue_depth") < 1:
+        time.sleep(0.05)
+    workers[1].start()
+    while _metric(base_url, "tokenspeed_queue_depth") < 2:
+        time.sleep(0.05)
+    t0 = time.perf_counter()
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(**long)
+    assert time.perf_counter() - t0 < 5  # refused at once, not after the queue drained
+    assert info.value.body["type"] == "rate_limit_error"
+    for w in workers:
+        w.join()
+    assert len(results) == 2 and _metric(base_url, "tokenspeed_queue_rejections_total") >= 1
