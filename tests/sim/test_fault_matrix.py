@@ -34,8 +34,8 @@ from tokenspeed_ros.deadline_monitor import FALLBACK_BOUND_S
 
 pytestmark = pytest.mark.slow
 
-AGENT_PARAMS = ROOT / "launch" / "config" / "agent.yaml"
-SIM_PARAMS = ROOT / "launch" / "config" / "cobot_sim.yaml"
+AGENT_PARAMS = ROOT / "tokenspeed_ros" / "config" / "agent.yaml"
+SIM_PARAMS = ROOT / "tokenspeed_ros" / "config" / "cobot_sim.yaml"
 RUN_S = 10.0
 BUDGET_S = 0.5
 # What a test may tolerate on this shared 2-core machine beyond the stated bound (see
@@ -240,7 +240,7 @@ def test_market_fault(fault, ros_env, tmp_path):
               "decision_endpoint": f"ipc://{tmp_path}/decisions", "deadline_budget_s": 1.0, "move_bps": 2.0,
               "timer_s": 1.0, "feed_gap_s": 1.0}
     cmd = [str(BIN / "tokenspeed_market_bridge"), "--ros-args", "--params-file",
-           str(ROOT / "launch" / "config" / "market_bridge.yaml")]
+           str(ROOT / "tokenspeed_ros" / "config" / "market_bridge.yaml")]
     for k, v in params.items():
         cmd += ["-p", f"{k}:={v}"]
     bridge = subprocess.Popen(cmd, env=ros_env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
