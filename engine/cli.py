@@ -144,11 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tokenspeed` console script."""
     from . import ModelLoadError
+    from .kernels.cpu_decode import CpuVariantError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ModelLoadError as exc:
+    except (ModelLoadError, CpuVariantError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -114,16 +114,19 @@ class DeadlineMonitor:
         self._reported: Counter[str] = Counter()
 
         # The monitor's own node and executor thread: the timer and publishers nothing else holds.
+        # Without the process's global ROS arguments: a `-r __node:=name` meant for the host would
+        # rename this node too (two nodes of one name). Topic names are resolved by the host, so its
+        # namespace and remappings still apply.
         self._own = rclpy.create_node(f"{node.get_name()}_deadline_monitor", namespace=node.get_namespace(),
-                                      context=node.context)
+                                      context=node.context, use_global_arguments=False)
         qos = QoSProfile(depth=qos_depth, reliability=ReliabilityPolicy.RELIABLE)
         if qos_deadline_s > 0:
             qos.deadline = Duration(seconds=qos_deadline_s)
         self._action_pub = self._own.create_publisher(
-            ActionCommand, action_topic, qos,
+            ActionCommand, node.resolve_topic_name(action_topic), qos,
             event_callbacks=PublisherEventCallbacks(deadline=self._on_qos_deadline,
                                                     incompatible_qos=self._on_incompatible_qos))
-        self._status_pub = self._own.create_publisher(DeadlineStatus, status_topic, 10)
+        self._status_pub = self._own.create_publisher(DeadlineStatus, node.resolve_topic_name(status_topic), 10)
         self._own.create_timer(period_s, self.check)
         self._executor = SingleThreadedExecutor(context=node.context)
         self._executor.add_node(self._own)

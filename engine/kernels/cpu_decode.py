@@ -98,6 +98,10 @@ def _runs(variant: Variant, arch: str, features: frozenset[str]) -> bool:
     return variant.arch in ("", arch) and set(variant.needs) <= features
 
 
+class CpuVariantError(ValueError):
+    """`$TOKENSPEED_CPU_ISA` (or a variant argument) names an unknown variant or one this CPU cannot run."""
+
+
 @functools.cache
 def native_variant() -> str:
     """The best variant this CPU runs (the default)."""
@@ -109,17 +113,17 @@ def selected_variant() -> str:
     """The variant in force: `$TOKENSPEED_CPU_ISA` if set, else `native_variant()`.
 
     Raises:
-        ValueError: the variable names an unknown variant or one this CPU cannot run.
+        CpuVariantError: the variable names an unknown variant or one this CPU cannot run.
     """
     name = os.environ.get(ISA_ENV, "").strip()
     if not name:
         return native_variant()
     if name not in VARIANTS:
-        raise ValueError(f"{ISA_ENV}={name!r}: unknown variant; choose one of {', '.join(VARIANTS)}")
+        raise CpuVariantError(f"{ISA_ENV}={name!r}: unknown variant; choose one of {', '.join(VARIANTS)}")
     v, arch, features = VARIANTS[name], platform.machine(), cpu_features()
     if not _runs(v, arch, features):
         missing = sorted(set(v.needs) - features) or [v.arch]
-        raise ValueError(f"{ISA_ENV}={name}: this CPU ({arch}) lacks {', '.join(missing)}; "
+        raise CpuVariantError(f"{ISA_ENV}={name}: this CPU ({arch}) lacks {', '.join(missing)}; "
                          f"it runs {', '.join(n for n, w in VARIANTS.items() if _runs(w, arch, features))}")
     return name
 
@@ -136,11 +140,11 @@ def load(cache: Path, variant: str | None = None, verbose: bool = False):
         `quant.Int4Linear` layout), `int8_gemv(x [T, K] fp32, w [N, K] int8, scales [N] fp32) -> [T, N] fp32`
         and `isa() -> str` (the variant's family name).
     Raises:
-        ValueError: unknown variant, or one this CPU cannot run.
+        CpuVariantError: unknown variant, or one this CPU cannot run.
     """
     name = variant or selected_variant()
     if name not in VARIANTS:
-        raise ValueError(f"unknown CPU kernel variant {name!r}; choose one of {', '.join(VARIANTS)}")
+        raise CpuVariantError(f"unknown CPU kernel variant {name!r}; choose one of {', '.join(VARIANTS)}")
     return _load(Path(cache), name, verbose)
 
 

@@ -48,20 +48,20 @@ _REPEATS = ("SmolLM2-135M decoding greedily repeats 'a cat is a cat, ...' inside
 
 @pytest.mark.slow  # ~7 min on 2 cores
 class TestChatTokenSpeedIntegration(_Flags, standard_integration.ChatModelIntegrationTests):
-    @pytest.mark.skip(reason=_REPEATS)
+    @pytest.mark.xfail(reason=_REPEATS, run=False)
     def test_structured_output(self):
         pass
 
-    @pytest.mark.skip(reason=_REPEATS)
+    @pytest.mark.xfail(reason=_REPEATS, run=False)
     async def test_structured_output_async(self):
         pass
 
-    @pytest.mark.skip(reason=_REPEATS)
+    @pytest.mark.xfail(reason=_REPEATS, run=False)
     def test_structured_output_pydantic_2_v1(self):
         pass
 
-    @pytest.mark.skip(reason="tool_choice='auto': SmolLM2-135M answers the weather question in text instead of "
-                             "calling get_weather (forced calls: test_tool_calling, test_tool_choice pass)")
+    @pytest.mark.xfail(run=False, reason="tool_choice='auto': SmolLM2-135M answers the weather question in text "
+                       "instead of calling get_weather (forced calls: test_tool_calling, test_tool_choice pass)")
     def test_agent_loop(self):
         pass
 
