@@ -19,6 +19,17 @@ import time
 from pathlib import Path
 
 
+def _positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive, finite number of seconds")
+    return value
+
+
 def _engine(args):
     from . import Engine
 
@@ -108,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tools", required=True, help="JSON file with a list of OpenAI tool definitions")
     p.add_argument("--tool-choice", default="required", choices=["required", "auto"])
     p.add_argument("--tool", default=None, help="force this tool (tool_choice={'name': TOOL})")
-    p.add_argument("--deadline", type=float, default=None, help="deadline in seconds for the decision")
+    p.add_argument("--deadline", type=_positive_seconds, default=None,
+                   help="deadline in seconds for the decision (> 0)")
     p.set_defaults(func=cmd_call)
 
     p = sub.add_parser("generate", help="stream a plain-text answer")
