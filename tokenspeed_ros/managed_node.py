@@ -131,11 +131,16 @@ class ManagedNode(LifecycleNode):
     def close(self, timeout_s: float = 1.0) -> bool:
         """Shut down from any state (deactivate and clean up); returns False when the engine
         thread is still inside a load or forward (see EngineWorker.close). After Ctrl-C the
-        context is already shut down: nothing can be published then, so deactivate is skipped."""
+        context is already shut down: nothing can be published then, so deactivate is skipped (also
+        when the context goes down while deactivate publishes)."""
         if self.active:
             self.active = False
             if self.context.ok():
-                self.deactivate()
+                try:
+                    self.deactivate()
+                except Exception:  # noqa: BLE001 - rcl refuses to publish once Ctrl-C shut the context
+                    if self.context.ok():
+                        raise
         return self.cleanup(timeout_s)
 
     # ------------------------------------------------------------------ parameters
