@@ -575,8 +575,8 @@ class AgentNode(ManagedNode):
         its output and the deadline itself."""
         unknown = [t for t in request.tools if t not in self._tool_names]
         if not self.active or self.loop.busy or unknown:
-            response.reason = ("inactive" if not self.active else "engine_busy" if self.loop.busy
-                               else f"unknown tools {unknown}")
+            response.reason = (f"unknown tools {unknown}" if unknown else "inactive" if not self.active
+                               else "engine_busy")     # a bad request is refused as such, busy or not
             return response
         self._decide_outcome = None
         stamp = self._latest_stamp or self.get_clock().now()
