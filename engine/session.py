@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .grammar import TokenMask, ToolGrammar, ToolSchemaError, normalize_tools, parse_tool_calls, tools_system_prompt
+from .grammar import TokenMask, ToolGrammar, normalize_tools, parse_tool_calls, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
 from .quant import linear_rows
