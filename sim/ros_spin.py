@@ -15,7 +15,7 @@ import rclpy
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.signals import SignalHandlerOptions
 
-SPIN_TIMEOUT_S = 0.05
+from tokenspeed_ros.spin import SPIN_TIMEOUT_S, spin_once
 
 
 def init(args: list[str] | None = None) -> None:
@@ -44,7 +44,7 @@ def spin(node, duration_s: float | None = None, until=None) -> str:
                 return "duration"
             if until is not None and until():
                 return "until"
-            executor.spin_once(timeout_sec=SPIN_TIMEOUT_S)
+            spin_once(executor, SPIN_TIMEOUT_S, node.get_logger())
         return why[0]
     finally:
         executor.remove_node(node)

@@ -41,6 +41,8 @@ from rclpy.time import Time
 from std_msgs.msg import Header
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus
 
+from tokenspeed_ros.spin import SPIN_TIMEOUT_S, spin_once
+
 FALLBACKS = ("hold", "stop", "last_valid")
 LATENCY_WINDOW = 1000          # decisions kept for the latency percentiles
 EXPIRED_KEPT = 256             # expired decisions remembered to flag their late results
@@ -142,7 +144,7 @@ class DeadlineMonitor:
     def _spin(self) -> None:
         while not self._stop.is_set() and self._own.context.ok():
             try:
-                self._executor.spin_once(timeout_sec=0.05)
+                spin_once(self._executor, SPIN_TIMEOUT_S, self._own.get_logger())
             except Exception:  # noqa: BLE001 - the context is shutting down under us
                 if self._stop.is_set() or not self._own.context.ok():
                     return

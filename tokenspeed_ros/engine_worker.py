@@ -31,6 +31,7 @@ from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 
 from tokenspeed_ros.deadline_monitor import ModelResult
 from tokenspeed_ros.launch_spec import help_requested
+from tokenspeed_ros.spin import SPIN_TIMEOUT_S, spin_once
 
 
 class ToolsFileError(ValueError):
@@ -349,7 +350,8 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:
-        executor.spin()
+        while rclpy.ok():
+            spin_once(executor, SPIN_TIMEOUT_S, node.get_logger())
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     except Exception:
