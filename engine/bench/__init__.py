@@ -7,7 +7,7 @@ and `tokenspeed bench gpu` (the same decode path on CUDA against the HBM floor).
     tokenspeed bench profile                # torch.profiler table of one int4 decode step
     tokenspeed bench kv needle|agreement|cost   # pruned KV cache accuracy and cost (tokenspeed.bench.kv)
 
-Peers are an optional extra: `pip install -e ".[bench]"` (llama-cpp-python builds from source).
+Peers are an optional extra: `pip install -e ".[bench]"`, and `make peers` builds llama-cpp-python from source.
 """
 from __future__ import annotations
 
