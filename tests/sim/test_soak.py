@@ -25,7 +25,7 @@ def test_soak_three_minutes(ros_env, tmp_path):
     for loop in ("cobot", "market"):
         lp = report[loop]
         assert lp["decisions"] > 0 and lp["met"] + lp["fallback"] == lp["decisions"], lp
-        assert lp["worst_fallback_late_ms"] <= WORST_S * 1e3, lp
+        assert lp["fallback_lateness_ms"].get("max", 0.0) <= WORST_S * 1e3, lp
         assert lp["commands_received"] == lp["commands_published"] > 0, lp
     assert report["feed"]["sent"] == report["feed"]["received_by_bridge"] > 0, report["feed"]
     assert {"tokenspeed_agent", "tokenspeed_market_bridge", "tokenspeed_cobot_sim"} <= set(report["rss"]), report["rss"]
