@@ -254,6 +254,13 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, model_name:
     """Serve `engine` over HTTP until interrupted (see `Server` for the arguments)."""
     import uvicorn
 
+    class _Announced(uvicorn.Server):
+        # Says "serving on" once the socket is bound and the app started, not before.
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if not self.should_exit:
+                bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
+                print(f"# tokenspeed serve: model {engine.source} serving on http://{host}:{bound}/v1", flush=True)
+
     server = Server(engine, model_name, queue_size, cache_budget_bytes, context)
-    print(f"# tokenspeed serve: model {engine.source} on http://{host}:{port}/v1", flush=True)
-    uvicorn.run(create_app(server), host=host, port=port, log_level="warning")
+    _Announced(uvicorn.Config(create_app(server), host=host, port=port, log_level="warning")).run()

@@ -56,8 +56,8 @@ def _cmd_profile(args) -> int:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `bench` (with `aal`, `gpu` and `kv`) on an argparse subparsers object; returns it."""
-    p = subparsers.add_parser("bench", help="benchmarks: aal (agent action latency), gpu, profile")
+    """Register `bench` (with `aal`, `gpu`, `profile` and `kv`) on an argparse subparsers object; returns it."""
+    p = subparsers.add_parser("bench", help="benchmarks: aal (agent action latency), gpu, profile, kv (pruned KV cache)")
     sub = p.add_subparsers(dest="bench", required=True)
     a = sub.add_parser("aal", help="Agent Action Latency: TokenSpeed vs llama.cpp vs transformers, one run")
     a.add_argument("--quick", action="store_true", help="small workload (2 calls, ~1.4K tokens); skips a missing llama.cpp")
