@@ -47,13 +47,13 @@ def launch_command(duration_s: float, overrides: list[str], launch: str = "cobot
     return cmd
 
 
-def stop_launch(launcher: subprocess.Popen) -> int:
+def stop_launch(launcher: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> int:
     """SIGINT a launcher started with `start_new_session=True` (it deactivates and stops its
-    nodes), SIGKILL its group after STOP_TIMEOUT_S; returns its exit status."""
+    nodes), SIGKILL its group after `timeout_s` seconds; returns its exit status."""
     if launcher.poll() is None:
         launcher.send_signal(signal.SIGINT)
     try:
-        return launcher.wait(STOP_TIMEOUT_S)
+        return launcher.wait(timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(launcher.pid, signal.SIGKILL)
         return launcher.wait()

@@ -19,7 +19,8 @@ than that ("late", as measured by the monitor itself, /diagnostics). Outputs in 
 soak.json (the report), soak.png (RSS per process, decision latency and outcomes over time),
 latency.png (the cobot harness's plot) and the launches' logs. The measured window starts when
 both engines are ready. Exit status 0 when the invariants hold: every decision ended in a call or
-a fallback within the bound, nothing was lost, no process crashed.
+a fallback within the bound, nothing was lost, no process crashed (exited during the run or
+logged a traceback) and both launches stopped cleanly.
 
 Example: `tokenspeed_soak --minutes 60 --out out/soak`
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,6 +52,7 @@ from tokenspeed_sim.demo import launch_command, stop_launch
 from tokenspeed_sim.harness import LatencyHarness, percentiles, write_plot
 
 SPIN_CHUNK_S = 0.5        # the listener spins this long between ZeroMQ drains and process checks
+STOP_GRACE_S = 15.0       # the launchers' wait after SIGINT: an engine mid-forward on a loaded CPU ends late
 LOOPS = {"cobot": ("agent", "tokenspeed_agent"), "market": ("market", "tokenspeed_market_bridge")}
 
 
@@ -243,6 +246,7 @@ def invariants(report: dict) -> dict[str, bool]:
         and report["feed"]["lost"] == 0 and report["feed"]["seq_gap"] == 0
         and report["cobot"]["commands_without_sim_feedback"] == 0,
         "no_crash": report["crashes"] == 0,
+        "clean_stop": all(rc == 0 for rc in report["launch_exit_status"].values()),
     }
 
 
@@ -306,10 +310,11 @@ def run(minutes: float, out_dir: Path, model: str = "", ready_timeout_s: float =
     market = MarketStatus(decision_ep)
     sampler = ProcessSampler()
     logs = {name: open(out_dir / f"{name}.log", "w") for name in ("cobot", "market", "replay")}
+    grace = ["--grace", f"{STOP_GRACE_S:g}"]
     launches = {
-        "cobot": subprocess.Popen(launch_command(total_s, models, task_from_action=False), stdout=logs["cobot"],
-                                  stderr=subprocess.STDOUT, start_new_session=True),
-        "market": subprocess.Popen(launch_command(total_s, market_set, launch="market", task_from_action=False),
+        "cobot": subprocess.Popen(launch_command(total_s, models, task_from_action=False) + grace,
+                                  stdout=logs["cobot"], stderr=subprocess.STDOUT, start_new_session=True),
+        "market": subprocess.Popen(launch_command(total_s, market_set, launch="market", task_from_action=False) + grace,
                                    stdout=logs["market"], stderr=subprocess.STDOUT, start_new_session=True)}
     replay = Replay(feed_ep, logs["replay"])
     crashed: list[str] = []
@@ -352,7 +357,11 @@ def run(minutes: float, out_dir: Path, model: str = "", ready_timeout_s: float =
         write_plot(cobot_harness, out_dir / "latency.png")
         report["stopped_by"] = why if why != "duration" else ("crash" if crashed else "end")
     finally:
-        exits = {name: stop_launch(p) for name, p in launches.items()}
+        for p in launches.values():       # both deactivate and stop at once
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        # the launcher's own sequence: deactivate (<= 5 s), then SIGINT, SIGTERM, SIGKILL STOP_GRACE_S apart
+        exits = {name: stop_launch(p, 10 + 3 * STOP_GRACE_S) for name, p in launches.items()}
         replay.finish(0.0)
         market.close()
         harness.destroy_node()
@@ -363,7 +372,7 @@ def run(minutes: float, out_dir: Path, model: str = "", ready_timeout_s: float =
     report["launch_exit_status"] = exits
     tracebacks = {name: (out_dir / f"{name}.log").read_text().count("Traceback") for name in logs}
     report["tracebacks"] = tracebacks
-    report["crashes"] = len(crashed) + sum(1 for rc in exits.values() if rc != 0) + sum(tracebacks.values())
+    report["crashes"] = len(crashed) + sum(tracebacks.values())
     report["invariants"] = invariants(report)
     write_soak_plot(report, tallies, sampler, out_dir / "soak.png")
     (out_dir / "soak.json").write_text(json.dumps(report, indent=2))

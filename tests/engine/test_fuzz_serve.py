@@ -4,15 +4,11 @@ every field given random JSON values. Every answer is a 2xx or an OpenAI-shaped 
 `param` names a field of the body (or nothing), never a 5xx; the server stays up throughout.
 Seeded and bounded here; the slow suite runs more examples."""
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import serve_process
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -57,36 +53,12 @@ bodies = st.one_of(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     """(process, base URL) of `tokenspeed serve` on the tiny-random model."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tokenspeed.cli", "serve", "--model", "tiny-random", "--quantize",
-                             "none", "--port", str(port), "--context", "512", "--cache-budget-mb", "50"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                pytest.fail(f"server exited: {proc.stdout.read()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("server did not come up in 300 s")
-        yield proc, url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with serve_process("--model", "tiny-random", "--quantize", "none", "--context", "512",
+                       "--cache-budget-mb", "50") as running:
+        yield running
 
 
 def check_answer(server, body: bytes) -> None:

@@ -4,17 +4,13 @@ One server (the embedded SmolLM2-135M-Instruct, int4) serves the whole module; i
 waiting request so that overflow can be caused with three requests.
 """
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import jsonschema
 import pytest
-from support import readme_example
+from support import readme_example, serve_process
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -25,35 +21,10 @@ SYSTEM = {"role": "system", "content": "You control a robot arm."}
 PICK = [SYSTEM, {"role": "user", "content": "Pick up the red cube."}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url():
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tokenspeed.cli", "serve", "--port", str(port), "--queue-size", "1",
-                             "--quantize", "int4", "--context", "2048", "--cache-budget-mb", "200"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                pytest.fail(f"server exited: {proc.stdout.read()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("server did not come up in 300 s")
+    with serve_process("--queue-size", "1", "--quantize", "int4", "--context", "2048", "--cache-budget-mb", "200") as (_, url):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
