@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .grammar import TokenMask, ToolGrammar, normalize_tools, parse_tool_calls, tools_system_prompt
+from .grammar import (DEFAULT_TOOL_PROMPT, TokenMask, ToolGrammar, normalize_tools, parse_tool_calls,
+                      tools_system_prompt)
 from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
 from .quant import linear_rows
@@ -293,7 +294,7 @@ class Engine:
                    weight_choice=choice)
 
     def session(self, system: str | None = None, tools=None, capacity: int | None = None,
-                kv_budget: "int | KVConfig | None" = None) -> "Session":
+                kv_budget: "int | KVConfig | None" = None, tool_prompt: str = DEFAULT_TOOL_PROMPT) -> "Session":
         """A new agent session with its own KV cache.
 
         Args:
@@ -303,11 +304,13 @@ class Engine:
             kv_budget: None keeps every token (full cache, up to `capacity`); an int (tokens) or a
                 `tokenspeed.kv.KVConfig` bounds the hot KV tier by relevance pruning with a cold
                 tier behind it, so the context can grow without limit (`capacity` is ignored).
+            tool_prompt: how the tools are listed in the system prompt (`tokenspeed.grammar.TOOL_PROMPTS`).
         Raises:
-            ToolSchemaError: a tool definition is invalid (the message names it).
+            ToolSchemaError: a tool definition is invalid (the message names it), or an unknown tool_prompt.
             ValueError: the KV budget is invalid.
         """
-        return Session(self, system=system, tools=normalize_tools(tools), capacity=capacity, kv_budget=kv_budget)
+        return Session(self, system=system, tools=normalize_tools(tools), capacity=capacity, kv_budget=kv_budget,
+                       tool_prompt=tool_prompt)
 
     def grammar(self, tools: list[dict], tool_choice, parallel: bool = False) -> ToolGrammar:
         """Compiled call grammar for (tools, tool_choice, parallel), cached per engine."""
@@ -345,7 +348,7 @@ class Session:
     """
 
     def __init__(self, engine: Engine, system: str | None, tools: list[dict], capacity: int | None,
-                 kv_budget: "int | KVConfig | None" = None):
+                 kv_budget: "int | KVConfig | None" = None, tool_prompt: str = DEFAULT_TOOL_PROMPT):
         self.engine = engine
         self.id = next(_SESSION_IDS)
         self.model = engine.model
@@ -368,7 +371,7 @@ class Session:
         # In a pruned session the draft attends over the last `budget` tokens only: its cost stays flat.
         self.speculator = Speculator(engine.speculation, self.model.args.max_seq_len,
                                      None if self.kv is None else self.kv.budget)
-        self._system_text = tools_system_prompt(system, tools)
+        self._system_text = tools_system_prompt(system, tools, tool_prompt)
         self._append(self._render([{"role": "system", "content": self._system_text}]), "system", pinned=True)
         if self.kv is not None and self.num_tokens >= self.kv.budget:
             raise ValueError(f"kv_budget {self.kv.budget} tokens cannot hold the pinned system prompt and tools "

@@ -96,11 +96,11 @@ def build_job(wl: Workload, threads: int, cold_turns: list[int]) -> dict:
         "model_gguf": str(gguf_path), "hf_folder": str(files.folder),
         "gguf_bytes": int(sum(int(t.n_bytes) for t in reader.tensors)),
         "system_ids": tok.encode(tok.render_chat([system_message(system_text)])),
-        "trigger_ids": tok.encode("<|im_start|>assistant\n"), "end_ids": tok.encode("<|im_end|>\n"),
+        "trigger_ids": tok.encode(tok.assistant_prefix), "end_ids": tok.encode(tok.assistant_suffix),
         "stop_ids": tok.stop_ids, "turns": turns,
         "short_system": SHORT_SYSTEM,
         "short_ids": tok.encode(tok.render_chat([system_message(SHORT_SYSTEM), {"role": "user", "content": wl.short_prompt}]))
-                     + tok.encode("<|im_start|>assistant\n"),
+                     + tok.encode(tok.assistant_prefix),
     }
 
 

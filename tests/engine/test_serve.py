@@ -1,7 +1,7 @@
 """`tokenspeed serve` as a real server process on 127.0.0.1, driven by the official `openai` client.
 
-One server (the embedded SmolLM2-135M-Instruct, int4) serves the whole module; its queue holds one
-waiting request so that overflow can be caused with three requests.
+One server (the `base_url` fixture of conftest.py: the embedded SmolLM2-135M-Instruct, int4) serves
+the test run; its queue holds one waiting request so that overflow can be caused with three requests.
 """
 import json
 import threading
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from support import readme_example, serve_process
+from support import readme_example
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -19,12 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOLS = json.loads((ROOT / "tokenspeed_ros" / "config" / "robot_tools.json").read_text())
 SYSTEM = {"role": "system", "content": "You control a robot arm."}
 PICK = [SYSTEM, {"role": "user", "content": "Pick up the red cube."}]
-
-
-@pytest.fixture(scope="module")
-def base_url():
-    with serve_process("--queue-size", "1", "--quantize", "int4", "--context", "2048", "--cache-budget-mb", "200") as (_, url):
-        yield url
 
 
 @pytest.fixture(scope="module")
