@@ -330,8 +330,8 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
     Returns 0 on a clean shutdown, 2 when the ROS arguments do not parse or make_node() raises
     one of `errors` (printed on stderr as "<name>: <error>"); with -h/--help before `--ros-args`
     it prints `help_text` and returns 0 without starting ROS. When the engine thread is still
-    busy, the process ends with os._exit(0) after flushing stdout/stderr: interpreter
-    finalization would wait on it.
+    busy (Ctrl-C during start-up, or a forward in flight at shutdown), the process ends with
+    status 0 at once: interpreter finalization would wait on it.
     """
     if help_requested(args):
         print(help_text)
@@ -347,6 +347,10 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
         print(f"{name}: {e}", file=sys.stderr)
         rclpy.try_shutdown()
         return 2
+    except KeyboardInterrupt:   # Ctrl-C while configuring: the engine thread may be mid-load
+        print(f"{name}: interrupted during start-up", file=sys.stderr)
+        rclpy.try_shutdown()
+        _exit_now()
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:
@@ -362,7 +366,13 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
         node.destroy_node()
         rclpy.try_shutdown()
     if not stopped:    # the engine thread is mid-forward: skip interpreter finalization
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _exit_now()
     return 0
+
+
+def _exit_now() -> None:
+    """End the process with status 0 without interpreter finalization (which would wait for an
+    engine thread inside a load or a forward), after flushing stdout and stderr."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

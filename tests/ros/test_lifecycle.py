@@ -2,6 +2,7 @@
 autostart false it waits unconfigured; configure loads the model, activate starts decisions,
 deactivate publishes the safe fallback and stops them, cleanup frees the engine; a configure that
 cannot load the model or the tool file fails cleanly with the reason, and the node stays up."""
+import signal
 import time
 
 from lifecycle_msgs.msg import Transition
@@ -88,3 +89,14 @@ def test_failed_configure_is_a_clean_transition_failure(probe, start_agent, tmp_
     refused = set_parameter(probe, "model", "/elsewhere.gguf")
     assert not refused.successful and "read at configure" in refused.reason
     assert agent.poll() is None
+
+
+def test_ctrl_c_while_the_model_loads_ends_the_agent_cleanly(probe, start_agent):
+    """With autostart, configure (the model load) runs while the node starts: a SIGINT then ends
+    the process with status 0 and one line, not a KeyboardInterrupt traceback."""
+    agent = start_agent(autostart="true", quantize="int4")
+    assert probe.spin_until(lambda: "tokenspeed_agent" in probe.node.get_node_names(), ENGINE_TIMEOUT)
+    agent.send_signal(signal.SIGINT)
+    assert agent.wait(60) == 0
+    log = agent.log_path.read_text()
+    assert "interrupted during start-up" in log and "Traceback" not in log, log
