@@ -18,6 +18,11 @@ beyond the bound is counted ("fallback_late"). The host also publishes a heartbe
 `{action_topic}/heartbeat`, every `HEARTBEAT_PERIOD_S`) from its own executor: a robot-side
 command timeout (the simulator's `cmd_timeout_s`) stops the arm when the agent goes silent.
 
+A jump of the host's clock (`use_sim_time` with a /clock that jumps, CLOCK_JUMP_S or more
+forward or any step back) moves every open deadline with it, so each decision keeps the budget
+it had left: a backward jump cannot hold a fallback back by the size of the jump, and a forward
+one is not counted as lateness; jumps are counted ("clock_jump").
+
 The command publisher also offers a QoS deadline (`qos_deadline_s`); the DDS layer reports
 periods without any command, which are counted (`qos_deadline_missed`). Everything is counted
 and exposed by `diagnostic_status()` for /diagnostics.
@@ -37,6 +42,7 @@ from rclpy.duration import Duration
 from rclpy.event_handler import PublisherEventCallbacks
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.qos import QoSProfile, ReliabilityPolicy
+from rclpy.clock import JumpThreshold, TimeJump
 from rclpy.time import Time
 from std_msgs.msg import Header
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus
@@ -47,6 +53,7 @@ FALLBACKS = ("hold", "stop", "last_valid")
 LATENCY_WINDOW = 1000          # decisions kept for the latency percentiles
 EXPIRED_KEPT = 256             # expired decisions remembered to flag their late results
 FALLBACK_BOUND_S = 0.02        # a missed deadline's fallback is published at most this late (s)
+CLOCK_JUMP_S = 1.0             # a forward step of the host's clock this large is a jump, not time passing (s)
 HEARTBEAT_PERIOD_S = 0.1       # the host's heartbeat period on {action_topic}/heartbeat (s)
 HEARTBEAT_SUFFIX = "/heartbeat"
 
@@ -136,6 +143,10 @@ class DeadlineMonitor:
         self._thread = threading.Thread(target=self._spin, name="deadline-monitor", daemon=True)
         self._thread.start()
 
+        self._jump_handle = self._clock.create_jump_callback(JumpThreshold(
+            min_forward=Duration(seconds=CLOCK_JUMP_S), min_backward=Duration(nanoseconds=-1), on_clock_change=False),
+            post_callback=self._on_clock_jump)
+
         # On the host's executor: outcomes of the timer, and the heartbeat (the host is alive).
         self._wake_host = node.create_guard_condition(self._deliver)
         self._heartbeat_pub = node.create_publisher(Header, action_topic + HEARTBEAT_SUFFIX, 10)
@@ -150,11 +161,21 @@ class DeadlineMonitor:
                     return
                 raise
 
+    def _on_clock_jump(self, jump: TimeJump) -> None:
+        """The host's clock jumped by `jump.delta`: open deadlines move with it (see the module docstring)."""
+        with self._lock:
+            self.counts["clock_jump"] += 1
+            for d in self._pending.values():
+                d.deadline += jump.delta
+                if d.opened is not None:
+                    d.opened += jump.delta
+
     def close(self) -> None:
         """Stop the monitor's thread and destroy its node (idempotent)."""
         if self._stop.is_set():
             return
         self._stop.set()
+        self._jump_handle.unregister()
         self._thread.join(2.0)
         self._executor.shutdown(0.5)
         self._own.destroy_node()

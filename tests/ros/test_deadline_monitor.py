@@ -140,3 +140,37 @@ def test_fallbacks_go_out_while_the_host_is_starved(probe):
     lateness = monitor.fallback_lateness_s
     assert len(lateness) == 20 and monitor.counts["fallback_late"] == sum(s > FALLBACK_BOUND_S for s in lateness)
     monitor.close()
+
+
+def test_a_clock_jump_moves_open_deadlines(probe):
+    """The host follows a /clock (use_sim_time) published here from the wall clock; it jumps 10 s
+    back, then 10 s forward, each time with a decision open and no answer coming: the fallback
+    still goes out once the decision's budget has passed (before the fix the backward jump held
+    it back for 10 s), and the forward jump does not count as lateness."""
+    import time
+
+    from rclpy.clock import Clock as RclClock, ClockType
+    from rclpy.parameter import Parameter
+    from rosgraph_msgs.msg import Clock
+
+    from tokenspeed_ros.deadline_monitor import CLOCK_JUMP_S
+
+    offset_ns = [0]
+    clock_pub = probe.node.create_publisher(Clock, "/clock", 10)
+    probe.node.create_timer(0.005, lambda: clock_pub.publish(Clock(clock=Time(
+        nanoseconds=time.time_ns() + offset_ns[0]).to_msg())), clock=RclClock(clock_type=ClockType.STEADY_TIME))
+    probe.node.set_parameters([Parameter("use_sim_time", value=True)])
+    assert probe.spin_until(lambda: abs(now(probe).nanoseconds - time.time_ns()) < 10 ** 9, 10)
+    monitor, actions, statuses = make_monitor(probe, budget_s=0.5)
+    back = monitor.open(now(probe))
+    offset_ns[0] = -10 * 10 ** 9
+    assert probe.spin_until(lambda: len(statuses) == 1, 5), "the fallback waited for the jumped clock"
+    forward = monitor.open(now(probe))
+    offset_ns[0] = 0
+    assert probe.spin_until(lambda: len(statuses) == 2, 5)
+    assert [(s.decision_id, s.reason) for s in statuses] == [(back.decision_id, "deadline_missed"),
+                                                            (forward.decision_id, "deadline_missed")]
+    # measured from the moved deadline: not the 10 s the clock jumped (a magnitude, not a timing claim)
+    assert monitor.fallback_lateness_s[-1] < CLOCK_JUMP_S, list(monitor.fallback_lateness_s)
+    assert monitor.counts["clock_jump"] >= 2
+    monitor.close()

@@ -128,14 +128,17 @@ def with_epochs(msgs) -> list[tuple[tuple[int, int], object]]:
     return out
 
 
-def outcome_table(statuses: list[DeadlineStatus], actions: list[ActionCommand], diag: dict) -> dict:
-    """One row of the matrix: what arrived over DDS (decisions, model calls on time, fallbacks,
-    commands missing) and what the monitor measured itself (/diagnostics: its fallbacks later
-    than the bound after their deadline or, for a decision opened on a reading already older
-    than the budget, after their opening; the worst such lateness)."""
+def outcome_table(statuses: list[DeadlineStatus], actions: list[ActionCommand], diag: dict, after_id: int) -> dict:
+    """One row of the matrix: what arrived over DDS for the decisions after `after_id` (decisions,
+    model calls on time, fallbacks, commands missing) and what the monitor measured itself
+    (/diagnostics: its fallbacks later than the bound after their deadline or, for a decision
+    opened on a reading already older than the budget, after their opening; the worst such
+    lateness). The window is cut by decision id, not by arrival: a decision's command, status and
+    repeated "late_result_dropped" status arrive apart."""
     first = {}
     for key, s in with_epochs(statuses):
-        first.setdefault(key, s)                # a later "late_result_dropped" repeats an id
+        if key > (0, after_id):                 # a restarted agent's decisions are all in the window
+            first.setdefault(key, s)            # a later "late_result_dropped" repeats an id
     sent = dict(with_epochs(actions))
     row = {"decisions": len(first), "met": sum(s.met for s in first.values()),
            "fallback": sum(s.fallback_used for s in first.values()),
@@ -145,6 +148,11 @@ def outcome_table(statuses: list[DeadlineStatus], actions: list[ActionCommand], 
            "worst_fallback_late_ms": float(diag.get("fallback_lateness_max_ms", 0.0)),
            "reasons": dict(Counter(s.reason for s in first.values()))}
     return row
+
+
+def last_id(statuses: list[DeadlineStatus], actions: list[ActionCommand]) -> int:
+    """The newest decision id seen so far (0: none): the measured window starts after it."""
+    return max((m.decision_id for m in [*statuses, *actions]), default=0)
 
 
 def record(row: dict) -> None:
@@ -230,7 +238,7 @@ def test_fault(fault, ros_env, tmp_path, monkeypatch):
         assert spin_until(executor, lambda: any(s.reason not in ("engine_loading", "no_sensor_data") for s in statuses),
                           120.0), log.read_text()[-3000:]
         spin_until(executor, lambda: False, 2 * BUDGET_S)    # decisions in flight end before the window
-        del statuses[:], actions[:]
+        window_after = last_id(statuses, actions)
         t0 = time.monotonic()
         killed = False
         if fault == "cpu_starvation":
@@ -263,6 +271,9 @@ def test_fault(fault, ros_env, tmp_path, monkeypatch):
                 img.header.stamp = node.get_clock().now().to_msg()
                 images.publish(img)
             executor.spin_once(timeout_sec=0.01)
+        if fault == "agent_kill_restart":   # the restarted agent is back (its model loads slowly on a busy CPU)
+            assert spin_until(executor, lambda: any(key[0] == 1 for key, _ in with_epochs(statuses)), 120.0), \
+                log.read_text()[-3000:]
         spin_until(executor, lambda: False, 2 * BUDGET_S + 1.5)    # outcomes of the last decisions, diagnostics
         if agent.poll() is not None:
             crashes += 1
@@ -278,7 +289,7 @@ def test_fault(fault, ros_env, tmp_path, monkeypatch):
         stop(sim)
         node.destroy_node()
         rclpy.try_shutdown()
-    row = outcome_table(statuses, actions, diag)
+    row = outcome_table(statuses, actions, diag, window_after)
     row.update(fault=fault, crashes=crashes)
     if fault == "dds_loss":
         row.update(flood_sent=flood_sent, flood_received=int(counter.stdout.read().split()[-1]))
@@ -343,7 +354,7 @@ def test_market_fault(fault, ros_env, tmp_path):
             assert time.monotonic() - t_start < 120.0, log.read_text()[-3000:]
             feed_for(0.5)
         feed_for(2.0)
-        del statuses[:], actions[:]
+        window_after = last_id(statuses, actions)
         if fault == "feed_gap":
             feed_for(2.0)
             spin_until(executor, lambda: False, 3.0)
@@ -362,7 +373,7 @@ def test_market_fault(fault, ros_env, tmp_path):
         rc = stop(bridge)
         node.destroy_node()
         rclpy.try_shutdown()
-    row = outcome_table(statuses, actions, diag)
+    row = outcome_table(statuses, actions, diag, window_after)
     row.update(fault=fault, crashes=crashes)
     record(row)
     text = log.read_text()
