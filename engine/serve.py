@@ -141,6 +141,7 @@ def create_app(server: Server):
     """The FastAPI application: GET /v1/models, POST /v1/chat/completions, GET /metrics, GET /health."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
     from fastapi.responses import Response
     from sse_starlette.sse import EventSourceResponse
 
@@ -149,9 +150,17 @@ def create_app(server: Server):
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid body"}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # a body that is not JSON at all is located at its character offset: name no field then
+        loc = [] if first.get("type") == "json_invalid" else [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         return _error(400, f"{param or 'body'}: {first.get('msg')}", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def framework_error(request, exc: StarletteHTTPException):
+        # what the framework refuses itself (a body it cannot parse, unknown path or method), in OpenAI's shape
+        response = _error(exc.status_code, str(exc.detail), None)
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(ChatError)
     async def refused(request, exc: ChatError):

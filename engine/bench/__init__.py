@@ -8,7 +8,7 @@ and `tokenspeed bench gpu` (the same decode path on CUDA against the HBM floor).
     tokenspeed bench kv needle|agreement|cost   # pruned KV cache accuracy and cost (tokenspeed.bench.kv)
     tokenspeed bench auto                   # tool_choice=auto: call/text rates per tool-listing prompt (BFCL)
 
-Peers are an optional extra: `pip install -e ".[bench]"` (llama-cpp-python builds from source).
+Peers are an optional extra: `pip install -e ".[bench]"`, and `make peers` builds llama-cpp-python from source.
 """
 from __future__ import annotations
 

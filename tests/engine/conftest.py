@@ -1,14 +1,10 @@
 """Engine test fixtures: the real embedded model (loaded once per test run) and a tiny random one."""
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from support import serve_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,36 +32,10 @@ def robot_tools():
     return json.loads((ROOT / "tokenspeed_ros" / "config" / "robot_tools.json").read_text())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def base_url():
     """URL of a real `tokenspeed serve` process on 127.0.0.1 (embedded model, int4, queue of one
     waiting request, 2048-token conversations), stopped at the end of the test run."""
-    import httpx
-
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tokenspeed.cli", "serve", "--port", str(port), "--queue-size", "1",
-                             "--quantize", "int4", "--context", "2048", "--cache-budget-mb", "200"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                pytest.fail(f"server exited: {proc.stdout.read()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("server did not come up in 300 s")
+    with serve_process("--queue-size", "1", "--quantize", "int4", "--context", "2048",
+                       "--cache-budget-mb", "200") as (_, url):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
