@@ -142,3 +142,15 @@ def test_bench_kv_help_lists_its_subcommands(capsys):
         assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "needle" in out and "agreement" in out and "--budget" in out
+
+
+def test_bench_auto_reports_call_and_text_rates_per_tool_prompt(tmp_path):
+    from tokenspeed.bench.auto import run_auto
+    from tokenspeed.grammar import TOOL_PROMPTS, ToolSchemaError
+
+    report = run_auto(list(TOOL_PROMPTS), 2, model="tiny-random", quantize=None)  # shapes only: random weights
+    assert report["cases"] == 2 and set(report["styles"]) == set(TOOL_PROMPTS)
+    for r in report["styles"].values():
+        assert 0 <= r["call_when_applies"] <= 1 and 0 <= r["text_when_none"] <= 1 and 0 <= r["p_call_applies"] <= 1
+    with pytest.raises(ToolSchemaError, match="unknown tool prompt style"):
+        run_auto(["nope"], 2, model="tiny-random")
