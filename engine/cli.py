@@ -3,7 +3,9 @@
     tokenspeed call --tools tools.json --prompt "Pick up the red cube."   # one tool call + timings
     tokenspeed generate --prompt "Write a haiku about robots."             # streams text
     tokenspeed draft build-data|train|eval                                 # draft-model recipe
-    tokenspeed bench aal [--quick] | gpu                                   # latency benchmark vs peers
+    tokenspeed bench aal [--quick] | gpu | profile                         # latency benchmark vs peers
+    tokenspeed bench kv needle|agreement|cost                              # pruned KV cache accuracy and cost
+    tokenspeed bench auto                                                  # tool_choice=auto call/text rates (BFCL)
     tokenspeed serve [--port 8000]                                         # OpenAI-compatible HTTP server
     tokenspeed <subcommand> --help
 
@@ -55,7 +57,15 @@ def cmd_call(args) -> int:
     """Answer one prompt with one schema-valid tool call; print it and the timings as JSON."""
     from . import ToolSchemaError
 
-    tools = _load_tools(args.tools)
+    from .grammar import normalize_tools
+
+    try:
+        tools = normalize_tools(_load_tools(args.tools))  # before the model loads: a bad file fails at once
+    except ToolSchemaError as exc:
+        raise SystemExit(f"error: {exc}")
+    names = [t["function"]["name"] for t in tools]
+    if args.tool is not None and args.tool not in names:
+        raise SystemExit(f"error: --tool {args.tool!r} is not in {args.tools} (tools: {', '.join(names)})")
     engine = _engine(args)
     try:
         session = engine.session(system=args.system, tools=tools)
@@ -134,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_draft_parser(sub)  # tokenspeed draft build-data | train | eval
 
     from .bench import add_parser as add_bench_parser
-    add_bench_parser(sub)  # tokenspeed bench aal | gpu
+    add_bench_parser(sub)  # tokenspeed bench aal | gpu | profile | kv | auto
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, tools, streaming)")
     p.add_argument("--model", default=None,

@@ -21,8 +21,8 @@ import torch
 
 from .schema import JSON_STYLE, Prepared, ToolSchemaError, compile_check, prepare
 
-__all__ = ["ToolSchemaError", "normalize_tools", "tools_system_prompt", "call_schema", "ToolGrammar",
-           "parse_tool_calls", "parse_tool_call", "format_tool_calls"]
+__all__ = ["ToolSchemaError", "normalize_tools", "tools_system_prompt", "TOOL_PROMPTS", "DEFAULT_TOOL_PROMPT",
+           "call_schema", "ToolGrammar", "parse_tool_calls", "parse_tool_call", "format_tool_calls"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 CALL_OPEN, CALL_CLOSE = "<tool_call>[", "]</tool_call>"
@@ -99,15 +99,39 @@ def call_schema(functions: list[dict]) -> dict:
     return dict(schema, **({"$defs": defs} if defs else {}))
 
 
-def tools_system_prompt(system: str | None, tools: list[dict]) -> str:
-    """System prompt text with the tools rendered the way SmolLM2-Instruct was trained for calls."""
+# Tool-listing prompts, by name: how the tools and the call format are put in the system prompt.
+# "smollm2" follows the function-calling prompt SmolLM2-Instruct was fine-tuned with (SmolLM2
+# model card, Synth-APIGen data: "You are an expert in composing functions ... <tools>...</tools>
+# ... <tool_call>[...]</tool_call>"), except that "no call" is a plain-text answer here, never an
+# empty list. "short" is a two-line listing. `tokenspeed bench auto` compares them on BFCL.
+TOOL_PROMPTS = {
+    "smollm2": ("{system}\n\nYou are an expert in composing functions. You are given a question and a set of "
+                "possible functions. Based on the question, you will need to make one or more function/tool "
+                "calls to achieve the purpose. If none of the functions can be used, answer in plain text "
+                "without a call.\n\nYou have access to the following tools:\n<tools>{listing}</tools>\n\n"
+                "A call MUST strictly adhere to the following format, with NO other text:\n"
+                '<tool_call>[{{"name": "func_name1", "arguments": {{"argument1": "value1"}}}}]</tool_call>'),
+    "short": ("{system}\n\nYou have access to the following tools:\n<tools>{listing}</tools>\n\n"
+              "To call a tool, answer with exactly one call in this format and no other text:\n"
+              '<tool_call>[{{"name": "tool_name", "arguments": {{"arg": "value"}}}}]</tool_call>'),
+}
+DEFAULT_TOOL_PROMPT = "short"
+
+
+def tools_system_prompt(system: str | None, tools: list[dict], style: str = DEFAULT_TOOL_PROMPT) -> str:
+    """System prompt text with the tools listed in the `style` of `TOOL_PROMPTS` (the system
+    text first, then the listing and the call format).
+
+    Raises:
+        ToolSchemaError: unknown style.
+    """
+    if style not in TOOL_PROMPTS:
+        raise ToolSchemaError(f"tool prompt style must be one of {sorted(TOOL_PROMPTS)}, got {style!r}")
     system = system or "You are a helpful assistant."
     if not tools:
         return system
     listing = json.dumps([t["function"] for t in tools], separators=(", ", ": "))
-    return (f"{system}\n\nYou have access to the following tools:\n<tools>{listing}</tools>\n\n"
-            "To call a tool, answer with exactly one call in this format and no other text:\n"
-            '<tool_call>[{"name": "tool_name", "arguments": {"arg": "value"}}]</tool_call>')
+    return TOOL_PROMPTS[style].format(system=system, listing=listing)
 
 
 def format_tool_calls(calls: list[dict]) -> str:

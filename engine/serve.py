@@ -141,6 +141,7 @@ def create_app(server: Server):
     """The FastAPI application: GET /v1/models, POST /v1/chat/completions, GET /metrics, GET /health."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
     from fastapi.responses import Response
     from sse_starlette.sse import EventSourceResponse
 
@@ -149,9 +150,17 @@ def create_app(server: Server):
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid body"}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # a body that is not JSON at all is located at its character offset: name no field then
+        loc = [] if first.get("type") == "json_invalid" else [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         return _error(400, f"{param or 'body'}: {first.get('msg')}", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def framework_error(request, exc: StarletteHTTPException):
+        # what the framework refuses itself (a body it cannot parse, unknown path or method), in OpenAI's shape
+        response = _error(exc.status_code, str(exc.detail), None)
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(ChatError)
     async def refused(request, exc: ChatError):
@@ -245,6 +254,13 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, model_name:
     """Serve `engine` over HTTP until interrupted (see `Server` for the arguments)."""
     import uvicorn
 
+    class _Announced(uvicorn.Server):
+        # Says "serving on" once the socket is bound and the app started, not before.
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if not self.should_exit:
+                bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
+                print(f"# tokenspeed serve: model {engine.source} serving on http://{host}:{bound}/v1", flush=True)
+
     server = Server(engine, model_name, queue_size, cache_budget_bytes, context)
-    print(f"# tokenspeed serve: model {engine.source} on http://{host}:{port}/v1", flush=True)
-    uvicorn.run(create_app(server), host=host, port=port, log_level="warning")
+    _Announced(uvicorn.Config(create_app(server), host=host, port=port, log_level="warning")).run()

@@ -21,7 +21,7 @@ import torch
 from .decision import (Checkpoint, Decision, Segment, SessionArgumentError, finite_arg, positive_int_arg, sampling_args,
                        settle)
 from .decode import NonFiniteLogitsError, Target, decode
-from .grammar import TokenMask, ToolGrammar, normalize_tools, tools_system_prompt
+from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, ToolGrammar, normalize_tools, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
 from .paths import cache_dir
@@ -141,7 +141,7 @@ class Engine:
                    weight_choice=choice)
 
     def session(self, system: str | None = None, tools=None, capacity: int | None = None,
-                kv_budget: "int | KVConfig | None" = None) -> "Session":
+                kv_budget: "int | KVConfig | None" = None, tool_prompt: str = DEFAULT_TOOL_PROMPT) -> "Session":
         """A new agent session with its own KV cache.
 
         Args:
@@ -151,11 +151,13 @@ class Engine:
             kv_budget: None keeps every token (full cache, up to `capacity`); an int (tokens) or a
                 `tokenspeed.kv.KVConfig` bounds the hot KV tier by relevance pruning with a cold
                 tier behind it, so the context can grow without limit (`capacity` is ignored).
+            tool_prompt: how the tools are listed in the system prompt (`tokenspeed.grammar.TOOL_PROMPTS`).
         Raises:
-            ToolSchemaError: a tool definition is invalid (the message names it).
+            ToolSchemaError: a tool definition is invalid (the message names it), or an unknown tool_prompt.
             ValueError: the KV budget is invalid.
         """
-        return Session(self, system=system, tools=normalize_tools(tools), capacity=capacity, kv_budget=kv_budget)
+        return Session(self, system=system, tools=normalize_tools(tools), capacity=capacity, kv_budget=kv_budget,
+                       tool_prompt=tool_prompt)
 
     def grammar(self, tools: list[dict], tool_choice, parallel: bool = False) -> ToolGrammar:
         """Compiled call grammar for (tools, tool_choice, parallel), cached per engine."""
@@ -193,13 +195,13 @@ class Session:
     """
 
     def __init__(self, engine: Engine, system: str | None, tools: list[dict], capacity: int | None,
-                 kv_budget: "int | KVConfig | None" = None):
+                 kv_budget: "int | KVConfig | None" = None, tool_prompt: str = DEFAULT_TOOL_PROMPT):
         self.engine = engine
         self.id = next(_SESSION_IDS)
         self.model = engine.model
         self.tok = engine.tokenizer
         self.tools = tools
-        self._system_text = tools_system_prompt(system, tools)
+        self._system_text = tools_system_prompt(system, tools, tool_prompt)
         system_ids = self.tok.encode_chat([{"role": "system", "content": self._system_text}], [])
         if kv_budget is None:
             cache, window = self.model.new_cache(capacity), None

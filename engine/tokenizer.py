@@ -160,14 +160,27 @@ class Tokenizer:
         """Render chat messages ([{"role", "content"}]) with the model's own Jinja chat template.
 
         Falls back to ChatML when the model ships no template.
+
+        Raises:
+            ValueError: the template refuses the conversation (its `raise_exception`, e.g.
+                Mistral's "roles must alternate"); the message is the template's.
         """
         if self._template is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # raise_exception as transformers' apply_chat_template defines it (Mistral's templates
+            # call it on a bad role order). strftime_now is left undefined on purpose: Llama 3.2's
+            # template then writes its fixed default date, so a rendering never changes at midnight
+            # (the session relies on a message rendering the same way every time).
+            env.globals["raise_exception"] = _raise_template_error
             self._template = env.from_string(self.chat_template or _CHATML)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token="", eos_token=self._eos_text)
+
+
+def _raise_template_error(message: str):
+    raise ValueError(f"chat template: {message}")
 
 
 _MARK = "\x00answer\x00"  # probe content no template alters

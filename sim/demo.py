@@ -34,14 +34,29 @@ from tokenspeed_sim.harness import listen
 STOP_TIMEOUT_S = 30.0     # the launcher's own SIGINT -> SIGTERM -> SIGKILL sequence fits in this
 
 
-def launch_command(duration_s: float, overrides: list[str]) -> list[str]:
-    """Command line of the launcher for the cobot_sim launch, running `duration_s` seconds. The
-    agent takes its task from the RunTask action only (its goal topic is off)."""
-    cmd = [sys.executable, "-m", "tokenspeed_ros.launcher", "cobot_sim", "--duration", f"{duration_s:g}",
-           "--set", "tokenspeed_agent.goal_topic=''"]
+def launch_command(duration_s: float, overrides: list[str], launch: str = "cobot_sim",
+                   task_from_action: bool = True) -> list[str]:
+    """Command line of the launcher for `launch` (a tokenspeed_launch launch name), running
+    `duration_s` seconds with the "NODE.PARAM=VALUE" `overrides`. task_from_action: the agent takes
+    its task from the RunTask action only (its goal topic is off)."""
+    cmd = [sys.executable, "-m", "tokenspeed_ros.launcher", launch, "--duration", f"{duration_s:g}"]
+    if task_from_action:
+        cmd += ["--set", "tokenspeed_agent.goal_topic=''"]
     for o in overrides:
         cmd += ["--set", o]
     return cmd
+
+
+def stop_launch(launcher: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> int:
+    """SIGINT a launcher started with `start_new_session=True` (it deactivates and stops its
+    nodes), SIGKILL its group after `timeout_s` seconds; returns its exit status."""
+    if launcher.poll() is None:
+        launcher.send_signal(signal.SIGINT)
+    try:
+        return launcher.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        return launcher.wait()
 
 
 def run(duration_s: float, out_dir: Path, overrides: list[str], ready_timeout_s: float = 180.0,
@@ -65,13 +80,7 @@ def run(duration_s: float, out_dir: Path, overrides: list[str], ready_timeout_s:
             report = listen(duration_s, out_dir, stop=lambda: launcher.poll() is not None, live=True,
                             wait_engine_s=ready_timeout_s, task=True)
         finally:
-            if launcher.poll() is None:
-                launcher.send_signal(signal.SIGINT)
-            try:
-                rc = launcher.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(launcher.pid, signal.SIGKILL)
-                rc = launcher.wait()
+            rc = stop_launch(launcher)
             if recorder is not None:
                 print(f"recorded {record}: {recorder.close()}", flush=True)
     ended_early = report["duration_s"] < duration_s - 1

@@ -15,7 +15,8 @@ host (see `tokenspeed_sim.sim_node`). Per decision (one ActionCommand, keyed by 
 
 Stages reported (seconds): capture->context, ttft, capture->published, published->applied and
 end-to-end (capture->applied), each with p50/p90/p99/max; plus deadline hit rate and fallbacks
-(tokenspeed_msgs/DeadlineStatus), decisions per second, feedback counts, and the task outcome
+(tokenspeed_msgs/DeadlineStatus; the model's task_done and a start-up no_sensor_data hold are not
+decisions and are counted apart), decisions per second, feedback counts, and the task outcome
 from `sim/scenario_status`. Outputs: report.json, latency.png and a printed table.
 
 The measured window can start when the agent's engine reports "ready" on /diagnostics
@@ -116,6 +117,7 @@ class LatencyHarness(Node):
         self.engine_ready_at: float | None = None
         self._echoes: dict[int, float] = {}     # observation stamp (ns) -> receive time here
         self._echo_keys: list[int] = []         # the same stamps, sorted
+        self.first_echo_at: float | None = None  # receive time of the agent's first observation echo
         self._feedback: dict[int, list[tuple[str, float, str]]] = {}   # decision id -> (state, stamp, detail)
         self.create_subscription(Observation, "agent/observation", self._on_observation, 100)
         self.create_subscription(ActionCommand, "agent/action", self._on_action, 100)
@@ -162,6 +164,8 @@ class LatencyHarness(Node):
 
     def _on_observation(self, msg: Observation) -> None:
         key = _ns(msg.header.stamp)
+        if self.first_echo_at is None:
+            self.first_echo_at = time.time()
         if key not in self._echoes:
             self._echoes[key] = time.time()
             bisect.insort(self._echo_keys, key)
@@ -220,6 +224,17 @@ class LatencyHarness(Node):
                 if self.live:
                     print(f"[{self.engine_ready_at - self.started:6.1f} s] {st.name.split(':')[0]} engine ready", flush=True)
 
+    def _not_a_decision(self, status: DeadlineStatus, decision: Decision) -> str | None:
+        """Why `status` is not a deadline decision (kept out of the hit rate, neither met nor missed),
+        or None when it counts: "task_done", the model's own completion call (the task is over and the
+        arm holds by design); "no_sensor_data" received before the agent's first observation echo (a
+        hold with nothing yet to decide on; a later sensor outage still counts as a miss)."""
+        if status.reason == "task_done":
+            return "task_done"
+        if status.reason == "no_sensor_data" and (self.first_echo_at is None or decision.received < self.first_echo_at):
+            return "no_sensor_data"
+        return None
+
     # ------------------------------------------------------------------ report
     def report(self) -> dict:
         """The run so far as a JSON-ready dict (seconds throughout). Statistics cover decisions
@@ -240,8 +255,15 @@ class LatencyHarness(Node):
             for s, v in d.stages().items():
                 if v is not None:
                     stage_values[s].append(v)
-        in_window = {d.decision_id for d in decisions}
-        statuses = [s for i, s in self.deadlines.items() if i in in_window]
+        in_window = {d.decision_id: d for d in decisions}
+        statuses, not_decisions = [], Counter()
+        for i, s in self.deadlines.items():
+            if i in in_window:
+                kind = self._not_a_decision(s, in_window[i])
+                if kind:
+                    not_decisions[kind] += 1
+                else:
+                    statuses.append(s)
         met = sum(1 for s in statuses if s.met)
         return {
             "duration_s": duration,
@@ -261,6 +283,7 @@ class LatencyHarness(Node):
                 "hit_rate": met / len(statuses) if statuses else None,
                 "fallback_used": sum(1 for s in statuses if s.fallback_used),
                 "reasons": dict(Counter(s.reason for s in statuses)),
+                "not_decisions": dict(not_decisions),
             },
             "feedback": dict(Counter(state for i in in_window for state, _, _ in self._feedback.get(i, []))),
             "duplicate_decision_ids": self.duplicate_ids,
@@ -337,7 +360,8 @@ def print_table(report: dict) -> None:
     dl = report["deadline"]
     hit = "-" if dl["hit_rate"] is None else f"{dl['hit_rate']:.1%}"
     console.print(f"deadline: {dl['met']}/{dl['statuses']} met (hit rate {hit}), fallbacks published "
-                  f"{report['fallbacks']}, reasons {dl['reasons']}")
+                  f"{report['fallbacks']}, reasons {dl['reasons']}"
+                  + (f"; not decisions (not counted) {dl['not_decisions']}" if dl["not_decisions"] else ""))
     early = report["before_window"]
     if early["decisions"]:
         ready = report["engine_ready_after_s"]

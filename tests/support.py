@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,3 +57,35 @@ def readme_example(name: str) -> str:
     text = (ROOT / "README.md").read_text()
     block = text.split(f"<!-- example: {name} -->", 1)[1].split("<!-- /example -->", 1)[0]
     return block.split("```python\n", 1)[1].rsplit("```", 1)[0]
+
+
+@contextmanager
+def serve_process(*args: str):
+    """`tokenspeed serve ARGS` on a free port of 127.0.0.1 in a child process: yields (process, base
+    URL) once GET /health answers (fails the test when the server exits first or takes over 300 s),
+    terminates it afterwards."""
+    import httpx
+    import pytest
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tokenspeed.cli", "serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            if proc.poll() is not None:
+                pytest.fail(f"server exited: {proc.stdout.read()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("server did not come up in 300 s")
+        yield proc, url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -6,8 +6,9 @@ and `tokenspeed bench gpu` (the same decode path on CUDA against the HBM floor).
     tokenspeed bench gpu                    # CUDA: Llama-3.1-8B-shaped random weights + the real model
     tokenspeed bench profile                # torch.profiler table of one int4 decode step
     tokenspeed bench kv needle|agreement|cost   # pruned KV cache accuracy and cost (tokenspeed.bench.kv)
+    tokenspeed bench auto                   # tool_choice=auto: call/text rates per tool-listing prompt (BFCL)
 
-Peers are an optional extra: `pip install -e ".[bench]"` (llama-cpp-python builds from source).
+Peers are an optional extra: `pip install -e ".[bench]"`, and `make peers` builds llama-cpp-python from source.
 """
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ def _cmd_profile(args) -> int:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `bench` (with `aal`, `gpu` and `kv`) on an argparse subparsers object; returns it."""
-    p = subparsers.add_parser("bench", help="benchmarks: aal (agent action latency), gpu, profile")
+    """Register `bench` (with `aal`, `gpu`, `profile`, `kv` and `auto`) on an argparse subparsers object; returns it."""
+    p = subparsers.add_parser("bench", help="benchmarks: aal (agent action latency), gpu, profile, kv (pruned KV cache), auto")
     sub = p.add_subparsers(dest="bench", required=True)
     a = sub.add_parser("aal", help="Agent Action Latency: TokenSpeed vs llama.cpp vs transformers, one run")
     a.add_argument("--quick", action="store_true", help="small workload (2 calls, ~1.4K tokens); skips a missing llama.cpp")
@@ -83,6 +84,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--steps", type=int, default=10, help="decode steps profiled")
     f.add_argument("--context", type=int, default=256, help="tokens in the KV cache (default 256)")
     f.set_defaults(func=_cmd_profile)
+    from .auto import add_parser as add_auto_parser
+
+    add_auto_parser(sub)
     from .kv import add_subcommands
 
     k = sub.add_parser("kv", help="pruned, tiered KV cache: needle / agreement / cost (see tokenspeed.bench.kv)")

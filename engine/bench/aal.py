@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..kernels.cpu_decode import selected_variant
 from . import report as rep
+from .peers import LLAMA_CPP_ENV
 from .workload import Workload, build_workload
 
 __all__ = ["ENGINES", "DEFAULT_ENGINES", "LLAMA_CPP_INSTALL", "build_job", "measure_bandwidth", "run_aal", "make_report"]
@@ -30,8 +31,8 @@ __all__ = ["ENGINES", "DEFAULT_ENGINES", "LLAMA_CPP_INSTALL", "build_job", "meas
 ENGINES = ["tokenspeed:auto", "tokenspeed:int4", "tokenspeed:int4:plain", "tokenspeed:int8", "tokenspeed", "llama.cpp",
            "transformers"]
 DEFAULT_ENGINES = ["tokenspeed:int4", "tokenspeed:int4:plain", "tokenspeed", "llama.cpp", "transformers"]
-LLAMA_CPP_INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install -e ".[bench]"   '
-                     "(llama-cpp-python has no binary wheel here: it builds from source, ~10 min on 2 cores)")
+LLAMA_CPP_INSTALL = ("make peers (llama-cpp-python has no binary wheel here: it builds from source for this CPU, "
+                     "~10 min on 2 cores)")
 SHORT_SYSTEM = "You are a helpful assistant."
 _PEERS = Path(__file__).with_name("peers.py")
 
@@ -95,11 +96,11 @@ def build_job(wl: Workload, threads: int, cold_turns: list[int]) -> dict:
         "model_gguf": str(gguf_path), "hf_folder": str(files.folder),
         "gguf_bytes": int(sum(int(t.n_bytes) for t in reader.tensors)),
         "system_ids": tok.encode(tok.render_chat([system_message(system_text)])),
-        "trigger_ids": tok.encode("<|im_start|>assistant\n"), "end_ids": tok.encode("<|im_end|>\n"),
+        "trigger_ids": tok.encode(tok.assistant_prefix), "end_ids": tok.encode(tok.assistant_suffix),
         "stop_ids": tok.stop_ids, "turns": turns,
         "short_system": SHORT_SYSTEM,
         "short_ids": tok.encode(tok.render_chat([system_message(SHORT_SYSTEM), {"role": "user", "content": wl.short_prompt}]))
-                     + tok.encode("<|im_start|>assistant\n"),
+                     + tok.encode(tok.assistant_prefix),
     }
 
 
@@ -120,14 +121,17 @@ def run_aal(out_dir: Path, quick: bool = False, seed: int = 0, threads: int = 2,
     Raises:
         RuntimeError: llama-cpp-python missing in a full run (the message says how to install
             it), or an engine process failed (its stderr tail is in the message).
-        ValueError: unknown engine name.
+        ValueError: unknown engine name, or $TOKENSPEED_LLAMA_CPP names a folder without llama_cpp.
     """
     engines = list(engines or DEFAULT_ENGINES)
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         raise ValueError(f"unknown engines {unknown}; choose from {ENGINES}")
     notes = []
-    if "llama.cpp" in engines and importlib.util.find_spec("llama_cpp") is None:
+    prefix = os.environ.get(LLAMA_CPP_ENV)
+    if "llama.cpp" in engines and prefix and not (Path(prefix) / "llama_cpp" / "__init__.py").is_file():
+        raise ValueError(f"{LLAMA_CPP_ENV}={prefix} holds no llama_cpp package (make peers-avx2 installs one)")
+    if "llama.cpp" in engines and not prefix and importlib.util.find_spec("llama_cpp") is None:
         if not quick:
             raise RuntimeError("the full AAL run needs llama-cpp-python: " + LLAMA_CPP_INSTALL)
         engines.remove("llama.cpp")

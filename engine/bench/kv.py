@@ -107,7 +107,7 @@ def needle(engine, configs: dict[str, KVConfig | None], streams=(3000,) * 20, fa
 def _teacher_forced_logits(session, prompt: str, tokens: list[int]) -> torch.Tensor:
     # Logits [len(tokens), V] for each next token after `prompt`, feeding `tokens` one at a time.
     session.observe(prompt)
-    session._append(session.tok.encode("<|im_start|>assistant\n"), "assistant")
+    session._append(session.tok.encode(session.tok.assistant_prefix), "assistant")
     feed, session.pending = session.pending, []
     out = []
     for t in tokens:
@@ -134,7 +134,7 @@ def agreement(engine, history: int = 4096, budgets=(1024, 512), cold: int = 4096
         n_ctx = full.num_tokens
         ref_tokens, ref_logits = [], []
         full.observe(question)
-        full._append(full.tok.encode("<|im_start|>assistant\n"), "assistant")
+        full._append(full.tok.encode(full.tok.assistant_prefix), "assistant")
         feed, full.pending = full.pending, []
         for _ in range(gen):
             logits = full._forward(feed)[0]
@@ -242,7 +242,7 @@ def llamacpp_cost(engine, histories=(1024, 4096, 16384), decisions: int = 3, thr
         llm.eval(context)
         ttft, itl = [], []
         for d in range(decisions):
-            prompt = context + ids([{"role": "user", "content": f"Grasp {PARTS[d]} now."}]) + tok.encode("<|im_start|>assistant\n")
+            prompt = context + ids([{"role": "user", "content": f"Grasp {PARTS[d]} now."}]) + tok.encode(tok.assistant_prefix)
             t0, stamps = time.perf_counter(), []
             for _ in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0):
                 stamps.append(time.perf_counter())

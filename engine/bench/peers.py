@@ -7,7 +7,9 @@ with a standard-library module:
     python engine/bench/peers.py ENGINE JOB.json OUT.json
 
 ENGINE is "tokenspeed" (fp32; "tokenspeed:int4" / "tokenspeed:int8" quantized; a third part
-":plain" turns speculation off), "llama.cpp" or "transformers". JOB.json is written by
+":plain" turns speculation off), "llama.cpp" or "transformers". The llama.cpp process imports the
+llama-cpp-python of the environment, or the one in the folder named by $TOKENSPEED_LLAMA_CPP (a
+`pip install --target` folder, e.g. an AVX2-only build from `make peers-avx2`) when that is set. JOB.json is written by
 `tokenspeed.bench.aal`: the workload, the token ids every
 engine feeds (system prompt, each observation, the assistant trigger and end), the call schema
 of each decision, the thread count and model paths. OUT.json receives one record per decision plus the short-context
@@ -20,12 +22,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
 from pathlib import Path
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>[", "]</tool_call>"
+LLAMA_CPP_ENV = "TOKENSPEED_LLAMA_CPP"   # a folder holding another llama-cpp-python build (see the module docstring)
 
 
 def check_call(text: str, tools: list[dict], expect_name: str | None = None) -> tuple[dict | None, bool]:
@@ -176,7 +180,10 @@ def run_llamacpp(job: dict, out: str) -> None:
     """llama.cpp via llama-cpp-python: `Llama.generate` on token ids (the same ids as TokenSpeed),
     greedy, its JSON-schema grammar (GBNF from the call schema), and its automatic KV prefix
     reuse within one `Llama` object (observations are processed at decision time). Cold TTFT is
-    measured afterwards on selected decisions with the cache reset (full prompt processing)."""
+    measured afterwards on selected decisions with the cache reset (full prompt processing).
+    With $TOKENSPEED_LLAMA_CPP set, llama_cpp is imported from that folder first."""
+    if os.environ.get(LLAMA_CPP_ENV):
+        sys.path.insert(0, os.environ[LLAMA_CPP_ENV])
     import llama_cpp
     from llama_cpp import Llama, LlamaGrammar
 
@@ -184,7 +191,7 @@ def run_llamacpp(job: dict, out: str) -> None:
     t0 = time.perf_counter()
     llm = Llama(model_path=job["model_gguf"], n_ctx=job["n_ctx"], n_threads=threads, n_threads_batch=threads,
                 n_batch=n_batch, n_ubatch=n_batch, seed=0, verbose=False)
-    rec = Recorder("llama.cpp", f"llama-cpp-python {llama_cpp.__version__}, Q4_1 GGUF, n_batch={n_batch}, "
+    rec = Recorder("llama.cpp", f"llama-cpp-python {llama_cpp.__version__} ({Path(llama_cpp.__file__).parent}), Q4_1 GGUF, n_batch={n_batch}, "
                    "GBNF from JSON schema, automatic KV prefix reuse, greedy", threads)
     rec.out["load_s"] = time.perf_counter() - t0
     rec.out["weight_bytes"] = job["gguf_bytes"]

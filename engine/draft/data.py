@@ -197,8 +197,8 @@ def build_data(engine, tasks: list[Task], out: Path, max_tokens: int = 128, resu
             raise ValueError(f"{out} was built for another target model ({header['model']})")
         done = {r["id"] for r in rows}
         tasks = [t for t in tasks if t.id not in done]
-    trigger = engine.tokenizer.encode("<|im_start|>assistant\n")
-    end = engine.tokenizer.encode("<|im_end|>\n")
+    trigger = engine.tokenizer.encode(engine.tokenizer.assistant_prefix)  # the chat template's framing
+    end = engine.tokenizer.encode(engine.tokenizer.assistant_suffix)
     sessions: dict[str, tuple] = {}
 
     def write(fields: dict, s, context: list[int], tool_choice, d) -> None:

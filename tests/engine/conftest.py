@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import serve_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,3 +30,12 @@ def tiny_engine():
 def robot_tools():
     """The robot-arm tool set from tokenspeed_ros/config/robot_tools.json."""
     return json.loads((ROOT / "tokenspeed_ros" / "config" / "robot_tools.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def base_url():
+    """URL of a real `tokenspeed serve` process on 127.0.0.1 (embedded model, int4, queue of one
+    waiting request, 2048-token conversations), stopped at the end of the test run."""
+    with serve_process("--queue-size", "1", "--quantize", "int4", "--context", "2048",
+                       "--cache-budget-mb", "200") as (_, url):
+        yield url

@@ -7,7 +7,7 @@ import pytest
 
 import tokenspeed
 from tokenspeed.bench import main as bench_main
-from tokenspeed.bench.aal import build_job
+from tokenspeed.bench.aal import build_job, run_aal
 from tokenspeed.bench.gpu import run_gpu
 from tokenspeed.bench.peers import check_call
 from tokenspeed.bench.decode_profile import profile_decode
@@ -110,6 +110,15 @@ def test_quick_aal_runs_every_engine_and_writes_the_report(tmp_path, capsys):
     assert plain["decided_per_forward"] == 1.0 and ours["decided_per_forward"] >= 1.0
     out = capsys.readouterr().out
     assert "ratios tokenspeed-int4 / peer" in out and "speculation (tokenspeed-int4)" in out
+
+
+def test_aal_refuses_a_llama_cpp_folder_without_llama_cpp(tmp_path, monkeypatch):
+    # $TOKENSPEED_LLAMA_CPP points the llama.cpp peer at another build (make peers-avx2); a wrong
+    # folder is refused before anything runs, even in a quick run that skips a missing llama.cpp.
+    monkeypatch.setenv("TOKENSPEED_LLAMA_CPP", str(tmp_path))
+    with pytest.raises(ValueError, match="holds no llama_cpp package"):
+        run_aal(tmp_path / "out", quick=True, engines=["tokenspeed", "llama.cpp"])
+    assert not (tmp_path / "out").exists()
 
 
 def test_gpu_script_runs_on_cpu_with_small_shapes(tmp_path):

@@ -1,13 +1,9 @@
 """`tokenspeed serve` as a real server process on 127.0.0.1, driven by the official `openai` client.
 
-One server (the embedded SmolLM2-135M-Instruct, int4) serves the whole module; its queue holds one
-waiting request so that overflow can be caused with three requests.
+One server (the `base_url` fixture of conftest.py: the embedded SmolLM2-135M-Instruct, int4) serves
+the test run; its queue holds one waiting request so that overflow can be caused with three requests.
 """
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,37 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOLS = json.loads((ROOT / "tokenspeed_ros" / "config" / "robot_tools.json").read_text())
 SYSTEM = {"role": "system", "content": "You control a robot arm."}
 PICK = [SYSTEM, {"role": "user", "content": "Pick up the red cube."}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def base_url():
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tokenspeed.cli", "serve", "--port", str(port), "--queue-size", "1",
-                             "--quantize", "int4", "--context", "2048", "--cache-budget-mb", "200"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                pytest.fail(f"server exited: {proc.stdout.read()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("server did not come up in 300 s")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -75,28 +75,26 @@ def check_feed(feed: MarketFeed, frames: list[bytes]) -> None:
             assert math.isfinite(t.price) and t.price > 0 and math.isfinite(t.timestamp)
 
 
-def seeded_feed() -> MarketFeed:
+def check_batch(batch: list[list[bytes]]) -> None:
+    """Every record of `batch` into a feed seeded with a small book, checked one by one."""
     feed = MarketFeed(FeedLimits(max_levels=50))
     feed.handle([b"FUZZ-book-BTC-USD " + json.dumps({"timestamp": time.time(), "sequence_number": 1, "book": {
         "bid": {"100.0": 1.0, "99.5": 2.0}, "ask": {"100.5": 1.0}}}).encode()])
-    return feed
+    for frames in batch:
+        check_feed(feed, frames)
 
 
 @FAST
 @given(st.lists(records(), min_size=1, max_size=8))
 def test_market_records(batch):
-    feed = seeded_feed()
-    for frames in batch:
-        check_feed(feed, frames)
+    check_batch(batch)
 
 
 @pytest.mark.slow
 @SLOW
 @given(st.lists(records(), min_size=1, max_size=20))
 def test_market_records_many(batch):
-    feed = seeded_feed()
-    for frames in batch:
-        check_feed(feed, frames)
+    check_batch(batch)
 
 
 finite_or_not = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(-4.0, 4.0))

@@ -58,6 +58,22 @@ def setter(ros, node_name: str):
     return set_one
 
 
+def check_every_parameter(node, params, set_one, took_effect) -> None:
+    """Set each parameter of the node's table `params` to another valid value: a LIVE one applies
+    (node.p changes and `took_effect(name, value)` holds), any other is refused as read at
+    configure and node.p keeps its value."""
+    for name, field in params.model_fields.items():
+        value, before = other_value(name, field.default), getattr(node.p, name)
+        result = set_one(name, value)
+        if name in params.LIVE:
+            assert result.successful, (name, result.reason)
+            assert getattr(node.p, name) == value, name
+            assert took_effect(name, value), name
+        else:
+            assert not result.successful and name in result.reason and "read at configure" in result.reason, name
+            assert getattr(node.p, name) == before, name
+
+
 AGENT_EFFECTS = {
     "threads": lambda n, v: n.worker.threads == v,
     "decision_period_s": lambda n, v: n._rate_timer.timer_period_ns == round(v * 1e9),
@@ -79,17 +95,9 @@ def test_agent_parameters_apply_live_or_are_refused(ros):
     executor.add_node(node)
     assert node.active and node.worker.state == "ready"
     set_one = setter(ros, "tokenspeed_agent")
-    for name, field in AgentParams.model_fields.items():
-        value, before = other_value(name, field.default), getattr(node.p, name)
-        result = set_one(name, value)
-        if name in AgentParams.LIVE:
-            assert result.successful, (name, result.reason)
-            assert getattr(node.p, name) == value, name
-            check = AGENT_EFFECTS.get(name)
-            assert check is None or spin_until(executor, lambda: check(node, value), 5), name
-        else:
-            assert not result.successful and name in result.reason and "read at configure" in result.reason, name
-            assert getattr(node.p, name) == before, name
+    check_every_parameter(node, AgentParams, set_one,
+                          lambda name, v: name not in AGENT_EFFECTS or
+                          spin_until(executor, lambda: AGENT_EFFECTS[name](node, v), 5))
     assert set_one("decision_period_s", 0.0).successful and node._rate_timer is None      # events only
     bad = set_one("fallback", "explode")
     assert not bad.successful and "fallback" in bad.reason and node.monitor.fallback == "stop"
@@ -108,14 +116,5 @@ def test_bridge_parameters_apply_live_or_are_refused(ros, tmp_path):
     effects = {"deadline_budget_s": lambda v: node.monitor.budget == Duration(seconds=v),
                "publish_margin_s": lambda v: node.loop.publish_margin_s == v,
                "status_period_s": lambda v: node._status_timer.timer_period_ns == round(v * 1e9)}
-    for name, field in MarketBridgeParams.model_fields.items():
-        value, before = other_value(name, field.default), getattr(node.p, name)
-        result = set_one(name, value)
-        if name in MarketBridgeParams.LIVE:
-            assert result.successful, (name, result.reason)
-            assert getattr(node.p, name) == value, name
-            assert name not in effects or effects[name](value), name
-        else:
-            assert not result.successful and name in result.reason and "read at configure" in result.reason, name
-            assert getattr(node.p, name) == before, name
+    check_every_parameter(node, MarketBridgeParams, set_one, lambda name, v: name not in effects or effects[name](v))
     assert not set_one("move_bps", -1.0).successful and node.p.move_bps == other_value("move_bps", 5.0)

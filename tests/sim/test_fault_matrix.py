@@ -8,8 +8,12 @@ JSON line) holds: decisions, met (model call on time), fallbacks, decisions with
 the monitor's own measure of its fallbacks' lateness (/diagnostics), and crashes.
 
 Faults caused for real: sim kill, agent kill + restart, sensor flood (1 kHz joint states),
-oversize images, stamps from the future (what a clock jump looks like to the agent), CPU
-starvation (busy processes beside the agent). Faults that cannot be caused from outside are
+oversize images, stamps from the future, CPU starvation (busy processes beside the agent), a
+clock jump (the simulator and the agent on `use_sim_time`, following a /clock this test publishes
+that jumps forward, then backward) and DDS loss (every process on Fast DDS's UDPv4 transport
+alone with tiny socket receive buffers, and a best-effort joint-state flood: datagrams are
+dropped by the kernel and samples overwritten in the depth-1 best-effort history; a separate
+subscriber process counts what arrived to show the loss happened). Faults that cannot be caused from outside are
 injected, and named as such: "engine_stall" and "decide_exception" run the agent with
 Session.decide wrapped to sleep past the deadline or to raise (fakes standing for a hung or
 failing engine).
@@ -26,7 +30,7 @@ import pytest
 import rclpy
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.time import Time
-from sensor_msgs.msg import CameraInfo, Image, JointState
+from sensor_msgs.msg import Image, JointState
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus
 
 from support import BIN, ROOT, spin_until, stop
@@ -58,9 +62,43 @@ sys.exit(main())
 '''
 
 
+# DDS loss: Fast DDS over UDPv4 only (no shared memory) with socket buffers the kernel overruns
+LOSSY_UDP_PROFILE = """<?xml version="1.0" encoding="UTF-8" ?>
+<dds xmlns="http://www.eprosima.com">
+  <profiles>
+    <participant profile_name="lossy_udp" is_default_profile="true">
+      <rtps>
+        <sendSocketBufferSize>8192</sendSocketBufferSize>
+        <listenSocketBufferSize>8192</listenSocketBufferSize>
+      </rtps>
+    </participant>
+  </profiles>
+</dds>
+"""
+# counts the flood's joint states (name "flood") it receives best effort, depth 1; prints the count at SIGINT
+FLOOD_COUNTER = r'''
+import rclpy, signal
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from rclpy.signals import SignalHandlerOptions
+from sensor_msgs.msg import JointState
+rclpy.init(signal_handler_options=SignalHandlerOptions.NO)
+node = rclpy.create_node("flood_counter")
+got = [0]
+def on_joints(m):
+    got[0] += m.header.frame_id == "flood"
+node.create_subscription(JointState, "joint_states", on_joints, QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT))
+stop = []
+signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+while not stop:
+    rclpy.spin_once(node, timeout_sec=0.05)
+print("received", got[0], flush=True)
+'''
+CLOCK_JUMPS = ((3.0, 5.0), (6.0, -10.0))   # (seconds into the run, jump of the published /clock in seconds)
+
+
 def start_agent(env, log, fault: str = "") -> subprocess.Popen:
     params = {"model": "tiny-random", "deadline_budget_s": BUDGET_S, "decision_period_s": 0.3,
-              "decide_while_executing": "true", "quantize": "none"}
+              "decide_while_executing": "true", "quantize": "none", "use_sim_time": str(fault == "clock_jump").lower()}
     ros_args = ["--ros-args", "--params-file", str(AGENT_PARAMS)]
     for k, v in params.items():
         ros_args += ["-p", f"{k}:={v}"]
@@ -73,10 +111,10 @@ def start_agent(env, log, fault: str = "") -> subprocess.Popen:
                             start_new_session=True)
 
 
-def start_sim(env, log) -> subprocess.Popen:
+def start_sim(env, log, fault: str = "") -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tokenspeed_sim.sim_node", "--ros-args", "--params-file",
-                             str(SIM_PARAMS)], env=env, cwd=ROOT, stdout=open(log, "a"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                             str(SIM_PARAMS), "-p", f"use_sim_time:={str(fault == 'clock_jump').lower()}"],
+                            env=env, cwd=ROOT, stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def with_epochs(msgs) -> list[tuple[tuple[int, int], object]]:
@@ -138,28 +176,52 @@ def listen_diagnostics(node, name: str) -> dict:
     return values
 
 
+def start_probe(prefix: str, monitored: str):
+    """rclpy initialised and a probe node listening to `prefix`/deadline_status, `prefix`/action and
+    the "`monitored`: decisions" diagnostics: (node, executor, statuses, actions, diagnostics)."""
+    rclpy.init()
+    node = rclpy.create_node(f"{prefix}_fault_probe")
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    statuses, actions = [], []
+    diag = listen_diagnostics(node, f"{monitored}: decisions")
+    node.create_subscription(DeadlineStatus, f"{prefix}/deadline_status", statuses.append, 1000)
+    node.create_subscription(ActionCommand, f"{prefix}/action", actions.append, 1000)
+    return node, executor, statuses, actions, diag
+
+
 def busy_loop_process():
     return subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
 
 
 FAULTS = ["none", "engine_stall", "decide_exception", "sim_kill", "agent_kill_restart", "sensor_flood",
-          "oversize_image", "future_stamps", "cpu_starvation"]
+          "oversize_image", "future_stamps", "cpu_starvation", "clock_jump", "dds_loss"]
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-def test_fault(fault, ros_env, tmp_path):
+def test_fault(fault, ros_env, tmp_path, monkeypatch):
     log, sim_log = tmp_path / "agent.log", tmp_path / "sim.log"
-    sim = start_sim(ros_env, sim_log)
-    agent = start_agent(ros_env, log, fault)
     extra: list[subprocess.Popen] = []
-    rclpy.init()
-    node = rclpy.create_node("fault_probe")
-    executor = SingleThreadedExecutor()
-    executor.add_node(node)
-    statuses, actions = [], []
-    diag = listen_diagnostics(node, "tokenspeed_agent: decisions")
-    node.create_subscription(DeadlineStatus, "agent/deadline_status", statuses.append, 1000)
-    node.create_subscription(ActionCommand, "agent/action", actions.append, 1000)
+    counter = None
+    if fault == "dds_loss":      # every participant of the test, this process's included
+        (tmp_path / "lossy_udp.xml").write_text(LOSSY_UDP_PROFILE)
+        lossy = {"FASTDDS_BUILTIN_TRANSPORTS": "UDPv4", "FASTDDS_DEFAULT_PROFILES_FILE": str(tmp_path / "lossy_udp.xml")}
+        for k, v in lossy.items():
+            monkeypatch.setenv(k, v)
+        ros_env = {**ros_env, **lossy}
+        counter = subprocess.Popen([sys.executable, "-c", FLOOD_COUNTER], env=ros_env, stdout=subprocess.PIPE, text=True,
+                                   start_new_session=True)
+    sim = start_sim(ros_env, sim_log, fault)
+    agent = start_agent(ros_env, log, fault)
+    node, executor, statuses, actions, diag = start_probe("agent", "tokenspeed_agent")
+    flood_sent = 0
+    if fault == "clock_jump":    # /clock = wall clock + offset, 200 Hz; the offset jumps during the run
+        from rosgraph_msgs.msg import Clock
+
+        clock_offset_ns = [0]
+        clock_pub = node.create_publisher(Clock, "/clock", 10)
+        node.create_timer(0.005, lambda: clock_pub.publish(Clock(clock=Time(
+            nanoseconds=time.time_ns() + clock_offset_ns[0]).to_msg())))
     joints = node.create_publisher(JointState, "joint_states", 10)
     images = node.create_publisher(Image, "camera/image_raw", 2)
     crashes = 0
@@ -172,7 +234,7 @@ def test_fault(fault, ros_env, tmp_path):
         t0 = time.monotonic()
         killed = False
         if fault == "cpu_starvation":
-            extra = [busy_loop_process() for _ in range(2)]
+            extra += [busy_loop_process() for _ in range(2)]
         while time.monotonic() - t0 < RUN_S:
             t = time.monotonic() - t0
             if fault == "sim_kill" and not killed and t > 2.0:
@@ -183,11 +245,15 @@ def test_fault(fault, ros_env, tmp_path):
                 agent.wait()
                 agent = start_agent(ros_env, log)
                 killed = True
-            elif fault == "sensor_flood":
-                for _ in range(10):          # ~1 kHz with the 10 ms spin below
+            elif fault in ("sensor_flood", "dds_loss"):
+                for _ in range(10 if fault == "sensor_flood" else 100):    # 1 kHz / 10 kHz with the 10 ms spin below
                     msg = JointState(name=[f"j{i}" for i in range(9)], position=[0.1] * 9)
                     msg.header.stamp = node.get_clock().now().to_msg()
+                    msg.header.frame_id = "flood"
                     joints.publish(msg)
+                    flood_sent += 1
+            elif fault == "clock_jump":
+                clock_offset_ns[0] = int(sum(jump for at, jump in CLOCK_JUMPS if t >= at) * 1e9)
             elif fault == "future_stamps":
                 msg = JointState(position=[0.0] * 9)
                 msg.header.stamp = Time(nanoseconds=node.get_clock().now().nanoseconds + 86_400 * 10 ** 9).to_msg()
@@ -206,18 +272,24 @@ def test_fault(fault, ros_env, tmp_path):
         for p in extra:
             p.kill()
             p.wait()
+        if counter is not None:
+            stop(counter)
         agent_rc = stop(agent)
         stop(sim)
         node.destroy_node()
         rclpy.try_shutdown()
     row = outcome_table(statuses, actions, diag)
     row.update(fault=fault, crashes=crashes)
+    if fault == "dds_loss":
+        row.update(flood_sent=flood_sent, flood_received=int(counter.stdout.read().split()[-1]))
     record(row)
     text = log.read_text() + sim_log.read_text()
     assert agent_rc in (0, -signal.SIGINT) and "Traceback" not in text, text[-3000:]
     check(row)
     if fault in ("engine_stall", "decide_exception"):
         assert row["met"] == 0, row
+    if fault == "dds_loss":     # the fault really happened: most of the flood never arrived
+        assert row["flood_received"] < row["flood_sent"] / 2, row
 
 
 MARKET_FAULTS = ["none", "feed_gap", "feed_burst", "bad_market_values"]
@@ -245,14 +317,7 @@ def test_market_fault(fault, ros_env, tmp_path):
         cmd += ["-p", f"{k}:={v}"]
     bridge = subprocess.Popen(cmd, env=ros_env, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                               start_new_session=True)
-    rclpy.init()
-    node = rclpy.create_node("market_fault_probe")
-    executor = SingleThreadedExecutor()
-    executor.add_node(node)
-    statuses, actions = [], []
-    diag = listen_diagnostics(node, "tokenspeed_market_bridge: decisions")
-    node.create_subscription(DeadlineStatus, "market/deadline_status", statuses.append, 1000)
-    node.create_subscription(ActionCommand, "market/action", actions.append, 1000)
+    node, executor, statuses, actions, diag = start_probe("market", "tokenspeed_market_bridge")
     messages, _ = synthetic_messages(seed=3, n=20_000, rate_hz=200.0)
     pub = None
     try:

@@ -3,6 +3,7 @@ agent peer (this test) over DDS: it matches every decision's stamps and writes J
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from rclpy.time import Time
@@ -11,7 +12,7 @@ from sensor_msgs.msg import Image
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, Observation
 
 from support import ROOT, stop
-from tokenspeed_sim.harness import percentiles
+from tokenspeed_sim.harness import LatencyHarness, percentiles
 
 
 def test_percentiles():
@@ -19,6 +20,32 @@ def test_percentiles():
     st = percentiles([float(v) for v in range(1, 101)])
     assert st["n"] == 100 and st["p50"] == pytest.approx(50.5) and st["p90"] == pytest.approx(90.1)
     assert st["p99"] == pytest.approx(99.01) and st["max"] == 100.0 and st["mean"] == pytest.approx(50.5)
+
+
+def test_hit_rate_leaves_out_task_done_and_start_up_holds(ros_node):
+    """The model's own task_done and a no_sensor_data hold before the agent's first observation are
+    neither met nor missed; a no_sensor_data hold after it (a sensor outage) is a miss. The messages
+    are fed straight to the harness's callbacks in this process, in the order DDS would deliver them."""
+    harness = LatencyHarness()
+    try:
+        def decide(i, source, reason):
+            cmd = ActionCommand(decision_id=i, source=source, tool_name="hold" if source == "fallback" else "move_to")
+            harness._on_action(cmd)
+            harness._on_deadline(DeadlineStatus(decision_id=i, met=reason == "ok", fallback_used=source == "fallback",
+                                                reason=reason))
+            time.sleep(0.002)
+
+        decide(1, "fallback", "no_sensor_data")          # start-up: nothing in the context yet
+        harness._on_observation(Observation(source="joint_states", text="joints 0 0 0"))
+        time.sleep(0.002)
+        decide(2, "model", "ok")
+        decide(3, "fallback", "no_sensor_data")          # an outage after the first reading: a miss
+        decide(4, "fallback", "task_done")               # the model ended the task
+        dl = harness.report()["deadline"]
+    finally:
+        harness.destroy_node()
+    assert dl == {"statuses": 2, "met": 1, "missed": 1, "hit_rate": pytest.approx(0.5), "fallback_used": 1,
+                  "reasons": {"ok": 1, "no_sensor_data": 1}, "not_decisions": {"no_sensor_data": 1, "task_done": 1}}
 
 
 def test_harness_reports_a_short_closed_loop_run(sim_process, ros_node, spin, ros_env, tmp_path):
@@ -74,7 +101,7 @@ def test_harness_reports_a_short_closed_loop_run(sim_process, ros_node, spin, ro
     assert 0 < report["engine_ready_after_s"] < 30
     assert report["decisions"] == 6 and report["model_decisions"] == 4 and report["fallbacks"] == 2
     assert report["deadline"] == {"statuses": 6, "met": 4, "missed": 2, "hit_rate": pytest.approx(4 / 6),
-                                  "fallback_used": 2, "reasons": {"ok": 4, "deadline_missed": 2}}
+                                  "fallback_used": 2, "reasons": {"ok": 4, "deadline_missed": 2}, "not_decisions": {}}
     for stage in ("capture_to_context_s", "ttft_s", "capture_to_published_s", "published_to_applied_s", "end_to_end_s"):
         st = report["stages"][stage]
         assert st["n"] == 4 and 0 <= st["p50"] <= st["p90"] <= st["p99"] <= st["max"], (stage, st)

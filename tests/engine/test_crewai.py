@@ -1,0 +1,29 @@
+"""CrewAI end to end: the README's agent with one tool, through CrewAI's own OpenAI provider
+(`LLM(base_url=...)`), against a real `tokenspeed serve` process (the `base_url` fixture).
+
+Slow: importing CrewAI and running the agent take tens of seconds on 2 cores.
+"""
+import httpx
+import pytest
+from support import readme_example
+
+pytest.importorskip("crewai")
+
+pytestmark = pytest.mark.slow
+
+
+def _answered(base_url: str) -> float:
+    # chat completions the server has answered, any finish reason
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{base_url}/metrics").text.splitlines()
+               if line.startswith("tokenspeed_requests_total{"))
+
+
+def test_crewai_agent_with_a_tool_runs_against_tokenspeed_serve(base_url, monkeypatch):
+    monkeypatch.setenv("CREWAI_DISABLE_TELEMETRY", "true")
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    monkeypatch.setenv("CREWAI_TRACING_ENABLED", "false")
+    before = _answered(base_url)
+    scope: dict = {}
+    exec(readme_example("crewai").replace("http://127.0.0.1:8000", base_url), scope)
+    assert scope["result"].raw.strip()  # the agent's final answer came back through the server
+    assert _answered(base_url) > before
