@@ -12,7 +12,7 @@ Quick start::
 from .grammar import ToolSchemaError
 from .model import ModelArgs, Transformer
 from .session import Checkpoint, Decision, Engine, Segment, Session, SessionArgumentError
-from .speculative import SpecConfig
+from .speculation import SpecConfig
 from .weights import ModelLoadError
 
 __all__ = ["Engine", "Session", "Decision", "Checkpoint", "Segment", "ModelArgs", "Transformer", "SpecConfig",

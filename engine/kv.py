@@ -1,65 +1,22 @@
 """Relevance-pruned, tiered KV cache: a bounded hot tier on the compute device, a bounded cold
 tier in host memory, and query-aware recall between them.
 
-Policy (one score per cached token, shared by all layers so the hot tier stays one contiguous
-prefix with one position per slot):
+- Relevance: each slot accumulates the attention mass it receives (H2O, Zhang et al. 2023), decayed
+  per new token (Scissorhands, Liu et al. 2023); one score per token, shared by all layers.
+- Never evicted: attention sinks (StreamingLLM, Xiao et al. 2023), pinned segments (system prompt,
+  tools), the `recent` newest tokens. Eviction moves whole pages (Quest, Tang et al. 2024):
+  superseded sensor readings first, then the lowest page score.
+- Cold tier: evicted pages in host memory with key min/max/mean summaries. Recall: the newest
+  queries bound each cold page's score (Quest), the best by key centroid are prefetched, and the
+  exact scores decide before the next forward which come back (with the rest of their segment).
+- Positions: keys keep their original rotation, so a kept or recalled slot is bit-identical to
+  the full cache's; slot order is free (eviction fills holes, recall appends).
+- Rollback: `snapshot()`/`restore()` bring back the recorded hot set in its slot order.
+- Decisions: inside `decision()` forwards do not prefetch; the call is decoded over the hot set
+  its question recalled. Decisions never evict unless the cache is full.
 
-- Relevance: every forward adds the attention mass each slot received, summed over layers,
-  heads and queries and divided by layers x heads (so one query spreads a total of 1), after
-  decaying older scores by `decay` per new token. This is the accumulated-attention "heavy
-  hitter" score of H2O (Zhang et al., 2023), with an exponential decay so that stale heavy
-  hitters fade (as in Scissorhands' persistence-of-importance window, Liu et al., 2023).
-- Pinned, never evicted: the first `sinks` tokens (attention sinks, StreamingLLM, Xiao et al.,
-  2023), the system prompt with its tool schemas, and segments the caller pins; the `recent`
-  newest tokens (half the budget by default, as H2O splits it) are always kept.
-- Eviction unit: a page of `page` consecutive positions (Quest's page granularity, Tang et al.,
-  2024). When the hot tier exceeds `budget` tokens after an observe(), whole pages leave it:
-  superseded sensor readings first (an older `kind="sensor"` segment whose `source` has a newer
-  reading), then the lowest page score (max token score in the page).
-- Cold tier: evicted pages are copied to host memory (pinned on CUDA) with per-page key
-  min/max/mean summaries; it holds at most `cold` tokens and, when full, drops superseded pages
-  first, then the lowest score at eviction time. `cold=0` drops evicted entries.
-- Recall (Quest-style): after each forward the queries of its last `recall_queries` tokens (an
-  observation's tail when prefilling, the current token when decoding), per layer and head, bound each
-  cold page's best possible score, sum_d max(q_d * kmin_d, q_d * kmax_d) / sqrt(D); pages whose
-  bound could take more than `recall_threshold` of the softmax (against the forward's
-  log-sum-exp) are candidates, and the best 4 x `max_recall_pages` of them by their key
-  centroid's score (q . mean(k), the "key summary" ranking) are prefetched. The bound alone ranks
-  poorly: with 16-token pages of mixed text it is loose (measured on the needle benchmark, the
-  note's page ranked 142nd of 176 by bound, 2nd by centroid, 1st by exact score, so it was not
-  prefetched and the call lost the fact). Before the next forward the exact
-  scores of the prefetched keys decide: a page whose best exact probability passes the
-  threshold is merged back into the hot tier (a prefetch hit) together with the rest of its
-  observation (segments up to 8 pages: a fact comes back whole), the others are discarded (a
-  miss). On CUDA the host->device copies run on a side stream (pinned memory, non_blocking)
-  and overlap the rest of the forward and the sampling; on CPU the "copy" is the host tensor
-  itself, so recall is synchronous.
-- Positions: keys keep the rotation of their original position (see `tokenspeed.model`), so a
-  recalled entry is bit-identical to the full cache's. Slot order is free (attention over the
-  cached slots does not depend on it; only the newest forward's tokens must be the last slots):
-  eviction fills the holes with the last slots and recall appends, so both move O(tokens
-  evicted or recalled) of KV rather than the whole tail of a position-sorted cache (profiled:
-  a sorted merge of one recalled page into a 1K-slot tier moved ~23 MB per buffer, ~30 ms on
-  1 CPU thread). `next_position()` is the largest hot position + 1.
-- Rollback: `snapshot()` records the hot positions in slot order and their scores (O(budget));
-  `restore()` drops everything after the checkpoint, brings the recorded hot set back from the
-  cold tier (tokens the cold tier has dropped meanwhile cannot come back: counted as
-  `rollback_lost`) and puts the slots back in the recorded order, so a restored cache computes
-  bit-identical logits.
-- Decisions: inside `decision()` (`Session.decide`) forwards do not prefetch; the pages that
-  the question's forward staged are recalled before the decision's first forward, and the call
-  is then decoded over that fixed hot set. Decode-time recalls are driven by the previous
-  token's query (one step late; in a tool call, the JSON scaffolding's) and swap context in the
-  middle of the call. Needle benchmark, 3K-token stream, budget 512, 20 cases (decide() right /
-  same outcome as the full cache): 17 / 15 with decode-time recalls, 18 / 14 without (the full
-  cache is right in 14; the one case lost against it is a tie, p 0.42 vs 0.42 for the two
-  forces, measured). It also keeps recall's copies and scoring off the decode steps.
-  `Session.generate()` (free text, possibly long) keeps recalling at every step.
-- Superseded sensor readings are never recalled: recall would otherwise churn on them (a new
-  reading attends strongly to its older, textually similar predecessors).
-
-Decisions never evict: between observe() calls the hot tier may grow by a decision's tokens up
-to `capacity` (budget + `reserve`); only a full cache forces an eviction mid-decision.
+The cache answers the same methods as the plain `KVCache` (`tokenspeed.model`), so sessions use
+either without branching. Measurements behind these choices: README, "Relevance-pruned KV cache".
 """
 from __future__ import annotations
 
@@ -70,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cold_tier import ColdTier
 from .model import KVCache, ModelArgs
 
 __all__ = ["KVConfig", "TieredKVCache", "ColdTier"]
@@ -83,9 +41,7 @@ class KVConfig:
         budget: hot-tier tokens kept after each observe().
         cold: cold-tier capacity (host memory); 0 drops evicted entries.
         recent: newest tokens always kept; None (default) = budget // 2, H2O's even split between
-            recent and heavy-hitter tokens. Measured on the needle benchmark (SmolLM2-135M, 3K-token
-            stream, budget 512): with 64 or 128 recent tokens the recalled note did not shape the
-            call (the model needs a coherent recent window), with 256 it did.
+            recent and heavy-hitter tokens (the model needs a coherent recent window).
         sinks: first tokens always kept (attention sinks).
         page: tokens per eviction/recall page.
         decay: per-new-token decay of relevance scores, in (0, 1].
@@ -94,9 +50,8 @@ class KVConfig:
         recall_queries: newest tokens of a forward whose queries score the cold pages.
         reserve: extra hot capacity for prefill chunks and decisions before eviction is forced.
         recall_room: tokens above `budget` that recalled pages may fill (None: up to budget +
-            reserve). Recalls during a decision otherwise grow the hot tier towards its capacity
-            (measured: 1.5-1.75x the budget after a 30-token decision at 4K-16K history), and
-            every decode step attends over it.
+            reserve). Recalls during a decision otherwise grow the hot tier towards its capacity,
+            and every decode step attends over it.
     Raises (on construction):
         ValueError: a size or rate is out of range.
     """
@@ -140,115 +95,11 @@ class KVSnapshot:
     score: torch.Tensor
 
 
-class ColdTier:
-    """Bounded host-memory store of evicted pages, with key summaries for recall scoring.
-
-    Storage per page slot: k, v [L, Hkv, page, D] (host, pinned when the cache is on CUDA),
-    pos [page] int64, count (valid tokens), score (at eviction), superseded flag; key min, max
-    and mean [L, Hkv, D, max_pages] on the compute device (slot last: scoring every page is one
-    matmul with no gather; gathering [P, L, Hkv, D] summaries per forward cost ~20 ms at 200
-    pages on 1 CPU thread, measured).
-    """
-
-    def __init__(self, args: ModelArgs, tokens: int, page: int, dtype, device):
-        self.page = page
-        self.max_pages = tokens // page
-        cuda = torch.device(device or "cpu").type == "cuda"
-        shape = (self.max_pages, args.n_layers, args.n_kv_heads, page, args.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
-        self.v = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
-        self.pos = torch.zeros(self.max_pages, page, dtype=torch.long)
-        self.count = torch.zeros(self.max_pages, dtype=torch.long)
-        self.score = torch.zeros(self.max_pages)
-        self.superseded = torch.zeros(self.max_pages, dtype=torch.bool)
-        summary = (args.n_layers, args.n_kv_heads, args.head_dim, self.max_pages)
-        self.kmin = torch.zeros(summary, dtype=torch.float32, device=device)
-        self.kmax = torch.zeros(summary, dtype=torch.float32, device=device)
-        self.kmean = torch.zeros(summary, dtype=torch.float32, device=device)
-        self.slot_of: dict[int, int] = {}     # page id (position // page) -> storage slot
-        self.free = list(range(self.max_pages - 1, -1, -1))
-
-    @property
-    def tokens(self) -> int:
-        return int(self.count.sum())
-
-    def put(self, pid: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: float,
-            superseded: bool) -> int:
-        """Store page `pid` (k, v [L, Hkv, c, D] on the compute device, pos [c]); returns tokens
-        dropped to make room (the victim is a superseded page first, then the lowest score)."""
-        dropped = 0
-        if pid in self.slot_of:  # the kept head of a page cut by a rollback: replaced by its new copy
-            dropped = int(self.count[self.slot_of[pid]])
-            self.remove([pid])
-        if not self.free:
-            used = torch.tensor(list(self.slot_of.values()))
-            key = self.score[used] - 1e9 * self.superseded[used].float()
-            victim = int(used[int(key.argmin())])
-            dropped += int(self.count[victim])
-            self.remove([p for p, s in self.slot_of.items() if s == victim])
-        s = self.free.pop()
-        c = pos.shape[0]
-        self.k[s, :, :, :c].copy_(k)
-        self.v[s, :, :, :c].copy_(v)
-        self.pos[s, :c] = pos.cpu()
-        self.count[s], self.score[s], self.superseded[s] = c, score, superseded
-        kf = k.float()
-        self.kmin[..., s], self.kmax[..., s], self.kmean[..., s] = kf.amin(dim=2), kf.amax(dim=2), kf.mean(dim=2)
-        self.slot_of[pid] = s
-        return dropped
-
-    def remove(self, pids) -> None:
-        for pid in pids:
-            s = self.slot_of.pop(pid)
-            self.count[s] = 0
-            self.free.append(s)
-
-    def truncate(self, n_tokens: int) -> None:
-        """Forget every stored token at position >= n_tokens (rollback)."""
-        for pid, s in list(self.slot_of.items()):
-            keep = int((self.pos[s, :int(self.count[s])] < n_tokens).sum())
-            if keep == 0:
-                self.remove([pid])
-            else:
-                self.count[s] = keep  # min/max over the old superset still bound the keys
-
-    def page_scores(self, pids: list[int], q: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quest upper bound and key-centroid score (both minus log-sum-exp, best over layers,
-        heads and queries) of each of the stored pages `pids`.
-
-        q: [L, H, R, D] fp32 queries, lse: [L, H, R]. Returns (bound [P], centroid [P]) fp32.
-        """
-        slots = torch.tensor([self.slot_of[p] for p in pids], device=self.kmin.device)
-        L, H, R, D = q.shape
-        Hkv = self.kmin.shape[1]
-        qg = q.reshape(L, Hkv, (H // Hkv) * R, D)
-        ub = (qg.clamp(min=0) @ self.kmax + qg.clamp(max=0) @ self.kmin) / math.sqrt(D)  # [L, Hkv, G*R, pages]
-        mean = (qg @ self.kmean) / math.sqrt(D)
-        ref = lse.reshape(L, Hkv, -1, 1)
-        return (ub - ref).amax(dim=(0, 1, 2))[slots], (mean - ref).amax(dim=(0, 1, 2))[slots]
-
-    def exact_scores(self, kp: torch.Tensor, counts: torch.Tensor, q: torch.Tensor,
-                     lse: torch.Tensor) -> torch.Tensor:
-        """Best softmax probability any token of each page gets from any (layer, head, query).
-
-        kp: [P, L, Hkv, page, D] keys, counts: [P] valid tokens, q: [L, H, R, D], lse [L, H, R].
-        Returns [P] fp32.
-        """
-        P, L, Hkv, page, D = kp.shape
-        R = q.shape[2]
-        qg = q.reshape(L, Hkv, -1, D)                                      # [L, Hkv, G*R, D]
-        s = torch.einsum("lhqd,plhtd->plhqt", qg, kp.float()) / math.sqrt(D)
-        s = s - lse.reshape(L, Hkv, -1, 1).to(s.device)
-        valid = torch.arange(page, device=s.device) < counts.to(s.device).view(P, 1)
-        s = s.masked_fill(~valid.view(P, 1, 1, 1, page), float("-inf"))
-        return s.amax(dim=(1, 2, 3, 4)).exp()
-
-
 class TieredKVCache(KVCache):
     """A `KVCache` whose hot tier is bounded by relevance pruning, backed by a `ColdTier`.
 
-    Sessions create it through `Engine.session(kv_budget=...)`. `segments` must be bound to the
-    session's segment list (pins and sensor supersession come from it).
+    Sessions create it through `Engine.session(kv_budget=...)`; they append their `Segment`s to
+    `segments` (pins and sensor supersession come from them).
 
     Args:
         args: model architecture. config: a `KVConfig`. dtype/device: like `KVCache`.
@@ -263,7 +114,6 @@ class TieredKVCache(KVCache):
         self.register_buffer("score", torch.zeros(self.capacity, dtype=torch.float32, device=device),
                              persistent=False)
         self.cold = ColdTier(args, config.cold, config.page, dtype, device) if config.cold else None
-        self.segments: list = []
         self._q: list[torch.Tensor | None] = [None] * args.n_layers    # last queries per layer [H, R, D]
         self._lse: list[torch.Tensor | None] = [None] * args.n_layers  # their log-sum-exp [H, R]
         self._staged: list = []      # prefetched pages (pid, k, v, pos) awaiting the exact check
@@ -301,6 +151,9 @@ class TieredKVCache(KVCache):
         if self.n + T > self.capacity:
             self.evict_to(self.capacity - T)
         super().prepare(T)  # raises if pinned and recent tokens alone leave no room
+
+    def admit(self, n_context: int, n_new: int) -> None:
+        """Any context fits: the hot tier is pruned to the budget, the rest is tiered."""
 
     def next_position(self) -> int:
         """Position of the next token: after the newest hot position, or the rollback point if later."""

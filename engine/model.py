@@ -5,12 +5,11 @@ RMSNorm, rotary embeddings (Hugging Face "rotate half" layout), grouped-query at
 SwiGLU, tied or untied embeddings. The numerics follow Hugging Face `transformers`' Llama
 implementation so logits match it for the same weights.
 
-Backend seam: attention and RMSNorm go through `Backend` (torch reference by default; Triton or
-other kernels slot in by passing another `Backend`), and every projection is an `nn.Linear` that
-quantized linears can replace (see `tokenspeed.quant`) without touching this file. On the CPU, a
-forward of at most `FUSED_ROWS` new tokens (decode, verification of drafts, forced runs) runs all
-layers in one C++ call when the extension is built (`tokenspeed.kernels.cpu_decode`; same math,
-a few ATen dispatches per layer instead of ~190 Python-level ops); `use_fused = False` turns it off.
+Every projection is an `nn.Linear` that quantized linears replace (`tokenspeed.quant`). On the
+CPU, a forward of at most `FUSED_ROWS` new tokens (decode, draft verification, forced runs) runs
+all layers in one C++ call when the extension is built (`tokenspeed.kernels.cpu_decode`, same
+math); `use_fused = False` turns it off. Attention that reports per-slot mass (relevance
+scoring) comes from `tokenspeed.kernels.attention`.
 
 The KV cache holds `n` valid slots as a contiguous prefix `[0, n)` per layer; each forward writes
 its T new tokens at slots `[n, n + T)` and attends over `[0, n + T)` (cached slots fully
@@ -27,7 +26,8 @@ layer's attention mass through `record_attention` and may reorganise its slots i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ from torch import nn
 from .kernels.attention import attention_mass
 from .kernels.cpu_decode import FUSED_ROWS, FusedDecode
 
-__all__ = ["ModelArgs", "Backend", "KVCache", "Transformer", "rope_tables", "apply_rope"]
+__all__ = ["ModelArgs", "KVCache", "Transformer", "rope_tables", "apply_rope"]
 
 
 @dataclass
@@ -86,21 +86,6 @@ class ModelArgs:
             qkv_bias=cfg.get("model_type") == "qwen2" or cfg.get("attention_bias", False),
         )
 
-    def to_hf_config(self) -> dict:
-        """Inverse of `from_hf_config` (a Llama/Qwen2 `config.json` dict)."""
-        return {
-            "architectures": ["Qwen2ForCausalLM" if self.qkv_bias else "LlamaForCausalLM"],
-            "model_type": "qwen2" if self.qkv_bias else "llama",
-            "hidden_size": self.dim, "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
-            "head_dim": self.head_dim, "intermediate_size": self.hidden_dim,
-            "vocab_size": self.vocab_size, "rms_norm_eps": self.norm_eps,
-            "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.max_seq_len,
-            "tie_word_embeddings": self.tie_embeddings, "hidden_act": "silu",
-            "torch_dtype": "float32",
-        }
-
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Computed in fp32 like Hugging Face LlamaRMSNorm, cast back to the input dtype.
@@ -113,22 +98,6 @@ def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     mask: torch.Tensor | None) -> torch.Tensor:
     # q: [1, H, T, D], k/v: [1, Hkv, S, D], mask: [T, S] bool (True = attend) or None (all)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-
-
-@dataclass
-class Backend:
-    """The kernel seam: functions the model calls for attention and normalisation.
-
-    attention(q [1,H,T,D], k [1,Hkv,S,D], v [1,Hkv,S,D], mask [T,S] bool | None) -> [1,H,T,D]
-    attention_mass(same args) -> (out [1,H,T,D], mass [S] fp32, lse [H,T] fp32): attention that
-        also returns the softmax mass per slot (summed over heads and queries), used when the
-        cache tracks relevance (`tokenspeed.kernels`).
-    rms_norm(x [..., dim], weight [dim], eps) -> [..., dim]
-    """
-
-    attention: callable = field(default=_sdpa_attention)
-    attention_mass: callable = field(default=attention_mass)
-    rms_norm: callable = field(default=_rms_norm)
 
 
 def rope_tables(args: ModelArgs, device=None, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,6 +135,13 @@ class KVCache(nn.Module):
 
     `n` is the number of valid slots (a contiguous prefix); `pos` [capacity] int64 holds each
     slot's rotary position. Truncating (rollback, rejected draft tokens) only lowers `n`.
+
+    The session-facing contract (`admit`, `trim`, `decision`, `snapshot`, `restore`,
+    `take_metrics`, `segments`) is shared with the pruned `tokenspeed.kv.TieredKVCache`; here
+    it keeps every token, so most of it does nothing.
+
+    Attributes:
+        segments: the session's `Segment`s in cache order (what each span of context holds).
     """
 
     tracks_attention = False  # True: forward calls record_attention(layer, q, mass, lse) per layer
@@ -178,6 +154,7 @@ class KVCache(nn.Module):
         self.register_buffer("pos", torch.zeros(capacity, dtype=torch.long, device=device), persistent=False)
         self.capacity = capacity
         self.n = 0
+        self.segments: list = []
 
     def truncate(self, n: int) -> None:
         """Keep only the first n slots (n <= current length)."""
@@ -198,6 +175,35 @@ class KVCache(nn.Module):
         """Rotary position for the next appended token (last position + 1, 0 when empty)."""
         return int(self.pos[self.n - 1]) + 1 if self.n else 0
 
+    def admit(self, n_context: int, n_new: int) -> None:
+        """Check that a context of n_context tokens can take n_new more.
+
+        Raises:
+            ValueError: it would exceed the capacity ("context full").
+        """
+        if n_context + n_new > self.capacity:
+            raise ValueError(f"context full: {n_context} + {n_new} tokens > KV capacity {self.capacity}")
+
+    def trim(self) -> None:
+        """Shrink to the cache's budget between decisions (every token is kept here)."""
+
+    @contextmanager
+    def decision(self):
+        """Scope of one decision's forwards (nothing changes here)."""
+        yield
+
+    def snapshot(self) -> None:
+        """State beyond the token count that `restore` needs (none here)."""
+        return None
+
+    def restore(self, n_tokens: int, snapshot=None) -> None:
+        """Go back to the first n_tokens tokens (rollback)."""
+        self.truncate(n_tokens)
+
+    def take_metrics(self) -> dict | None:
+        """Tiering metrics since the last call (None: this cache does not tier)."""
+        return None
+
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -208,7 +214,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(args.dim, q + 2 * kv, bias=args.qkv_bias)
         self.wo = nn.Linear(q, args.dim, bias=False)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, mask, backend: Backend):
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, mask):
         # x: [1, T, dim]; cos/sin: [T, D]; writes KV slots [start, start + T)
         T = x.shape[1]
         q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -220,10 +226,10 @@ class Attention(nn.Module):
         cache.k[layer, :, :, start:end] = k
         cache.v[layer, :, :, start:end] = v
         if cache.tracks_attention:
-            out, mass, lse = backend.attention_mass(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], mask)
+            out, mass, lse = attention_mass(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], mask)
             cache.record_attention(layer, q, mass, lse)
         else:
-            out = backend.attention(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], mask)
+            out = _sdpa_attention(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], mask)
         return self.wo(out.transpose(1, 2).reshape(1, T, -1))
 
 
@@ -258,11 +264,10 @@ class Transformer(nn.Module):
 
     use_fused = True
 
-    def __init__(self, args: ModelArgs, backend: Backend | None = None):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self._fused: FusedDecode | None | bool = False  # False: not built yet (see fused_decode)
-        self.backend = backend or Backend()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = nn.Parameter(torch.ones(args.dim))
@@ -337,7 +342,6 @@ class Transformer(nn.Module):
         start = cache.n
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         cache.pos[start:start + T] = positions
-        b = self.backend
         eps = self.args.norm_eps
         fused = (self.fused_decode() if self.use_fused and T <= FUSED_ROWS and cache.k.dtype == torch.float32
                  else None)
@@ -350,8 +354,8 @@ class Transformer(nn.Module):
                 mask[:, start:] = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
             h = self.tok_embeddings(tokens).unsqueeze(0)  # [1, T, dim]
             for i, layer in enumerate(self.layers):
-                h = h + layer.attention(b.rms_norm(h, layer.attention_norm, eps), cos, sin, cache, i, start, mask, b)
-                h = h + layer.feed_forward(b.rms_norm(h, layer.ffn_norm, eps))
+                h = h + layer.attention(_rms_norm(h, layer.attention_norm, eps), cos, sin, cache, i, start, mask)
+                h = h + layer.feed_forward(_rms_norm(h, layer.ffn_norm, eps))
         cache.n = start + T
         if isinstance(logits_for, str):
             if logits_for == "none":
@@ -359,7 +363,7 @@ class Transformer(nn.Module):
             h = h[0, -1:] if logits_for == "last" else h[0]
         else:
             h = h[0, logits_for]
-        h = b.rms_norm(h, self.norm, eps)
+        h = _rms_norm(h, self.norm, eps)
         return self.output(h).float() if head else h
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -191,7 +191,7 @@ def fused_ext(verbose: bool = False):
         ValueError: `$TOKENSPEED_CPU_ISA` names an unknown variant or one this CPU cannot run.
     """
     from .kernels.cpu_decode import load
-    from .weights import cache_dir
+    from .paths import cache_dir
 
     return load(cache_dir(), verbose=verbose)
 

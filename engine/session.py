@@ -13,183 +13,30 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import re
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass, field
 
 import torch
 
-from .grammar import (DEFAULT_TOOL_PROMPT, TokenMask, ToolGrammar, normalize_tools, parse_tool_calls,
-                      tools_system_prompt)
+from .decision import (Checkpoint, Decision, Segment, SessionArgumentError, finite_arg, positive_int_arg, sampling_args,
+                       settle)
+from .decode import NonFiniteLogitsError, Target, decode
+from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, ToolGrammar, normalize_tools, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
-from .quant import linear_rows
-from .speculative import SpecConfig, Speculator, decode
+from .paths import cache_dir
+from .speculation import SpecConfig, Speculator
 from .tokenizer import Tokenizer
-from .weights import ModelLoadError, cache_dir, load_model_files, resolve_model
+from .weights import ModelLoadError, load_model_files, resolve_model
 
 __all__ = ["Engine", "Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError"]
 
-PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the attention mask and activations
 # Probe prompts for quantize="auto": a format's greedy tokens after each must equal fp32's.
 _AUTO_PROBES = ("The red cube is at x=0.42 y=-0.10 on the table. Pick it up and",
                 '{"name": "move_to", "arguments": {"x": 0.31, "y":',
                 "Joint positions: [0.12, -0.54, 1.03]. The gripper is open. Next action:")
-LM_HEAD_ROWS = 4096  # grammar allows at most this many ids next -> project only those lm_head rows
 _ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,31}$")  # chat roles are template text: no markup in them
 _SESSION_IDS = itertools.count(1)
-
-
-class SessionArgumentError(ValueError, TypeError):
-    """An argument of a `Session` method is invalid (the message names it and what is accepted).
-
-    A ValueError and a TypeError, so callers that caught either before keep working.
-    """
-
-
-class NonFiniteLogitsError(ArithmeticError):
-    """A forward produced NaN or infinite logits (corrupt weights or an overflow): the decision
-    is answered "invalid", never "ok"."""
-
-
-def _finite(value, name: str, unit: str = "") -> float | None:
-    """A finite number, or None; else SessionArgumentError (a NaN deadline would disable it)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise SessionArgumentError(f"{name} must be a finite number{unit}, got {value!r}")
-    return float(value)
-
-
-def _sampling(temperature, top_p) -> None:
-    t, p = _finite(temperature, "temperature"), _finite(top_p, "top_p")
-    if t is None or p is None or t < 0 or not 0 < p <= 1:
-        raise SessionArgumentError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
-
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SessionArgumentError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-@dataclass
-class Decision:
-    """Result of `Session.decide()`.
-
-    Attributes:
-        status: "ok" (valid tool call(s), in time), "deadline_missed", "invalid" (the budget of
-            tokens ran out inside a call, or the grammar failed), or "text" (tool_choice "auto" or
-            "none", or a response format: the model answered in text; `reason` is "max_tokens"
-            when the text was cut there, else empty).
-        tool_call: the first call, `{"name": str, "arguments": dict}` (TokenSpeed's own shape:
-            arguments already parsed), when status == "ok", else None. `openai_message()` gives
-            OpenAI's shape.
-        tool_calls: every call of the answer in the same shape (several only with parallel=True).
-        text: the generated text (the raw call, or the text answer).
-        reason: why the status is not "ok" (empty when ok).
-        ttft_s: decide() start -> first token chosen, seconds.
-        itl_s: seconds between consecutive sampled tokens (amortised over the tokens of a step
-            when one verification emits several).
-        total_s: decide() wall time, seconds.
-        prefill_tokens: trigger tokens prefilled at decide() time (history was already cached).
-        forwards: model forward passes.
-        forced_tokens: tokens appended by jump-forward without sampling.
-        generated_tokens: tokens chosen by sampling (model decisions).
-        draft_tokens: tokens proposed by drafters and verified by the target (grammar-forced
-            runs inside a draft chain are counted in forced_tokens, not here).
-        accepted_tokens: of draft_tokens, how many the target accepted.
-        draft_sources: {"canonical" | "lookup" | "model": [proposed, accepted]} per drafter.
-        kv: KV tiering metrics since the previous decision (pruned sessions only, else None):
-            see `tokenspeed.kv.TieredKVCache.take_metrics`.
-    """
-
-    status: str
-    tool_call: dict | None = None
-    tool_calls: list[dict] = field(default_factory=list)
-    text: str = ""
-    reason: str = ""
-    ttft_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)
-    total_s: float = 0.0
-    prefill_tokens: int = 0
-    forwards: int = 0
-    forced_tokens: int = 0
-    generated_tokens: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    draft_sources: dict = field(default_factory=dict)
-    kv: dict | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @property
-    def finish_reason(self) -> str:
-        """OpenAI's finish_reason: "tool_calls", "stop", "length" (max_tokens), or TokenSpeed's
-        "deadline" (deadline_missed) and "invalid" (no valid call: see `reason`)."""
-        if self.status == "ok":
-            return "tool_calls"
-        if self.status == "text":
-            return "length" if self.reason == "max_tokens" else "stop"
-        return "deadline" if self.status == "deadline_missed" else "invalid"
-
-    def openai_message(self, call_ids: list[str] | None = None) -> dict:
-        """The answer as an OpenAI chat-completions assistant message.
-
-        `{"role": "assistant", "content": None, "tool_calls": [{"id", "type": "function",
-        "function": {"name", "arguments": "<JSON string>"}}]}` for calls; `{"role": "assistant",
-        "content": text}` for a text answer; content None for "deadline_missed" and "invalid"
-        (never a half call).
-
-        Args:
-            call_ids: ids for the calls (default "call_0", "call_1", ...).
-        """
-        if self.status == "ok":
-            ids = call_ids or [f"call_{i}" for i in range(len(self.tool_calls))]
-            return {"role": "assistant", "content": None, "tool_calls": [
-                {"id": i, "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
-                for i, c in zip(ids, self.tool_calls)]}
-        return {"role": "assistant", "content": self.text if self.status == "text" else None}
-
-    def timings(self) -> dict:
-        """Timings in milliseconds plus token counts, for printing or JSON."""
-        itl = sorted(self.itl_s)
-        return {"ttft_ms": self.ttft_s * 1e3, "total_ms": self.total_s * 1e3,
-                "itl_ms_p50": itl[len(itl) // 2] * 1e3 if itl else None,
-                "prefill_tokens": self.prefill_tokens, "forwards": self.forwards,
-                "forced_tokens": self.forced_tokens, "generated_tokens": self.generated_tokens,
-                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens}
-
-
-@dataclass
-class Segment:
-    """A span of context tokens [start, end) in cache order, with what it holds.
-
-    kind: "system" (system prompt + tool schemas, pinned), "text", "sensor", "assistant", "trigger".
-    source: who produced it (e.g. "joint_states"), or "".
-    """
-
-    start: int
-    end: int
-    kind: str
-    source: str = ""
-    pinned: bool = False
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """Opaque session state for `Session.rollback()`."""
-
-    n_tokens: int
-    pending: tuple[int, ...]
-    n_segments: int
-    last_segment_end: int
-    kv: object = None  # tokenspeed.kv.KVSnapshot for pruned sessions
-    session_id: int = 0  # the session it belongs to: another session's checkpoint is refused
 
 
 class Engine:
@@ -204,7 +51,7 @@ class Engine:
         weights: the weight format, "fp32", "int8" or "int4".
         weight_choice: the `tokenspeed.quant.FormatChoice` behind `weights` when loaded with
             quantize="auto" (its timings; None otherwise).
-        speculation: `tokenspeed.speculative.SpecConfig` new sessions speculate with (default:
+        speculation: `tokenspeed.speculation.SpecConfig` new sessions speculate with (default:
             prompt lookup, grammar runs and the shipped draft model when it matches this
             target), or None for plain decoding. Set it before creating sessions.
     """
@@ -354,31 +201,41 @@ class Session:
         self.model = engine.model
         self.tok = engine.tokenizer
         self.tools = tools
-        if kv_budget is None:
-            self.kv = None
-            self.cache = self.model.new_cache(capacity)
-        else:
-            self.kv = kv_budget if isinstance(kv_budget, KVConfig) else KVConfig(budget=kv_budget)  # validates it
-            w = self.model.tok_embeddings.weight
-            self.cache = TieredKVCache(self.model.args, self.kv, w.dtype, w.device)
-        self.tokens: list[int] = []        # token ids whose KV is in the cache, in slot order
-        self.pending: list[int] = []       # appended to the context but not yet prefilled
-        self.segments: list[Segment] = []
-        if self.kv is not None:
-            self.cache.segments = self.segments  # pins and sensor supersession come from here
-        self._mask = TokenMask(self.tok.vocab_size)
-        self._rows_matcher = None  # the running decision's grammar (see _lm_head_rows)
-        # In a pruned session the draft attends over the last `budget` tokens only: its cost stays flat.
-        self.speculator = Speculator(engine.speculation, self.model.args.max_seq_len,
-                                     None if self.kv is None else self.kv.budget)
         self._system_text = tools_system_prompt(system, tools, tool_prompt)
-        self._append(self._render([{"role": "system", "content": self._system_text}]), "system", pinned=True)
-        if self.kv is not None and self.num_tokens >= self.kv.budget:
-            raise ValueError(f"kv_budget {self.kv.budget} tokens cannot hold the pinned system prompt and tools "
-                             f"({self.num_tokens} tokens)")
+        system_ids = self.tok.encode_chat([{"role": "system", "content": self._system_text}], [])
+        if kv_budget is None:
+            cache, window = self.model.new_cache(capacity), None
+        else:
+            kv = kv_budget if isinstance(kv_budget, KVConfig) else KVConfig(budget=kv_budget)  # validates it
+            if len(system_ids) >= kv.budget:
+                raise ValueError(f"kv_budget {kv.budget} tokens cannot hold the pinned system prompt and tools "
+                                 f"({len(system_ids)} tokens)")
+            w = self.model.tok_embeddings.weight
+            cache, window = TieredKVCache(self.model.args, kv, w.dtype, w.device), kv.budget
+        self._mask = TokenMask(self.tok.vocab_size)
+        self.target = Target(self.model, cache, self._mask)
+        self.pending: list[int] = []       # appended to the context but not yet prefilled
+        # In a pruned session the draft attends over the last `budget` tokens only: its cost stays flat.
+        self.speculator = Speculator(engine.speculation, self.model.args.max_seq_len, window)
+        self._append(system_ids, "system", pinned=True)
         self._flush()
 
     # ---------------------------------------------------------------- context
+
+    @property
+    def cache(self):
+        """The KV cache (`tokenspeed.model.KVCache`, or `tokenspeed.kv.TieredKVCache` with a kv_budget)."""
+        return self.target.cache
+
+    @property
+    def tokens(self) -> list[int]:
+        """Token ids whose KV is in the cache, in slot order."""
+        return self.target.tokens
+
+    @property
+    def segments(self) -> list[Segment]:
+        """The context's `Segment`s in cache order (held by the KV cache, which prunes by them)."""
+        return self.target.cache.segments
 
     @property
     def num_tokens(self) -> int:
@@ -393,48 +250,19 @@ class Session:
 
     def _append(self, ids: list[int], kind: str, source: str = "", pinned: bool = False) -> None:
         start = self.num_tokens
-        if self.kv is None and start + len(ids) > self.cache.capacity:
-            raise ValueError(f"context full: {start} + {len(ids)} tokens > KV capacity {self.cache.capacity}")
+        self.cache.admit(start, len(ids))
         self.pending.extend(ids)
         self.segments.append(Segment(start, start + len(ids), kind, source, pinned))
 
     def _forward(self, ids: list[int], logits_for="last"):
         # Prefill/decode `ids` at the next positions; returns logits [1, V] for the last one.
-        pos0 = self.cache.next_position()
-        self.model.ensure_rope(pos0 + len(ids))  # pruned sessions outgrow max_seq_len
-        rows = self._lm_head_rows(logits_for)
-        out = None
-        for i in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[i:i + PREFILL_CHUNK]
-            last = i + PREFILL_CHUNK >= len(ids)
-            t = torch.tensor(chunk, dtype=torch.long)
-            pos = torch.arange(pos0 + i, pos0 + i + len(chunk), dtype=torch.long)
-            out = self.model(t, pos, self.cache, logits_for if last else "none", head=rows is None)
-        self.tokens.extend(ids)
-        if out is not None and out.numel() and not torch.isfinite(out).all():
-            raise NonFiniteLogitsError(f"non-finite logits at positions {pos0}..{pos0 + len(ids) - 1}")
-        if rows is not None:  # logits of the allowed ids only; the rest stay -inf (the mask's value)
-            logits = torch.full((1, self.model.args.vocab_size), float("-inf"))
-            logits[:, rows] = linear_rows(self.model.output, out, rows)
-            out = logits
-        return out
-
-    def _lm_head_rows(self, logits_for) -> torch.Tensor | None:
-        # During decide(), a single-row forward whose grammar allows few ids reads only those
-        # lm_head rows (vocab 49152 x dim is a fifth of the model's bytes per token).
-        single = (isinstance(logits_for, str) and logits_for == "last") or (
-            isinstance(logits_for, torch.Tensor) and logits_for.numel() == 1)
-        if self._rows_matcher is None or not single or self._rows_matcher.is_stopped():
-            return None
-        rows = self._mask.allowed(self._rows_matcher).nonzero().flatten()
-        return rows if 0 < len(rows) <= LM_HEAD_ROWS else None
+        return self.target.forward(ids, logits_for)
 
     def _flush(self) -> None:
         if self.pending:
             ids, self.pending = self.pending, []
             self._forward(ids, "none")
-            if self.kv is not None:
-                self.cache.trim()  # back to the KV budget between decisions
+            self.cache.trim()  # back to the KV budget between decisions
             self.speculator.observe(self.tokens)  # the draft model's KV follows, off the decision path
 
     def observe(self, content, role: str = "user", kind: str = "text", source: str = "", pin: bool = False) -> int:
@@ -474,8 +302,8 @@ class Session:
     def checkpoint(self) -> Checkpoint:
         """Capture the context (O(1): the KV prefix is immutable until rollback)."""
         last_end = self.segments[-1].end if self.segments else 0
-        kv = self.cache.snapshot() if self.kv is not None else None
-        return Checkpoint(len(self.tokens), tuple(self.pending), len(self.segments), last_end, kv, self.id)
+        return Checkpoint(len(self.tokens), tuple(self.pending), len(self.segments), last_end, self.cache.snapshot(),
+                          self.id)
 
     def rollback(self, cp: Checkpoint) -> None:
         """Restore the context exactly as it was at `cp` (later tokens and KV are discarded).
@@ -488,10 +316,7 @@ class Session:
             raise SessionArgumentError("rollback() takes a Checkpoint taken from this same session")
         if cp.n_tokens > len(self.tokens) or cp.n_segments > len(self.segments):
             raise ValueError("checkpoint is not a prefix of this session's context")
-        if self.kv is not None:
-            self.cache.restore(cp.n_tokens, cp.kv)  # also undoes evictions and recalls since cp
-        else:
-            self.cache.truncate(cp.n_tokens)
+        self.cache.restore(cp.n_tokens, cp.kv)  # a pruned cache also undoes evictions and recalls since cp
         del self.tokens[cp.n_tokens:]
         self.pending = list(cp.pending)
         del self.segments[cp.n_segments:]
@@ -538,10 +363,10 @@ class Session:
                 finite, top_p outside (0, 1].
         """
         t0 = time.perf_counter()
-        deadline = _finite(deadline, "deadline", " of seconds or None")
-        deadline_at = _finite(deadline_at, "deadline_at", " (time.monotonic() seconds) or None")
-        _positive_int(max_tokens, "max_tokens")
-        _sampling(temperature, top_p)
+        deadline = finite_arg(deadline, "deadline", " of seconds or None")
+        deadline_at = finite_arg(deadline_at, "deadline_at", " (time.monotonic() seconds) or None")
+        positive_int_arg(max_tokens, "max_tokens")
+        sampling_args(temperature, top_p)
         if deadline is not None:
             deadline_at = time.monotonic() + deadline
         if response_format is not None:
@@ -555,46 +380,33 @@ class Session:
         trigger = self.tok.encode(self.tok.assistant_prefix)
         self._append(trigger, "trigger")
         prefill, self.pending = self.pending, []
-        d = Decision(status="invalid")
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         stream = None if grammar is not None and grammar.mode == "required" else \
             self._text_stream(on_text, calls=grammar is not None and grammar.mode == "auto")
-        self._rows_matcher = matcher
         try:
-            with self.cache.decision() if self.kv is not None else nullcontext():  # recall: first forward only
-                out, feed = decode(self, prefill, d, matcher=matcher, jump_forward=jump_forward,
-                                   max_tokens=max_tokens, deadline_at=deadline_at, t0=t0, temperature=temperature,
-                                   top_p=top_p, generator=gen, on_token=stream)
+            with self.cache.decision():  # a pruned cache recalls before the first forward only
+                out, feed, stats = decode(self.target, self.speculator, prefill, tok=self.tok, matcher=matcher,
+                                          jump_forward=jump_forward, max_tokens=max_tokens, deadline_at=deadline_at,
+                                          t0=t0, temperature=temperature, top_p=top_p, generator=gen,
+                                          on_token=stream)
         except NonFiniteLogitsError as exc:  # never "ok" on garbage: the monitor's fallback applies
             out, feed = [], []
-            d.status, d.reason = "invalid", str(exc)
+            d = Decision(status="invalid", reason=str(exc))
             grammar = stream = None
             is_text = False
         else:
+            d = Decision(status="deadline_missed" if stats.deadline_missed else "invalid", reason=stats.reason,
+                         **stats.counters())
             is_text = True
-        finally:
-            self._rows_matcher = None
         if stream is not None:
             stream(out)  # grammar-forced tokens that closed the answer after the last step
         d.prefill_tokens = len(prefill)
         d.text = self.tok.decode(out)
         is_text = is_text and (grammar is None or grammar.mode == "json"
                                or (grammar.mode == "auto" and d.text[:1] not in ("", "<")))
-        if deadline_at is not None and time.monotonic() >= deadline_at and d.status != "deadline_missed":
-            d.status, d.reason = "deadline_missed", "deadline passed before the answer completed"
-        elif d.status == "deadline_missed":
-            pass
-        elif is_text and (matcher is None or matcher.is_accepting() or len(out) >= max_tokens):
-            d.status, d.reason = "text", "max_tokens" if len(out) >= max_tokens else ""
-        elif d.status == "invalid" and not d.reason and matcher.is_accepting():
-            calls = parse_tool_calls(d.text)
-            if calls is not None:
-                d.status, d.tool_calls, d.tool_call = "ok", calls, calls[0]
-            else:
-                d.reason = f"output is not a tool call: {d.text[:80]!r}"
+        settle(d, matcher, is_text, len(out), max_tokens, deadline_at)
         d.total_s = time.perf_counter() - t0
-        if self.kv is not None:
-            d.kv = self.cache.take_metrics()
+        d.kv = self.cache.take_metrics()
         if d.status in ("ok", "text"):
             # The answer stays in the context; its unprocessed tail is prefilled with the next observe().
             end = self.tok.encode(self.tok.assistant_suffix)
@@ -643,16 +455,16 @@ class Session:
         """
         if prompt is not None and not isinstance(prompt, str):
             raise SessionArgumentError(f"prompt must be a string or None, got {type(prompt).__name__}")
-        _positive_int(max_tokens, "max_tokens")
-        _sampling(temperature, top_p)
+        positive_int_arg(max_tokens, "max_tokens")
+        sampling_args(temperature, top_p)
         if prompt is not None:
             self._append(self._render([{"role": "user", "content": prompt}]), "text")
         self._append(self.tok.encode(self.tok.assistant_prefix), "assistant")
         feed, self.pending = self.pending, []
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        out, feed = decode(self, feed, Decision(status="text"), max_tokens=max_tokens, temperature=temperature,
-                           top_p=top_p, generator=gen, on_token=self._text_stream(on_token))
+        out, feed, _ = decode(self.target, self.speculator, feed, tok=self.tok, max_tokens=max_tokens,
+                              temperature=temperature, top_p=top_p, generator=gen,
+                              on_token=self._text_stream(on_token))
         self.pending = feed + self.tok.encode(self.tok.assistant_suffix)
         self.segments[-1].end = len(self.tokens) + len(self.pending)
         return self.tok.decode(out)
-

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .model import ModelArgs
+from .paths import cache_dir
 
 __all__ = ["ModelLoadError", "ModelFiles", "default_model_path", "resolve_model", "load_model_files", "model_args",
            "check_finite"]
@@ -46,16 +47,6 @@ class ModelFiles:
     folder: Path
     args: ModelArgs
     source: str
-
-
-def cache_dir() -> Path:
-    """Root of the converted-model cache (`$TOKENSPEED_CACHE`, else the platform user cache)."""
-    env = os.environ.get("TOKENSPEED_CACHE")
-    if env:
-        return Path(env)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("tokenspeed"))
 
 
 def default_model_path() -> Path:

@@ -40,7 +40,7 @@ def cmd_build_data(args) -> int:
 
 def cmd_train(args) -> int:
     """Train the draft model and print the held-out report."""
-    from ..speculative import DEFAULT_DRAFT
+    from ..speculation import DEFAULT_DRAFT
     from .train import train
 
     report = train(_engine(args), Path(args.data), Path(args.out), epochs=args.epochs, lr=args.lr,
@@ -54,7 +54,7 @@ def cmd_train(args) -> int:
 
 def cmd_eval(args) -> int:
     """Acceptance and speed per drafter on the held-out split."""
-    from ..speculative import DEFAULT_DRAFT, DraftModel
+    from ..speculation import DEFAULT_DRAFT, DraftModel
     from .evaluate import analyze, evaluate, verify_cost
 
     engine = _engine(args)
@@ -77,7 +77,7 @@ def cmd_eval(args) -> int:
 
 def cmd_speedup(args) -> int:
     """Decision latency on the AAL turns, speculative vs plain, alternating in one process."""
-    from ..speculative import DEFAULT_DRAFT, DraftModel
+    from ..speculation import DEFAULT_DRAFT, DraftModel
     from .speedup import speedup
 
     engine = _engine(args)

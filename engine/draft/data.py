@@ -185,7 +185,7 @@ def build_data(engine, tasks: list[Task], out: Path, max_tokens: int = 128, resu
         ValueError: resume into a file built for another target model.
     """
     from tokenspeed import ToolSchemaError
-    from tokenspeed.speculative import fingerprint
+    from tokenspeed.speculation import fingerprint
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

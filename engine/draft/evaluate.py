@@ -35,7 +35,7 @@ from tqdm import tqdm
 import numpy as np
 import torch
 
-from ..speculative import DraftModel, PromptLookup, SpecConfig, Speculator, copy_source
+from ..speculation import DraftModel, PromptLookup, SpecConfig, Speculator, copy_source
 from .data import read_data
 from .train import context_view
 

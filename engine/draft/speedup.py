@@ -22,7 +22,7 @@ import statistics
 
 from tqdm import tqdm
 
-from ..speculative import DraftModel, SpecConfig, Speculator
+from ..speculation import DraftModel, SpecConfig, Speculator
 
 __all__ = ["speedup"]
 

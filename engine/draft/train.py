@@ -1,6 +1,6 @@
 """`tokenspeed draft train`: fit the co-located draft model to the target's own tool calls.
 
-The draft (`tokenspeed.speculative.DraftModel`) is one or two Llama decoder layers between the
+The draft (`tokenspeed.speculation.DraftModel`) is one or two Llama decoder layers between the
 target's frozen token embeddings and the target's frozen lm_head rows for a reduced vocabulary.
 Its layers start as slices of the target's first layers. Loss: cross-entropy against the
 target's greedy token at every output position the draft will be asked about; grammar-forced
@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from ..model import Transformer
-from ..speculative import DraftModel
+from ..speculation import DraftModel
 from .data import read_data
 
 __all__ = ["draft_vocab", "train", "heldout_report", "context_view"]
@@ -140,7 +140,7 @@ def train(engine, data: Path, out_dir: Path, *, epochs: float = 2.0, lr: float =
             vocab_size or window out of range; `resume` from a file that is not a checkpoint of
             this architecture.
     """
-    from ..speculative import fingerprint
+    from ..speculation import fingerprint
 
     if not epochs > 0 or vocab_size < 1 or (window is not None and window < 1):
         raise ValueError(f"train: need epochs > 0, vocab_size >= 1 and window >= 1 or None "

@@ -8,7 +8,7 @@ import torch
 
 from tokenspeed.draft import main
 from tokenspeed.draft.data import read_data
-from tokenspeed.speculative import DraftModel, SpecConfig
+from tokenspeed.speculation import DraftModel, SpecConfig
 
 
 @pytest.mark.slow
@@ -90,7 +90,7 @@ def test_bad_files_and_settings_are_refused_with_their_names(tmp_path, engine):
 
     from safetensors.torch import save_file
 
-    from tokenspeed.speculative import DEFAULT_DRAFT
+    from tokenspeed.speculation import DEFAULT_DRAFT
 
     arr = tmp_path / "arr.jsonl"
     arr.write_text("[1, 2, 3]\n")

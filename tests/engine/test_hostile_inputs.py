@@ -166,8 +166,10 @@ def test_bad_tools_and_tool_choice_raise_tool_schema_errors(tiny_engine, robot_t
 
 
 def _folder_with_config(tmp_path, **changes):
-    cfg = tokenspeed.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
-                               vocab_size=49152, max_seq_len=512).to_hf_config()
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+           "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
+           "max_position_embeddings": 512, "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "float32"}
     cfg.update(changes)
     for k in [k for k, v in changes.items() if v is ...]:
         del cfg[k]

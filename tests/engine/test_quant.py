@@ -83,18 +83,18 @@ def test_quantized_engines_make_the_same_robot_calls_as_fp32():
 
 
 def test_decisions_read_only_the_allowed_lm_head_rows_with_the_same_result(monkeypatch):
-    import tokenspeed.session as session_mod
+    import tokenspeed.decode as decode_mod
 
     engine = tokenspeed.Engine.load("tiny-random")
     tools = [{"type": "function", "function": {"name": "pick", "parameters": {"type": "object", "properties": {
         "object": {"type": "string", "enum": ["red_cube", "green_cube", "blue_cube"]},
         "speed": {"type": "integer", "minimum": 1, "maximum": 90}}, "required": ["object", "speed"]}}}]
     seen = []
-    real = session_mod.linear_rows
-    monkeypatch.setattr(session_mod, "linear_rows", lambda lin, x, rows: seen.append(len(rows)) or real(lin, x, rows))
-    results, default = {}, session_mod.LM_HEAD_ROWS
+    real = decode_mod.linear_rows
+    monkeypatch.setattr(decode_mod, "linear_rows", lambda lin, x, rows: seen.append(len(rows)) or real(lin, x, rows))
+    results, default = {}, decode_mod.LM_HEAD_ROWS
     for limit in (default, 0):  # 0: always the full lm_head
-        monkeypatch.setattr(session_mod, "LM_HEAD_ROWS", limit)
+        monkeypatch.setattr(decode_mod, "LM_HEAD_ROWS", limit)
         s = engine.session(system="You control a robot arm.", tools=tools)
         s.observe("Pick up the red cube slowly.")
         d = s.decide(max_tokens=40)

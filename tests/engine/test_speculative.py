@@ -7,7 +7,6 @@ distribution can be enumerated.
 import itertools
 import json
 import math
-import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,9 +17,9 @@ import torch
 import tokenspeed
 from tokenspeed.bfcl import load_bfcl
 from tokenspeed.model import ModelArgs, Transformer
-from tokenspeed.session import Decision, Session
-from tokenspeed.speculative import (AdaptiveLength, DraftModel, ForcedText, MessageMatch, PromptLookup, SpecConfig,
-                                    Speculator, copy_source, decode)
+from tokenspeed.decode import Target, decode
+from tokenspeed.speculation import (AdaptiveLength, DraftModel, ForcedText, MessageMatch, PromptLookup, SpecConfig,
+                                    Speculator, copy_source)
 
 ROOT = Path(__file__).resolve().parents[2]
 ROBOT_TOOLS = json.loads((ROOT / "tokenspeed_ros/config/robot_tools.json").read_text())
@@ -296,15 +295,9 @@ def _tiny(seed):
     return net.eval()
 
 
-def _tiny_session(model, config):
-    """A Session over a small-vocabulary model (no tokenizer or grammar: its attributes are set
-    directly, so the real Session._forward bookkeeping runs)."""
-    s = Session.__new__(Session)
-    s.model, s.cache, s.tokens, s.kv = model, model.new_cache(64), [], None
-    s.tok = types.SimpleNamespace(stop_ids=[])
-    s._mask = s._rows_matcher = None
-    s.speculator = Speculator(config, 64)
-    return s
+def _tiny_target(model):
+    """The decode loop's target over a small-vocabulary model (no tokenizer or grammar needed)."""
+    return Target(model, model.new_cache(64))
 
 
 def _exact_distribution(model):
@@ -343,9 +336,8 @@ def test_rejection_sampling_preserves_target_distribution(one_thread):
     counts = dict.fromkeys(exact, 0)
     drafted = accepted = 0
     for _ in range(n):
-        s = _tiny_session(target, config)
-        d = Decision(status="text")
-        out, _ = decode(s, list(PROMPT), d, max_tokens=N_OUT, temperature=1.0, generator=gen)
+        out, _, d = decode(_tiny_target(target), Speculator(config, 64), list(PROMPT), max_tokens=N_OUT,
+                           temperature=1.0, generator=gen)
         counts[tuple(out)] += 1
         drafted, accepted = drafted + d.draft_tokens, accepted + d.accepted_tokens
     assert 0 < accepted < drafted  # rejections happened, so the residual distribution was used

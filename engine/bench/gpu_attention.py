@@ -1,6 +1,6 @@
 """GPU timing of decode attention with slot mass: Triton kernel vs the torch path vs plain SDPA.
 
-    python -m tokenspeed.kernels.bench_gpu [--json out.json] [--session]
+    python -m tokenspeed.bench.gpu_attention [--json out.json] [--session]
 
 Checks the Triton kernel against the torch path on the GPU first (raises AssertionError on a
 mismatch), then times one decode step (T = 1) at several hot-tier sizes for the SmolLM2-135M
@@ -34,7 +34,7 @@ def _time_us(fn, iters: int = 50) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tokenspeed.kernels.bench_gpu")
+    ap = argparse.ArgumentParser(prog="python -m tokenspeed.bench.gpu_attention")
     ap.add_argument("--json", default=None)
     ap.add_argument("--session", action="store_true", help="also time pruned-cache decisions on CUDA")
     args = ap.parse_args(argv)
@@ -42,11 +42,11 @@ def main(argv=None) -> int:
         print("no CUDA device", file=sys.stderr)
         return 2
     try:
-        from .triton_decode import decode_attention_with_mass
+        from ..kernels.triton_decode import decode_attention_with_mass
     except ImportError as exc:
         print(f"triton missing: {exc}", file=sys.stderr)
         return 2
-    from .attention import attention_with_mass
+    from ..kernels.attention import attention_with_mass
 
     rows = []
     print(f"# {torch.cuda.get_device_name()}; torch {torch.__version__}")
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
                       f"{row['sdpa_us']:.1f} | {err:.1e} |", flush=True)
     if args.session:
         from .. import Engine
-        from ..bench.kv import cost
+        from .kv import cost
 
         engine = Engine.load(device="cuda")
         rows += cost(engine, histories=(1024, 4096, 16384), budget=1024, decisions=3, full_upto=4096)

@@ -1,0 +1,114 @@
+"""The cold tier of the pruned KV cache: evicted pages in host memory, with key summaries that let
+the newest queries bound each page's attention (Quest, Tang et al. 2024) before it is recalled."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .model import ModelArgs
+
+__all__ = ["ColdTier"]
+
+
+class ColdTier:
+    """Bounded host-memory store of evicted pages, with key summaries for recall scoring.
+
+    Storage per page slot: k, v [L, Hkv, page, D] (host, pinned when the cache is on CUDA),
+    pos [page] int64, count (valid tokens), score (at eviction), superseded flag; key min, max
+    and mean [L, Hkv, D, max_pages] on the compute device (slot last: scoring every page is one
+    matmul with no gather).
+    """
+
+    def __init__(self, args: ModelArgs, tokens: int, page: int, dtype, device):
+        self.page = page
+        self.max_pages = tokens // page
+        cuda = torch.device(device or "cpu").type == "cuda"
+        shape = (self.max_pages, args.n_layers, args.n_kv_heads, page, args.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
+        self.v = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
+        self.pos = torch.zeros(self.max_pages, page, dtype=torch.long)
+        self.count = torch.zeros(self.max_pages, dtype=torch.long)
+        self.score = torch.zeros(self.max_pages)
+        self.superseded = torch.zeros(self.max_pages, dtype=torch.bool)
+        summary = (args.n_layers, args.n_kv_heads, args.head_dim, self.max_pages)
+        self.kmin = torch.zeros(summary, dtype=torch.float32, device=device)
+        self.kmax = torch.zeros(summary, dtype=torch.float32, device=device)
+        self.kmean = torch.zeros(summary, dtype=torch.float32, device=device)
+        self.slot_of: dict[int, int] = {}     # page id (position // page) -> storage slot
+        self.free = list(range(self.max_pages - 1, -1, -1))
+
+    @property
+    def tokens(self) -> int:
+        return int(self.count.sum())
+
+    def put(self, pid: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: float,
+            superseded: bool) -> int:
+        """Store page `pid` (k, v [L, Hkv, c, D] on the compute device, pos [c]); returns tokens
+        dropped to make room (the victim is a superseded page first, then the lowest score)."""
+        dropped = 0
+        if pid in self.slot_of:  # the kept head of a page cut by a rollback: replaced by its new copy
+            dropped = int(self.count[self.slot_of[pid]])
+            self.remove([pid])
+        if not self.free:
+            used = torch.tensor(list(self.slot_of.values()))
+            key = self.score[used] - 1e9 * self.superseded[used].float()
+            victim = int(used[int(key.argmin())])
+            dropped += int(self.count[victim])
+            self.remove([p for p, s in self.slot_of.items() if s == victim])
+        s = self.free.pop()
+        c = pos.shape[0]
+        self.k[s, :, :, :c].copy_(k)
+        self.v[s, :, :, :c].copy_(v)
+        self.pos[s, :c] = pos.cpu()
+        self.count[s], self.score[s], self.superseded[s] = c, score, superseded
+        kf = k.float()
+        self.kmin[..., s], self.kmax[..., s], self.kmean[..., s] = kf.amin(dim=2), kf.amax(dim=2), kf.mean(dim=2)
+        self.slot_of[pid] = s
+        return dropped
+
+    def remove(self, pids) -> None:
+        for pid in pids:
+            s = self.slot_of.pop(pid)
+            self.count[s] = 0
+            self.free.append(s)
+
+    def truncate(self, n_tokens: int) -> None:
+        """Forget every stored token at position >= n_tokens (rollback)."""
+        for pid, s in list(self.slot_of.items()):
+            keep = int((self.pos[s, :int(self.count[s])] < n_tokens).sum())
+            if keep == 0:
+                self.remove([pid])
+            else:
+                self.count[s] = keep  # min/max over the old superset still bound the keys
+
+    def page_scores(self, pids: list[int], q: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quest upper bound and key-centroid score (both minus log-sum-exp, best over layers,
+        heads and queries) of each of the stored pages `pids`.
+
+        q: [L, H, R, D] fp32 queries, lse: [L, H, R]. Returns (bound [P], centroid [P]) fp32.
+        """
+        slots = torch.tensor([self.slot_of[p] for p in pids], device=self.kmin.device)
+        L, H, R, D = q.shape
+        Hkv = self.kmin.shape[1]
+        qg = q.reshape(L, Hkv, (H // Hkv) * R, D)
+        ub = (qg.clamp(min=0) @ self.kmax + qg.clamp(max=0) @ self.kmin) / math.sqrt(D)  # [L, Hkv, G*R, pages]
+        mean = (qg @ self.kmean) / math.sqrt(D)
+        ref = lse.reshape(L, Hkv, -1, 1)
+        return (ub - ref).amax(dim=(0, 1, 2))[slots], (mean - ref).amax(dim=(0, 1, 2))[slots]
+
+    def exact_scores(self, kp: torch.Tensor, counts: torch.Tensor, q: torch.Tensor,
+                     lse: torch.Tensor) -> torch.Tensor:
+        """Best softmax probability any token of each page gets from any (layer, head, query).
+
+        kp: [P, L, Hkv, page, D] keys, counts: [P] valid tokens, q: [L, H, R, D], lse [L, H, R].
+        Returns [P] fp32.
+        """
+        P, L, Hkv, page, D = kp.shape
+        R = q.shape[2]
+        qg = q.reshape(L, Hkv, -1, D)                                      # [L, Hkv, G*R, D]
+        s = torch.einsum("lhqd,plhtd->plhqt", qg, kp.float()) / math.sqrt(D)
+        s = s - lse.reshape(L, Hkv, -1, 1).to(s.device)
+        valid = torch.arange(page, device=s.device) < counts.to(s.device).view(P, 1)
+        s = s.masked_fill(~valid.view(P, 1, 1, 1, page), float("-inf"))
+        return s.amax(dim=(1, 2, 3, 4)).exp()

@@ -1,0 +1,335 @@
+"""The decode loop of `Session.decide()` and `Session.generate()`: jump-forward, draft, verify, accept.
+
+Each step appends the tokens the grammar forces (jump-forward, no model), lets the speculator draft
+a chain, runs the target once over [fed tokens, chain], keeps the accepted prefix (greedy: equal to
+the target's masked argmax; sampling: speculative rejection sampling, Leviathan et al. 2023, alg. 1;
+Chen et al. 2023) and discards the rest. With no drafter a step is plain decoding, so greedy output
+is token-for-token the plain greedy output. The loop sees the model only through `Target`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .quant import linear_rows
+from .speculation import ForcedText, MessageMatch, Speculator, copy_source
+from .speculation.drafters import GRAMMAR
+
+__all__ = ["Target", "DecodeStats", "NonFiniteLogitsError", "decode", "token_probs", "PREFILL_CHUNK", "LM_HEAD_ROWS"]
+
+PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the attention mask and activations
+LM_HEAD_ROWS = 4096  # grammar allows at most this many ids next -> project only those lm_head rows
+MAX_VERIFY = 512     # most tokens one verification forward carries
+
+
+class NonFiniteLogitsError(ArithmeticError):
+    """A forward produced NaN or infinite logits (corrupt weights or an overflow): the decision
+    is answered "invalid", never "ok"."""
+
+
+class Target:
+    """The target model over one session's KV cache and token ids: all the decode loop asks of it.
+
+    Attributes:
+        model: the `Transformer`.
+        cache: its KV cache (`tokenspeed.model.KVCache` or `tokenspeed.kv.TieredKVCache`).
+        tokens: token ids whose KV is in the cache, in slot order.
+        mask: the `TokenMask` that projects grammar-allowed lm_head rows only (None: never).
+    """
+
+    def __init__(self, model, cache, mask=None):
+        self.model, self.cache, self.mask = model, cache, mask
+        self.tokens: list[int] = []
+
+    def forward(self, ids: list[int], rows="last", matcher=None) -> torch.Tensor | None:
+        """Append `ids` to the cache at the next positions (in chunks of `PREFILL_CHUNK`).
+
+        Args:
+            ids: new token ids.
+            rows: which rows of the last chunk get logits: "last" -> [1, V], "all" -> [T, V], an
+                int64 index tensor [K] -> [K, V], "none" -> None (prefill).
+            matcher: the running grammar, or None; a single-row forward whose grammar allows at
+                most `LM_HEAD_ROWS` ids projects only those lm_head rows (the rest stay -inf).
+        Returns:
+            fp32 logits as above.
+        Raises:
+            NonFiniteLogitsError: NaN or infinite logits.
+            ValueError: the cache has no room.
+        """
+        pos0 = self.cache.next_position()
+        self.model.ensure_rope(pos0 + len(ids))  # pruned sessions outgrow max_seq_len
+        head_rows = self._head_rows(rows, matcher)
+        out = None
+        for i in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[i:i + PREFILL_CHUNK]
+            last = i + PREFILL_CHUNK >= len(ids)
+            t = torch.tensor(chunk, dtype=torch.long)
+            pos = torch.arange(pos0 + i, pos0 + i + len(chunk), dtype=torch.long)
+            out = self.model(t, pos, self.cache, rows if last else "none", head=head_rows is None)
+        self.tokens.extend(ids)
+        if out is not None and out.numel() and not torch.isfinite(out).all():
+            raise NonFiniteLogitsError(f"non-finite logits at positions {pos0}..{pos0 + len(ids) - 1}")
+        if head_rows is not None:  # hidden [1, dim] -> logits [1, V] of the allowed ids only
+            logits = torch.full((1, self.model.args.vocab_size), float("-inf"))
+            logits[:, head_rows] = linear_rows(self.model.output, out, head_rows)
+            out = logits
+        return out
+
+    def _head_rows(self, rows, matcher) -> torch.Tensor | None:
+        # A single-row forward under a grammar that allows few ids reads only those lm_head rows
+        # (vocab x dim is a large share of the model's bytes per token).
+        single = (isinstance(rows, str) and rows == "last") or (isinstance(rows, torch.Tensor) and rows.numel() == 1)
+        if matcher is None or self.mask is None or not single or matcher.is_stopped():
+            return None
+        allowed = self.mask.allowed(matcher).nonzero().flatten()
+        return allowed if 0 < len(allowed) <= LM_HEAD_ROWS else None
+
+    def discard(self, n: int) -> None:
+        """Drop the KV and token ids of the last n cached tokens (rejected draft tokens)."""
+        if n:
+            self.cache.truncate(self.cache.n - n)
+            del self.tokens[len(self.tokens) - n:]
+
+
+@dataclass
+class DecodeStats:
+    """What one `decode` call did (the `Decision` fields of the same names).
+
+    Attributes: ttft_s (start -> first chosen token, seconds), itl_s (seconds per token, amortised
+    over a step's tokens), forwards, forced_tokens, generated_tokens, draft_tokens,
+    accepted_tokens, draft_sources ({source: [proposed, accepted]}), deadline_missed (bool),
+    reason (why the answer ended early, or "").
+    """
+
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    forwards: int = 0
+    forced_tokens: int = 0
+    generated_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_sources: dict = field(default_factory=dict)
+    deadline_missed: bool = False
+    reason: str = ""
+
+    def counters(self) -> dict:
+        """The timings and token counts, as `Decision` keyword arguments."""
+        out = asdict(self)
+        del out["deadline_missed"], out["reason"]
+        return out
+
+
+def decode(target: Target, speculator: Speculator, feed: list[int], *, tok=None, matcher=None,
+           jump_forward: bool = True, max_tokens: int = 256, deadline_at: float | None = None,
+           temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+           t0: float | None = None, on_token=None) -> tuple[list[int], list[int], DecodeStats]:
+    """Decode one answer: speculative when `speculator` has drafters, plain otherwise.
+
+    Args:
+        target: the `Target` (its cache and token ids advance by what is accepted).
+        speculator: the session's `Speculator`.
+        feed: tokens to feed before the first decision (not yet in the KV cache).
+        tok: the `Tokenizer` (stop ids, copy sources), or None (no stop tokens, no copies).
+        matcher: llguidance matcher (grammar; needs `target.mask`) or None (free text).
+        jump_forward: append grammar-forced tokens without sampling them.
+        max_tokens: most output tokens (forced ones included).
+        deadline_at: absolute `time.monotonic()` deadline, or None.
+        temperature, top_p, generator: sampling (temperature 0: greedy).
+        t0: `time.perf_counter()` at the call's start (for ttft_s).
+        on_token: callback(list[int]) receiving the output ids after each step; True ends the answer.
+    Returns:
+        (out, feed, stats): the output ids (stop token excluded), the last chosen token(s) not yet
+        in the KV cache, and the counters.
+    Raises:
+        NonFiniteLogitsError: a forward produced NaN/inf logits.
+    """
+    stats = DecodeStats()
+    t0 = time.perf_counter() if t0 is None else t0
+    stop_ids = set(tok.stop_ids) if tok is not None else set()
+    copying = _copy_helpers(target.tokens + feed, speculator, tok, matcher, stop_ids)
+    out: list[int] = []
+    t_last = None
+    while True:
+        if matcher is not None:
+            if jump_forward:
+                feed = feed + _jump_forward(matcher, out, stats)
+            if matcher.is_stopped():
+                break
+        if _ends_before_step(stats, len(out), deadline_at, max_tokens):
+            break
+        feed, stop, emitted, now = _step(target, speculator, feed, out, stats, copying, matcher, jump_forward,
+                                         max_tokens, temperature, top_p, generator, stop_ids)
+        if emitted:
+            if t_last is None:
+                stats.ttft_s = now - t0
+            else:  # amortised: a step that emits several tokens spreads its time over them
+                stats.itl_s.extend([(now - t_last) / emitted] * emitted)
+            t_last = now
+        if on_token is not None and on_token(out):
+            stop = True  # the caller ends the answer here (a stop sequence)
+        if stop or (matcher is None and len(out) >= max_tokens):
+            break
+    return out, feed, stats
+
+
+def _copy_helpers(context: list[int], speculator: Speculator, tok, matcher, stop_ids: set[int]):
+    """(copy source, MessageMatch or None, ForcedText or None) for this answer's drafting."""
+    source = copy_source(context, len(context), stop_ids) if speculator.lookup else None
+    match = None
+    if source is not None and matcher is not None and tok is not None:
+        texts = speculator.token_texts
+
+        def token_text(i: int) -> str:
+            if i not in texts:
+                texts[i] = tok.decode([i])
+            return texts[i]
+
+        match = MessageMatch(tok.decode(context[source[0]:source[1]], skip_special=True), token_text)
+    forced_text = ForcedText(tok.encode) if speculator.forced_text and matcher is not None and tok is not None else None
+    return source, match, forced_text
+
+
+def _jump_forward(matcher, out: list[int], stats: DecodeStats) -> list[int]:
+    """Consume the tokens the grammar forces now; they join the output and the next feed."""
+    forced = matcher.compute_ff_tokens()
+    if forced and matcher.consume_tokens(forced):
+        out.extend(forced)
+        stats.forced_tokens += len(forced)
+        return forced
+    return []
+
+
+def _ends_before_step(stats: DecodeStats, n_out: int, deadline_at: float | None, max_tokens: int) -> bool:
+    """Whether the deadline or the token budget ends the answer before the next step (reason set)."""
+    if deadline_at is not None and time.monotonic() >= deadline_at:
+        stats.deadline_missed, stats.reason = True, f"deadline passed after {n_out} tokens"
+        return True
+    if n_out >= max_tokens:
+        stats.reason = f"no complete call within max_tokens={max_tokens}"
+        return True
+    return False
+
+
+def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], stats: DecodeStats, copying,
+          matcher, jump_forward: bool, max_tokens: int, temperature: float, top_p: float, generator,
+          stop_ids: set[int]) -> tuple[list[int], bool, int, float]:
+    """Draft, verify in one forward, accept; returns (next feed, stop, tokens emitted, the
+    `time.perf_counter()` when they were chosen)."""
+    source, match, forced_text = copying
+    t_draft = time.perf_counter()
+    allowed = target.mask.allowed if matcher is not None else None
+    chain, sources, qs, confs = spec.chain(target.tokens + feed, spec.max_k, matcher, allowed, jump_forward,
+                                           max_tokens - len(out) - 1, temperature, generator, source, len(feed),
+                                           match, forced_text)
+    t_draft = time.perf_counter() - t_draft
+    if len(feed) + len(chain) > MAX_VERIFY:  # keep the verified rows in one forward
+        target.forward(feed[:-1], "none")
+        feed = feed[-1:]
+    ids = feed + chain
+    # Logits only where a token is chosen: the proposals' rows and the last row (a grammar-forced
+    # token needs none). Row r of the chain is predicted by ids[len(feed) - 1 + r].
+    choose = [r for r in range(len(chain) + 1) if r == len(chain) or sources[r] != GRAMMAR]
+    t_fwd = time.perf_counter()
+    logits = target.forward(ids, torch.tensor(choose) + len(feed) - 1, matcher)  # [len(choose), V]
+    t_fwd = time.perf_counter() - t_fwd
+    stats.forwards += 1
+    rows = {r: logits[i:i + 1] for i, r in enumerate(choose)}  # chain row -> logits [1, V]
+    next_feed, stop, emitted, row, proposals = _accept(chain, sources, qs, confs, rows, out, stats, matcher,
+                                                       target.mask, jump_forward, max_tokens, temperature,
+                                                       top_p, generator, stop_ids)
+    chosen_at = time.perf_counter()
+    # The KV keeps the fed tokens and chain[:row], the accepted prefix.
+    target.discard(len(chain) - row)
+    if spec.enabled:
+        spec.record(len(ids), t_fwd, proposals, t_draft, len(chain) - row)
+    return next_feed, stop, emitted, chosen_at
+
+
+def _accept(chain, sources, qs, confs, rows: dict, out: list[int], stats: DecodeStats, matcher, mask,
+            jump_forward: bool, max_tokens: int, temperature: float, top_p: float, generator,
+            stop_ids: set[int]):
+    """Walk the verified rows: accept proposals while the target agrees, choose its own token at the
+    first disagreement (or after the chain). Returns (next feed, stop, emitted, last row,
+    proposals as (source, confidence, accepted)). The walk always ends at some row: the last has
+    no proposal."""
+    proposals: list[tuple[str, float, bool]] = []
+    emitted = row = 0
+    for row in range(len(chain) + 1):
+        src = sources[row] if row < len(chain) else None
+        if src == GRAMMAR:  # forced after an accepted token: plain decoding forces it too
+            matcher.consume_token(chain[row])
+            out.append(chain[row])
+            stats.forced_tokens += 1
+            continue
+        if src is not None:
+            stats.draft_tokens += 1
+            stats.draft_sources.setdefault(src, [0, 0])[0] += 1
+        if matcher is not None and row == len(chain) and (
+                matcher.is_stopped() or (jump_forward and matcher.compute_ff_tokens())):
+            break  # the call is complete, or the chain was cut inside a forced run (forced next step)
+        logits_row = rows[row]
+        if matcher is not None:
+            mask.apply(matcher, logits_row)
+        token, ok = _choose(logits_row[0], chain[row] if src else None, qs[row] if src else None,
+                            temperature, top_p, generator)
+        if src is not None:
+            proposals.append((src, confs[row], ok))
+        if ok:
+            stats.accepted_tokens += 1
+            stats.draft_sources[src][1] += 1
+        stats.generated_tokens += 1
+        emitted += 1
+        if token in stop_ids and (matcher is None or matcher.is_accepting()):
+            return [], True, emitted, row, proposals
+        if matcher is not None and not matcher.consume_token(token):
+            stats.reason = f"grammar rejected token {token}: {matcher.get_error()}"
+            return [], True, emitted, row, proposals
+        out.append(token)
+        if not ok or (matcher is None and len(out) >= max_tokens):
+            return [token], False, emitted, row, proposals  # chosen, not yet in the KV cache
+    return [], False, emitted, row, proposals
+
+
+def token_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """Sampling distribution [V] (fp32) from logits [V]: softmax(logits / temperature), top-p filtered.
+
+    Top-p (Holtzman et al., 2020) keeps the smallest set of most likely tokens whose mass reaches
+    `top_p` and renormalises. Masked (-inf) logits get probability 0.
+    """
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < top_p
+        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+        probs /= probs.sum()
+    return probs
+
+
+def _choose(logits: torch.Tensor, proposal: int | None, q: torch.Tensor | None, temperature: float,
+            top_p: float, generator: torch.Generator | None) -> tuple[int, bool]:
+    """The target's token at one position, and whether it is the proposal (accepted).
+
+    Greedy: the argmax; the proposal is accepted iff it equals it. Sampling: speculative rejection
+    sampling - accept x ~ q with probability min(1, p(x) / q(x)); on rejection sample from
+    norm(max(p - q, 0)) (q is one-hot for deterministic proposals); with no proposal sample p.
+    """
+    if temperature <= 0:
+        token = int(logits.argmax())
+        return token, token == proposal
+    p = token_probs(logits, temperature, top_p)
+    if proposal is None:
+        return int(torch.multinomial(p, 1, generator=generator)), False
+    qx = float(q[proposal]) if q is not None else 1.0
+    u = float(torch.rand((), generator=generator))
+    if u * qx < float(p[proposal]):
+        return proposal, True
+    if q is None:
+        residual = p.clone()
+        residual[proposal] = 0.0
+    else:
+        residual = (p - q).clamp_min_(0.0)
+    if float(residual.sum()) <= 0:
+        residual = p
+    return int(torch.multinomial(residual, 1, generator=generator)), False
