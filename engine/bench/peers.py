@@ -149,8 +149,12 @@ def run_tokenspeed(job: dict, out: str, quantize: str | None, speculation: bool 
         rec.out["spec_acceptance"] = sum(t["accepted_tokens"] for t in rec.out["turns"]) / drafted
     short = engine.session(system=job["short_system"])
     stamps, cpu = [], []
-    short.generate(wl["short_prompt"], max_tokens=wl["short_tokens"],
-                   on_token=lambda _: (stamps.append(time.perf_counter()), cpu.append(time.process_time())))
+
+    def stamp(_piece: str) -> None:  # returns None: a true value would end the answer
+        stamps.append(time.perf_counter())
+        cpu.append(time.process_time())
+
+    short.generate(wl["short_prompt"], max_tokens=wl["short_tokens"], on_token=stamp)
     rec.short(stamps, cpu)
     rec.write(out)
 

@@ -6,10 +6,13 @@
 //   family        float vector     int8 dot product (u8 x s8 -> s32, 4 bytes per 32-bit lane)
 //   avx512        __m512 (16)      vpdpbusd (AVX512-VNNI)
 //   avx2-vnni     __m256 (8)       vpdpbusd (AVX-VNNI, 256-bit)
-//   avx2          __m256 (8)       vpmaddubsw + vpmaddwd (exact: |code * q| <= 15 * 127)
+//   avx2          __m256 (8)       vpmaddubsw into int16 lanes, one vpmaddwd per group (dsum)
 //   neon-dotprod  float32x4 (4)    sdot (ARMv8.2 dot product)
 //   neon          float32x4 (4)    smull + pairwise adds
 //   generic       float (1)        scalar
+//
+// The int4 kernel sums one group of 32 codes per row as dsum(dot4(... dot4(izero(), u, s) ...)) with at
+// most 8 dot4 calls before dsum; dsum gives the int32 lanes (the identity where dot4 adds int32).
 //
 // Every family computes the same exact int32 sums and the same per-lane float operations (fused
 // multiply-adds) for the int4 matmul, so its results are bit-identical across families; float
@@ -91,6 +94,7 @@ inline vi nibbles_hi(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _m
 inline vi bcast4(int32_t q) { return _mm512_set1_epi32(q); }
 // acc[lane] += sum_b u[lane, b] * s[lane, b] over its 4 bytes (u unsigned, s signed)
 inline vi dot4(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline vi dsum(vi acc) { return acc; }
 inline vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
 
 #elif TS_ISA_AVX2
@@ -144,10 +148,12 @@ inline vi nibbles_hi(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _m
 inline vi bcast4(int32_t q) { return _mm256_set1_epi32(q); }
 #if defined(__AVXVNNI__)
 inline vi dot4(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+inline vi dsum(vi acc) { return acc; }
 #else
-inline vi dot4(vi acc, vi u, vi s) {  // u <= 15, |s| <= 127: the int16 pair sums cannot saturate
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
+// acc holds int16 lanes (two per 32-bit lane): u <= 15, |s| <= 127, so a pair sum is at most
+// 2 * 15 * 127 = 3810 and 8 of them 30480 < 2^15: no saturation, the sums stay exact.
+inline vi dot4(vi acc, vi u, vi s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
+inline vi dsum(vi acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 #endif
 inline vf to_float(vi v) { return _mm256_cvtepi32_ps(v); }
 
@@ -199,6 +205,7 @@ inline vi dot4(vi acc, vi u, vi s) {  // codes 0..15 are valid signed bytes
   return vaddq_s32(acc, vpaddq_s32(lo, hi));
 }
 #endif
+inline vi dsum(vi acc) { return acc; }
 inline vf to_float(vi v) { return vcvtq_f32_s32(v); }
 
 #else  // generic: one-lane "vectors"
@@ -233,6 +240,7 @@ inline vi dot4(vi acc, vi u, vi s) {
            static_cast<int8_t>((static_cast<uint32_t>(s) >> (8 * b)) & 0xFF);
   return acc;
 }
+inline vi dsum(vi acc) { return acc; }
 inline vf to_float(vi v) { return static_cast<float>(v); }
 #endif
 

@@ -155,7 +155,7 @@ void int8_block(const float* x, int64_t t0, int64_t K, const int8_t* w, const fl
 // octet o, lane j's 4 bytes hold channel nb * 16 + j's codes k = 8o + b in the low nibble and
 // k = 8o + 4 + b in the high nibble (b = 0..3). Scales [N / 16, K / 32, 2, 16] bf16: s then m.
 // y[t, n] = sum_g s[n, g] * sx[t, g] * sum_k c * q + m[n, g] * sx[t, g] * sum_k q: the inner sums
-// are exact int32 (dot4: 4 byte products per lane) and the float accumulation runs in a fixed
+// are exact int32 (dot4: 4 byte products per lane, dsum per group) and the float accumulation runs in a fixed
 // order per lane, so a row's result depends neither on how many rows share the call
 // (speculative verification == plain decoding, bit for bit) nor on the vector width.
 template <int TT>
@@ -181,7 +181,7 @@ void int4_block(const int8_t* q, const float* sx, const float* xs, int64_t t0, i
         const vf s = load_bf16(sb + g * 32), m = load_bf16(sb + g * 32 + 16);
         for (int t = 0; t < TT; ++t) {
           const int64_t i = (t0 + t) * G + g;
-          acc[t] = fmadd(to_float(dot[t]), mul(s, set1(sx[i])), acc[t]);
+          acc[t] = fmadd(to_float(dsum(dot[t])), mul(s, set1(sx[i])), acc[t]);
           acc[t] = fmadd(m, set1(xs[i]), acc[t]);
         }
       }

@@ -108,6 +108,7 @@ def test_quick_aal_runs_every_engine_and_writes_the_report(tmp_path, capsys):
     ours, plain = report["summary"]["tokenspeed-int4"], report["summary"]["tokenspeed-int4-plain"]
     assert ours["decided_tokens"] == plain["decided_tokens"] > 0 and plain["spec_sources"] == {}
     assert plain["decided_per_forward"] == 1.0 and ours["decided_per_forward"] >= 1.0
+    assert ours["itl_short_p50_ms"] > 0 and report["summary"]["tokenspeed-fp32"]["itl_short_p50_ms"] > 0
     out = capsys.readouterr().out
     assert "ratios tokenspeed-int4 / peer" in out and "speculation (tokenspeed-int4)" in out
 
