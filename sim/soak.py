@@ -98,8 +98,10 @@ class LoopTally:
         late = int(self.monitor.get("fallback_late", 0))
         last_id = max([*self.outcomes, *self.commands], default=0)
         model = sorted((o[0], o[4]) for o in window.values() if o[1])
+        times = [window_start, *sorted(o[0] for o in window.values()), time.time()]
         return {
             "decisions": len(window), "met": met, "fallback": fallback,
+            "longest_silence_s": max(b - a for a, b in zip(times, times[1:])),   # no decision for this long
             "fallback_within_bound": fallback - late, "late": late,
             "neither": len(window) - met - fallback,
             "reasons": dict(Counter(o[3] for o in window.values())),
@@ -428,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("cobot", "market"):
         lp = report[name]
         print(f"{name}: {lp['decisions']} decisions, {lp['met']} calls on time, {lp['fallback_within_bound']} "
-              f"fallbacks within {FALLBACK_BOUND_S * 1e3:.0f} ms, {lp['late']} late (fallback lateness ms "
+              f"fallbacks within {FALLBACK_BOUND_S * 1e3:.0f} ms, {lp['late']} late, longest without a decision "
+              f"{lp['longest_silence_s']:.0f} s (fallback lateness ms "
               f"{lp['fallback_lateness_ms']}); commands lost {lp['commands_lost']}; model latency slope "
               f"{lp['model_latency_slope_ms_per_h']} ms/h")
     feed = report["feed"]
