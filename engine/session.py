@@ -192,6 +192,8 @@ class Session:
         tools: the normalized tool definitions.
         segments: list of `Segment` describing the context in cache order.
         num_tokens: tokens in the context (cached plus pending).
+        target: the `tokenspeed.decode.Target` (model, KV cache, cached token ids) the decode loop uses.
+        speculator: the `tokenspeed.speculation.Speculator` (drafting state of this session).
     """
 
     def __init__(self, engine: Engine, system: str | None, tools: list[dict], capacity: int | None,

@@ -17,7 +17,7 @@ from tokenspeed.kernels import cpu_decode
 from tokenspeed.kernels.cpu_decode import FUSED_ROWS, VARIANTS, cpu_features, native_variant
 from tokenspeed.kernels.cpu_harness import Harness, build
 from tokenspeed.quant import Int4Linear, Int8Linear, fused_ext
-from tokenspeed.weights import cache_dir
+from tokenspeed.paths import cache_dir
 
 ARCH = platform.machine()
 RUNNABLE = [n for n, v in VARIANTS.items() if v.arch in ("", ARCH) and set(v.needs) <= cpu_features()]
