@@ -105,7 +105,6 @@ class ColdTier:
         Returns [P] fp32.
         """
         P, L, Hkv, page, D = kp.shape
-        R = q.shape[2]
         qg = q.reshape(L, Hkv, -1, D)                                      # [L, Hkv, G*R, D]
         s = torch.einsum("lhqd,plhtd->plhqt", qg, kp.float()) / math.sqrt(D)
         s = s - lse.reshape(L, Hkv, -1, 1).to(s.device)

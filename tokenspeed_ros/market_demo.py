@@ -53,7 +53,7 @@ def summary(node: MarketBridgeNode, received: int, replay_stats: dict) -> str:
         f"{counts['max_batch_seen']}), {feed['resyncs']} book resyncs",
         f"bad records handled: {sum(bad.values())} " + json.dumps(bad)
         + f"; feed-gap alarms: {feed['feed_gap']} (the replay's end included)",
-        f"triggers: " + json.dumps({k[8:]: v for k, v in counts.items() if k.startswith("trigger_")})
+        "triggers: " + json.dumps({k[8:]: v for k, v in counts.items() if k.startswith("trigger_")})
         + f", {counts['triggers_coalesced']} coalesced before the executor took them; "
         f"{counts['states_streamed']} book states prefilled between decisions",
         f"decisions: {len(outcomes)} published ({received} received over ZeroMQ), {len(model)} by the model, "

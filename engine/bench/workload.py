@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from importlib.resources import files
 from pathlib import Path
 

@@ -27,8 +27,12 @@ import random
 from dataclasses import asdict, dataclass
 from importlib.resources import files
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from tokenspeed.bench.workload import Workload
 
 __all__ = ["Task", "robot_tasks", "trading_tasks", "bfcl_tasks", "agent_workloads", "build_data", "read_data",
            "forced_mask", "CONFIG", "FORMAT"]
@@ -131,7 +135,7 @@ def bfcl_tasks(folder: Path | None = None, limit: int | None = None) -> list[Tas
     return out
 
 
-def agent_workloads(n: int, seed: int = 0, n_calls: int = 10) -> list[tuple[str, str, "Workload"]]:
+def agent_workloads(n: int, seed: int = 0, n_calls: int = 10) -> list[tuple[str, str, Workload]]:
     """n AAL-format agent sessions of n_calls decisions as (id prefix, split, `Workload`), seeds
     seed + 1 .. seed + n; seed 0 is the benchmark's and never generated here."""
     from ..bench.workload import build_workload

@@ -5,7 +5,6 @@ import time
 import pytest
 import torch
 
-import tokenspeed
 from tokenspeed import ToolSchemaError
 from tokenspeed.bfcl import load_bfcl
 from tokenspeed.grammar import parse_tool_call
