@@ -1,25 +1,14 @@
 """Fused CPU decode step: every decoder layer for a few new tokens in one C++ call.
 
-The Python forward of one token issues ~190 ATen ops per layer (~5,600 per token for the
-30-layer SmolLM2-135M), and at ~1.5 us of dispatch each that framework overhead costs as much as
-the int4 matmuls themselves (`tokenspeed bench profile`). `cpu_decode.cpp` runs the same math
-(RMSNorm, QKV, rotary, KV-cache write, grouped-query attention with the causal mask among the
-new tokens, output projection, SwiGLU, residuals) as loops around the same matmul kernels as the
-Python path (`int4_matmul`, `int8_gemv`, fp32 GEMM), with the GIL released. It also holds those two
-kernels: `int4_matmul`, the W4A8 matmul of every `quant.Int4Linear` (Q4_1 codes x int8-quantized
-activations), and `int8_gemv`, the lm_head projection (int8 weight, fp32 activations, one pass
-over the weight).
-
-The numerical kernels (`cpu_kernels.cpp`, a small C ABI without torch) are written once over a
-thin ISA layer (`cpu_isa.h`) and compiled for one instruction-set variant (`VARIANTS`): by default
-the best this CPU runs; `TOKENSPEED_CPU_ISA=<variant>` forces one (for example the AVX2 build on
-an AVX-512 machine, to measure it). The extension is compiled on first use with the C++
-compiler torch uses (`make setup` calls `load()`, ~1 min; ninja comes from PyPI) into
-`<cache>/ext/<variant>-<hash>`, the hash covering the sources, torch version, variant flags and
-this CPU's feature set, so a cache shared between machines never loads a build the CPU cannot
-run. Without a compiler, or if the build fails, `load()` returns None and the model keeps its
-Python path (same results, slower), with one warning. This module imports nothing of the engine:
-callers pass the cache folder in.
+`cpu_decode.cpp` runs the layer math of the Python path (RMSNorm, QKV, rotary, KV-cache write,
+grouped-query attention, output projection, SwiGLU) as loops around the same kernels, with the
+GIL released, so that a decode step pays no per-op framework dispatch (`tokenspeed bench profile`
+shows that cost). The numerical kernels (`cpu_kernels.cpp`, a torch-free C ABI: the W4A8
+`int4_matmul` and the lm_head's `int8_gemv`) are written once over a thin ISA layer (`cpu_isa.h`)
+and compiled for one variant (`VARIANTS`): the best this CPU runs, or `TOKENSPEED_CPU_ISA`.
+The build goes to `<cache>/ext/<variant>-<hash>`, the hash covering sources, torch, flags and the
+CPU's feature set, so a shared cache never loads a build the CPU cannot run. Without a compiler
+`load()` returns None and the model keeps its Python path. Imports nothing of the engine.
 """
 from __future__ import annotations
 
