@@ -52,6 +52,12 @@ def stop_launch(launcher: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -
     nodes), SIGKILL its group after `timeout_s` seconds; returns its exit status."""
     if launcher.poll() is None:
         launcher.send_signal(signal.SIGINT)
+    return wait_launch(launcher, timeout_s)
+
+
+def wait_launch(launcher: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> int:
+    """Wait `timeout_s` seconds for a launcher already sent SIGINT (a second SIGINT would cut its
+    own shutdown short), then SIGKILL its group; returns its exit status."""
     try:
         return launcher.wait(timeout_s)
     except subprocess.TimeoutExpired:

@@ -48,7 +48,7 @@ from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus
 
 from tokenspeed_ros.deadline_monitor import FALLBACK_BOUND_S
 from tokenspeed_sim import ros_spin
-from tokenspeed_sim.demo import launch_command, stop_launch
+from tokenspeed_sim.demo import launch_command, wait_launch
 from tokenspeed_sim.harness import LatencyHarness, percentiles, write_plot
 
 SPIN_CHUNK_S = 0.5        # the listener spins this long between ZeroMQ drains and process checks
@@ -363,7 +363,7 @@ def run(minutes: float, out_dir: Path, model: str = "", ready_timeout_s: float =
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
         # the launcher's own sequence: deactivate (<= 5 s), then SIGINT, SIGTERM, SIGKILL STOP_GRACE_S apart
-        exits = {name: stop_launch(p, 10 + 3 * STOP_GRACE_S) for name, p in launches.items()}
+        exits = {name: wait_launch(p, 10 + 3 * STOP_GRACE_S) for name, p in launches.items()}
         replay.finish(0.0)
         market.close()
         harness.destroy_node()
