@@ -275,6 +275,9 @@ def test_fault(fault, ros_env, tmp_path, monkeypatch):
             assert spin_until(executor, lambda: any(key[0] == 1 for key, _ in with_epochs(statuses)), 120.0), \
                 log.read_text()[-3000:]
         spin_until(executor, lambda: False, 2 * BUDGET_S + 1.5)    # outcomes of the last decisions, diagnostics
+        # one spin takes one sample: the newest decision's status may be taken before its command,
+        # which the agent published first on another topic; take what is already on its way
+        spin_until(executor, lambda: outcome_table(statuses, actions, diag, window_after)["without_command"] == 0, 5.0)
         if agent.poll() is not None:
             crashes += 1
         if fault != "sim_kill" and sim.poll() is not None:
