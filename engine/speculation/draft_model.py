@@ -212,13 +212,13 @@ class DraftState:
         window); with `logits`, return the draft logits [Vd] (fp32) for the token after it (its
         last token is then always recomputed). None when the context outgrew the draft's KV
         capacity (without a window; the draft then stays silent)."""
-        if self.window is not None and (len(context) < self.offset or len(context) - self.offset > self.cache.capacity):
+        if self.window is not None:
             start = max(0, len(context) - self.window)
             drop = start - self.offset
             if len(context) < self.offset or len(context) - self.anchor > len(self.draft.net.rope_cos):
                 self.offset = self.anchor = start  # refill from rotary position 0
                 self.cache.truncate(0)
-            else:  # slide: forget the `drop` oldest cached tokens
+            elif len(context) - self.offset > self.cache.capacity:  # slide: forget the `drop` oldest cached tokens
                 c, n = self.cache, self.cache.n
                 kept = max(n - drop, 0)
                 if kept:

@@ -238,6 +238,21 @@ def test_windowed_draft_attends_over_the_recent_tokens_only(engine):
     assert state.offset == state.anchor == 0 and state.cache.n == 50
 
 
+def test_windowed_draft_refills_before_its_positions_pass_the_rotary_table(engine):
+    """An endless pruned stream: the draft's rotary positions (context index - anchor) never
+    pass its rotary table; it refills from position 0 instead (the market bridge's session raised
+    IndexError after ~8200 tokens when the growth between two slides crossed the table's end)."""
+    draft = DraftModel.init_from_target(engine.model, torch.arange(0, 8192), n_layers=1, hidden_dim=256)
+    table = len(draft.net.rope_cos)
+    torch.manual_seed(0)
+    stream = torch.randint(0, 8192, (table + 300,)).numpy()
+    state = draft.new_state(1024, window=64)
+    for n in range(40, len(stream) + 1, 20):
+        assert state.logits(stream[:n]) is not None
+        assert n - state.anchor <= table
+    assert state.anchor > 0
+
+
 def test_adaptive_length_pays_for_likely_cheap_proposals_only():
     """Costs fitted from recorded forwards (1 token 100 ms, T tokens 150 + 10 T ms): a proposal
     that is surely accepted pays even with a long forced run (its rows are needed anyway), an
