@@ -99,11 +99,15 @@ def cmd_serve(args) -> int:
     if args.queue_size < 0 or args.context < 64 or args.cache_budget_mb <= 0:
         raise SystemExit("error: --queue-size must be >= 0, --context >= 64 and --cache-budget-mb > 0")
     try:
-        from .serve import serve
+        from .serve import listen, serve
     except ImportError as exc:
         raise SystemExit(f"error: tokenspeed serve needs the serve extra (pip install 'tokenspeed_ros[serve]'): {exc}")
-    serve(_engine(args), args.host, args.port, args.served_model_name, args.queue_size,
-          int(args.cache_budget_mb * (1 << 20)), args.context)
+    try:
+        sock = listen(args.host, args.port)  # before the model loads: a port in use fails at once
+    except OSError as exc:
+        raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+    serve(_engine(args), sock, args.served_model_name, args.queue_size, int(args.cache_budget_mb * (1 << 20)),
+          args.context)
     return 0
 
 

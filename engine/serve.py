@@ -11,6 +11,7 @@ Source: OpenAI Chat Completions API reference (request, response, chunk and erro
 """
 import asyncio
 import json
+import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .chat import ChatEngine, ChatError
 from .session import Engine
 
-__all__ = ["ChatCompletionRequest", "Server", "create_app", "serve"]
+__all__ = ["ChatCompletionRequest", "Server", "create_app", "listen", "serve"]
 
 
 # ---------------------------------------------------------------- request models
@@ -249,18 +250,40 @@ def create_app(server: Server):
     return app
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, model_name: str = "tokenspeed",
-          queue_size: int = 8, cache_budget_bytes: int = 1 << 30, context: int = 4096) -> None:
-    """Serve `engine` over HTTP until interrupted (see `Server` for the arguments)."""
+def listen(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
+    """A TCP socket bound to host:port and listening (port 0: any free port), for `serve`.
+
+    Bound before the model loads, so a port in use fails at once.
+
+    Raises:
+        OSError: the address cannot be bound (e.g. errno EADDRINUSE: the port is in use).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: no wait after TIME_WAIT
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(engine: Engine, sock: socket.socket, model_name: str = "tokenspeed", queue_size: int = 8,
+          cache_budget_bytes: int = 1 << 30, context: int = 4096) -> None:
+    """Serve `engine` over HTTP on the listening socket `sock` (from `listen`) until interrupted
+    (see `Server` for the other arguments)."""
     import uvicorn
 
+    host, port = sock.getsockname()[:2]
+
     class _Announced(uvicorn.Server):
-        # Says "serving on" once the socket is bound and the app started, not before.
+        # Says "serving on" once the app started on the socket, not before.
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if not self.should_exit:
-                bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
-                print(f"# tokenspeed serve: model {engine.source} serving on http://{host}:{bound}/v1", flush=True)
+                print(f"# tokenspeed serve: model {engine.source} serving on http://{host}:{port}/v1", flush=True)
 
     server = Server(engine, model_name, queue_size, cache_budget_bytes, context)
-    _Announced(uvicorn.Config(create_app(server), host=host, port=port, log_level="warning")).run()
+    _Announced(uvicorn.Config(create_app(server), log_level="warning")).run(sockets=[sock])

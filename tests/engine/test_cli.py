@@ -1,5 +1,5 @@
 """The `tokenspeed` command line: help lists every subcommand, `call` checks the tools before the
-model loads, `serve` says "serving on" only once the port is bound."""
+model loads, `serve` on a port in use is one error line (exit 1) before the model loads."""
 import json
 import socket
 import subprocess
@@ -27,11 +27,13 @@ def test_call_refuses_bad_tools_before_loading_the_model(tmp_path):
     assert r.returncode != 0 and "'grasp' is not in" in r.stderr and "missing.gguf" not in r.stderr, r.stderr
 
 
-def test_serve_announces_only_after_binding():
-    with socket.socket() as taken:  # the port is in use: uvicorn cannot bind, so no "serving on"
+def test_serve_on_a_port_in_use_is_one_clear_error_line():
+    with socket.socket() as taken:  # a real listener holds the port: serve cannot bind it
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "serve", "--model", "tiny-random",
                             "--port", str(port)], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "serving on" not in r.stdout + r.stderr and "address already in use" in r.stderr
+    # exit 1, no traceback, no "serving on", and the port is refused before the model loads
+    assert r.returncode == 1 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: Address already in use", r.stderr
