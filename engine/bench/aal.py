@@ -5,7 +5,8 @@
 2. Measure the machine's memory read bandwidth (torch sum over 256 MiB with the run's threads).
 3. Run each engine in its own process (`peers.py`): TokenSpeed int4 (the GGUF's Q4_1 codes), the
    same without speculation, and fp32 (the quality guard compares their calls), llama.cpp and
-   transformers, same GGUF model, same threads.
+   transformers, same GGUF model, same threads; then the same workload over HTTP through
+   `tokenspeed serve` and llama-cpp-python's `llama_cpp.server` (rows "...-http").
 4. Summarise, compare, print a rich table, write report.json and aal.png (`report.py`).
 """
 from __future__ import annotations
@@ -28,11 +29,15 @@ from .workload import Workload, build_workload
 __all__ = ["ENGINES", "DEFAULT_ENGINES", "LLAMA_CPP_INSTALL", "build_job", "measure_bandwidth", "run_aal", "make_report"]
 
 # "tokenspeed:int4:plain" is TokenSpeed int4 without speculation: the speed-up speculation gives.
+# ":http": the same workload through an OpenAI-compatible server process (peers.run_http).
 ENGINES = ["tokenspeed:auto", "tokenspeed:int4", "tokenspeed:int4:plain", "tokenspeed:int8", "tokenspeed", "llama.cpp",
-           "transformers"]
-DEFAULT_ENGINES = ["tokenspeed:int4", "tokenspeed:int4:plain", "tokenspeed", "llama.cpp", "transformers"]
+           "transformers", "tokenspeed:int4:http", "llama.cpp:http"]
+DEFAULT_ENGINES = ["tokenspeed:int4", "tokenspeed:int4:plain", "tokenspeed", "llama.cpp", "transformers",
+                   "tokenspeed:int4:http", "llama.cpp:http"]
 LLAMA_CPP_INSTALL = ("make peers (llama-cpp-python has no binary wheel here: it builds from source for this CPU, "
                      "~10 min on 2 cores)")
+# What `python -m llama_cpp.server` imports besides llama_cpp (llama-cpp-python's "server" extra).
+LLAMA_CPP_SERVER_DEPS = ["fastapi", "uvicorn", "sse_starlette", "pydantic_settings", "starlette_context"]
 SHORT_SYSTEM = "You are a helpful assistant."
 _PEERS = Path(__file__).with_name("peers.py")
 
@@ -129,13 +134,19 @@ def run_aal(out_dir: Path, quick: bool = False, seed: int = 0, threads: int = 2,
         raise ValueError(f"unknown engines {unknown}; choose from {ENGINES}")
     notes = []
     prefix = os.environ.get(LLAMA_CPP_ENV)
-    if "llama.cpp" in engines and prefix and not (Path(prefix) / "llama_cpp" / "__init__.py").is_file():
+    if any(e.startswith("llama.cpp") for e in engines) and prefix \
+            and not (Path(prefix) / "llama_cpp" / "__init__.py").is_file():
         raise ValueError(f"{LLAMA_CPP_ENV}={prefix} holds no llama_cpp package (make peers-avx2 installs one)")
-    if "llama.cpp" in engines and not prefix and importlib.util.find_spec("llama_cpp") is None:
-        if not quick:
-            raise RuntimeError("the full AAL run needs llama-cpp-python: " + LLAMA_CPP_INSTALL)
-        engines.remove("llama.cpp")
-        notes.append("llama.cpp row skipped: llama-cpp-python not installed (" + LLAMA_CPP_INSTALL + ")")
+    for engine in [e for e in engines if e.startswith("llama.cpp")]:
+        missing = [] if prefix or importlib.util.find_spec("llama_cpp") else ["llama-cpp-python"]
+        if engine.endswith(":http"):
+            missing += [m for m in LLAMA_CPP_SERVER_DEPS if importlib.util.find_spec(m) is None]
+        if missing:
+            what = f"{_name(engine)} row needs {', '.join(missing)} (" + LLAMA_CPP_INSTALL + ")"
+            if not quick:
+                raise RuntimeError("the full AAL run: the " + what)
+            engines.remove(engine)
+            notes.append(f"{_name(engine)} row skipped: " + what)
     out_dir.mkdir(parents=True, exist_ok=True)
     wl = Workload.load(workload) if workload else build_workload(seed, quick=quick, bfcl_dir=bfcl_dir)
     wl.save(out_dir / "workload.json")
@@ -164,7 +175,9 @@ def run_aal(out_dir: Path, quick: bool = False, seed: int = 0, threads: int = 2,
 def make_report(runs: dict[str, dict], bandwidth_gbs: float, threads: int, wl: Workload, notes: list[str]) -> dict:
     """The report dict from the engines' records (`peers.Recorder` outputs keyed by engine name)."""
     summary = {name: rep.summarize(r, bandwidth_gbs) for name, r in runs.items()}
-    firsts = {name: r["turns"][0]["context_tokens"] for name, r in runs.items() if r["turns"]}
+    # (each server renders the HTTP rows' prompts its own way: only the token-fed engines must agree)
+    firsts = {name: r["turns"][0]["context_tokens"] for name, r in runs.items()
+              if r["turns"] and not name.endswith(rep.HTTP)}
     if len(set(firsts.values())) > 1:
         notes = notes + [f"engines saw different first prompts (tokens): {firsts}"]
     return {

@@ -7,7 +7,9 @@ with a standard-library module:
     python engine/bench/peers.py ENGINE JOB.json OUT.json
 
 ENGINE is "tokenspeed" (fp32; "tokenspeed:int4" / "tokenspeed:int8" quantized; a third part
-":plain" turns speculation off), "llama.cpp" or "transformers". The llama.cpp process imports the
+":plain" turns speculation off), "llama.cpp" or "transformers"; "tokenspeed:int4:http" and
+"llama.cpp:http" run the same workload over HTTP against a real server process on 127.0.0.1
+(`tokenspeed serve`, `python -m llama_cpp.server`) with the official `openai` client (see `run_http`). The llama.cpp process imports the
 llama-cpp-python of the environment, or the one in the folder named by $TOKENSPEED_LLAMA_CPP (a
 `pip install --target` folder, e.g. an AVX2-only build from `make peers-avx2`) when that is set. JOB.json is written by
 `tokenspeed.bench.aal`: the workload, the token ids every
@@ -38,8 +40,6 @@ def check_call(text: str, tools: list[dict], expect_name: str | None = None) -> 
     Returns (call or None, valid): valid means parseable, a known tool, and arguments that
     satisfy its JSON schema (jsonschema Draft 2020-12), and the expected tool when one is given.
     """
-    import jsonschema
-
     text = text.strip()
     if not (text.startswith(CALL_OPEN) and text.endswith(CALL_CLOSE)):
         return None, False
@@ -50,14 +50,22 @@ def check_call(text: str, tools: list[dict], expect_name: str | None = None) -> 
     if not isinstance(call, dict) or not isinstance(call.get("arguments"), dict):
         return None, False
     call = {"name": call.get("name"), "arguments": call["arguments"]}
+    return call, validate_call(call, tools, expect_name)
+
+
+def validate_call(call: dict, tools: list[dict], expect_name: str | None = None) -> bool:
+    """Whether `call` ({"name", "arguments": dict}) names a known tool (the expected one when
+    given) and its arguments satisfy that tool's JSON schema (jsonschema Draft 2020-12)."""
+    import jsonschema
+
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     if call["name"] not in schemas or (expect_name and call["name"] != expect_name):
-        return call, False
+        return False
     try:
         jsonschema.validate(call["arguments"], schemas[call["name"]])
     except jsonschema.ValidationError:
-        return call, False
-    return call, True
+        return False
+    return True
 
 
 class Recorder:
@@ -87,8 +95,9 @@ class Recorder:
         if len(cpu) > 1:
             self.out["short_cpu_ms_per_token"] = _ms(cpu[-1] - cpu[0]) / (len(cpu) - 1)
 
-    def write(self, path: str) -> None:
-        self.out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    def write(self, path: str, peak_rss_mb: float | None = None) -> None:
+        """Write OUT.json; peak RSS is this process's unless given (a server process's)."""
+        self.out["peak_rss_mb"] = peak_rss_mb or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         Path(path).write_text(json.dumps(self.out, indent=1))
 
 
@@ -259,6 +268,156 @@ def run_llamacpp(job: dict, out: str) -> None:
     rec.write(out)
 
 
+# ------------------------------------------------------------------------------------------- HTTP
+
+def _server_command(server: str, job: dict, port: int) -> tuple[list[str], dict]:
+    """The command line and environment of `server` ("tokenspeed:QUANT" or "llama.cpp") on 127.0.0.1:port."""
+    threads, model, env = str(job["threads"]), job["model_gguf"], dict(os.environ)
+    if server == "llama.cpp":
+        if os.environ.get(LLAMA_CPP_ENV):
+            env["PYTHONPATH"] = os.pathsep.join([os.environ[LLAMA_CPP_ENV], env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        return ([sys.executable, "-m", "llama_cpp.server", "--model", model, "--n_ctx", str(job["n_ctx"]),
+                 "--n_threads", threads, "--n_threads_batch", threads, "--n_batch", "512", "--n_ubatch", "512",
+                 "--seed", "0", "--verbose", "False", "--host", "127.0.0.1", "--port", str(port)], env)
+    quantize = server.split(":")[1] if ":" in server else "none"
+    return ([sys.executable, "-m", "tokenspeed.cli", "serve", "--model", model, "--quantize", quantize or "none",
+             "--threads", threads, "--context", str(job["n_ctx"]), "--host", "127.0.0.1", "--port", str(port)], env)
+
+
+def _peak_rss_mb(pid: int) -> float | None:
+    # VmHWM of a child process (Linux /proc), MiB.
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def run_http(job: dict, out: str, server: str, startup_s: float = 600) -> None:
+    """The workload over HTTP: `server` ("tokenspeed:int4" -> `tokenspeed serve`, "llama.cpp" ->
+    llama-cpp-python's `llama_cpp.server`, from $TOKENSPEED_LLAMA_CPP when set) as a real process
+    on 127.0.0.1, driven by the official `openai` client as an agent framework drives it: every
+    decision is one streaming chat completion carrying the whole conversation so far (system
+    prompt, observations as user/tool messages, earlier calls as assistant tool_calls) and the
+    tools; each server renders and caches the prompt its own way. Every decision names its tool
+    (tool_choice {"type": "function", ...}, the workload's expected tool): llama_cpp.server
+    constrains a call to the grammar only for a named tool_choice. Timings are client-side:
+    TTFT = request sent -> first chunk carrying content or a tool-call delta; ITL = gaps between
+    such chunks (a server that sends a call in one chunk has none); turn = the request's wall time
+    (for HTTP the observations travel with the decision). Peak RSS is the server process's.
+
+    Raises:
+        RuntimeError: the server exited or did not answer within `startup_s` seconds.
+    """
+    import socket
+    import subprocess
+
+    import openai
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd, env = _server_command(server, job, port)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{server} server exited ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+            try:
+                model = client.models.list().data[0].id
+                break
+            except openai.APIConnectionError:
+                if time.perf_counter() - t0 > startup_s:
+                    raise RuntimeError(f"{server} server did not answer within {startup_s} s") from None
+                time.sleep(0.5)
+        name = server.replace(":", "-") + "-http"
+        rec = Recorder(name, f"{' '.join(Path(c).name if c.startswith('/') else c for c in cmd[1:])}; "
+                       "openai client, streaming, whole conversation per request, named tool_choice",
+                       job["threads"])
+        rec.out["load_s"] = time.perf_counter() - t0
+        rec.out["weight_bytes"] = job["gguf_bytes"]
+        _http_workload(client, model, job, rec)
+        rec.write(out, _peak_rss_mb(proc.pid))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _http_workload(client, model: str, job: dict, rec: Recorder) -> None:
+    # The decisions of `job` as streaming chat completions (see run_http), then the short decode.
+    wl = job["workload"]
+    messages: list[dict] = [{"role": "system", "content": wl["system"]}]
+    last_call_id = None
+    for i, turn in enumerate(wl["turns"]):
+        for o in turn["observations"]:
+            if o["role"] == "tool" and last_call_id:
+                messages.append({"role": "tool", "tool_call_id": last_call_id, "content": o["content"]})
+            else:
+                messages.append({"role": "user", "content": o["content"]})
+        choice = {"type": "function", "function": {"name": turn["expect"]}}
+        t0 = time.perf_counter()
+        stamps, text, calls, usage = _stream(client, model, messages, wl["max_tokens"], tools=wl["tools"],
+                                             tool_choice=choice)
+        t_end = time.perf_counter()
+        call, valid = None, False
+        if calls:
+            first = calls[0]
+            try:
+                call = {"name": first["name"], "arguments": json.loads(first["arguments"])}
+                valid = isinstance(call["arguments"], dict) and validate_call(call, wl["tools"], turn["expect"])
+            except json.JSONDecodeError:
+                pass
+        prompt, cached = (usage or {}).get("prompt_tokens"), (usage or {}).get("cached_tokens")
+        rec.turn(turn=i, expect=turn["expect"], text=json.dumps(calls) if calls else text, tool_call=call,
+                 valid=valid, status="ok" if valid else "invalid", context_tokens=prompt,
+                 new_prompt_tokens=prompt - cached if prompt is not None and cached is not None else None,
+                 output_tokens=(usage or {}).get("completion_tokens", len(stamps)), forwards=None,
+                 forced_tokens=0, ttft_ms=_ms(stamps[0] - t0) if stamps else None,
+                 itl_ms=[_ms(b - a) for a, b in zip(stamps, stamps[1:])], decide_ms=_ms(t_end - t0),
+                 observe_ms=0.0, turn_ms=_ms(t_end - t0))
+        last_call_id = f"call_{i}"
+        # content "" rather than null: llama_cpp.server's request model refuses a null content
+        messages.append({"role": "assistant", "content": "", "tool_calls": [
+            {"id": last_call_id, "type": "function", "function": c} for c in calls[:1]]} if calls
+            else {"role": "assistant", "content": text})
+    short = [{"role": "system", "content": job["short_system"]}, {"role": "user", "content": wl["short_prompt"]}]
+    stamps, _, _, _ = _stream(client, model, short, wl["short_tokens"])
+    rec.short(stamps, [])
+
+
+def _stream(client, model: str, messages: list[dict], max_tokens: int, **extra):
+    """One greedy streaming chat completion: (stamps of chunks with a payload, text, calls
+    [{"name", "arguments": str}], usage {"prompt_tokens", "completion_tokens", "cached_tokens"} or None)."""
+    stamps, text, calls, usage = [], "", {}, None
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0.0,
+                                            seed=0, stream=True, stream_options={"include_usage": True}, **extra)
+    for chunk in stream:
+        if chunk.usage is not None:
+            details = chunk.usage.prompt_tokens_details
+            usage = {"prompt_tokens": chunk.usage.prompt_tokens, "completion_tokens": chunk.usage.completion_tokens,
+                     "cached_tokens": details.cached_tokens if details is not None else None}
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        if delta.content or delta.tool_calls:
+            stamps.append(time.perf_counter())
+        text += delta.content or ""
+        for tc in delta.tool_calls or ():
+            c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            if tc.function is not None:  # llama_cpp.server repeats the name in every delta: the first counts
+                c["name"] = c["name"] or tc.function.name or ""
+                c["arguments"] += tc.function.arguments or ""
+    return stamps, text, [calls[k] for k in sorted(calls)], usage
+
+
 # ----------------------------------------------------------------------------------- transformers
 
 def run_transformers(job: dict, out: str) -> None:
@@ -352,7 +511,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine, job_path, out = argv
     job = json.loads(Path(job_path).read_text())
-    if engine.startswith("tokenspeed"):
+    if engine in ("tokenspeed:int4:http", "llama.cpp:http"):
+        run_http(job, out, engine[:-len(":http")])
+    elif engine.startswith("tokenspeed"):
         _, quantize, mode = (engine.split(":") + ["", ""])[:3]
         run_tokenspeed(job, out, quantize or None, speculation=mode != "plain")
     elif engine == "llama.cpp":
@@ -360,8 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     elif engine == "transformers":
         run_transformers(job, out)
     else:
-        print(f"unknown engine {engine!r}: tokenspeed[:auto|:int4|:int8[:plain]], llama.cpp or transformers",
-              file=sys.stderr)
+        print(f"unknown engine {engine!r}: tokenspeed[:auto|:int4|:int8[:plain]], llama.cpp, transformers, "
+              "tokenspeed:int4:http or llama.cpp:http", file=sys.stderr)
         return 2
     return 0
 

@@ -10,6 +10,9 @@ Definitions (all from the same run):
   an unconstrained greedy generation after a ~40-token prompt; CPU/tok short: process CPU time
   per token there (all threads), which other processes on a shared machine do not inflate.
 - turn: the 10-call agent turn end to end (observations + decisions), milliseconds.
+- HTTP rows ("-http"): the same decisions as streaming chat completions through a server process,
+  timed by the client (`peers.run_http`); they are compared with each other ("ours" of a "-http"
+  peer is tokenspeed-int4-http).
 - tokens/s: answer tokens (sampled + forced) per second of decision time.
 - valid: schema-valid calls; right tool: valid calls of the tool the request asked for.
 - floor: bytes of weights one decode step reads / measured memory bandwidth (ms per token).
@@ -22,16 +25,24 @@ import statistics
 from pathlib import Path
 
 __all__ = ["percentile", "summarize", "ratios", "targets", "agreement", "write_report", "print_table",
-           "OURS", "TARGETS"]
+           "OURS", "HTTP", "TARGETS"]
 
 OURS = "tokenspeed-int4"
-# (name, our metric, peer, peer metric, bound): ours / peer <= bound, p50s from one run.
+HTTP = "-http"  # suffix of the rows measured through an HTTP server
+# (name, our metric, peer, peer metric, bound): ours / peer <= bound, p50s from one run; a "-http"
+# peer is compared with OURS + HTTP.
 TARGETS = [
     ("ITL short context <= 1.0x llama.cpp", "itl_short_p50_ms", "llama.cpp", "itl_short_p50_ms", 1.0),
     ("warm decision TTFT <= 0.1x llama.cpp cold TTFT", "ttft_p50_ms", "llama.cpp", "cold_ttft_p50_ms", 0.1),
     ("warm decision TTFT <= 0.5x llama.cpp TTFT with prefix reuse", "ttft_p50_ms", "llama.cpp", "ttft_p50_ms", 0.5),
     ("10-call turn <= 0.5x llama.cpp", "turn_ms", "llama.cpp", "turn_ms", 0.5),
+    ("HTTP 10-call turn <= 0.5x llama.cpp HTTP", "turn_ms", "llama.cpp-http", "turn_ms", 0.5),
 ]
+
+
+def _ours(peer: str, ours: str = OURS) -> str:
+    """Our engine to compare `peer` with: the HTTP row for an HTTP peer."""
+    return ours + HTTP if peer.endswith(HTTP) and not peer.startswith(ours) else ours
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -66,7 +77,8 @@ def summarize(run: dict, bandwidth_gbs: float) -> dict:
         "turn_ms": sum(t["turn_ms"] for t in turns),
         "tokens_per_s": out_tokens / decide_s if decide_s > 0 else None,
         "peak_rss_mb": run.get("peak_rss_mb"),
-        "forwards_per_call": statistics.mean(t["forwards"] for t in turns) if turns else None,
+        "forwards_per_call": statistics.mean(fw) if (fw := [t["forwards"] for t in turns
+                                                             if t["forwards"] is not None]) else None,
         "jump_forward_tokens": sum(t["forced_tokens"] for t in turns),
         "output_tokens": out_tokens,
         "context_tokens_last": turns[-1]["context_tokens"] if turns else None,
@@ -94,14 +106,16 @@ def _sources(turns: list[dict]) -> dict[str, list[int]]:
 
 
 def ratios(summaries: dict[str, dict], ours: str = OURS) -> dict[str, dict]:
-    """ours / peer for TTFT, ITL, short ITL and turn time, per peer (None where a side is missing)."""
+    """ours / peer for TTFT, ITL, short ITL and turn time, per peer (None where a side is missing);
+    "ours" names our engine of the pair (see `_ours`)."""
     keys = ["ttft_p50_ms", "itl_p50_ms", "itl_short_p50_ms", "cpu_ms_per_token_short", "turn_ms"]
-    mine = summaries.get(ours)
     out = {}
     for name, s in summaries.items():
-        if name == ours or mine is None:
+        mine = summaries.get(_ours(name, ours))
+        if name == _ours(name, ours) or mine is None:
             continue
-        out[name] = {k: (mine[k] / s[k] if mine.get(k) and s.get(k) else None) for k in keys}
+        out[name] = {"ours": _ours(name, ours), **{k: (mine[k] / s[k] if mine.get(k) and s.get(k) else None)
+                                                    for k in keys}}
         if s.get("cold_ttft_p50_ms") and mine.get("ttft_p50_ms"):
             out[name]["ttft_vs_cold"] = mine["ttft_p50_ms"] / s["cold_ttft_p50_ms"]
     return out
@@ -111,7 +125,7 @@ def targets(summaries: dict[str, dict], ours: str = OURS) -> list[dict]:
     """The issue's targets as [{"target", "ratio", "met"}] (ratio None when a side is missing)."""
     res = []
     for name, k_ours, peer, k_peer, bound in TARGETS:
-        a, b = summaries.get(ours, {}).get(k_ours), summaries.get(peer, {}).get(k_peer)
+        a, b = summaries.get(_ours(peer, ours), {}).get(k_ours), summaries.get(peer, {}).get(k_peer)
         r = a / b if a and b else None
         res.append({"target": name, "ratio": r, "bound": bound, "met": r is not None and r <= bound})
     return res
@@ -192,11 +206,11 @@ def print_table(report: dict) -> None:
     console.print(t)
     if report.get("weights"):
         console.print("weights: " + ", ".join(f"{name} {w}" for name, w in report["weights"].items()))
-    r = Table(title=f"ratios {OURS} / peer (lower is better)")
-    for label in ("peer", "TTFT", "TTFT vs cold", "ITL", "ITL short", "CPU/tok short", "turn"):
+    r = Table(title=f"ratios ours / peer (lower is better; ours: {OURS}, {OURS}{HTTP} for HTTP peers)")
+    for label in ("ours", "peer", "TTFT", "TTFT vs cold", "ITL", "ITL short", "CPU/tok short", "turn"):
         r.add_column(label, justify="right")
     for peer, x in report["ratios"].items():
-        r.add_row(peer, *[_fmt(x.get(k), 3) for k in ("ttft_p50_ms", "ttft_vs_cold", "itl_p50_ms", "itl_short_p50_ms",
+        r.add_row(x.get("ours", OURS), peer, *[_fmt(x.get(k), 3) for k in ("ttft_p50_ms", "ttft_vs_cold", "itl_p50_ms", "itl_short_p50_ms",
                                                       "cpu_ms_per_token_short", "turn_ms")])
     console.print(r)
     for tg in report["targets"]:

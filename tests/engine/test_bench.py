@@ -7,11 +7,11 @@ import pytest
 
 import tokenspeed
 from tokenspeed.bench import main as bench_main
-from tokenspeed.bench.aal import build_job, run_aal
+from tokenspeed.bench.aal import LLAMA_CPP_SERVER_DEPS, build_job, run_aal
 from tokenspeed.bench.gpu import run_gpu
 from tokenspeed.bench.peers import check_call
 from tokenspeed.bench.decode_profile import profile_decode
-from tokenspeed.bench.report import agreement, percentile, summarize, targets
+from tokenspeed.bench.report import agreement, percentile, ratios, summarize, targets
 from tokenspeed.bench.workload import Workload, bfcl_tool, build_workload
 
 
@@ -78,29 +78,42 @@ def test_report_percentiles_ratios_targets_and_agreement():
     assert percentile([], 50) is None
     runs = {"tokenspeed-int4": _run("tokenspeed-int4", [50, 60, 70], [10.0], 300, [{"a": 1}, {"b": 2}, {"c": 3}]),
             "tokenspeed-fp32": _run("tokenspeed-fp32", [50, 60, 70], [20.0], 600, [{"a": 1}, {"b": 2}, {"x": 0}]),
-            "llama.cpp": _run("llama.cpp", [1000, 1200, 1500], [15.0], 3000, [{}, {}, {}])}
+            "llama.cpp": _run("llama.cpp", [1000, 1200, 1500], [15.0], 3000, [{}, {}, {}]),
+            "tokenspeed-int4-http": _run("tokenspeed-int4-http", [80, 90, 100], [10.0], 400, [{}, {}, {}]),
+            "llama.cpp-http": _run("llama.cpp-http", [900, 1000, 1100], [15.0], 2000, [{}, {}, {}])}
     s = {k: summarize(r, bandwidth_gbs=14.0) for k, r in runs.items()}
     assert s["tokenspeed-int4"]["ttft_p50_ms"] == 60 and s["tokenspeed-int4"]["floor_ms"] == pytest.approx(10.0)
     assert s["llama.cpp"]["turn_ms"] == 9000 and s["tokenspeed-int4"]["jump_forward_tokens"] == 12
     met = {t["target"]: t["met"] for t in targets(s)}
     assert all(met.values()), targets(s)
+    # an HTTP peer is compared with our HTTP row, a direct peer with our direct row
+    r = ratios(s)
+    assert r["llama.cpp-http"]["ours"] == "tokenspeed-int4-http" and r["llama.cpp-http"]["turn_ms"] == pytest.approx(0.2)
+    assert r["llama.cpp"]["ours"] == "tokenspeed-int4" and r["llama.cpp"]["turn_ms"] == pytest.approx(0.1)
     a = agreement(runs)
     assert a["same_calls"] == 2 and a["calls"] == 3
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1500)
 def test_quick_aal_runs_every_engine_and_writes_the_report(tmp_path, capsys):
     assert bench_main(["aal", "--quick", "--threads", "1", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     engines = set(report["summary"])
-    expected = {"tokenspeed-int4", "tokenspeed-int4-plain", "tokenspeed-fp32", "transformers"}
-    if importlib.util.find_spec("llama_cpp") is not None:
+    # the HTTP rows: `tokenspeed serve` always; llama_cpp.server where llama-cpp-python and its server extra are
+    expected = {"tokenspeed-int4", "tokenspeed-int4-plain", "tokenspeed-fp32", "transformers", "tokenspeed-int4-http"}
+    llama_cpp = importlib.util.find_spec("llama_cpp") is not None
+    if llama_cpp:
         expected.add("llama.cpp")
+    if llama_cpp and all(importlib.util.find_spec(m) for m in LLAMA_CPP_SERVER_DEPS):
+        expected.add("llama.cpp-http")
+    else:
+        assert any(n.startswith("llama.cpp-http row skipped: ") for n in report["notes"]), report["notes"]
     assert engines == expected
     for s in report["summary"].values():
         assert s["calls"] == 2 and s["ttft_p50_ms"] > 0 and s["peak_rss_mb"] > 0 and s["floor_ms"] > 0
-    # TokenSpeed's grammar guarantees schema-valid calls; jump-forward skips forwards.
+    # TokenSpeed's grammar guarantees schema-valid calls, over HTTP too; jump-forward skips forwards.
     assert report["summary"]["tokenspeed-int4"]["valid_calls"] == 2
+    assert report["summary"]["tokenspeed-int4-http"]["expected_tool_calls"] == 2
     assert report["summary"]["tokenspeed-int4"]["jump_forward_tokens"] > 0
     assert report["agreement"]["calls"] == 2
     assert (tmp_path / "aal.png").stat().st_size > 10_000
@@ -110,7 +123,8 @@ def test_quick_aal_runs_every_engine_and_writes_the_report(tmp_path, capsys):
     assert plain["decided_per_forward"] == 1.0 and ours["decided_per_forward"] >= 1.0
     assert ours["itl_short_p50_ms"] > 0 and report["summary"]["tokenspeed-fp32"]["itl_short_p50_ms"] > 0
     out = capsys.readouterr().out
-    assert "ratios tokenspeed-int4 / peer" in out and "speculation (tokenspeed-int4)" in out
+    assert "ratios ours / peer" in out and "speculation (tokenspeed-int4)" in out
+    assert "HTTP 10-call turn <= 0.5x llama.cpp HTTP" in out
 
 
 def test_aal_refuses_a_llama_cpp_folder_without_llama_cpp(tmp_path, monkeypatch):
