@@ -23,6 +23,8 @@ DEMO_ARGS   ?=
 # The llama.cpp peer of `tokenspeed bench aal` (make peers / make peers-avx2; not part of setup).
 LLAMA_CPP_SPEC     ?= llama-cpp-python==0.3.36
 LLAMA_CPP_AVX2_DIR ?= build/llama-cpp-avx2
+# What `python -m llama_cpp.server` (the HTTP peer) needs besides the serve extra, into .venv.
+LLAMA_CPP_SERVER_DEPS ?= diskcache pydantic-settings starlette-context
 _cpu_has = $(if $(shell grep -m1 -ow '$(1)' /proc/cpuinfo 2>/dev/null),ON,OFF)
 # x86: the ISA spelled out from /proc/cpuinfo, AMX off (GGML_NATIVE=ON picks AMX where the CPU lists
 # it, and some VMs list it and trap it: SIGILL); elsewhere (ARM) the native build.
@@ -73,7 +75,7 @@ test: setup
 # llama-cpp-python built from source for this CPU's best ISA into .venv (~10 min on 2 cores).
 peers: | $(STAMP)
 	CMAKE_ARGS="$(GGML_BEST)" $(PIP) install --no-cache-dir --force-reinstall --no-deps "$(LLAMA_CPP_SPEC)"
-	$(PIP) install "$(LLAMA_CPP_SPEC)"
+	$(PIP) install "$(LLAMA_CPP_SPEC)" $(LLAMA_CPP_SERVER_DEPS)
 
 # The same without AVX-512, into $(LLAMA_CPP_AVX2_DIR): the peer of an AVX2 machine (Intel Core 12-14th
 # gen with AVX-VNNI where this CPU has it; Zen 2/3 without). Use it with the AVX2 kernels:
@@ -81,6 +83,7 @@ peers: | $(STAMP)
 peers-avx2: | $(STAMP)
 	CMAKE_ARGS="$(GGML_AVX2)" $(PIP) install --no-cache-dir --force-reinstall --no-deps \
 		--target "$(LLAMA_CPP_AVX2_DIR)" "$(LLAMA_CPP_SPEC)"
+	$(PIP) install $(LLAMA_CPP_SERVER_DEPS)
 
 clean:
 	rm -rf $(VENV) build

@@ -85,7 +85,7 @@ setup(
                  "crewai>=1.0"],  # the CrewAI agent test against `tokenspeed serve`
         # `tokenspeed bench aal` (report, chart, call validation); llama-cpp-python builds from
         # source (CMAKE_ARGS="-DGGML_NATIVE=ON"), so the test extra leaves it out.
-        "bench": ["llama-cpp-python", "transformers>=4.45", "rich>=13", "matplotlib>=3.8", "jsonschema>=4"],
+        "bench": ["llama-cpp-python[server]", "transformers>=4.45", "rich>=13", "matplotlib>=3.8", "jsonschema>=4"],
     },
     entry_points={
         "console_scripts": [

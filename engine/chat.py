@@ -18,7 +18,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .grammar import ToolSchemaError, format_tool_calls, normalize_tools
+from .grammar import CallFormat, ToolSchemaError, format_tool_calls, normalize_tools
 from .session import Checkpoint, Decision, Engine, Session
 
 __all__ = ["ChatError", "ChatEngine", "ConversationCache"]
@@ -61,11 +61,12 @@ def _message_key(m: dict) -> str:
     return json.dumps([m["role"], message_text(m), _calls(m, "message")], sort_keys=True)
 
 
-def _context_message(m: dict) -> dict:
-    # The message as the session renders it: calls in the grammar's format, developer as system.
+def _context_message(m: dict, fmt: CallFormat) -> dict:
+    # The message as the session renders it: calls in the family's format `fmt` (as its grammar
+    # writes them), developer as system.
     calls = _calls(m, "message")
     return {"role": "system" if m["role"] == "developer" else m["role"],
-            "content": format_tool_calls(calls) if calls else message_text(m)}
+            "content": format_tool_calls(calls, fmt) if calls else message_text(m)}
 
 
 @dataclass
@@ -295,7 +296,7 @@ class ChatEngine:
             checkpoints = [session.checkpoint()]
         try:
             for m in job["messages"][len(checkpoints) - 1:]:  # one at a time: a checkpoint after each
-                session.observe([_context_message(m)])
+                session.observe([_context_message(m, self.engine.call_format)])
                 checkpoints.append(session.checkpoint())
         except ValueError as exc:
             raise ChatError(f"messages do not fit the context of {self.context} tokens: {exc}", "messages") from None

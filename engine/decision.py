@@ -7,7 +7,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from .grammar import parse_tool_calls
+from .grammar import SMOLLM2, CallFormat, parse_tool_calls
 
 __all__ = ["Decision", "Segment", "Checkpoint", "SessionArgumentError", "settle", "finite_arg", "positive_int_arg",
            "sampling_args"]
@@ -160,8 +160,10 @@ class Checkpoint:
     session_id: int = 0  # the session it belongs to: another session's checkpoint is refused
 
 
-def settle(d: Decision, matcher, is_text: bool, n_out: int, max_tokens: int, deadline_at: float | None) -> None:
-    """Set the decision's final status and reason from how decoding ended (a call is parsed here)."""
+def settle(d: Decision, matcher, is_text: bool, n_out: int, max_tokens: int, deadline_at: float | None,
+           fmt: CallFormat = SMOLLM2) -> None:
+    """Set the decision's final status and reason from how decoding ended (a call is parsed here,
+    in the family's call format `fmt`)."""
     if deadline_at is not None and time.monotonic() >= deadline_at and d.status != "deadline_missed":
         d.status, d.reason = "deadline_missed", "deadline passed before the answer completed"
     elif d.status == "deadline_missed":
@@ -169,7 +171,7 @@ def settle(d: Decision, matcher, is_text: bool, n_out: int, max_tokens: int, dea
     elif is_text and (matcher is None or matcher.is_accepting() or n_out >= max_tokens):
         d.status, d.reason = "text", "max_tokens" if n_out >= max_tokens else ""
     elif d.status == "invalid" and not d.reason and matcher.is_accepting():
-        calls = parse_tool_calls(d.text)
+        calls = parse_tool_calls(d.text, fmt)
         if calls is not None:
             d.status, d.tool_calls, d.tool_call = "ok", calls, calls[0]
         else:

@@ -1,10 +1,11 @@
 """Grammar-constrained tool calls with llguidance.
 
-OpenAI function/tool schemas are validated, rendered into the system prompt in the format the
-SmolLM2/Hermes family was trained on (`<tools>...</tools>`, answer as
-`<tool_call>[{"name": ..., "arguments": {...}}]</tool_call>`), and compiled with llguidance into a
-Lark grammar for one call (several in the list with parallel calls; or free text with
-tool_choice="auto"). Parameter schemas are prepared by `tokenspeed.schema`. Every decode step the grammar's token mask is applied to the
+OpenAI function/tool schemas are validated, listed in the system prompt (`<tools>...</tools>`) with
+the call format of the model's family (`CallFormat`, chosen by `call_format_for` from what the
+chat template writes for a tool call: SmolLM2's `<tool_call>[{"name", "arguments"}]</tool_call>`,
+Qwen2.5's Hermes `<tool_call>\n{...}\n</tool_call>`, Llama 3.x's `{"name", "parameters"}`,
+Mistral's `[TOOL_CALLS][{...}]`), and compiled with llguidance into a Lark grammar for one call
+(several with parallel calls where the family has them; or free text with tool_choice="auto"). Parameter schemas are prepared by `tokenspeed.schema`. Every decode step the grammar's token mask is applied to the
 logits; tokens the grammar fully determines are appended without sampling (jump-forward), using
 llguidance's canonical tokenization of the forced bytes (`compute_ff_tokens`).
 
@@ -22,10 +23,69 @@ import torch
 from .schema import JSON_STYLE, Prepared, ToolSchemaError, compile_check, prepare
 
 __all__ = ["ToolSchemaError", "normalize_tools", "tools_system_prompt", "TOOL_PROMPTS", "DEFAULT_TOOL_PROMPT",
-           "call_schema", "ToolGrammar", "parse_tool_calls", "parse_tool_call", "format_tool_calls"]
+           "call_schema", "ToolGrammar", "parse_tool_calls", "parse_tool_call", "format_tool_calls", "CallFormat",
+           "CALL_FORMATS", "call_format_for"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-CALL_OPEN, CALL_CLOSE = "<tool_call>[", "]</tool_call>"
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How a model family writes the tool calls of one assistant turn: `open`, then each call as
+    `call_open` + `{"name": ..., <args_key>: {...}}` + `call_close`, separated by `sep`, then `close`.
+
+    Attributes:
+        name: "smollm2", "hermes", "llama3" or "mistral" (see `CALL_FORMATS`).
+        parallel: the family's template can hold several calls in one turn (Llama 3.x's cannot).
+        tags: markers that may be single added/special tokens of the vocabulary (Qwen2.5's
+            `<tool_call>`, Mistral's `[TOOL_CALLS]`): the grammar then names the token itself.
+    """
+
+    name: str
+    open: str = ""
+    close: str = ""
+    call_open: str = ""
+    call_close: str = ""
+    sep: str = ""
+    args_key: str = "arguments"
+    parallel: bool = True
+    tags: tuple[str, ...] = ()
+
+    @property
+    def first(self) -> str:
+        """The first character of every call: a text answer (tool_choice="auto") may not start with it."""
+        return (self.open + self.call_open + "{")[0]
+
+
+# Sources: SmolLM2-Instruct's function-calling prompt (model card); Qwen2.5's chat template
+# (tests/engine/data/chat_templates); Llama 3.1/3.2's template for custom (JSON) tools - its
+# <|python_tag|> is written only for the built-in tools (brave_search, wolfram_alpha), which
+# TokenSpeed does not declare, so a custom call is the bare JSON; Mistral's v3 tekken template.
+CALL_FORMATS = {
+    "smollm2": CallFormat("smollm2", open="<tool_call>[", close="]</tool_call>", sep=", ",
+                          tags=("<tool_call>", "</tool_call>")),
+    "hermes": CallFormat("hermes", call_open="<tool_call>\n", call_close="\n</tool_call>", sep="\n",
+                         tags=("<tool_call>", "</tool_call>")),
+    "llama3": CallFormat("llama3", args_key="parameters", parallel=False),
+    "mistral": CallFormat("mistral", open="[TOOL_CALLS][", close="]", sep=", ", tags=("[TOOL_CALLS]",)),
+}
+
+
+def call_format_for(chat_template: str | None) -> CallFormat:
+    """The `CallFormat` a chat template writes a tool call in: "[TOOL_CALLS]" -> mistral,
+    "<tool_call>" -> hermes, `"parameters": ` -> llama3; otherwise (no template, or one that
+    writes no tool calls, e.g. SmolLM2's ChatML) smollm2, the format SmolLM2 was trained on."""
+    t = chat_template or ""
+    if "[TOOL_CALLS]" in t:
+        return CALL_FORMATS["mistral"]
+    if "<tool_call>" in t:
+        return CALL_FORMATS["hermes"]
+    if '"parameters": ' in t:
+        return CALL_FORMATS["llama3"]
+    return CALL_FORMATS["smollm2"]
+
+
+SMOLLM2 = CALL_FORMATS["smollm2"]
 
 
 def normalize_tools(tools) -> list[dict]:
@@ -83,18 +143,19 @@ def _arguments(fn: dict) -> Prepared:
     return prepare(params, f"{fn['name']}.", f"tool {fn['name']!r}")
 
 
-def call_schema(functions: list[dict]) -> dict:
-    """The JSON schema of one call object `{"name": ..., "arguments": {...}}` to any of `functions`.
+def call_schema(functions: list[dict], args_key: str = "arguments") -> dict:
+    """The JSON schema of one call object `{"name": ..., <args_key>: {...}}` to any of `functions`.
 
     functions: the "function" parts of normalized tools. Definitions of every tool are hoisted to
     the root `$defs` (see `tokenspeed.schema.prepare`), so the schema is self-contained.
+    args_key: "arguments", or "parameters" (Llama 3.x, `CallFormat.args_key`).
     """
     variants, defs = [], {}
     for fn in functions:
         args = _arguments(fn)
         defs.update(args.defs)
-        variants.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": args.schema},
-                         "required": ["name", "arguments"], "additionalProperties": False})
+        variants.append({"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: args.schema},
+                         "required": ["name", args_key], "additionalProperties": False})
     schema = {"oneOf": variants} if len(variants) > 1 else variants[0]
     return dict(schema, **({"$defs": defs} if defs else {}))
 
@@ -109,18 +170,19 @@ TOOL_PROMPTS = {
                 "possible functions. Based on the question, you will need to make one or more function/tool "
                 "calls to achieve the purpose. If none of the functions can be used, answer in plain text "
                 "without a call.\n\nYou have access to the following tools:\n<tools>{listing}</tools>\n\n"
-                "A call MUST strictly adhere to the following format, with NO other text:\n"
-                '<tool_call>[{{"name": "func_name1", "arguments": {{"argument1": "value1"}}}}]</tool_call>'),
+                "A call MUST strictly adhere to the following format, with NO other text:\n{example}",
+                {"name": "func_name1", "arguments": {"argument1": "value1"}}),
     "short": ("{system}\n\nYou have access to the following tools:\n<tools>{listing}</tools>\n\n"
-              "To call a tool, answer with exactly one call in this format and no other text:\n"
-              '<tool_call>[{{"name": "tool_name", "arguments": {{"arg": "value"}}}}]</tool_call>'),
+              "To call a tool, answer with exactly one call in this format and no other text:\n{example}",
+              {"name": "tool_name", "arguments": {"arg": "value"}}),
 }
 DEFAULT_TOOL_PROMPT = "short"
 
 
-def tools_system_prompt(system: str | None, tools: list[dict], style: str = DEFAULT_TOOL_PROMPT) -> str:
+def tools_system_prompt(system: str | None, tools: list[dict], style: str = DEFAULT_TOOL_PROMPT,
+                        fmt: CallFormat = SMOLLM2) -> str:
     """System prompt text with the tools listed in the `style` of `TOOL_PROMPTS` (the system
-    text first, then the listing and the call format).
+    text first, then the listing and an example call in the family's format `fmt`).
 
     Raises:
         ToolSchemaError: unknown style.
@@ -131,36 +193,50 @@ def tools_system_prompt(system: str | None, tools: list[dict], style: str = DEFA
     if not tools:
         return system
     listing = json.dumps([t["function"] for t in tools], separators=(", ", ": "))
-    return TOOL_PROMPTS[style].format(system=system, listing=listing)
+    text, example = TOOL_PROMPTS[style]
+    return text.format(system=system, listing=listing, example=format_tool_calls([example], fmt))
 
 
-def format_tool_calls(calls: list[dict]) -> str:
-    """The assistant text of `calls` ([{"name", "arguments": dict}]) as the grammar writes it."""
-    body = ", ".join(json.dumps({"name": c["name"], "arguments": c["arguments"]}, separators=(", ", ": "))
-                     for c in calls)
-    return f"{CALL_OPEN}{body}{CALL_CLOSE}"
+def format_tool_calls(calls: list[dict], fmt: CallFormat = SMOLLM2) -> str:
+    """The assistant text of `calls` ([{"name", "arguments": dict}]) as the grammar writes it in `fmt`."""
+    items = [fmt.call_open + json.dumps({"name": c["name"], fmt.args_key: c["arguments"]}, separators=(", ", ": "))
+             + fmt.call_close for c in calls]
+    return fmt.open + fmt.sep.join(items) + fmt.close
 
 
-def parse_tool_calls(text: str) -> list[dict] | None:
-    """Parse `<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>` into [{"name", "arguments"}].
+def parse_tool_calls(text: str, fmt: CallFormat = SMOLLM2) -> list[dict] | None:
+    """Parse the calls of an assistant answer written in `fmt` into [{"name", "arguments": dict}].
 
-    Returns None unless the text is exactly one complete call list with at least one call.
+    Returns None unless the text (surrounding whitespace aside) is exactly a complete call list
+    of `fmt` with at least one call (one for a format without parallel calls).
     """
     text = text.strip()
-    if not (text.startswith(CALL_OPEN) and text.endswith(CALL_CLOSE)):
+    if not (text.startswith(fmt.open) and text.endswith(fmt.close)) or len(text) < len(fmt.open + fmt.close):
         return None
-    try:
-        calls = json.loads(text[len(CALL_OPEN) - 1:-len(CALL_CLOSE) + 1])
-    except json.JSONDecodeError:
-        return None
-    if not calls or not all(isinstance(c, dict) and isinstance(c.get("arguments"), dict) for c in calls):
-        return None
-    return [{"name": c.get("name"), "arguments": c["arguments"]} for c in calls]
+    inner, pos, calls = text[len(fmt.open):len(text) - len(fmt.close)], 0, []
+    decoder = json.JSONDecoder()
+    while True:
+        if not inner.startswith(fmt.call_open, pos):
+            return None
+        try:
+            call, pos = decoder.raw_decode(inner, pos + len(fmt.call_open))
+        except json.JSONDecodeError:
+            return None
+        if not inner.startswith(fmt.call_close, pos):
+            return None
+        pos += len(fmt.call_close)
+        if not (isinstance(call, dict) and isinstance(call.get(fmt.args_key), dict)):
+            return None
+        calls.append({"name": call.get("name"), "arguments": call[fmt.args_key]})
+        if pos == len(inner) or not fmt.parallel or not inner.startswith(fmt.sep, pos):
+            break
+        pos += len(fmt.sep)
+    return calls if pos == len(inner) else None
 
 
-def parse_tool_call(text: str) -> dict | None:
-    """The first call of `parse_tool_calls(text)` ({"name", "arguments"}), or None."""
-    calls = parse_tool_calls(text)
+def parse_tool_call(text: str, fmt: CallFormat = SMOLLM2) -> dict | None:
+    """The first call of `parse_tool_calls(text, fmt)` ({"name", "arguments"}), or None."""
+    calls = parse_tool_calls(text, fmt)
     return calls[0] if calls else None
 
 
@@ -214,7 +290,7 @@ class ToolGrammar:
 
     @classmethod
     def build(cls, ll_tokenizer, vocab_size: int, tools: list[dict], tool_choice="required",
-              parallel: bool = False) -> "ToolGrammar":
+              parallel: bool = False, fmt: CallFormat = SMOLLM2) -> "ToolGrammar":
         """Compile the grammar for `tools` (normalized) and `tool_choice`.
 
         tool_choice: "required" (a call to any tool), "auto" (a call or free text),
@@ -222,7 +298,11 @@ class ToolGrammar:
         OpenAI's allowed-tools form {"type": "allowed_tools", "allowed_tools": {"mode":
         "required" | "auto", "tools": [{"type": "function", "function": {"name": ...}}, ...]}}
         (a call to one of those tools, e.g. the tools whose preconditions hold now).
-        parallel: the answer may hold several calls (`<tool_call>[{...}, {...}]</tool_call>`).
+        parallel: the answer may hold several calls (`<tool_call>[{...}, {...}]</tool_call>`) where
+            the format has them (`CallFormat.parallel`; Llama 3.x: one call).
+        fmt: the family's call format (`call_format_for`); a marker of `fmt.tags` that is one
+            special/added token of the vocabulary is matched as that token (llguidance lexes
+            special tokens apart from text, so the literal would never match it).
 
         Raises:
             ToolSchemaError: no tools, tool_choice "none" (no grammar: free text), or names an
@@ -238,12 +318,25 @@ class ToolGrammar:
         if unknown:
             raise ToolSchemaError(f"tool_choice names unknown tool {unknown[0]!r}; known: {list(known)}")
         chosen = [known[n]["function"] for n in names] if names else [t["function"] for t in tools]
-        schema = call_schema(chosen)
+        schema = call_schema(chosen, fmt.args_key)
         schema["x-guidance"] = dict(JSON_STYLE, coerce_one_of=True)
-        item = f"item: %json {json.dumps(schema)}\n"
-        body = 'body: item (", " item)*\n' if parallel else "body: item\n"
-        lark = f'call: "{CALL_OPEN}" body "{CALL_CLOSE}"\n{body}{item}'
-        lark = ("start: call | text\ntext: /[^<][^\\x00]*/\n" if mode == "auto" else "start: call\n") + lark
+
+        def lit(text: str) -> str:  # a Lark sequence writing `text`, its single-token tags as tokens
+            parts = []
+            for piece in re.split("(" + "|".join(map(re.escape, fmt.tags)) + ")", text) if fmt.tags else [text]:
+                ids = ll_tokenizer.tokenize_str(piece) if piece in fmt.tags else []
+                if len(ids) == 1 and ll_tokenizer.is_special_token(ids[0]):
+                    parts.append(f"<[{ids[0]}]>")
+                elif piece:
+                    parts.append(json.dumps(piece))
+            return " ".join(parts)
+
+        one = " ".join(filter(None, [lit(fmt.call_open), "item", lit(fmt.call_close)]))
+        body = f"body: one ({lit(fmt.sep)} one)*\n" if parallel and fmt.parallel else "body: one\n"
+        call = " ".join(filter(None, [lit(fmt.open), "body", lit(fmt.close)]))
+        lark = f"call: {call}\n{body}one: {one}\nitem: %json {json.dumps(schema)}\n"
+        text = f"text: /[^{re.escape(fmt.first)}\\x00][^\\x00]*/\n"
+        lark = (f"start: call | text\n{text}" if mode == "auto" else "start: call\n") + lark
         return cls(_compile_lark(lark, ll_tokenizer, "tool-call grammar"), ll_tokenizer, vocab_size, mode)
 
     @classmethod

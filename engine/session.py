@@ -21,7 +21,7 @@ import torch
 from .decision import (Checkpoint, Decision, Segment, SessionArgumentError, finite_arg, positive_int_arg, sampling_args,
                        settle)
 from .decode import NonFiniteLogitsError, Target, decode
-from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, ToolGrammar, normalize_tools, tools_system_prompt
+from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, ToolGrammar, call_format_for, normalize_tools, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
 from .paths import cache_dir
@@ -69,6 +69,7 @@ class Engine:
         self.weight_choice = weight_choice
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,
                                                    eos_token=tokenizer.eos_id)
+        self.call_format = call_format_for(tokenizer.chat_template)  # the family's tool-call format
         self._grammars: dict[tuple, ToolGrammar] = {}
         self.speculation = SpecConfig.default(self.model)
 
@@ -166,7 +167,7 @@ class Engine:
                parallel)
         if key not in self._grammars:
             self._grammars[key] = ToolGrammar.build(self.ll_tokenizer, self.tokenizer.vocab_size, tools, tool_choice,
-                                                    parallel)
+                                                    parallel, self.call_format)
         return self._grammars[key]
 
     def json_grammar(self, schema: dict) -> ToolGrammar:
@@ -203,7 +204,7 @@ class Session:
         self.model = engine.model
         self.tok = engine.tokenizer
         self.tools = tools
-        self._system_text = tools_system_prompt(system, tools, tool_prompt)
+        self._system_text = tools_system_prompt(system, tools, tool_prompt, engine.call_format)
         system_ids = self.tok.encode_chat([{"role": "system", "content": self._system_text}], [])
         if kv_budget is None:
             cache, window = self.model.new_cache(capacity), None
@@ -247,7 +248,12 @@ class Session:
         # Render messages on their own, after the system message, and keep only their tokens
         # (chat templates are prefix-stable; this is O(message), not O(history)). Contents are
         # tokenized as text only: no special token can be forged from them.
+        # A template that writes the system message with the last user message (Mistral,
+        # `Tokenizer.system_moves`) gets it once, with the first message after it: re-writing it
+        # at every turn would repeat it, moving it would change cached tokens.
         head = [{"role": "system", "content": self._system_text}] if self.segments else []
+        if self.tok.system_moves and len(self.segments) > 1:
+            head = []
         return self.tok.encode_chat(messages, head)
 
     def _append(self, ids: list[int], kind: str, source: str = "", pinned: bool = False) -> None:
@@ -261,8 +267,12 @@ class Session:
         return self.target.forward(ids, logits_for)
 
     def _flush(self) -> None:
-        if self.pending:
-            ids, self.pending = self.pending, []
+        # A family whose answer has no header (Mistral: the assistant prefix is empty) has no
+        # trigger tokens: the context's last token stays pending, so that the next decision's
+        # first forward has a row to read the logits from.
+        keep = 0 if self.tok.assistant_prefix else 1
+        if len(self.pending) > keep:
+            ids, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
             self._forward(ids, "none")
             self.cache.trim()  # back to the KV budget between decisions
             self.speculator.observe(self.tokens)  # the draft model's KV follows, off the decision path
@@ -338,8 +348,9 @@ class Session:
         the next forward). With speculation (`Engine.speculation`) drafted tokens are verified
         several per forward; the output is token-for-token the plain greedy output.
 
-        With tool_choice "auto" the first token settles call or text (a text answer may not start
-        with "<", a call starts with "<tool_call>"); a text answer comes back as status "text".
+        Calls are written in the model family's own format (`Engine.call_format`). With
+        tool_choice "auto" the first token settles call or text (a text answer may not start with
+        the call's first character, e.g. "<" of "<tool_call>"); a text answer comes back as status "text".
 
         Args:
             tool_choice: "required", "auto" (call or text), "none" (text, no grammar), {"name":
@@ -404,9 +415,10 @@ class Session:
             stream(out)  # grammar-forced tokens that closed the answer after the last step
         d.prefill_tokens = len(prefill)
         d.text = self.tok.decode(out)
+        fmt = self.engine.call_format
         is_text = is_text and (grammar is None or grammar.mode == "json"
-                               or (grammar.mode == "auto" and d.text[:1] not in ("", "<")))
-        settle(d, matcher, is_text, len(out), max_tokens, deadline_at)
+                               or (grammar.mode == "auto" and d.text[:1] not in ("", fmt.first)))
+        settle(d, matcher, is_text, len(out), max_tokens, deadline_at, fmt)
         d.total_s = time.perf_counter() - t0
         d.kv = self.cache.take_metrics()
         if d.status in ("ok", "text"):
@@ -429,7 +441,8 @@ class Session:
         def stream(out: list[int]) -> bool:
             nonlocal printed
             text = self.tok.decode(out)
-            if (calls and text.startswith("<")) or text.endswith("\ufffd"):  # a call, or an incomplete character
+            if (calls and text.startswith(self.engine.call_format.first)) or text.endswith("\ufffd"):
+                # a call, or an incomplete character
                 return False
             piece, printed = text[len(printed):], text
             return bool(piece) and bool(on_text(piece))

@@ -71,6 +71,9 @@ class Tokenizer:
         assistant_prefix, assistant_suffix: the text the chat template writes before and after an
             assistant message's content (ChatML: "<|im_start|>assistant\\n", "<|im_end|>\\n"):
             the session's trigger and end of an answer, taken from the model's own template.
+        system_moves: the template writes the system message with the last user message rather
+            than once at the start (Mistral): the session then writes it once, with the first
+            message after it (see `Session`).
         json: the `tokenizer.json` text (for llguidance).
     """
 
@@ -96,6 +99,7 @@ class Tokenizer:
         self._eos_text = self._tok.id_to_token(self.eos_id) if self.eos_id is not None else ""
         self._template = None
         self.assistant_prefix, self.assistant_suffix = self._assistant_affixes()
+        self.system_moves = self._system_moves()
         # The template's end-of-turn token (e.g. ChatML's <|im_end|>, Llama 3's <|eot_id|>) ends a turn too.
         end_turn = [i for i in self._tok.encode(self.assistant_suffix, add_special_tokens=False).ids
                     if self._tok.decode([i], skip_special_tokens=True) == ""][:1]
@@ -112,6 +116,13 @@ class Tokenizer:
             raise ValueError("the chat template does not render an assistant turn after the generation prompt")
         at = full.index(_MARK)
         return full[len(head):at], full[at + len(_MARK):]
+
+    def _system_moves(self) -> bool:
+        # Where the template writes the system text in a two-turn conversation: after the first
+        # user message means it travels with the last one.
+        text = self.render_chat([{"role": "system", "content": _MARK}, {"role": "user", "content": "u1"},
+                                 {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}])
+        return _MARK in text and text.index(_MARK) > text.find("u1") >= 0
 
     def _special_id(self, token) -> int | None:
         if isinstance(token, dict):  # AddedToken serialised as a dict

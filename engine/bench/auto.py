@@ -40,7 +40,7 @@ def run_auto(styles: list[str], n: int, bfcl: Path | None = None, threads: int |
     import torch
 
     from ..bfcl import load_bfcl
-    from ..grammar import CALL_OPEN, TOOL_PROMPTS, ToolSchemaError
+    from ..grammar import TOOL_PROMPTS, ToolSchemaError, format_tool_calls
     from ..session import Engine
 
     unknown = [s for s in styles if s not in TOOL_PROMPTS]
@@ -52,7 +52,7 @@ def run_auto(styles: list[str], n: int, bfcl: Path | None = None, threads: int |
     engine = Engine.load(model, threads=threads, quantize=quantize)
 
     tok = engine.tokenizer
-    call_start = tok.encode(CALL_OPEN)[0]
+    call_start = tok.encode(format_tool_calls([{"name": "x", "arguments": {}}], engine.call_format))[0]
 
     def decide(case: dict, tools: list[dict], style: str) -> tuple[bool, float]:
         # (auto called, probability of the call's first token at the first step)
