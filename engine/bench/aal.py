@@ -147,6 +147,9 @@ def run_aal(out_dir: Path, quick: bool = False, seed: int = 0, threads: int = 2,
                 raise RuntimeError("the full AAL run: the " + what)
             engines.remove(engine)
             notes.append(f"{_name(engine)} row skipped: " + what)
+    if "tokenspeed:int4:http" in engines:
+        notes.append("tokenspeed serve streams a call only once it is complete and valid (never a half call): "
+                     "its HTTP TTFT is the whole call; llama_cpp.server streams the arguments as they come")
     out_dir.mkdir(parents=True, exist_ok=True)
     wl = Workload.load(workload) if workload else build_workload(seed, quick=quick, bfcl_dir=bfcl_dir)
     wl.save(out_dir / "workload.json")
