@@ -59,7 +59,6 @@ class Target:
             ValueError: the cache has no room.
         """
         pos0 = self.cache.next_position()
-        self.model.ensure_rope(pos0 + len(ids))  # pruned sessions outgrow max_seq_len
         head_rows = self._head_rows(rows, matcher)
         out = None
         for i in range(0, len(ids), PREFILL_CHUNK):

@@ -18,9 +18,10 @@ cache that drops slots keeps every token's original position: keys are stored al
 and never re-rotated, so a kept (or recalled) slot is bit-identical to the full cache's. This
 differs from StreamingLLM (Xiao et al. 2023, sec. 3.2), which re-indexes positions within the
 rolling cache so that distances never exceed the trained context; we keep original positions
-(exact equality with the full cache) and extend the rotary tables on demand (`ensure_rope`)
-for histories past `max_seq_len`, where relative distances are beyond what the model was
-trained on. A cache subclass that sets `tracks_attention` (see `tokenspeed.kv`) receives each
+(exact equality with the full cache); the rotary tables cover `max_seq_len` positions and the
+rotations of later positions (a pruned session's history past it, where relative distances are
+beyond what the model was trained on) are computed per forward (`rope_at`), so memory stays
+flat however long a session runs. A cache subclass that sets `tracks_attention` (see `tokenspeed.kv`) receives each
 layer's attention mass through `record_attention` and may reorganise its slots in `prepare`.
 """
 from __future__ import annotations
@@ -100,8 +101,10 @@ def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def rope_tables(args: ModelArgs, device=None, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [length or max_seq_len, head_dim] (fp32) with Llama-3.1 scaling if configured.
+def rope_tables(args: ModelArgs, device=None, length: int | None = None,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [length or max_seq_len, head_dim] (fp32) with Llama-3.1 scaling if configured;
+    with `positions` ([T] int64), the rows of those positions only ([T, head_dim]).
 
     Source: RoFormer (Su et al., 2021); Llama 3.1 scaling as in Meta's reference
     `apply_scaling` / Hugging Face `_compute_llama3_parameters`.
@@ -117,7 +120,8 @@ def rope_tables(args: ModelArgs, device=None, length: int | None = None) -> tupl
         scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
         mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    pos = torch.arange(length or args.max_seq_len, dtype=torch.float64, device=device)
+    pos = (torch.arange(length or args.max_seq_len, dtype=torch.float64, device=device) if positions is None
+           else positions.to(device=device, dtype=torch.float64))
     freqs = torch.outer(pos, inv_freq).float()
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -304,15 +308,13 @@ class Transformer(nn.Module):
             self._fused = FusedDecode(ext, self) if ext is not None else None
         return self._fused
 
-    def ensure_rope(self, length: int) -> None:
-        """Grow the rotary tables to cover positions [0, length) (doubling; no-op if they do).
-
-        Positions past `args.max_seq_len` are beyond the trained context (see module docstring).
-        """
-        have = self.rope_cos.shape[0]
-        if length > have:
-            cos, sin = rope_tables(self.args, device=self.rope_cos.device, length=max(length, 2 * have))
-            self.rope_cos, self.rope_sin = cos, sin
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] (fp32) of the rotary positions [T] (int64): rows of the tables, or
+        computed for these positions when one is past them (beyond the trained context, see the
+        module docstring; the tables never grow, so a session of any length keeps memory flat)."""
+        if positions.numel() and int(positions.max()) >= self.rope_cos.shape[0]:
+            return rope_tables(self.args, device=self.rope_cos.device, positions=positions)
+        return self.rope_cos[positions], self.rope_sin[positions]
 
     def new_cache(self, capacity: int | None = None, dtype=None) -> KVCache:
         """A KV cache for up to `capacity` tokens (default: the model's max_seq_len)."""
@@ -340,7 +342,7 @@ class Transformer(nn.Module):
         T = tokens.shape[0]
         cache.prepare(T)
         start = cache.n
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = self.rope_at(positions)
         cache.pos[start:start + T] = positions
         eps = self.args.norm_eps
         fused = (self.fused_decode() if self.use_fused and T <= FUSED_ROWS and cache.k.dtype == torch.float32

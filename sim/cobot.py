@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.resources import files
 from pathlib import Path
 
@@ -170,22 +170,55 @@ class CobotScene:
         self.joint_names = [p.getJointInfo(self.robot, j, physicsClientId=c)[1].decode()
                             for j in ARM_JOINTS + FINGER_JOINTS]
 
-        centres = self._sample_positions(rng, len(CUBES) + 1)
-        self.target_xy = centres[-1]
         vis = p.createVisualShape(p.GEOM_BOX, halfExtents=[TARGET_HALF, TARGET_HALF, 0.0005],
                                   rgbaColor=[*TARGET_RGB, 1], physicsClientId=c)
-        self.target = p.createMultiBody(0, -1, vis, basePosition=[*self.target_xy, 0.0006], physicsClientId=c)
+        self.target = p.createMultiBody(0, -1, vis, physicsClientId=c)
         box = p.createCollisionShape(p.GEOM_BOX, halfExtents=[CUBE_HALF] * 3, physicsClientId=c)
         self.cubes: dict[str, int] = {}
-        for (name, rgb), xy in zip(CUBES.items(), centres):
+        for name, rgb in CUBES.items():
             vis = p.createVisualShape(p.GEOM_BOX, halfExtents=[CUBE_HALF] * 3, rgbaColor=[*rgb, 1],
                                       physicsClientId=c)
-            yaw = float(rng.uniform(-math.pi / 4, math.pi / 4))
-            body = p.createMultiBody(0.1, box, vis, basePosition=[*xy, CUBE_HALF],
-                                     baseOrientation=p.getQuaternionFromEuler([0, 0, yaw]), physicsClientId=c)
+            body = p.createMultiBody(0.1, box, vis, physicsClientId=c)
             p.changeDynamics(body, -1, lateralFriction=1.0, physicsClientId=c)
             self.cubes[name] = body
+        self._place_objects(rng)
         self._hold_joints()
+
+    def _place_objects(self, rng: np.random.Generator) -> None:
+        """Cubes (random yaw) and the target zone at random, well-separated spots, at rest."""
+        c = self._c
+        centres = self._sample_positions(rng, len(CUBES) + 1)
+        self.target_xy = centres[-1]
+        p.resetBasePositionAndOrientation(self.target, [*self.target_xy, 0.0006], [0, 0, 0, 1], physicsClientId=c)
+        for body, xy in zip(self.cubes.values(), centres):
+            yaw = float(rng.uniform(-math.pi / 4, math.pi / 4))
+            p.resetBasePositionAndOrientation(body, [*xy, CUBE_HALF], p.getQuaternionFromEuler([0, 0, yaw]),
+                                              physicsClientId=c)
+            p.resetBaseVelocity(body, [0, 0, 0], [0, 0, 0], physicsClientId=c)
+
+    def reset(self, seed: int, target_object: str) -> list[Event]:
+        """Start a new task in the same world: the arm back home with open fingers, the cubes and
+        the target zone placed anew from `seed`, the goal now for `target_object`. The command
+        executing (if any) is "preempted" (returned events); counters and sim time go on.
+        Raises ValueError for a target_object not in CUBES (nothing changes)."""
+        if target_object not in CUBES:
+            raise ValueError(f"target_object {target_object!r} is not one of {sorted(CUBES)}")
+        events = [] if self._motion is None else [
+            Event(t, self._motion.tool, "preempted", "scene reset") for t in self._motion.tags]
+        self._motion = None
+        self.config = replace(self.config, seed=seed, target_object=target_object)
+        c = self._c
+        for j, q in zip(ARM_JOINTS, HOME):
+            p.resetJointState(self.robot, j, q, 0.0, physicsClientId=c)
+        for j in FINGER_JOINTS:
+            p.resetJointState(self.robot, j, FINGER_OPEN, 0.0, physicsClientId=c)
+            p.setJointMotorControl2(self.robot, j, p.POSITION_CONTROL, targetPosition=FINGER_OPEN, force=20,
+                                    physicsClientId=c)
+        self._yaw = 0.0
+        self._place_objects(np.random.default_rng(seed))
+        self._hold_joints()
+        p.performCollisionDetection(physicsClientId=c)     # contacts (what is "held") of the new layout
+        return events
 
     @staticmethod
     def _sample_positions(rng: np.random.Generator, n: int) -> list[tuple[float, float]]:
@@ -238,12 +271,13 @@ class CobotScene:
         return self.camera_position.copy(), _quat_from_matrix(self.camera_rotation)
 
     def snapshot(self) -> dict:
-        """Everything a camera sees, as plain data: robot joint positions (rad / m) and cube poses
-        (position [3] metres, quaternion xyzw). `restore()` puts a scene of the same config there."""
+        """Everything a camera sees, as plain data: robot joint positions (rad / m), cube poses
+        (position [3] metres, quaternion xyzw) and the target zone's centre (x, y metres).
+        `restore()` puts a scene of the same tool file and image settings there."""
         joints = [s[0] for s in p.getJointStates(self.robot, range(p.getNumJoints(self.robot, physicsClientId=self._c)),
                                                  physicsClientId=self._c)]
         cubes = {n: p.getBasePositionAndOrientation(b, physicsClientId=self._c) for n, b in self.cubes.items()}
-        return {"joints": joints, "cubes": cubes}
+        return {"joints": joints, "cubes": cubes, "target_xy": tuple(self.target_xy)}
 
     def restore(self, snapshot: dict) -> None:
         """Set joint positions and cube poses from `snapshot()` output (no dynamics, no stepping).
@@ -254,6 +288,8 @@ class CobotScene:
             p.resetJointState(self.robot, j, q, physicsClientId=self._c)
         for name, (pos, orn) in snapshot["cubes"].items():
             p.resetBasePositionAndOrientation(self.cubes[name], pos, orn, physicsClientId=self._c)
+        self.target_xy = tuple(snapshot["target_xy"])
+        p.resetBasePositionAndOrientation(self.target, [*self.target_xy, 0.0006], [0, 0, 0, 1], physicsClientId=self._c)
 
     def object_positions(self) -> dict[str, tuple[float, float, float]]:
         """Ground-truth cube centres in the base frame, metres."""

@@ -30,6 +30,13 @@ Published (all reliable; remap names with `--ros-args -r`):
 - `sim/scenario_status` (std_msgs/String, JSON, `status_rate_hz`, transient local): the ground
   truth of `CobotScene.scenario_status()` plus wall `stamp` and `overruns`.
 
+Service `sim/reset` (std_srvs/Trigger): a new task in the same cell, for workloads that never
+end (`tokenspeed_soak`): the arm goes home with open fingers, the cubes and the target are placed
+anew from seed + the number of resets so far, and the target cube is the next one of red, green,
+blue after the last. The executing command is "preempted" (detail "scene reset"); the new goal is
+published on `goal` and returned as the response's `message`; `resets` in the scenario status
+counts them.
+
 Subscribed: `agent/action` (tokenspeed_msgs/ActionCommand): `tool_name` + `arguments_json` from
 the tool file; `decision_id` is echoed in the feedback. `agent/action/heartbeat`
 (std_msgs/Header): the agent's deadline monitor says it is alive (see `HEARTBEAT_SUFFIX` in
@@ -55,12 +62,13 @@ from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CameraInfo, Image, JointState
 from std_msgs.msg import Header, String
+from std_srvs.srv import Trigger
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback
 
 from tokenspeed_ros.launch_spec import COBOT_SIM, help_requested, params_path
 from tokenspeed_sim import ros_spin
 from tokenspeed_sim.camera_process import CameraProcess
-from tokenspeed_sim.cobot import DEFAULT_TOOLS, CobotScene, CommandRejected, Event, SceneConfig
+from tokenspeed_sim.cobot import CUBES, DEFAULT_TOOLS, CobotScene, CommandRejected, Event, SceneConfig
 
 LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 
@@ -99,6 +107,7 @@ class CobotSimNode(Node):
         if not 0 <= v["cmd_timeout_s"] < float("inf"):
             raise ValueError(f"parameter cmd_timeout_s must be >= 0 and finite, got {v['cmd_timeout_s']}")
         self.cmd_timeout_s = v["cmd_timeout_s"]
+        self._seed = v["seed"]
         self.cmd_timeouts = 0
         self._last_command: float | None = None   # monotonic time of the last heartbeat or command; None = unwatched
         self.scene = CobotScene(SceneConfig(
@@ -122,6 +131,8 @@ class CobotSimNode(Node):
         self.pub_status = self.create_publisher(String, "sim/scenario_status", LATCHED)
         self.create_subscription(ActionCommand, "agent/action", self._on_action, 10)
         self.create_subscription(Header, "agent/action/heartbeat", self._on_heartbeat, 10)
+        self.resets = 0
+        self.create_service(Trigger, "sim/reset", self._on_reset)
 
         self._t0 = time.monotonic()
         self._steps = 0
@@ -145,6 +156,19 @@ class CobotSimNode(Node):
             self._publish_events(self.scene.step(due))
             self._steps += due
         self._publish_frame()
+
+    def _on_reset(self, _request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        """`sim/reset`: the next task (see the module docstring); answers with its goal text."""
+        self.resets += 1
+        names = list(CUBES)
+        target = names[(names.index(self.scene.config.target_object) + 1) % len(names)]
+        self._publish_events(self.scene.reset(self._seed + self.resets, target))
+        goal = self.scene.goal_text()
+        self.pub_goal.publish(String(data=goal))
+        self.publish_status()
+        self.get_logger().info(f"scene reset {self.resets}: {goal}")
+        response.success, response.message = True, goal
+        return response
 
     def _on_heartbeat(self, _msg: Header) -> None:
         self._last_command = time.monotonic()
@@ -240,6 +264,7 @@ class CobotSimNode(Node):
         status["stamp"] = self.get_clock().now().nanoseconds * 1e-9
         status["overruns"] = self.overruns
         status["cmd_timeouts"] = self.cmd_timeouts
+        status["resets"] = self.resets
         self.pub_status.publish(String(data=json.dumps(status)))
         return status
 

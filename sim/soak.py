@@ -7,6 +7,12 @@ capture ends). This process listens over DDS with the latency harness
 (`tokenspeed_sim.harness.LatencyHarness`) and over ZeroMQ to the bridge's status, and samples
 every process's resident memory (psutil).
 
+The cobot workload never ends (`TaskCycle`): the simulator's task goes to the agent as a RunTask
+action goal (with `--task-timeout`); when it ends, done or failed, the simulator's `sim/reset`
+service lays out the next task (new cube and target positions, the next target cube) and its goal
+is sent. The report counts the tasks started and finished per outcome, and per loop the longest
+time without a decision (`longest_silence_s`, an invariant: at most `SILENCE_BOUND_S`).
+
 Every stream carries sequence numbers, so a lost message shows as a gap: each decision loop's
 `decision_id` (ActionCommand and DeadlineStatus; the monitor publishes exactly one command per
 decision) and the replay's book `sequence_number` (the bridge counts `seq_gap`); the feed's
@@ -19,8 +25,8 @@ than that ("late", as measured by the monitor itself, /diagnostics). Outputs in 
 soak.json (the report), soak.png (RSS per process, decision latency and outcomes over time),
 latency.png (the cobot harness's plot) and the launches' logs. The measured window starts when
 both engines are ready. Exit status 0 when the invariants hold: every decision ended in a call or
-a fallback within the bound, nothing was lost, no process crashed (exited during the run or
-logged a traceback) and both launches stopped cleanly.
+a fallback within the bound, no loop went silent, nothing was lost, no process crashed (exited
+during the run or logged a traceback) and both launches stopped cleanly.
 
 Example: `tokenspeed_soak --minutes 60 --out out/soak`
 """
@@ -43,7 +49,10 @@ import psutil
 import rclpy
 import zmq
 from diagnostic_msgs.msg import DiagnosticArray
+from rclpy.action import ActionClient
 from rclpy.qos import QoSProfile, ReliabilityPolicy
+from std_srvs.srv import Trigger
+from tokenspeed_msgs.action import RunTask
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus
 
 from tokenspeed_ros.deadline_monitor import FALLBACK_BOUND_S
@@ -54,6 +63,9 @@ from tokenspeed_sim.harness import LatencyHarness, percentiles, write_plot
 SPIN_CHUNK_S = 0.5        # the listener spins this long between ZeroMQ drains and process checks
 STOP_GRACE_S = 15.0       # the launchers' wait after SIGINT: an engine mid-forward on a loaded CPU ends late
 LOOPS = {"cobot": ("agent", "tokenspeed_agent"), "market": ("market", "tokenspeed_market_bridge")}
+TASK_TIMEOUT_S = 120.0    # a cobot task not done by then fails, and the next one starts
+SILENCE_BOUND_S = 30.0    # the longest a loop may go without a decision: a few decision periods (cobot: 1 s,
+                          # skipped while the arm executes a call; market: the 10 s timer trigger) plus a reset
 
 
 @dataclass
@@ -125,6 +137,67 @@ def slope_per_hour(points: list[tuple[float, float]], scale: float = 1.0) -> flo
     if np.ptp(t) <= 0:
         return None
     return float(np.polyfit(t / 3600.0, v * scale, 1)[0])
+
+
+class TaskCycle:
+    """The cobot's endless workload over the real interfaces: the simulator's current task (its
+    `goal` topic, then each `sim/reset` answer) goes to the agent as a RunTask goal with
+    `timeout_s`; when the goal's result comes (done, failed or cancelled), `sim/reset` lays out
+    the next task. Call `step()` between spins; callbacks advance it."""
+
+    def __init__(self, node, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._client = ActionClient(node, RunTask, "run_task")
+        self._reset = node.create_client(Trigger, "sim/reset")
+        self.goal = ""                 # the next task's text ("" until the simulator's goal is known)
+        self.state = "idle"            # idle -> sending -> running -> reset_due -> resetting -> idle
+        self.started = 0
+        self.rejected = 0              # goals the agent refused, or resets the simulator refused
+        self.outcomes: Counter = Counter()
+        self.results: list[tuple[str, int, float]] = []   # (outcome, decisions, duration s) per finished task
+        self.last_change = time.time()                    # wall time of the last task start or result
+
+    def step(self, sim_goal: str) -> None:
+        """Send the next goal or the reset when due. sim_goal: the simulator's latest goal text."""
+        self.goal = self.goal or sim_goal
+        if self.state == "idle" and self.goal and self._client.server_is_ready():
+            self.state = "sending"
+            sent = self._client.send_goal_async(RunTask.Goal(task=self.goal, timeout_s=self.timeout_s))
+            sent.add_done_callback(self._on_accepted)
+        elif self.state == "reset_due" and self._reset.service_is_ready():
+            self.state = "resetting"
+            self._reset.call_async(Trigger.Request()).add_done_callback(self._on_reset)
+
+    def _on_accepted(self, future) -> None:
+        handle = future.result()
+        if not handle.accepted:
+            self.rejected += 1
+            self.state = "idle"
+            return
+        self.started += 1
+        self.state, self.last_change = "running", time.time()
+        handle.get_result_async().add_done_callback(self._on_result)
+
+    def _on_result(self, future) -> None:
+        r = future.result().result
+        self.outcomes[r.outcome] += 1
+        self.results.append((r.outcome, r.decisions, r.duration_s))
+        self.state, self.last_change = "reset_due", time.time()
+
+    def _on_reset(self, future) -> None:
+        answer = future.result()
+        if answer.success:
+            self.goal = answer.message
+        else:
+            self.rejected += 1
+        self.state = "idle" if answer.success else "reset_due"
+
+    def report(self) -> dict:
+        """Tasks started, finished per outcome, their decisions and durations (s)."""
+        return {"started": self.started, "finished": sum(self.outcomes.values()), "outcomes": dict(self.outcomes),
+                "rejected": self.rejected, "timeout_s": self.timeout_s, "state_at_end": self.state,
+                "decisions_per_task": percentiles([float(d) for _, d, _ in self.results]),
+                "duration_s": percentiles([t for _, _, t in self.results])}
 
 
 class ProcessSampler:
@@ -244,6 +317,7 @@ def invariants(report: dict) -> dict[str, bool]:
     return {
         "every_decision_a_call_or_fallback": all(lp["decisions"] > 0 and lp["neither"] == 0 for lp in loops),
         "every_fallback_within_bound": all(lp["late"] == 0 for lp in loops),
+        "no_silent_loop": all(lp["longest_silence_s"] <= SILENCE_BOUND_S for lp in loops),
         "no_lost_messages": all(lp["commands_lost"] == 0 and lp["statuses_lost"] == 0 for lp in loops)
         and report["feed"]["lost"] == 0 and report["feed"]["seq_gap"] == 0
         and report["cobot"]["commands_without_sim_feedback"] == 0,
@@ -289,10 +363,11 @@ def write_soak_plot(report: dict, tallies: dict[str, LoopTally], sampler: Proces
 
 
 def run(minutes: float, out_dir: Path, model: str = "", ready_timeout_s: float = 600.0,
-        sample_s: float = 10.0) -> dict:
+        sample_s: float = 10.0, task_timeout_s: float = TASK_TIMEOUT_S) -> dict:
     """Run the soak; returns the report (also written to out_dir/soak.json with the plots).
 
     model: the model of both agents ("" = each node's parameter file: the embedded SmolLM2-135M).
+    task_timeout_s: each cobot task's RunTask timeout_s (seconds).
     Raises OSError when a process cannot be started. rclpy must not be initialised yet.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -309,12 +384,13 @@ def run(minutes: float, out_dir: Path, model: str = "", ready_timeout_s: float =
     tallies = {name: LoopTally(prefix, node) for name, (prefix, node) in LOOPS.items()}
     for t in tallies.values():
         t.attach(harness)
+    tasks = TaskCycle(harness, task_timeout_s)
     market = MarketStatus(decision_ep)
     sampler = ProcessSampler()
     logs = {name: open(out_dir / f"{name}.log", "w") for name in ("cobot", "market", "replay")}
     grace = ["--grace", f"{STOP_GRACE_S:g}"]
     launches = {
-        "cobot": subprocess.Popen(launch_command(total_s, models, task_from_action=False) + grace,
+        "cobot": subprocess.Popen(launch_command(total_s, models) + grace,
                                   stdout=logs["cobot"], stderr=subprocess.STDOUT, start_new_session=True),
         "market": subprocess.Popen(launch_command(total_s, market_set, launch="market", task_from_action=False) + grace,
                                    stdout=logs["market"], stderr=subprocess.STDOUT, start_new_session=True)}
@@ -349,6 +425,7 @@ def run(minutes: float, out_dir: Path, model: str = "", ready_timeout_s: float =
               f"measuring until {time.strftime('%H:%M:%S', time.localtime(end))}", flush=True)
         while why == "duration" and time.time() < end and not tick():
             replay.step(end)
+            tasks.step(harness.goal_text)
             why = ros_spin.spin(harness, SPIN_CHUNK_S)
         replay.finish(30.0)
         settle_end = time.time() + 5.0        # the last decisions' outcomes, diagnostics, status
@@ -356,6 +433,7 @@ def run(minutes: float, out_dir: Path, model: str = "", ready_timeout_s: float =
             why = ros_spin.spin(harness, SPIN_CHUNK_S)
         report, cobot_harness = build_report(harness, tallies, sampler, market, replay, started, window_start,
                                              crashed)
+        report["cobot"]["tasks"] = tasks.report()
         write_plot(cobot_harness, out_dir / "latency.png")
         report["stopped_by"] = why if why != "duration" else ("crash" if crashed else "end")
     finally:
@@ -423,10 +501,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="", help='model of both agents: "" = embedded SmolLM2-135M, a path, or tiny-random')
     ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for both engines (default 600)")
     ap.add_argument("--sample", type=float, default=10.0, help="seconds between RSS samples (default 10)")
+    ap.add_argument("--task-timeout", type=float, default=TASK_TIMEOUT_S,
+                    help=f"seconds a cobot task may take before the next one starts (default {TASK_TIMEOUT_S:g})")
     args = ap.parse_args(argv)
-    if not (args.minutes > 0 and args.ready_timeout > 0 and args.sample > 0):
-        ap.error("--minutes, --ready-timeout and --sample must be > 0")
-    report = run(args.minutes, args.out, args.model, args.ready_timeout, args.sample)
+    if not (args.minutes > 0 and args.ready_timeout > 0 and args.sample > 0 and args.task_timeout > 0):
+        ap.error("--minutes, --ready-timeout, --sample and --task-timeout must be > 0")
+    report = run(args.minutes, args.out, args.model, args.ready_timeout, args.sample, args.task_timeout)
     for name in ("cobot", "market"):
         lp = report[name]
         print(f"{name}: {lp['decisions']} decisions, {lp['met']} calls on time, {lp['fallback_within_bound']} "
@@ -434,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{lp['longest_silence_s']:.0f} s (fallback lateness ms "
               f"{lp['fallback_lateness_ms']}); commands lost {lp['commands_lost']}; model latency slope "
               f"{lp['model_latency_slope_ms_per_h']} ms/h")
+    tasks = report["cobot"]["tasks"]
+    print(f"cobot tasks: {tasks['started']} started, {tasks['finished']} finished {tasks['outcomes']}")
     feed = report["feed"]
     print(f"feed: {feed['sent']} sent, {feed['received_by_bridge']} received, {feed['seq_gap']} sequence gaps")
     for label, r in report["rss"].items():

@@ -46,6 +46,7 @@ BAD_INPUT_KINDS = (
     "bad_sequence",     # sequence number negative or not below 2**63
     "too_large",        # message above max_message_bytes, or JSON nested too deep to parse
     "book_full",        # a new level on a side that already holds max_levels levels
+    "too_many_symbols", # a record of a new (exchange, symbol) while max_symbols are known
 )
 
 #: Counter key for a record that raised an unexpected exception (a bug): counted, dropped.
@@ -68,6 +69,7 @@ class FeedLimits:
         max_message_bytes: a ZeroMQ message above this size (all frames, bytes) is refused
             before parsing.
         max_levels: price levels kept per book side; a new level beyond it is refused.
+        max_symbols: (exchange, symbol) pairs kept; a record of another one is refused.
     """
 
     price_band: float = 0.25
@@ -78,6 +80,7 @@ class FeedLimits:
     max_future_s: float = 10.0
     max_message_bytes: int = 1 << 20
     max_levels: int = 10_000
+    max_symbols: int = 64
 
 
 @dataclass
@@ -246,6 +249,8 @@ class MarketFeed:
         key = (exchange, symbol)
         state = self.symbols.get(key)
         if state is None:
+            if len(self.symbols) >= self.limits.max_symbols:
+                raise FeedError("too_many_symbols", f"{exchange}-{symbol}"[:80])
             state = self.symbols[key] = SymbolState(exchange, symbol, self.limits)
         if channel == "trades":
             self._trade(state, msg, timestamp)

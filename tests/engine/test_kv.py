@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tokenspeed.kv import KVConfig
+from tokenspeed.model import rope_tables
 
 TOOLS = json.loads((Path(__file__).resolve().parents[2] / "tokenspeed_ros/config/robot_tools.json").read_text())
 
@@ -168,6 +169,14 @@ def test_decide_reports_metrics_and_history_outgrows_max_seq_len(tiny_engine):
     d = s.decide(deadline=30, max_tokens=8)
     assert d.kv is not None and d.kv["budget"] == 300 and d.kv["hot"] >= 300 - 64
     assert set(d.kv) >= {"hot", "cold", "evicted", "recalled", "prefetch_hits", "prefetch_misses"}
+    # the rotary tables do not grow with the history (a long-running session's memory stays flat):
+    # later positions' rotations are computed, equal to the rows of a table that long
+    model = tiny_engine.model
+    assert model.rope_cos.shape[0] == model.rope_sin.shape[0] == tiny_engine.args.max_seq_len
+    pos = torch.tensor([0, tiny_engine.args.max_seq_len - 1, s.num_tokens, 3 * s.num_tokens])
+    cos, sin = model.rope_at(pos)
+    table_cos, table_sin = rope_tables(tiny_engine.args, length=3 * s.num_tokens + 1)
+    assert torch.equal(cos, table_cos[pos]) and torch.equal(sin, table_sin[pos])
 
 
 @pytest.mark.slow

@@ -149,6 +149,14 @@ def test_book_depth_is_bounded():
     assert feed.counters["book_full"] == 1
 
 
+def test_the_number_of_symbols_is_bounded():
+    feed = MarketFeed(FeedLimits(max_symbols=2))
+    for sym in ("BTC-USD", "ETH-USD", "SOL-USD", "BTC-USD"):
+        feed.handle(frame("trades", {"side": "buy", "price": 100.0, "amount": 1.0}, symbol=sym))
+    assert set(feed.symbols) == {(EX, "BTC-USD"), (EX, "ETH-USD")}
+    assert feed.counters == {"trades": 3, "too_many_symbols": 1}
+
+
 def test_an_unexpected_exception_is_counted_and_the_record_dropped():
     """A fake fault: a clock that raises stands for a bug inside the parser, which well-formed
     or malformed input can no longer cause."""

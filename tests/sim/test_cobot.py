@@ -127,6 +127,29 @@ def test_invalid_commands_are_rejected_and_change_nothing(scene, tool, args, rea
     assert scene.scenario_status()["commands_rejected"] == 1
 
 
+def test_reset_starts_a_new_task_in_the_same_world(scene):
+    """reset() preempts the executing command, sends the arm home and lays out the scene of the
+    new seed, with the goal for the new target cube; a bad target changes nothing."""
+    scene.execute("pick", {"object": "red_cube"}, tag=7)
+    scene.step(300)
+    with pytest.raises(ValueError, match="target_object"):
+        scene.reset(seed=4, target_object="yellow_cube")
+    assert scene.busy
+    events = scene.reset(seed=4, target_object="green_cube")
+    assert [(e.tag, e.state, e.detail) for e in events] == [(7, "preempted", "scene reset")]
+    assert scene.held is None and not scene.busy
+    scene.step(24)
+    with CobotScene(SceneConfig(seed=4, target_object="green_cube")) as fresh:
+        fresh.step(24)
+        for name, xyz in fresh.object_positions().items():
+            assert np.allclose(scene.object_positions()[name], xyz, atol=2e-3), name
+        assert scene.target_xy == fresh.target_xy and scene.goal_text() == fresh.goal_text()
+        assert np.allclose(scene.gripper_position(), fresh.gripper_position(), atol=5e-3)
+    status = scene.scenario_status()
+    assert not status["busy"] and status["holding"] is None and not status["success"]
+    assert "green cube" in status["goal"] and status["commands_accepted"] == 1
+
+
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="target_object"):
         CobotScene(SceneConfig(target_object="yellow_cube"))
@@ -144,6 +167,10 @@ def test_camera_process_renders_what_the_scene_shows(scene):
         camera.request(scene.snapshot())
         with pytest.raises(RuntimeError, match="in flight"):
             camera.request(scene.snapshot())
+        image = camera.poll(timeout=30)
+        assert image is not None and np.array_equal(image, scene.render())
+        scene.reset(seed=5, target_object="green_cube")        # cubes and the target zone move
+        camera.request(scene.snapshot())
         image = camera.poll(timeout=30)
         assert image is not None and np.array_equal(image, scene.render())
         camera.request(scene.snapshot())          # closing with a frame in flight must not hang

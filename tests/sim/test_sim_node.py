@@ -1,5 +1,6 @@
 """The simulator node over real DDS: it publishes joint states, camera images, camera model, goal
-and scenario status, executes an ActionCommand sent from this process and rejects bad ones."""
+and scenario status, executes an ActionCommand sent from this process and rejects bad ones, and
+resets to a new task on sim/reset."""
 import json
 
 import numpy as np
@@ -8,6 +9,7 @@ from geometry_msgs.msg import PoseStamped
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from sensor_msgs.msg import CameraInfo, Image, JointState
 from std_msgs.msg import String
+from std_srvs.srv import Trigger
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback
 
 from support import stop
@@ -65,6 +67,21 @@ def test_sim_node_publishes_sensors_and_executes_commands(sim_process, ros_node,
         return status["holding"] == "red_cube" and status["objects"]["red_cube"][2] > 0.15
     assert spin(lifted, 5)
     assert json.loads(got["sim/scenario_status"].data)["commands_rejected"] == 2
+
+    # sim/reset: the next task (green cube) in a new layout, announced on the goal topic; the arm is empty
+    send(4, "move_to", '{"x": 0.4, "y": 0.0, "z": 0.3}')
+    assert spin(lambda: any(f.decision_id == 4 and f.state == "applied" for f in got["feedback"]), 10)
+    reset = ros_node.create_client(Trigger, "sim/reset")
+    assert reset.wait_for_service(timeout_sec=10)
+    future = reset.call_async(Trigger.Request())
+    assert spin(future.done, 10) and future.result().success
+    goal = future.result().message
+    assert "green cube" in goal and goal != status["goal"]
+    assert spin(lambda: got["goal"].data == goal and json.loads(got["sim/scenario_status"].data)["resets"] == 1, 10)
+    assert any(f.decision_id == 4 and f.state == "preempted" and f.detail == "scene reset" for f in got["feedback"])
+    status = json.loads(got["sim/scenario_status"].data)
+    assert status["goal"] == goal and status["holding"] is None and not status["busy"]
+    assert status["objects"]["red_cube"][2] < 0.03
 
     assert stop(sim_process) == 0                      # clean exit on SIGINT
     out = sim_process.stdout.read()
