@@ -4,7 +4,7 @@ tier in host memory, and query-aware recall between them.
 - Relevance: each slot accumulates the attention mass it receives (H2O, Zhang et al. 2023), decayed
   per new token (Scissorhands, Liu et al. 2023); one score per token, shared by all layers.
 - Never evicted: attention sinks (StreamingLLM, Xiao et al. 2023), pinned segments (system prompt,
-  tools), the `recent` newest tokens. Eviction moves whole pages (Quest, Tang et al. 2024):
+  tools; of pinned observations, the newest per source), the `recent` newest tokens. Eviction moves whole pages (Quest, Tang et al. 2024):
   superseded sensor readings first, then the lowest page score.
 - Cold tier: evicted pages in host memory with key min/max/mean summaries. Recall: the newest
   queries bound each cold page's score (Quest), the best by key centroid are prefetched, and the
@@ -185,14 +185,22 @@ class TieredKVCache(KVCache):
         if not segs:
             return pinned, superseded
         starts = torch.tensor([s.start for s in segs], device=pos.device)
-        seg_pin = torch.tensor([s.pinned for s in segs], device=pos.device)
-        seg_sup, seen = [False] * len(segs), set()
+        # the newest pinned segment and the newest sensor reading of each source supersede the older
+        # ones: an older pin loses its pin (a new goal replaces the last one), and both leave first
+        seg_pin, seg_sup = [s.pinned for s in segs], [False] * len(segs)
+        seen_pin, seen_sensor = set(), set()
         for i in range(len(segs) - 1, -1, -1):
-            if segs[i].kind == "sensor" and segs[i].source:
-                seg_sup[i] = segs[i].source in seen
-                seen.add(segs[i].source)
+            s = segs[i]
+            if s.pinned and s.source:
+                seg_sup[i] = s.source in seen_pin
+                seg_pin[i] = not seg_sup[i]
+                seen_pin.add(s.source)
+            elif s.kind == "sensor" and s.source:
+                seg_sup[i] = s.source in seen_sensor
+                seen_sensor.add(s.source)
         idx = (torch.searchsorted(starts, pos, right=True) - 1).clamp(min=0)
-        return pinned | seg_pin[idx], torch.tensor(seg_sup, device=pos.device)[idx]
+        return (pinned | torch.tensor(seg_pin, device=pos.device)[idx],
+                torch.tensor(seg_sup, device=pos.device)[idx])
 
     def evict_to(self, target: int, protect: torch.Tensor | None = None) -> None:
         """Move whole pages out of the hot tier until at most `target` slots remain.

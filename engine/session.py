@@ -289,7 +289,9 @@ class Session:
             kind: "text" or "sensor" (sensor readings may be superseded by pruning policies).
             source: producer name, e.g. "joint_states". In a pruned session a newer "sensor"
                 reading of the same source makes the older one the first to leave the hot tier.
-            pin: keep this observation in the hot tier for good (pruned sessions).
+            pin: keep this observation in the hot tier for good (pruned sessions); with a
+                `source`, only until a newer pinned observation of the same source arrives (a
+                new goal supersedes the last one, which may then be evicted first).
         Returns:
             tokens appended to the context.
         Raises:

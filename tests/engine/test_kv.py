@@ -76,6 +76,23 @@ def test_system_prompt_and_caller_pins_survive(tiny_engine):
     assert set(range(pinned.start, pinned.end)) <= hot
 
 
+def test_a_new_pin_of_a_source_supersedes_the_last(tiny_engine):
+    """Goals arrive pinned, one per task, for as long as the robot runs: the newest goal stays
+    pinned, older goals of the same source lose their pin and leave first, so pins never fill the
+    cache (the 60-min soak's agent raised "KV cache full" after ~20 tasks)."""
+    s = _session(tiny_engine, budget=340, cold=0)
+    n_sys = s.num_tokens
+    for task in range(40):
+        s.observe(f"goal: put cube {task} on target {task % 3} at x=0.{task} y=0.1, then report done", pin=True,
+                  source="goal")
+        _fill(s, 1, kind="sensor", source="state")
+    goals = [seg for seg in s.segments if seg.source == "goal"]
+    hot = set(s.cache.pos[:s.cache.n].tolist())
+    assert s.cache.n <= 340 and set(range(n_sys)) <= hot
+    assert set(range(goals[-1].start, goals[-1].end)) <= hot
+    assert sum(bool(set(range(g.start, g.end)) & hot) for g in goals) <= 5   # of 40: the newest, and what room allows
+
+
 def test_superseded_sensor_readings_leave_first(tiny_engine):
     s = _session(tiny_engine, budget=400, cold=0)
     _fill(s, 2)
