@@ -7,7 +7,8 @@ Per fault the table row (printed, and written to $TOKENSPEED_FAULT_MATRIX_OUT wh
 JSON line) holds: decisions, met (model call on time), fallbacks, decisions without a command,
 the monitor's own measure of its fallbacks' lateness (/diagnostics), and crashes.
 
-Faults caused for real: sim kill, agent kill + restart, sensor flood (1 kHz joint states),
+Faults caused for real: sim kill, agent kill + restart, camera freeze (the simulator's camera
+process stopped with SIGSTOP: no images while joint states go on), sensor flood (1 kHz joint states),
 oversize images, stamps from the future, CPU starvation (busy processes beside the agent), a
 clock jump (the simulator and the agent on `use_sim_time`, following a /clock this test publishes
 that jumps forward, then backward) and DDS loss (every process on Fast DDS's UDPv4 transport
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import rclpy
 from rclpy.executors import SingleThreadedExecutor
@@ -202,8 +204,8 @@ def busy_loop_process():
     return subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
 
 
-FAULTS = ["none", "engine_stall", "decide_exception", "sim_kill", "agent_kill_restart", "sensor_flood",
-          "oversize_image", "future_stamps", "cpu_starvation", "clock_jump", "dds_loss"]
+FAULTS = ["none", "engine_stall", "decide_exception", "sim_kill", "agent_kill_restart", "camera_freeze",
+          "sensor_flood", "oversize_image", "future_stamps", "cpu_starvation", "clock_jump", "dds_loss"]
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -248,6 +250,12 @@ def test_fault(fault, ros_env, tmp_path, monkeypatch):
             if fault == "sim_kill" and not killed and t > 2.0:
                 sim.send_signal(signal.SIGKILL)
                 killed = True
+            elif fault == "camera_freeze" and not killed and t > 2.0:
+                camera = [c for c in psutil.Process(sim.pid).children()    # the renderer, not the resource
+                          if "spawn_main" in " ".join(c.cmdline())]          # tracker (tokenspeed_sim.camera_process)
+                assert len(camera) == 1, camera
+                camera[0].send_signal(signal.SIGSTOP)
+                killed = True
             elif fault == "agent_kill_restart" and not killed and t > 2.0:
                 agent.send_signal(signal.SIGKILL)
                 agent.wait()
@@ -283,6 +291,9 @@ def test_fault(fault, ros_env, tmp_path, monkeypatch):
         if fault != "sim_kill" and sim.poll() is not None:
             crashes += 1
     finally:
+        if fault == "camera_freeze" and sim.poll() is None:
+            for child in psutil.Process(sim.pid).children():
+                child.send_signal(signal.SIGCONT)
         for p in extra:
             p.kill()
             p.wait()
@@ -302,6 +313,8 @@ def test_fault(fault, ros_env, tmp_path, monkeypatch):
     check(row)
     if fault in ("engine_stall", "decide_exception"):
         assert row["met"] == 0, row
+    if fault == "camera_freeze":    # the agent saw the camera go stale and held the arm
+        assert row["reasons"].get("no_sensor_data", 0) > 0, row
     if fault == "dds_loss":     # the fault really happened: most of the flood never arrived
         assert row["flood_received"] < row["flood_sent"] / 2, row
 
@@ -310,14 +323,15 @@ MARKET_FAULTS = ["none", "feed_gap", "feed_burst", "bad_market_values"]
 HOSTILE_RECORDS = [b"[" * 100_000, b'{"timestamp": Infinity, "side": "buy", "price": 50000.0, "amount": 1}',
                    b'{"timestamp": 1e30, "side": "buy", "price": 50000.0, "amount": 1}',
                    b'{"timestamp": 1' + b"0" * 400 + b', "side": "buy", "price": 50000.0, "amount": 1}',
-                   b'{"timestamp": %d, "side": "buy", "price": 1' + b"0" * 400 + b', "amount": 1}']
+                   b'{"timestamp": %d, "side": "buy", "price": 1' + b"0" * 400 + b', "amount": 1}',
+                   b'{"timestamp": %D, "side": "buy", "price": 50000.0, "amount": 1}']   # %D: now + 1 day
 
 
 @pytest.mark.parametrize("fault", MARKET_FAULTS)
 def test_market_fault(fault, ros_env, tmp_path):
     """The market bridge process (tiny-random model) fed synthetic order flow over ZeroMQ with one
     fault: 3 s of silence, a 10x burst, or hostile records (overflowing numbers, infinite and
-    future timestamps, deep nesting) between the good ones."""
+    far-off timestamps, a trade stamped a day ahead, deep nesting) between the good ones."""
     from tokenspeed_sim.market_replay import FeedMessage, FeedPublisher, synthetic_messages
 
     log = tmp_path / "bridge.log"
@@ -348,8 +362,9 @@ def test_market_fault(fault, ros_env, tmp_path):
                 i += 1
                 if hostile and i % 20 == 0:
                     body = HOSTILE_RECORDS[(i // 20) % len(HOSTILE_RECORDS)]
-                    pub.send(FeedMessage(0.0, "SYNTH-trades-BTC-USD", body.replace(b"%d", b"%d" % time.time())),
-                             time.time())
+                    now = int(time.time())
+                    body = body.replace(b"%d", b"%d" % now).replace(b"%D", b"%d" % (now + 86_400))
+                    pub.send(FeedMessage(0.0, "SYNTH-trades-BTC-USD", body), time.time())
                 executor.spin_once(timeout_sec=1.0 / rate_hz)
 
         # warm: the engine loaded and answering
