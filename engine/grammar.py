@@ -3,11 +3,12 @@
 OpenAI function/tool schemas are validated, listed in the system prompt (`<tools>...</tools>`) with
 the call format of the model's family (`CallFormat`, chosen by `call_format_for` from what the
 chat template writes for a tool call: SmolLM2's `<tool_call>[{"name", "arguments"}]</tool_call>`,
-Qwen2.5's Hermes `<tool_call>\n{...}\n</tool_call>`, Llama 3.x's `{"name", "parameters"}`,
+Qwen2.5's Hermes `<tool_call>\\n{...}\\n</tool_call>`, Llama 3.x's `{"name", "parameters"}`,
 Mistral's `[TOOL_CALLS][{...}]`), and compiled with llguidance into a Lark grammar for one call
-(several with parallel calls where the family has them; or free text with tool_choice="auto"). Parameter schemas are prepared by `tokenspeed.schema`. Every decode step the grammar's token mask is applied to the
-logits; tokens the grammar fully determines are appended without sampling (jump-forward), using
-llguidance's canonical tokenization of the forced bytes (`compute_ff_tokens`).
+(several with parallel calls where the family has them; or free text with tool_choice="auto").
+Parameter schemas are prepared by `tokenspeed.schema`. Every decode step the grammar's token mask
+is applied to the logits; tokens the grammar fully determines are appended without sampling
+(jump-forward), using llguidance's canonical tokenization of the forced bytes (`compute_ff_tokens`).
 
 Source: llguidance (guidance-ai/llguidance), Lark grammar with `%json` schema embedding.
 """
@@ -24,7 +25,7 @@ from .schema import JSON_STYLE, Prepared, ToolSchemaError, compile_check, prepar
 
 __all__ = ["ToolSchemaError", "normalize_tools", "tools_system_prompt", "TOOL_PROMPTS", "DEFAULT_TOOL_PROMPT",
            "call_schema", "ToolGrammar", "parse_tool_calls", "parse_tool_call", "format_tool_calls", "CallFormat",
-           "CALL_FORMATS", "call_format_for"]
+           "CALL_FORMATS", "SMOLLM2", "call_format_for"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 

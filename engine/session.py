@@ -51,6 +51,8 @@ class Engine:
         weights: the weight format, "fp32", "int8" or "int4".
         weight_choice: the `tokenspeed.quant.FormatChoice` behind `weights` when loaded with
             quantize="auto" (its timings; None otherwise).
+        call_format: the `tokenspeed.grammar.CallFormat` the model's chat template writes tool
+            calls in (`call_format_for`): what the grammar constrains and the decision parses.
         speculation: `tokenspeed.speculation.SpecConfig` new sessions speculate with (default:
             prompt lookup, grammar runs and the shipped draft model when it matches this
             target), or None for plain decoding. Set it before creating sessions.
