@@ -84,10 +84,11 @@ class LoadStages(dict):
 
     def table(self) -> str:
         """The stages as a text table (wall and CPU seconds, total last)."""
-        rows = [f"  {name:<42} {w:7.2f} s {c:7.2f} s" for name, (w, c) in self.items()]
+        width = max(map(len, self), default=5)
+        rows = [f"  {name:<{width}} {w:7.2f} s {c:7.2f} s" for name, (w, c) in self.items()]
         total = [sum(v[i] for v in self.values()) for i in (0, 1)]
-        return "\n".join([f"  {'stage':<42} {'wall':>9} {'CPU':>9}", *rows,
-                          f"  {'total':<42} {total[0]:7.2f} s {total[1]:7.2f} s"])
+        return "\n".join([f"  {'stage':<{width}} {'wall':>9} {'CPU':>9}", *rows,
+                          f"  {'total':<{width}} {total[0]:7.2f} s {total[1]:7.2f} s"])
 
 
 class Engine:
