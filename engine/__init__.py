@@ -11,9 +11,9 @@ Quick start::
 """
 from .grammar import ToolSchemaError
 from .model import ModelArgs, Transformer
-from .session import Checkpoint, Decision, Engine, Segment, Session, SessionArgumentError
+from .session import Checkpoint, Decision, Engine, LoadStages, Segment, Session, SessionArgumentError
 from .speculation import SpecConfig
 from .weights import ModelLoadError
 
-__all__ = ["Engine", "Session", "Decision", "Checkpoint", "Segment", "ModelArgs", "Transformer", "SpecConfig",
-           "ToolSchemaError", "ModelLoadError", "SessionArgumentError"]
+__all__ = ["Engine", "LoadStages", "Session", "Decision", "Checkpoint", "Segment", "ModelArgs", "Transformer",
+           "SpecConfig", "ToolSchemaError", "ModelLoadError", "SessionArgumentError"]

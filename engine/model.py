@@ -6,10 +6,10 @@ SwiGLU, tied or untied embeddings. The numerics follow Hugging Face `transformer
 implementation so logits match it for the same weights.
 
 Every projection is an `nn.Linear` that quantized linears replace (`tokenspeed.quant`). On the
-CPU, a forward of at most `FUSED_ROWS` new tokens (decode, draft verification, forced runs) runs
-all layers in one C++ call when the extension is built (`tokenspeed.kernels.cpu_decode`, same
-math); `use_fused = False` turns it off. Attention that reports per-slot mass (relevance
-scoring) comes from `tokenspeed.kernels.attention`.
+CPU, a forward of at most `FUSED_PREFILL_ROWS` new tokens (decode, draft verification, forced runs,
+short observations) runs all layers in C++ calls of up to `FUSED_ROWS` tokens each when the
+extension is built (`tokenspeed.kernels.cpu_decode`, same math); `use_fused = False` turns it off.
+Attention that reports per-slot mass (relevance scoring) comes from `tokenspeed.kernels.attention`.
 
 The KV cache holds `n` valid slots as a contiguous prefix `[0, n)` per layer; each forward writes
 its T new tokens at slots `[n, n + T)` and attends over `[0, n + T)` (cached slots fully
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kernels.attention import attention_mass
-from .kernels.cpu_decode import FUSED_ROWS, FusedDecode
+from .kernels.cpu_decode import FUSED_PREFILL_ROWS, FUSED_ROWS, FusedDecode
 
 __all__ = ["ModelArgs", "KVCache", "Transformer", "rope_tables", "apply_rope"]
 
@@ -110,6 +110,9 @@ def rope_tables(args: ModelArgs, device=None, length: int | None = None,
     `apply_scaling` / Hugging Face `_compute_llama3_parameters`.
     """
     d = args.head_dim
+    if torch.device(device or torch.get_default_device()).type == "meta":  # shapes only (arange on meta
+        shape = (length or args.max_seq_len, d)                          # imports torch._dynamo: seconds)
+        return torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
     sc = args.rope_scaling or {}
     if sc.get("rope_type", sc.get("type")) == "llama3":
@@ -262,7 +265,7 @@ class Transformer(nn.Module):
     """The decoder. `forward` runs T new tokens against a `KVCache` and returns selected logits.
 
     Attributes:
-        use_fused: run forwards of at most `FUSED_ROWS` tokens through the fused CPU decode step
+        use_fused: run forwards of at most `FUSED_PREFILL_ROWS` tokens through the fused CPU decode step
             when it is available (default True; the Python path gives the same results).
     """
 
@@ -272,7 +275,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self._fused: FusedDecode | None | bool = False  # False: not built yet (see fused_decode)
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # Initialised here as nn.Embedding would (normal), except on the meta device: normal_ on a
+        # meta tensor imports torch._dynamo (seconds of CPU at start-up) for a weight never read.
+        emb = torch.empty(args.vocab_size, args.dim)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim,
+                                           _weight=emb if emb.is_meta else nn.init.normal_(emb))
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = nn.Parameter(torch.ones(args.dim))
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -282,8 +289,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def tie_weights(self) -> None:
-        """Share the embedding matrix with the output projection when the model ties them."""
-        if self.args.tie_embeddings:
+        """Share the embedding matrix with the output projection when the model ties them (and
+        the output is still an `nn.Linear`: a quantized lm_head keeps its own weights)."""
+        if self.args.tie_embeddings and isinstance(self.output, nn.Linear):
             self.output.weight = self.tok_embeddings.weight
 
     def _apply(self, fn, recurse=True):
@@ -345,10 +353,12 @@ class Transformer(nn.Module):
         cos, sin = self.rope_at(positions)
         cache.pos[start:start + T] = positions
         eps = self.args.norm_eps
-        fused = (self.fused_decode() if self.use_fused and T <= FUSED_ROWS and cache.k.dtype == torch.float32
+        fused = (self.fused_decode() if self.use_fused and T <= FUSED_PREFILL_ROWS and cache.k.dtype == torch.float32
                  else None)
-        if fused is not None:
-            h = fused(self.tok_embeddings(tokens), cos, sin, cache, start).unsqueeze(0)
+        if fused is not None:  # blocks of FUSED_ROWS new tokens, each attending over the ones before it
+            x = self.tok_embeddings(tokens)  # [T, dim]
+            h = torch.cat([fused(x[i:i + FUSED_ROWS], cos[i:i + FUSED_ROWS], sin[i:i + FUSED_ROWS], cache, start + i)
+                           for i in range(0, T, FUSED_ROWS)]).unsqueeze(0)
         else:
             mask = None
             if T > 1:  # cached slots visible, causal among the new tokens

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Int8Linear", "Int4Linear", "quantize", "linear_rows", "fused_ext", "choose_format", "FormatChoice",
-           "MODES", "FORMATS", "PACKED_ROWS"]
+__all__ = ["Int8Linear", "Int4Linear", "quantize", "linear_rows", "fused_ext", "choose_format", "cached_format",
+           "FormatChoice", "MODES", "FORMATS", "PACKED_ROWS"]
 
 MODES = ("int8", "int4")
 FORMATS = ("fp32",) + MODES  # what `choose_format` times: fp32 (no quantization) and each mode
@@ -62,16 +62,30 @@ class Int8Linear(nn.Module):
         w = weight.detach().float()
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
-        self.register_buffer("qweight", q.contiguous())
+        self._store(q.contiguous(), scales, None if bias is None else bias.detach().clone())
+
+    def _store(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.register_buffer("scales_bf16", scales.to(torch.bfloat16))
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.register_buffer("bias", bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
         """Quantize an `nn.Linear` (its weight is not modified)."""
         return cls(linear.weight, linear.bias)
+
+    @classmethod
+    def empty(cls, linear: nn.Linear) -> "Int8Linear":
+        """An uninitialised CPU layer of `linear`'s shape (`linear` may be on the meta device), for
+        `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
+        n, k = linear.weight.shape
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._store(torch.empty(n, k, dtype=torch.int8), torch.empty(n),
+                     None if linear.bias is None else torch.empty(n, dtype=linear.bias.dtype))
+        return layer
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as [out, in] of `dtype` (scales applied)."""
@@ -124,11 +138,25 @@ class Int4Linear(nn.Module):
         lo, hi = wg.amin(-1), wg.amax(-1)
         scale = ((hi - lo) / 15).clamp(min=1e-12)
         codes = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
-        self.in_features, self.out_features = k, n
-        packed_codes, scales = self.pack(codes, scale, lo)
-        self.register_buffer("codes", packed_codes)
+        self._store(*self.pack(codes, scale, lo), None if bias is None else bias.detach().clone())
+
+    def _store(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = codes.shape[0] * 16, codes.shape[1] * 8
+        self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def empty(cls, linear: nn.Linear) -> "Int4Linear":
+        """An uninitialised CPU layer of `linear`'s shape (`linear` may be on the meta device), for
+        `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
+        n, k = linear.weight.shape
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._store(torch.empty(n // 16, k // 8, 64, dtype=torch.uint8),
+                     torch.empty(n // 16, k // cls.GROUP, 2, 16, dtype=torch.bfloat16),
+                     None if linear.bias is None else torch.empty(n, dtype=linear.bias.dtype))
+        return layer
 
     @staticmethod
     def supports(shape: tuple[int, int]) -> bool:
@@ -216,16 +244,17 @@ def linear_rows(linear: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch
     return y
 
 
-def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
+def quantize(model: nn.Module, mode: str = "int8", empty: bool = False) -> nn.Module:
     """Replace every `nn.Linear` inside `model` (in place) with its quantized version.
 
-    Call it after moving the model to its device and dtype (a later `.to()` would re-tie a tied
-    lm_head to the float embedding).
+    Call it after moving the model to its device and dtype.
 
     Args:
         model: a `tokenspeed.Transformer` (any module works).
         mode: "int8" (every linear `Int8Linear`) or "int4" (`Int4Linear` where the shape fits, the
             lm_head - a child named "output" - and any other linear `Int8Linear`).
+        empty: uninitialised CPU layers of the same shapes instead (`Int4Linear.empty`; the model may be
+            on the meta device), for `load_state_dict` to fill with weights quantized earlier.
     Returns:
         the same model.
     Raises:
@@ -237,12 +266,11 @@ def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            if mode == "int4" and child.weight.device.type != "cpu":
+            if mode == "int4" and not empty and child.weight.device.type != "cpu":
                 raise ValueError("int4 quantization runs on the CPU only; use int8 or the float model on this device")
-            if mode == "int4" and name != "output" and Int4Linear.supports(child.weight.shape):
-                setattr(parent, name, Int4Linear(child.weight, child.bias))
-            else:
-                setattr(parent, name, Int8Linear.from_linear(child))
+            cls = Int4Linear if mode == "int4" and name != "output" and Int4Linear.supports(child.weight.shape) \
+                else Int8Linear
+            setattr(parent, name, cls.empty(child) if empty else cls(child.weight, child.bias))
     if hasattr(model, "invalidate_fused"):
         model.invalidate_fused()
     return model
@@ -314,6 +342,29 @@ def _time_format(model: nn.Module, repeats: int = 5) -> tuple[float, float]:
     return statistics.median(decode[1:]) * 1e3, min(prefill) * 1e3
 
 
+def _auto_key(probes: list[list[int]], identity: str) -> str:
+    from .kernels.cpu_decode import cpu_features, selected_variant
+
+    return hashlib.sha256(json.dumps([_AUTO_CACHE_VERSION, platform.machine(), sorted(cpu_features()),
+                                      selected_variant(), torch.__version__, torch.get_num_threads(), identity,
+                                      probes]).encode()).hexdigest()
+
+
+def _read_choices(cache_file: Path) -> dict:
+    try:
+        return json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def cached_format(probes: list[list[int]], identity: str, cache_file: Path) -> FormatChoice | None:
+    """The choice `choose_format` made earlier for this machine, model and probe set (`cached`
+    True), or None; lets a load read weights already in the chosen format. Arguments as
+    `choose_format`'s."""
+    known = _read_choices(cache_file).get(_auto_key(probes, identity))
+    return None if known is None else FormatChoice(**{**known, "cached": True})
+
+
 def choose_format(model: nn.Module, probes: list[list[int]], identity: str, cache_file: Path) -> tuple[nn.Module, FormatChoice]:
     """Pick the fastest weight format whose greedy tokens agree with fp32's, and return the model in it.
 
@@ -332,21 +383,15 @@ def choose_format(model: nn.Module, probes: list[list[int]], identity: str, cach
     Returns:
         (the model in the chosen format, the `FormatChoice`).
     """
-    from .kernels.cpu_decode import cpu_features, selected_variant
+    from .kernels.cpu_decode import selected_variant
 
-    variant = selected_variant()
-    key = hashlib.sha256(json.dumps([_AUTO_CACHE_VERSION, platform.machine(), sorted(cpu_features()), variant,
-                                     torch.__version__, torch.get_num_threads(), identity, probes]).encode()).hexdigest()
-    try:
-        known = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if key in known:
-        choice = FormatChoice(**{**known[key], "cached": True})
+    choice = cached_format(probes, identity, cache_file)
+    if choice is not None:
         if choice.format != "fp32":
             quantize(model, choice.format)
         log.info("%s", choice.describe())
         return model, choice
+    variant = selected_variant()
     timings, models, reference = {}, {}, None
     for fmt in FORMATS:
         if fmt != "fp32":
@@ -360,7 +405,8 @@ def choose_format(model: nn.Module, probes: list[list[int]], identity: str, cach
         models[fmt] = m
     best = min((f for f in FORMATS if timings[f]["agrees"]), key=lambda f: timings[f]["cost_ms"])
     choice = FormatChoice(best, timings, variant)
-    known[key] = {k: v for k, v in asdict(choice).items() if k != "cached"}
+    known = _read_choices(cache_file)
+    known[_auto_key(probes, identity)] = {k: v for k, v in asdict(choice).items() if k != "cached"}
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_suffix(".tmp")

@@ -24,12 +24,13 @@ from .decode import NonFiniteLogitsError, Target, decode
 from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, ToolGrammar, call_format_for, normalize_tools, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
+from .quant import MODES
 from .paths import cache_dir
 from .speculation import SpecConfig, Speculator
 from .tokenizer import Tokenizer
-from .weights import ModelLoadError, load_model_files, resolve_model
+from .weights import ModelLoadError, load_model_files, load_quantized, resolve_model, save_quantized
 
-__all__ = ["Engine", "Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError"]
+__all__ = ["Engine", "LoadStages", "Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError"]
 
 # Probe prompts for quantize="auto": a format's greedy tokens after each must equal fp32's.
 _AUTO_PROBES = ("The red cube is at x=0.42 y=-0.10 on the table. Pick it up and",
@@ -37,6 +38,57 @@ _AUTO_PROBES = ("The red cube is at x=0.42 y=-0.10 on the table. Pick it up and"
                 "Joint positions: [0.12, -0.54, 1.03]. The gripper is open. Next action:")
 _ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,31}$")  # chat roles are template text: no markup in them
 _SESSION_IDS = itertools.count(1)
+
+
+def _tiny_random(args: ModelArgs) -> Transformer:
+    # 2 layers, random weights (seed 0), the embedded model's vocabulary
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
+                     vocab_size=args.vocab_size, max_seq_len=4096, tie_embeddings=True)
+    torch.manual_seed(0)
+    net = Transformer(args)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_(0.0, 0.5 if p.dim() == 1 else 0.05).add_(1.0 if p.dim() == 1 else 0.0)
+    return net
+
+
+def _fp32_model(files) -> Transformer:
+    with torch.device("meta"):  # no random init: every weight comes from the checkpoint
+        net = Transformer(files.args)
+    net = net.to_empty(device="cpu")
+    try:
+        net.load_hf_state_dict(load_model_files(files))
+    except (KeyError, ValueError) as exc:
+        raise ModelLoadError(f"{files.folder}: {exc}") from exc
+    return net
+
+
+class LoadStages(dict):
+    """Start-up stages, in order: name -> (wall s, CPU s of the whole process) since the previous
+    stage (or since construction). `Engine.load` fills one (`Engine.load_stages`); callers may
+    continue it with their own stages (the ROS agent adds its session set-up)."""
+
+    def __init__(self):
+        super().__init__()
+        self._clock = (time.perf_counter(), time.process_time())
+
+    def add(self, name: str, wall_s: float, cpu_s: float) -> None:
+        """Record a stage measured elsewhere (e.g. before the engine was imported)."""
+        self[name] = (wall_s, cpu_s)
+
+    def done(self, name: str) -> None:
+        """Close the stage `name` now."""
+        now = (time.perf_counter(), time.process_time())
+        self[name] = (now[0] - self._clock[0], now[1] - self._clock[1])
+        self._clock = now
+
+    def table(self) -> str:
+        """The stages as a text table (wall and CPU seconds, total last)."""
+        width = max(map(len, self), default=5)
+        rows = [f"  {name:<{width}} {w:7.2f} s {c:7.2f} s" for name, (w, c) in self.items()]
+        total = [sum(v[i] for v in self.values()) for i in (0, 1)]
+        return "\n".join([f"  {'stage':<{width}} {'wall':>9} {'CPU':>9}", *rows,
+                          f"  {'total':<{width}} {total[0]:7.2f} s {total[1]:7.2f} s"])
 
 
 class Engine:
@@ -53,15 +105,17 @@ class Engine:
             quantize="auto" (its timings; None otherwise).
         call_format: the `tokenspeed.grammar.CallFormat` the model's chat template writes tool
             calls in (`call_format_for`): what the grammar constrains and the decision parses.
+        load_stages: `LoadStages` of the load (model files, tokenizers, weights, draft model).
         speculation: `tokenspeed.speculation.SpecConfig` new sessions speculate with (default:
             prompt lookup, grammar runs and the shipped draft model when it matches this
             target), or None for plain decoding. Set it before creating sessions.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, source: str, load_s: float = 0.0,
-                 weights: str = "fp32", weight_choice=None):
+                 weights: str = "fp32", weight_choice=None, load_stages: LoadStages | None = None):
         import llguidance
 
+        self.load_stages = load_stages if load_stages is not None else LoadStages()
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.args = model.args
@@ -72,8 +126,10 @@ class Engine:
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,
                                                    eos_token=tokenizer.eos_id)
         self.call_format = call_format_for(tokenizer.chat_template)  # the family's tool-call format
+        self.load_stages.done("grammar tokenizer")
         self._grammars: dict[tuple, ToolGrammar] = {}
         self.speculation = SpecConfig.default(self.model)
+        self.load_stages.done("draft model")
 
     @property
     def speculation(self) -> SpecConfig | None:
@@ -87,7 +143,8 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, *, threads: int | None = None,
-             dtype: torch.dtype = torch.float32, device: str = "cpu", quantize: str | None = "auto") -> "Engine":
+             dtype: torch.dtype = torch.float32, device: str = "cpu", quantize: str | None = "auto",
+             stages: LoadStages | None = None) -> "Engine":
         """Load a model and keep it resident.
 
         Args:
@@ -100,48 +157,56 @@ class Engine:
             quantize: "auto" (default: the fastest format on this machine whose greedy tokens agree
                 with fp32's, measured once and cached, see `tokenspeed.quant.choose_format`; fp32
                 where the model is not fp32 on the CPU, and for "tiny-random"), None (fp32 weights, the reference), "int8"
-                or "int4" (CPU) for weight-only quantized linears (`tokenspeed.quant`).
+                or "int4" (CPU) for weight-only quantized linears (`tokenspeed.quant`). Quantized CPU
+                weights are cached (`tokenspeed.weights.load_quantized`): a warm load reads them packed.
+            stages: `LoadStages` to continue (its clock runs on from its last stage), else a new one;
+                it becomes `Engine.load_stages`.
         Raises:
             ModelLoadError: bad path or unsupported file.
             ValueError: unknown quantize mode, or an unknown or unrunnable `$TOKENSPEED_CPU_ISA`.
         """
+        if quantize not in (None, "auto", *MODES):
+            raise ValueError(f"unknown quantization {quantize!r}; choose one of {('auto', *MODES)} or None")
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
-        if model == "tiny-random":
-            files = resolve_model(None)
-            args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
-                             vocab_size=files.args.vocab_size, max_seq_len=4096, tie_embeddings=True)
-            torch.manual_seed(0)
-            net = Transformer(args)
-            with torch.no_grad():
-                for p in net.parameters():
-                    p.normal_(0.0, 0.5 if p.dim() == 1 else 0.05).add_(1.0 if p.dim() == 1 else 0.0)
-        else:
-            files = resolve_model(model)
-            with torch.device("meta"):  # no random init: every weight comes from the checkpoint
-                net = Transformer(files.args)
-            net = net.to_empty(device="cpu")
-            try:
-                net.load_hf_state_dict(load_model_files(files))
-            except (KeyError, ValueError) as exc:
-                raise ModelLoadError(f"{files.folder}: {exc}") from exc
-        net = net.to(device=device, dtype=dtype)
+        stages = stages if stages is not None else LoadStages()
+        files = resolve_model(None if model == "tiny-random" else model)
+        stages.done("resolve model")
         tok = Tokenizer(files.folder)
+        stages.done("tokenizer")
+        on_cpu = device == "cpu" and dtype == torch.float32 and model != "tiny-random"
         choice = None
-        if quantize == "auto" and device == "cpu" and dtype == torch.float32 and model != "tiny-random":
-            from .quant import choose_format
+        if quantize == "auto" and on_cpu:
+            from .quant import cached_format
 
-            identity = f"{model or 'embedded'}:{files.folder}"
-            net, choice = choose_format(net, [tok.encode(p) for p in _AUTO_PROBES], identity,
-                                        cache_dir() / "auto_quant.json")
-        elif quantize and quantize != "auto":
-            from .quant import quantize as quantize_model
+            probes, identity = [tok.encode(p) for p in _AUTO_PROBES], f"{model or 'embedded'}:{files.folder}"
+            choice = cached_format(probes, identity, cache_dir() / "auto_quant.json")
+            stages.done("auto weights: cached choice lookup")
+        fmt = choice.format if choice else quantize if quantize in MODES else "fp32"
+        net = load_quantized(files, fmt) if on_cpu and fmt != "fp32" else None
+        if net is not None:
+            stages.done(f"{fmt} weights from the quantized cache")
+        else:
+            net = _tiny_random(files.args) if model == "tiny-random" else _fp32_model(files)
+            net = net.to(device=device, dtype=dtype)
+            stages.done("fp32 weights")
+            if quantize == "auto" and on_cpu and choice is None:
+                from .quant import choose_format
 
-            quantize_model(net, quantize)
-        weights = choice.format if choice else quantize if quantize in ("int8", "int4") else "fp32"
-        return cls(net, tok, source=model or "embedded", load_s=time.perf_counter() - t0, weights=weights,
-                   weight_choice=choice)
+                net, choice = choose_format(net, probes, identity, cache_dir() / "auto_quant.json")
+                fmt = choice.format
+                stages.done("auto weights: format measured")
+            elif fmt != "fp32":
+                from .quant import quantize as quantize_model
+
+                quantize_model(net, fmt)
+                stages.done(f"quantize {fmt}")
+            if on_cpu and fmt != "fp32":
+                save_quantized(net, files, fmt)
+                stages.done("quantized cache written")
+        return cls(net, tok, source=model or "embedded", load_s=time.perf_counter() - t0, weights=fmt,
+                   weight_choice=choice, load_stages=stages)
 
     def session(self, system: str | None = None, tools=None, capacity: int | None = None,
                 kv_budget: "int | KVConfig | None" = None, tool_prompt: str = DEFAULT_TOOL_PROMPT) -> "Session":

@@ -5,7 +5,8 @@ Every model ends up as a Hugging Face-style folder (`config.json`, `*.safetensor
 Q/K rows un-permuted back to the Hugging Face rotary layout, tokenizer rebuilt from the GGUF
 vocabulary - into a content-addressed folder under the user's cache dir (`TOKENSPEED_CACHE` or
 platformdirs' user cache dir), so later loads read safetensors only (a few seconds) and
-`transformers` can load the very same folder for parity checks.
+`transformers` can load the very same folder for parity checks. A model quantized for the CPU
+(`tokenspeed.quant`) is cached too (`load_quantized`), so a warm start reads the packed weights.
 
 Checkpoint names follow Hugging Face Llama (`model.layers.{i}.self_attn.q_proj.weight`, ...);
 `load_state_dict` maps them to this engine's modules in one table (`_HF_TO_ENGINE`).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -26,8 +28,10 @@ import torch
 from .model import ModelArgs
 from .paths import cache_dir
 
+log = logging.getLogger(__name__)
+
 __all__ = ["ModelLoadError", "ModelFiles", "default_model_path", "resolve_model", "load_model_files", "model_args",
-           "check_finite"]
+           "check_finite", "load_quantized", "save_quantized"]
 
 
 class ModelLoadError(RuntimeError):
@@ -157,6 +161,64 @@ def load_model_files(files: ModelFiles) -> dict[str, torch.Tensor]:
             raise ModelLoadError(f"cannot read {shard}: {exc}") from exc
     check_finite(state, files.source)
     return state
+
+
+def _quantized_path(files: ModelFiles, fmt: str) -> Path:
+    from . import quant
+
+    h = hashlib.sha256(b"\0".join([Path(quant.__file__).read_bytes(), torch.__version__.encode(), fmt.encode(),
+                                    str(files.folder.resolve()).encode()]))
+    for shard in sorted(files.folder.glob("*.safetensors")):
+        st = shard.stat()
+        h.update(f"{shard.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return cache_dir() / "quantized" / f"{fmt}-{h.hexdigest()[:24]}.safetensors"
+
+
+def load_quantized(files: ModelFiles, fmt: str):
+    """The model already quantized to `fmt` ("int8" or "int4", `tokenspeed.quant`) from the quantized
+    weights cache, or None when it has no entry (or an unreadable one). The entry is keyed on the
+    model's folder and shard files, `fmt`, torch and the quantization code, so the weights equal a
+    fresh `quant.quantize` of the same checkpoint; loading it skips the fp32 read and the quantization.
+
+    Returns:
+        a `Transformer` on the CPU (fp32 embedding and norms, quantized projections), or None.
+    """
+    from safetensors.torch import load_file
+
+    from .model import Transformer
+    from .quant import quantize
+
+    path = _quantized_path(files, fmt)
+    if not path.is_file():
+        return None
+    with torch.device("meta"):  # no init: every tensor comes from the cache entry
+        net = Transformer(files.args)
+    quantize(net, fmt, empty=True)
+    net = net.to_empty(device="cpu")
+    try:
+        state = load_file(str(path))
+        check_finite(state, str(path))
+        net.load_state_dict(state, strict=True, assign=True)
+    except Exception as exc:  # truncated, corrupt or stale entry: the caller quantizes again (and rewrites it)
+        log.warning("quantized weights cache unusable, quantizing again: %s: %s", type(exc).__name__,
+                    (str(exc).splitlines() or [""])[0][:200])
+        return None
+    return net
+
+
+def save_quantized(model, files: ModelFiles, fmt: str) -> None:
+    """Write `model` (quantized to `fmt` from the checkpoint in `files`) to the quantized weights
+    cache for `load_quantized` (atomic rename; a failure to write is logged, not raised)."""
+    from safetensors.torch import save_file
+
+    path = _quantized_path(files, fmt)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("quantized weights not cached (%s)", exc)
 
 
 def check_finite(state: dict[str, torch.Tensor], source: str) -> None:

@@ -16,7 +16,7 @@ The node tracks what the gripper holds from the robot's ActionFeedback (`Gripper
 masks actions by precondition: each decision may only call the tools configured for the current
 state (`tools_when_empty` / `tools_when_holding`, OpenAI allowed_tools). Right before each
 decision it streams a state line into the context ("objects ...; gripper holding red_cube; task:
-..."), so a small model reads the state and the task last. The `DeadlineMonitor` publishes
+..."), so a small model reads the state and the task (`task_brief`) last. The `DeadlineMonitor` publishes
 each valid, timely tool call as an `ActionCommand` (plus a `PoseStamped` target for calls with a
 position) and the safe fallback otherwise. Bad input is counted and dropped; missing sensors or a
 missing engine give fallbacks. Counts and latency percentiles go to /diagnostics.
@@ -100,6 +100,13 @@ class GripperState:
     def text(self) -> str:
         """"gripper empty" or "gripper holding <object>"."""
         return "gripper empty" if self.holding is None else f"gripper holding {self.holding}"
+
+
+def task_brief(goal: str) -> str:
+    """The goal as the state line restates it before every decision: without its parenthetical
+    remarks (e.g. "(metres, robot base frame)", which the system prompt already says), fewer tokens
+    to prefill per decision; the goal reading stays in the context in full."""
+    return re.sub(r"\s*\([^()]*\)", "", goal)
 
 
 def target_pose(arguments: dict, frame_id: str, default_z: float) -> PoseStamped | None:
@@ -428,7 +435,7 @@ class AgentNode(ManagedNode):
         parts = [self._texts.get("camera", "objects unknown"), self.gripper.text()]
         goal = self._texts.get("goal")
         if goal:
-            parts.append("task: " + goal.removeprefix("goal: "))
+            parts.append("task: " + task_brief(goal.removeprefix("goal: ")))
         if self.task is not None and self.task.running and self._done_evidence() is not None:
             parts.append("the robot reports the task achieved")
         return "; ".join(parts)

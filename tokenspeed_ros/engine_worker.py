@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import jsonschema
+import psutil
 import rclpy
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 
@@ -253,20 +254,26 @@ class EngineWorker:
 
     def _load(self) -> None:
         try:
+            t0, c0 = time.perf_counter(), time.process_time()
             import tokenspeed
             import torch
 
-            t0 = time.monotonic()
+            stages = tokenspeed.LoadStages()
+            stages.add("process start to engine thread (imports, rclpy, node)",
+                       time.time() - psutil.Process().create_time() - (time.perf_counter() - t0), c0)
+            stages.add("import tokenspeed (torch)", time.perf_counter() - t0, time.process_time() - c0)
             engine = tokenspeed.Engine.load(self._cfg["model"], threads=self._cfg["threads"],
-                                            quantize=self._cfg["quantize"])
+                                            quantize=self._cfg["quantize"], stages=stages)
             self._session = engine.session(system=self._cfg["system"], tools=self._cfg["tools"],
                                            kv_budget=self._kv_budget)
+            stages.done("session: system prompt and tools prefilled")
             self.context_tokens = self._session.num_tokens
             self.weights = engine.weights
             self.threads = torch.get_num_threads()
             self.state = "ready"
-            self._log.info(f"engine ready in {time.monotonic() - t0:.1f} s, {engine.weights} weights "
-                           f"({self.context_tokens} tokens of system prompt and tools)")
+            self._log.info(f"engine ready in {time.perf_counter() - t0:.1f} s, {engine.weights} weights "
+                           f"({self.context_tokens} tokens of system prompt and tools); start-up stages (CPU: "
+                           f"the whole process, every thread):\n{stages.table()}")
             if engine.weight_choice is not None:
                 self._log.info(engine.weight_choice.describe())
         except Exception as e:  # any failure: state "fault" (a managed node fails configure)

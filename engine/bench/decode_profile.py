@@ -32,7 +32,7 @@ def profile_decode(model: str | None = None, quantize: str | None = "auto", thre
         {"wall_ms_per_token" (median), "ops_per_token", "matmul_ms_per_token" (self CPU of the
         matmul kernels), "matmul_share" (of the wall time, 0..1), "fused" (bool), "weights" (the
         format in force), "cpu_kernels" (the kernel variant),
-        "top": [(op, self CPU ms per token)]}.
+        "top": [(op, self CPU ms per token)], "load_stages": `Engine.load_stages`}.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -66,7 +66,9 @@ def profile_decode(model: str | None = None, quantize: str | None = "auto", thre
     top = sorted(((k.key, k.self_cpu_time_total / steps / 1e3) for k in ka), key=lambda x: -x[1])[:rows]
     res = {"wall_ms_per_token": wall_ms, "ops_per_token": sum(k.count for k in ka) / steps,
            "matmul_ms_per_token": matmul, "matmul_share": min(1.0, matmul / wall_ms), "fused": net.fused_decode() is not None,
-           "top": top, "weights": engine.weights, "cpu_kernels": selected_variant()}
+           "top": top, "weights": engine.weights, "cpu_kernels": selected_variant(),
+           "load_stages": dict(engine.load_stages)}
+    print("# engine load stages (wall, CPU of the process):\n" + engine.load_stages.table())
     if engine.weight_choice is not None:
         print(f"# {engine.weight_choice.describe()}")
     print(f"# decode step at {context} tokens of context ({engine.weights}, {threads} threads, CPU kernels "

@@ -25,14 +25,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load", "FusedDecode", "FUSED_ROWS", "VARIANTS", "Variant", "cpu_features", "native_variant",
-           "selected_variant", "ISA_ENV", "SOURCES"]
+__all__ = ["load", "FusedDecode", "FUSED_ROWS", "FUSED_PREFILL_ROWS", "VARIANTS", "Variant", "cpu_features",
+           "native_variant", "selected_variant", "ISA_ENV", "SOURCES"]
 
-# Forwards of at most this many new tokens take the fused path (decode, draft verification chains
-# with their forced runs, short observations); longer ones (prefill chunks) take the Python path and
-# its SDPA attention. Measured at 2K tokens of context, 1 thread: 32 rows 120 vs 140 ms, 64 rows 297
-# vs 321 ms (fused vs Python path); at 200 tokens both are equal.
+# Forwards of at most FUSED_PREFILL_ROWS new tokens take the fused path (decode, draft verification
+# chains with their forced runs, observations such as the agent's state line), in calls of at most
+# FUSED_ROWS rows; longer ones (prefill chunks) take the Python path and its SDPA attention, whose
+# GEMMs win there (`tokenspeed bench profile` measures both).
 FUSED_ROWS = 64
+FUSED_PREFILL_ROWS = 128
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / "cpu_decode.cpp", _HERE / "cpu_kernels.cpp")  # compiled into the extension
 _HEADERS = (_HERE / "cpu_kernels.h", _HERE / "cpu_isa.h")

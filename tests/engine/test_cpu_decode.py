@@ -8,7 +8,7 @@ import torch
 
 import tokenspeed
 from support import decide_each
-from tokenspeed.kernels.cpu_decode import FUSED_ROWS
+from tokenspeed.kernels.cpu_decode import FUSED_PREFILL_ROWS, FUSED_ROWS
 from tokenspeed.quant import Int4Linear, Int8Linear, fused_ext
 
 
@@ -40,7 +40,7 @@ def _run(model, fused: bool, prefix: int, new: list[int]):
 @pytest.mark.parametrize("quant", [None, "int8", "int4"])
 def test_fused_matches_python_path_on_tiny_model(ext, tiny_engine, quant):
     # decode (1 token), short verification of drafts (2: attention loops), a forced run (5: attention
-    # GEMM) and the largest fused forward; grouped-query heads (4 query / 2 KV heads)
+    # GEMM) and the largest single fused call; grouped-query heads (4 query / 2 KV heads)
     model = tiny_engine.model
     if quant:
         model = tokenspeed.Engine.load("tiny-random", quantize=quant).model
@@ -57,10 +57,26 @@ def test_fused_matches_python_path_on_tiny_model(ext, tiny_engine, quant):
     assert (cache.v[:, :, :, :n] - ref_cache.v[:, :, :, :n]).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("quant", [None, "int8", "int4"])
+def test_short_prefill_runs_in_fused_blocks_like_python_path(ext, quant):
+    # more than FUSED_ROWS new tokens (the agent's state line): fused calls of FUSED_ROWS rows, then
+    # the rest, each attending over the blocks before it. int4 rounds each row's activations to int8
+    # per group, so a 1-ulp attention difference can flip one rounding and move that row's logits by
+    # ~1e-2 (see test_fused_real_model_decisions_identical): there at most 1 row in 50 may differ more.
+    model = tokenspeed.Engine.load("tiny-random", quantize=quant).model
+    new = [FUSED_PREFILL_ROWS - 3]
+    (ref,), ref_cache = _run(model, False, 37, new)
+    (out,), cache = _run(model, True, 37, new)
+    off = int(((ref - out).abs().amax(-1) > 1e-4).sum())
+    assert off <= (new[0] // 50 if quant == "int4" else 0) and (ref - out).abs().max() < 0.05
+    n = cache.n
+    assert n == ref_cache.n == 37 + new[0] and torch.equal(cache.pos[:n], ref_cache.pos[:n])
+
+
 def test_fused_skipped_where_it_does_not_apply(tiny_engine):
     model = tiny_engine.model
-    _, cache = _run(model, True, 3, [FUSED_ROWS + 1])  # too many rows: the Python path
-    assert cache.n == 3 + FUSED_ROWS + 1
+    _, cache = _run(model, True, 3, [FUSED_PREFILL_ROWS + 1])  # too many rows: the Python path
+    assert cache.n == 3 + FUSED_PREFILL_ROWS + 1
     bf16 = tokenspeed.Engine.load("tiny-random", dtype=torch.bfloat16)
     assert bf16.model.fused_decode() is None  # the extension is fp32 only: bf16 keeps the Python path
     bf16.speculation = None

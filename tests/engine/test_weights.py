@@ -153,6 +153,36 @@ def test_gguf_file(tmp_path, monkeypatch, qtype):
     assert resolve_model(tmp_path / "tiny.gguf").folder == folders[0]
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_quantized_weights_are_cached_and_a_bad_entry_is_rebuilt(tmp_path, monkeypatch, fmt):
+    # a warm load reads the packed weights instead of reading fp32 and quantizing: same tensors,
+    # same logits; a truncated cache entry is quantized again and rewritten. (Only the weights'
+    # cache moves to tmp_path: a new TOKENSPEED_CACHE would rebuild the kernels, ~1 min.)
+    monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
+    _tiny_hf(tie_word_embeddings=True).save_pretrained(tmp_path / "m", safe_serialization=True)
+    _copy_tokenizer(tmp_path / "m")
+    ids = torch.tensor([1, 5, 9, 300, 4000, 17])
+
+    def load():
+        engine = tokenspeed.Engine.load(str(tmp_path / "m"), quantize=fmt)
+        logits = engine.model(ids, torch.arange(len(ids)), engine.model.new_cache(32), "all")
+        return engine, logits
+
+    cold, cold_logits = load()
+    assert f"quantize {fmt}" in cold.load_stages and "quantized cache written" in cold.load_stages
+    entries = list((tmp_path / "cache" / "quantized").iterdir())
+    assert len(entries) == 1
+    warm, warm_logits = load()
+    assert list(warm.load_stages)[2] == f"{fmt} weights from the quantized cache" and warm.weights == fmt
+    assert torch.equal(warm_logits, cold_logits)
+    assert all(torch.equal(t, warm.model.state_dict()[k]) for k, t in cold.model.state_dict().items())
+    entries[0].write_bytes(entries[0].read_bytes()[:1000])
+    again, again_logits = load()
+    assert f"quantize {fmt}" in again.load_stages and torch.equal(again_logits, cold_logits)
+    assert entries[0].stat().st_size > 1000
+    assert "total" in warm.load_stages.table()
+
+
 def test_embedded_model_loads_and_caches(engine):
     files = resolve_model(None)
     cfg = json.loads((files.folder / "config.json").read_text())

@@ -9,11 +9,12 @@ from std_msgs.msg import String
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback, Observation
 
 from agent_support import SensorFeed
-from tokenspeed_ros.agent_node import GripperState
+from tokenspeed_ros.agent_node import GripperState, task_brief
 
 LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 ENGINE_TIMEOUT = 90.0          # process start + model load on a busy 2-core machine, seconds
-GOAL = "Put the red cube on the yellow target at x=0.53 y=0.11: pick it, then place it there."
+GOAL = ("Put the red cube on the yellow target at x=0.53 y=0.11 (metres, robot base frame): "
+        "pick it, then place it there.")
 
 
 def test_gripper_state_follows_the_robots_feedback():
@@ -29,6 +30,11 @@ def test_gripper_state_follows_the_robots_feedback():
     assert g.feedback(9, "pick", "rejected", "pick: already holding blue_cube; place it first")
     assert g.holding == "blue_cube"
     assert g.feedback(9, "place", "rejected", "place: not holding a cube; pick one first") and g.holding is None
+
+
+def test_state_line_restates_the_goal_without_its_remarks():
+    assert task_brief(GOAL) == "Put the red cube on the yellow target at x=0.53 y=0.11: pick it, then place it there."
+    assert task_brief("hold still") == "hold still"
 
 
 def test_allowed_tools_follow_the_gripper_state(probe, start_agent):
@@ -62,7 +68,7 @@ def test_allowed_tools_follow_the_gripper_state(probe, start_agent):
 
     assert probe.spin_until(lambda: len(model_after(0)) >= 3, ENGINE_TIMEOUT), agent.log_path.read_text()
     assert {a.tool_name for a in model_after(0)} == {"pick"}
-    assert state_echoed(f"objects blue_cube=(0.40,-0.10) red_cube=(0.50,0.10); gripper empty; task: {GOAL}")
+    assert state_echoed(f"objects blue_cube=(0.40,-0.10) red_cube=(0.50,0.10); gripper empty; task: {task_brief(GOAL)}")
     held = json.loads(model_after(0)[-1].arguments_json)["object"]
     next_state(f"gripper holding {held}; task: ", "pick", "place")
     next_state("gripper empty; task: ", "place", "pick")
