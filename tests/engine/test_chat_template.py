@@ -9,13 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 import tokenspeed
 from tokenspeed.grammar import call_format_for, format_tool_calls, parse_tool_calls
-from tokenspeed.model import ModelArgs, Transformer
+from tokenspeed.model import ModelArgs
+from tokenspeed.session import _tiny_random
 from tokenspeed.tokenizer import Tokenizer
 from tokenspeed.weights import resolve_model
 
@@ -54,15 +54,8 @@ def family_tokenizer(folder: Path, name: str, call_tags: bool = False) -> Tokeni
 
 
 def tiny_engine_for(tok: Tokenizer, name: str) -> tokenspeed.Engine:
-    """A 2-layer random-weight model over `tok`'s vocabulary (as Engine.load("tiny-random") builds one)."""
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
-                     vocab_size=tok.vocab_size, max_seq_len=4096, tie_embeddings=True)
-    torch.manual_seed(0)
-    net = Transformer(args)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.normal_(0.0, 0.5 if p.dim() == 1 else 0.05).add_(1.0 if p.dim() == 1 else 0.0)
-    return tokenspeed.Engine(net, tok, f"tiny-random, {name} template")
+    """A 2-layer random-weight model over `tok`'s vocabulary (the one Engine.load("tiny-random") builds)."""
+    return tokenspeed.Engine(_tiny_random(ModelArgs(vocab_size=tok.vocab_size)), tok, f"tiny-random, {name} template")
 
 
 def test_smollm2_template_gives_chatml_framing(tiny_engine):
