@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -140,7 +141,8 @@ def run_aal(out_dir: Path, quick: bool = False, seed: int = 0, threads: int = 2,
     for engine in [e for e in engines if e.startswith("llama.cpp")]:
         missing = [] if prefix or importlib.util.find_spec("llama_cpp") else ["llama-cpp-python"]
         if engine.endswith(":http"):
-            missing += [m for m in LLAMA_CPP_SERVER_DEPS if importlib.util.find_spec(m) is None]
+            missing += [m for m in LLAMA_CPP_SERVER_DEPS if importlib.util.find_spec(m) is None
+                        and not (prefix and importlib.machinery.PathFinder.find_spec(m, [prefix]))]
         if missing:
             what = f"{_name(engine)} row needs {', '.join(missing)} (" + LLAMA_CPP_INSTALL + ")"
             if not quick:
