@@ -48,6 +48,16 @@ def _has_int8pack(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
+def _uninitialised(cls, linear: nn.Linear, *weights: torch.Tensor) -> nn.Module:
+    """A `cls` layer holding the uninitialised `weights` (and a bias buffer when `linear` has one),
+    for `load_state_dict` to fill; `cls._store` names the buffers."""
+    layer = cls.__new__(cls)
+    nn.Module.__init__(layer)
+    bias = linear.bias
+    layer._store(*weights, None if bias is None else torch.empty(bias.shape[0], dtype=bias.dtype))
+    return layer
+
+
 class Int8Linear(nn.Module):
     """Weight-only int8 linear layer with per-output-channel scales.
 
@@ -81,11 +91,7 @@ class Int8Linear(nn.Module):
         """An uninitialised CPU layer of `linear`'s shape (`linear` may be on the meta device), for
         `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
         n, k = linear.weight.shape
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer._store(torch.empty(n, k, dtype=torch.int8), torch.empty(n),
-                     None if linear.bias is None else torch.empty(n, dtype=linear.bias.dtype))
-        return layer
+        return _uninitialised(cls, linear, torch.empty(n, k, dtype=torch.int8), torch.empty(n))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as [out, in] of `dtype` (scales applied)."""
@@ -151,12 +157,8 @@ class Int4Linear(nn.Module):
         """An uninitialised CPU layer of `linear`'s shape (`linear` may be on the meta device), for
         `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
         n, k = linear.weight.shape
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer._store(torch.empty(n // 16, k // 8, 64, dtype=torch.uint8),
-                     torch.empty(n // 16, k // cls.GROUP, 2, 16, dtype=torch.bfloat16),
-                     None if linear.bias is None else torch.empty(n, dtype=linear.bias.dtype))
-        return layer
+        return _uninitialised(cls, linear, torch.empty(n // 16, k // 8, 64, dtype=torch.uint8),
+                              torch.empty(n // 16, k // cls.GROUP, 2, 16, dtype=torch.bfloat16))
 
     @staticmethod
     def supports(shape: tuple[int, int]) -> bool:
