@@ -367,6 +367,9 @@ class AgentNode(ManagedNode):
             self.task.finish(CANCELLED, "replaced by a new task")
         self.task = task
         self.get_logger().info(f"task: {task.text}")
+        self.worker.new_episode()           # the context starts again from the system prompt and tools
+        self._texts.pop("goal", None)       # so the goal goes in again, even the same text
+        self._state_queued = None
         if self._submit("goal", f"goal: {task.text}", self.get_clock().now(), kind="text") and self.p.decide_on_goal:
             self._trigger("goal")
 

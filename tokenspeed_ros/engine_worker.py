@@ -35,6 +35,7 @@ from tokenspeed_ros.launch_spec import help_requested
 from tokenspeed_ros.spin import SPIN_TIMEOUT_S, spin_once
 
 
+
 class ToolsFileError(ValueError):
     """A tool file is missing or is not a JSON list of OpenAI function tools; the message names it."""
 
@@ -115,6 +116,8 @@ class EngineWorker:
         self._cv = threading.Condition()
         self._obs: dict[str, tuple[str, str, float]] = {}  # source -> (text, kind, stamp_s), not yet prefilled
         self._request: tuple | None = None   # (decision_id, deadline_at, tool_choice, restate, queued at)
+        self._new_episode = False       # new_episode() was called: roll back before anything else
+        self._episode_start = None      # Checkpoint of the session with only the system prompt and tools
         self._prefill = [0, 0, 0.0]     # observations, tokens, seconds prefilled since the last decision
         self._repeat_slack = repeat_slack
         self._observed = 0                                 # tokens observed so far (decisions not counted)
@@ -174,6 +177,16 @@ class EngineWorker:
             self._obs[source] = (text, kind, stamp_s)
             self._cv.notify()
 
+    def new_episode(self) -> None:
+        """Start a new episode (e.g. a new task): queued observations are dropped, and before
+        anything observed or requested after this call, the session rolls back to its system
+        prompt and tools (`Session.rollback`), so nothing of the last episode - its readings, its
+        calls - stays in the context for the next decisions to copy."""
+        with self._cv:
+            self._obs.clear()
+            self._new_episode = True
+            self._cv.notify()
+
     def decide(self, decision_id: int, deadline_at: float, tool_choice=None,
                restate: tuple[str, str, float] | None = None) -> None:
         """Request a decision that must finish by `deadline_at` (time.monotonic() seconds), with
@@ -218,10 +231,15 @@ class EngineWorker:
         self._load()
         while True:
             with self._cv:
-                while not self._stop and not self._obs and self._request is None and self._threads is None:
+                while (not self._stop and not self._obs and self._request is None and self._threads is None
+                       and not self._new_episode):
                     self._cv.wait()
                 if self._stop:
                     return
+                if self._new_episode:       # under the lock: what is observed next joins the new episode
+                    self._new_episode = False
+                    self._begin_episode()
+                    continue
                 if self._threads is not None:
                     torch.set_num_threads(self._threads or default_threads)   # OpenMP: this thread's own
                     self.threads = torch.get_num_threads()
@@ -267,6 +285,7 @@ class EngineWorker:
             self._session = engine.session(system=self._cfg["system"], tools=self._cfg["tools"],
                                            kv_budget=self._kv_budget)
             stages.done("session: system prompt and tools prefilled")
+            self._episode_start = self._session.checkpoint()
             self.context_tokens = self._session.num_tokens
             self.weights = engine.weights
             self.threads = torch.get_num_threads()
@@ -283,6 +302,19 @@ class EngineWorker:
         with self._cv:
             if not self._stop:
                 self._notify()
+
+    def _begin_episode(self) -> None:
+        if self._session is None:
+            return
+        dropped = self._session.num_tokens - self._episode_start.n_tokens
+        try:
+            self._session.rollback(self._episode_start)
+        except Exception as e:  # the context goes on as it is: the next decisions still get a call or a fallback
+            self._log.error(f"engine fault in new_episode(): {type(e).__name__}: {e}")
+            return
+        self._previous.clear()              # nothing observed so far is in the context any more
+        self.context_tokens = self._session.num_tokens
+        self._log.info(f"new episode: {dropped} tokens of the last one dropped, context {self.context_tokens} tokens")
 
     def _observe(self, source: str, text: str, kind: str) -> int:
         previous = self._previous.get(source)

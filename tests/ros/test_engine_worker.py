@@ -105,3 +105,26 @@ def test_a_decisions_state_line_jumps_the_queue_and_is_not_prefilled_twice():
     assert order[order.index(("state", True)) + 1] == 1
     assert {("camera", True), ("robot", True)} <= set(order[order.index(1):])
     assert order[-2:] == [("state", False), 2]
+
+
+def test_a_new_episode_starts_again_from_the_system_prompt_and_tools():
+    """new_episode(): the last episode's readings and calls leave the context, and a reading
+    identical to one of the last episode is prefilled again."""
+    woke = threading.Event()
+    worker = make_worker("tiny-random", woke)
+    worker.start()
+    try:
+        assert collect(worker, woke, lambda _: worker.state != "loading", 120) == []
+        base = worker.context_tokens
+        worker.observe("goal", "goal: pick the red cube", stamp_s=1.0, kind="text")
+        worker.observe("camera", "objects red_cube=(0.50,0.10)", stamp_s=2.0)
+        worker.decide(1, time.monotonic() + 60.0)
+        collect(worker, woke, lambda items: any(isinstance(i, ModelResult) for i in items), 120)
+        assert worker.context_tokens > base
+        worker.new_episode()
+        worker.observe("goal", "goal: pick the red cube", stamp_s=3.0, kind="text")
+        out = collect(worker, woke, lambda items: any(isinstance(i, Observed) for i in items), 120)
+    finally:
+        assert worker.close(timeout=30.0)
+    assert [(o.source, o.stamp_s) for o in out] == [("goal", 3.0)]
+    assert out[0].tokens > 0 and worker.context_tokens == base + out[0].tokens
