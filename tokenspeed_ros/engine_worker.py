@@ -34,6 +34,7 @@ from tokenspeed_ros.deadline_monitor import ModelResult
 from tokenspeed_ros.launch_spec import help_requested
 from tokenspeed_ros.spin import SPIN_TIMEOUT_S, spin_once
 
+GIL_SWITCH_INTERVAL_S = 0.001     # CPython's thread switch interval in the node processes (s)
 
 
 class ToolsFileError(ValueError):
@@ -375,6 +376,9 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
     if help_requested(args):
         print(help_text)
         return 0
+    # The deadline monitor's thread waits for the GIL while the engine thread runs Python code
+    # (the decode loop between kernels): at most this long instead of CPython's default 5 ms.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         rclpy.init(args=args)
     except RuntimeError as e:   # rcl's RCLError: e.g. "-p model:=" (an override without a value)
