@@ -53,6 +53,7 @@ from tokenspeed_ros.task import CANCELLED, DONE, FAILED, TASK_DONE, TASK_DONE_TO
 
 SENSORS = ("joint_states", "camera")    # sources that must be fresh for the engine to decide
 CALLS_KEPT = 256                        # published calls remembered to interpret the robot's feedback
+APPLY_WAIT_S = 0.5                      # the robot answers a call it was sent ("applied", "rejected") within this (s)
 
 
 class GripperState:
@@ -159,6 +160,7 @@ class AgentNode(ManagedNode):
         self._held: dict[str, tuple[Time, str]] = {}  # source -> (stamp, kind) of a reading held back
         self._state_queued = ""                     # the last state line given to the engine
         self._executing: tuple[int, Time] | None = None    # robot's current model call: (id, applied at)
+        self._sent: tuple[int, Time] | None = None         # newest moving model call, until the robot answers it
         self._skipped_busy = 0
         self._skipped_executing = 0
         self._diag_seen_bad = 0
@@ -362,15 +364,23 @@ class AgentNode(ManagedNode):
             self._start_task(Task(text, self.get_clock().now()))
 
     def _start_task(self, task: Task) -> None:
-        """Make `task` the current one (a running one is cancelled) and decide on it."""
+        """Make `task` the current one (a running one is cancelled), start a new episode of the
+        context (`EngineWorker.new_episode`) and decide on it."""
         if self.task is not None:
             self.task.finish(CANCELLED, "replaced by a new task")
         self.task = task
         self.get_logger().info(f"task: {task.text}")
-        self.worker.new_episode()           # the context starts again from the system prompt and tools
-        self._texts.pop("goal", None)       # so the goal goes in again, even the same text
+        # the context starts again from the system prompt and tools, then the goal (even the same
+        # text as the last task's) and the current readings
+        self.worker.new_episode()
+        self._texts.pop("goal", None)
         self._state_queued = None
-        if self._submit("goal", f"goal: {task.text}", self.get_clock().now(), kind="text") and self.p.decide_on_goal:
+        now = self.get_clock().now()
+        submitted = self._submit("goal", f"goal: {task.text}", now, kind="text")
+        for source in SENSORS:
+            if source in self._texts:
+                self._send(source, self._texts[source], now, "sensor")
+        if submitted and self.p.decide_on_goal:
             self._trigger("goal")
 
     def _on_task_status(self, msg: String) -> None:
@@ -390,6 +400,8 @@ class AgentNode(ManagedNode):
         moving = msg.tool_name not in ("hold", "stop")
         if self.gripper.feedback(msg.decision_id, msg.tool_name, msg.state, msg.detail):
             self.get_logger().info(f"{self.gripper.text()} (decision {msg.decision_id} {msg.tool_name} {msg.state})")
+        if self._sent is not None and msg.decision_id == self._sent[0]:
+            self._sent = None
         if msg.state == "applied":
             self._executing = (msg.decision_id, self.get_clock().now()) if moving else None
             return
@@ -402,9 +414,15 @@ class AgentNode(ManagedNode):
             self._trigger("feedback")
 
     def _robot_executing(self) -> bool:
-        if self._executing is None or self.p.decide_while_executing:
+        """The robot is executing a model call: it applied one that has not ended (for at most
+        execution_timeout_s), or it has not yet answered the newest one sent (for at most
+        APPLY_WAIT_S: a decision triggered right after a call goes out must not preempt it)."""
+        if self.p.decide_while_executing:
             return False
-        return (self.get_clock().now() - self._executing[1]).nanoseconds * 1e-9 < self.p.execution_timeout_s
+        now = self.get_clock().now()
+        if self._sent is not None and (now - self._sent[1]).nanoseconds * 1e-9 < APPLY_WAIT_S:
+            return True
+        return self._executing is not None and (now - self._executing[1]).nanoseconds * 1e-9 < self.p.execution_timeout_s
 
     # ------------------------------------------------------------------ decisions
     def _tool_choice(self, tools: list[str] | None = None):
@@ -457,7 +475,8 @@ class AgentNode(ManagedNode):
 
     def _trigger(self, why: str) -> None:
         """Start a decision now if the engine is free. `why`: "rate", "scene", "goal",
-        "feedback" or "event" (deferred while the engine was busy). Rate triggers also keep safe
+        or "feedback"; one that finds the engine busy runs when it is free, as what it was. Only
+        a goal decides while the robot executes a model call. Rate triggers also keep safe
         actions flowing while the engine is stuck past a deadline. Nothing decides while the
         node is not active."""
         if not self.active:
@@ -470,7 +489,7 @@ class AgentNode(ManagedNode):
                 self._end_task(FAILED, over)
             if not self.task.running:       # done, failed or cancelled: the agent stops acting
                 return
-        if why in ("rate", "scene") and self._robot_executing():
+        if why != "goal" and self._robot_executing():     # a new task may preempt the robot; nothing else
             self._skipped_executing += 1
             return
         if self.loop.busy:
@@ -478,7 +497,7 @@ class AgentNode(ManagedNode):
                 self.monitor.fail_now(stamp, "engine_busy")
             else:
                 if why != "rate":
-                    self.loop.defer(lambda: self._trigger("event"))
+                    self.loop.defer(lambda: self._trigger(why))
                 self._skipped_busy += 1
             return
         if self._missing_sensors():
@@ -521,6 +540,8 @@ class AgentNode(ManagedNode):
         if cmd is None:
             return      # a late result dropped after its fallback
         self.gripper.sent(cmd.decision_id, cmd.tool_name, cmd.arguments_json)
+        if cmd.source == "model" and cmd.tool_name not in ("hold", "stop") and self.p.action_feedback_topic:
+            self._sent = (cmd.decision_id, self.get_clock().now())
         task = self.task
         if task is not None and task.running and status.reason != CANCELLED:
             task.decisions += 1
