@@ -13,7 +13,7 @@ from .grammar import ToolSchemaError
 from .model import ModelArgs, Transformer
 from .session import Checkpoint, Decision, Engine, LoadStages, Segment, Session, SessionArgumentError
 from .speculation import SpecConfig
-from .weights import ModelLoadError
+from .weights import DeviceError, ModelLoadError
 
 __all__ = ["Engine", "LoadStages", "Session", "Decision", "Checkpoint", "Segment", "ModelArgs", "Transformer",
-           "SpecConfig", "ToolSchemaError", "ModelLoadError", "SessionArgumentError"]
+           "SpecConfig", "ToolSchemaError", "ModelLoadError", "DeviceError", "SessionArgumentError"]
