@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from .weights import DTYPES
+from .device import DTYPES
 
 
 def _positive_seconds(text: str) -> float:

@@ -28,8 +28,8 @@ from .quant import MODES
 from .paths import cache_dir
 from .speculation import SpecConfig, Speculator
 from .tokenizer import Tokenizer
-from .weights import (ModelLoadError, load_model_files, load_quantized, resolve_device, resolve_dtype, resolve_model,
-                      save_quantized)
+from .device import resolve_device, resolve_dtype
+from .weights import ModelLoadError, load_model_files, load_quantized, resolve_model, save_quantized
 
 __all__ = ["Engine", "LoadStages", "Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError"]
 
@@ -128,6 +128,7 @@ class Engine:
         self.weight_choice = weight_choice
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,
                                                    eos_token=tokenizer.eos_id)
+        self.mask_executor = llguidance.LLExecutor(1)  # the sessions' grammar masks along draft chains
         self.call_format = call_format_for(tokenizer.chat_template)  # the family's tool-call format
         self.load_stages.done("grammar tokenizer")
         self._grammars: dict[tuple, ToolGrammar] = {}
@@ -156,7 +157,7 @@ class Engine:
                 model's tokenizer: for tests where only shapes matter).
             threads: torch intra-op threads (None leaves torch's default).
             dtype: weight and KV-cache dtype: "auto" (default: bfloat16 on CUDA, float32 on the
-                CPU), a name of `tokenspeed.weights.DTYPES` ("float32", "bfloat16", ...) or a torch dtype.
+                CPU), a name of `tokenspeed.device.DTYPES` ("float32", "bfloat16", ...) or a torch dtype.
             device: "auto" (default: CUDA when `torch.cuda.is_available()`, else the CPU), "cpu",
                 "cuda" or "cuda:N" (or a torch.device). Every tensor of the engine's sessions lives there.
             quantize: "auto" (default: the fastest format on this machine whose greedy tokens agree
@@ -292,7 +293,7 @@ class Session:
                                  f"({len(system_ids)} tokens)")
             w = self.model.tok_embeddings.weight
             cache, window = TieredKVCache(self.model.args, kv, w.dtype, w.device), kv.budget
-        self._mask = TokenMask(self.tok.vocab_size)
+        self._mask = TokenMask(self.tok.vocab_size, engine.device, engine.mask_executor)
         self.target = Target(self.model, cache, self._mask)
         self.pending: list[int] = []       # appended to the context but not yet prefilled
         # In a pruned session the draft attends over the last `budget` tokens only: its cost stays flat.
@@ -472,7 +473,7 @@ class Session:
         trigger = self.tok.encode(self.tok.assistant_prefix)
         self._append(trigger, "trigger")
         prefill, self.pending = self.pending, []
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        gen = torch.Generator(self.engine.device).manual_seed(seed) if seed is not None else None
         stream = None if grammar is not None and grammar.mode == "required" else \
             self._text_stream(on_text, calls=grammar is not None and grammar.mode == "auto")
         try:
@@ -555,7 +556,7 @@ class Session:
             self._append(self._render([{"role": "user", "content": prompt}]), "text")
         self._append(self.tok.encode(self.tok.assistant_prefix), "assistant")
         feed, self.pending = self.pending, []
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        gen = torch.Generator(self.engine.device).manual_seed(seed) if seed is not None else None
         out, feed, _ = decode(self.target, self.speculator, feed, tok=self.tok, max_tokens=max_tokens,
                               temperature=temperature, top_p=top_p, generator=gen,
                               on_token=self._text_stream(on_token))

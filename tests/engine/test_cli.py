@@ -11,7 +11,7 @@ import torch
 
 from tokenspeed import DeviceError
 from tokenspeed.cli import build_parser
-from tokenspeed.weights import resolve_device, resolve_dtype
+from tokenspeed.device import resolve_device, resolve_dtype
 
 
 def test_help_lists_every_bench_subcommand():
