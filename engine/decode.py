@@ -42,10 +42,12 @@ class Target:
         tokens: token ids whose KV is in the cache, in slot order.
         mask: the session's `TokenMask` (grammar masks, applied on the device), or None.
         device: the model's device.
+        graphs: the `tokenspeed.device.DecodeGraphs` that runs decode and verification forwards
+            (CUDA graphs), or None: the model's own forward runs them (the CPU: its fused step).
     """
 
-    def __init__(self, model, cache, mask=None):
-        self.model, self.cache, self.mask = model, cache, mask
+    def __init__(self, model, cache, mask=None, graphs=None):
+        self.model, self.cache, self.mask, self.graphs = model, cache, mask, graphs
         self.device = model.tok_embeddings.weight.device
         self.tokens: list[int] = []
 
@@ -64,6 +66,8 @@ class Target:
             ValueError: the cache has no room.
         """
         pos0 = self.cache.next_position()
+        if self.graphs is not None and self.graphs.applies(len(ids), pos0):
+            return self._graph_forward(ids, pos0, rows, head_rows)
         out = None
         for i in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[i:i + PREFILL_CHUNK]
@@ -72,12 +76,26 @@ class Target:
             pos = torch.arange(pos0 + i, pos0 + i + len(chunk), dtype=torch.long, device=self.device)
             out = self.model(t, pos, self.cache, rows if last else "none", head=head_rows is None)
         self.tokens.extend(ids)
-        if head_rows is not None:  # hidden [1, dim] -> logits [1, V] of the allowed ids only
-            head_rows = head_rows.to(self.device, non_blocking=True)
-            logits = torch.full((1, self.model.args.vocab_size), float("-inf"), device=self.device)
-            logits[:, head_rows] = linear_rows(self.model.output, out, head_rows)
-            out = logits
-        return out
+        return out if head_rows is None else self._project(out, head_rows)
+
+    def _project(self, h: torch.Tensor, head_rows: torch.Tensor) -> torch.Tensor:
+        # hidden [1, dim] -> logits [1, V] of the allowed ids `head_rows` (host) only, -inf elsewhere
+        head_rows = head_rows.to(self.device, non_blocking=True)
+        logits = torch.full((1, self.model.args.vocab_size), float("-inf"), device=self.device)
+        logits[:, head_rows] = linear_rows(self.model.output, h, head_rows)
+        return logits
+
+    def _graph_forward(self, ids: list[int], pos0: int, rows, head_rows: torch.Tensor | None) -> torch.Tensor | None:
+        # `forward` through the decode graphs: they return the final hidden states of every row
+        h = self.graphs.run(ids, pos0)  # [len(ids), dim]
+        self.tokens.extend(ids)
+        if isinstance(rows, str):
+            if rows == "none":
+                return None
+            h = h[-1:] if rows == "last" else h
+        else:
+            h = h[rows]
+        return self.model.output(h).float() if head_rows is None else self._project(h, head_rows)
 
     def discard(self, n: int) -> None:
         """Drop the KV and token ids of the last n cached tokens (rejected draft tokens)."""

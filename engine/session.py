@@ -28,7 +28,7 @@ from .quant import MODES
 from .paths import cache_dir
 from .speculation import SpecConfig, Speculator
 from .tokenizer import Tokenizer
-from .device import resolve_device, resolve_dtype
+from .device import DecodeGraphs, resolve_device, resolve_dtype
 from .weights import ModelLoadError, load_model_files, load_quantized, resolve_model, save_quantized
 
 __all__ = ["Engine", "LoadStages", "Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError"]
@@ -271,7 +271,8 @@ class Session:
         tools: the normalized tool definitions.
         segments: list of `Segment` describing the context in cache order.
         num_tokens: tokens in the context (cached plus pending).
-        target: the `tokenspeed.decode.Target` (model, KV cache, cached token ids) the decode loop uses.
+        target: the `tokenspeed.decode.Target` (model, KV cache, cached token ids) the decode loop uses;
+            on CUDA its decode and verification forwards run as CUDA graphs (`tokenspeed.device.DecodeGraphs`).
         speculator: the `tokenspeed.speculation.Speculator` (drafting state of this session).
     """
 
@@ -294,7 +295,8 @@ class Session:
             w = self.model.tok_embeddings.weight
             cache, window = TieredKVCache(self.model.args, kv, w.dtype, w.device), kv.budget
         self._mask = TokenMask(self.tok.vocab_size, engine.device, engine.mask_executor)
-        self.target = Target(self.model, cache, self._mask)
+        graphs = DecodeGraphs(self.model, cache) if engine.device.type == "cuda" and kv_budget is None else None
+        self.target = Target(self.model, cache, self._mask, graphs)
         self.pending: list[int] = []       # appended to the context but not yet prefilled
         # In a pruned session the draft attends over the last `budget` tokens only: its cost stays flat.
         self.speculator = Speculator(engine.speculation, self.model.args.max_seq_len, window)
