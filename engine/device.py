@@ -81,6 +81,7 @@ class _Width:
     def __init__(self, w: int, device: torch.device):
         self.inputs = torch.zeros((3, w), dtype=torch.long, device=device)
         self.host = torch.zeros((3, w), dtype=torch.long, device="cpu", pin_memory=device.type == "cuda")
+        self.copied = None  # CUDA: an event after the last copy out of `host` (rewrite it only once done)
         self.graphs: dict[int, tuple] = {}  # span -> (CUDAGraph or None, output [w, dim])
 
 
@@ -136,10 +137,15 @@ class DecodeGraphs:
         buf = self.widths.get(w)
         if buf is None:
             buf = self.widths[w] = _Width(w, self.device)
+        if buf.copied is not None:
+            buf.copied.synchronize()  # two forwards of this width without a read between (prefill)
         buf.host[0] = torch.tensor(ids, dtype=torch.long, device="cpu")
         buf.host[1] = torch.arange(pos0, pos0 + w, device="cpu")
         buf.host[2] = torch.arange(n, n + w, device="cpu")
         buf.inputs.copy_(buf.host, non_blocking=True)
+        if self.device.type == "cuda":
+            buf.copied = torch.cuda.Event()
+            buf.copied.record()
         graph, out = buf.graphs.get(span, (None, None))
         if graph is None and out is None and self.capture and not self.eager:
             graph, out = buf.graphs[span] = self._capture(buf, span)
