@@ -28,7 +28,7 @@ from .quant import MODES
 from .paths import cache_dir
 from .speculation import SpecConfig, Speculator
 from .tokenizer import Tokenizer
-from .device import DecodeGraphs, resolve_device, resolve_dtype
+from .device import DecodeGraphs, DeviceError, resolve_device, resolve_dtype
 from .weights import ModelLoadError, load_model_files, load_quantized, resolve_model, save_quantized
 
 __all__ = ["Engine", "LoadStages", "Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError"]
@@ -170,13 +170,17 @@ class Engine:
                 it becomes `Engine.load_stages`.
         Raises:
             ModelLoadError: bad path or unsupported file.
-            DeviceError: a malformed device or dtype, or a CUDA device this machine does not have.
+            DeviceError: a malformed device or dtype, a CUDA device this machine does not have, or
+                int8/int4 weights on a device other than the CPU.
             ValueError: unknown quantize mode, or an unknown or unrunnable `$TOKENSPEED_CPU_ISA`.
         """
         if quantize not in (None, "auto", *MODES):
             raise ValueError(f"unknown quantization {quantize!r}; choose one of {('auto', *MODES)} or None")
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
+        if quantize in MODES and device.type != "cpu":
+            raise DeviceError(f"quantize={quantize!r} is a CPU weight format (tokenspeed.quant); on {device} "
+                              "use quantize='auto' or None with a dtype")
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
