@@ -21,6 +21,7 @@ import torch
 from .decision import (Checkpoint, Decision, Segment, SessionArgumentError, finite_arg, positive_int_arg, sampling_args,
                        settle)
 from .decode import NonFiniteLogitsError, Target, decode
+from .device import DecodeGraphs, DeviceError, resolve_device, resolve_dtype
 from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, ToolGrammar, call_format_for, normalize_tools, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
@@ -28,7 +29,6 @@ from .quant import MODES
 from .paths import cache_dir
 from .speculation import SpecConfig, Speculator
 from .tokenizer import Tokenizer
-from .device import DecodeGraphs, DeviceError, resolve_device, resolve_dtype
 from .weights import ModelLoadError, load_model_files, load_quantized, resolve_model, save_quantized
 
 __all__ = ["Engine", "LoadStages", "Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError"]
