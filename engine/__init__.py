@@ -13,7 +13,8 @@ from .grammar import ToolSchemaError
 from .model import ModelArgs, Transformer
 from .session import Checkpoint, Decision, Engine, LoadStages, Segment, Session, SessionArgumentError
 from .speculation import SpecConfig
+from .device import DeviceError
 from .weights import ModelLoadError
 
 __all__ = ["Engine", "LoadStages", "Session", "Decision", "Checkpoint", "Segment", "ModelArgs", "Transformer",
-           "SpecConfig", "ToolSchemaError", "ModelLoadError", "SessionArgumentError"]
+           "SpecConfig", "ToolSchemaError", "ModelLoadError", "DeviceError", "SessionArgumentError"]

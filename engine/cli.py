@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from .device import DTYPES
+
 
 def _positive_seconds(text: str) -> float:
     """argparse type: a finite number of seconds > 0."""
@@ -36,8 +38,10 @@ def _engine(args):
     from . import Engine
 
     t0 = time.perf_counter()
-    engine = Engine.load(args.model, threads=args.threads, quantize=None if args.quantize == "none" else args.quantize)
-    print(f"# model {engine.source} loaded in {time.perf_counter() - t0:.2f} s, {engine.weights} weights", file=sys.stderr)
+    engine = Engine.load(args.model, threads=args.threads, quantize=None if args.quantize == "none" else args.quantize,
+                         device=args.device, dtype=args.dtype)
+    print(f"# model {engine.source} loaded in {time.perf_counter() - t0:.2f} s, {engine.weights} weights on "
+          f"{engine.device}", file=sys.stderr)
     if engine.weight_choice is not None:
         print(f"# {engine.weight_choice.describe()}", file=sys.stderr)
     return engine
@@ -117,10 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    def device_args(p):
+        p.add_argument("--device", default="auto",
+                       help="auto (default: CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N")
+        p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                       help="weights and KV cache: auto (default: bfloat16 on CUDA, float32 on the CPU) or a dtype")
+
     def model_args(p):
         p.add_argument("--model", default=None,
                        help="a .gguf file or safetensors folder (default: embedded SmolLM2-135M-Instruct)")
         p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+        device_args(p)
         p.add_argument("--quantize", default="auto", choices=["auto", "int4", "int8", "none"],
                        help="weights: auto (default: the fastest format on this CPU whose greedy tokens agree with "
                             "fp32's, measured once and cached), int4 (the GGUF's Q4_1 codes), int8 or none (fp32)")
@@ -156,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--quantize", default="auto", choices=["auto", "int4", "int8", "none"],
                    help="weights: auto (default: the measured fastest format), int4, int8 or none (fp32)")
+    device_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default="tokenspeed", help="the model id clients use (default tokenspeed)")
@@ -169,13 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tokenspeed` console script."""
-    from . import ModelLoadError
+    from . import DeviceError, ModelLoadError
     from .kernels.cpu_decode import CpuVariantError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ModelLoadError, CpuVariantError) as exc:
+    except (ModelLoadError, CpuVariantError, DeviceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -13,11 +13,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .device import to_device
 from .quant import linear_rows
 from .speculation import ForcedText, MessageMatch, Speculator, copy_source
 from .speculation.drafters import GRAMMAR
 
-__all__ = ["Target", "DecodeStats", "NonFiniteLogitsError", "decode", "token_probs", "PREFILL_CHUNK", "LM_HEAD_ROWS"]
+__all__ = ["Target", "DecodeStats", "NonFiniteLogitsError", "decode", "token_probs", "PREFILL_CHUNK",
+           "LM_HEAD_ROWS"]
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the attention mask and activations
 LM_HEAD_ROWS = 4096  # grammar allows at most this many ids next -> project only those lm_head rows
@@ -32,58 +34,68 @@ class NonFiniteLogitsError(ArithmeticError):
 class Target:
     """The target model over one session's KV cache and token ids: all the decode loop asks of it.
 
+    Every tensor it makes lives on the model's device (`device`); the token ids stay on the host.
+
     Attributes:
         model: the `Transformer`.
         cache: its KV cache (`tokenspeed.model.KVCache` or `tokenspeed.kv.TieredKVCache`).
         tokens: token ids whose KV is in the cache, in slot order.
-        mask: the `TokenMask` that projects grammar-allowed lm_head rows only (None: never).
+        mask: the session's `TokenMask` (grammar masks, applied on the device), or None.
+        device: the model's device.
+        graphs: the `tokenspeed.device.DecodeGraphs` that runs decode and verification forwards
+            (CUDA graphs), or None: the model's own forward runs them (the CPU: its fused step).
     """
 
-    def __init__(self, model, cache, mask=None):
-        self.model, self.cache, self.mask = model, cache, mask
+    def __init__(self, model, cache, mask=None, graphs=None):
+        self.model, self.cache, self.mask, self.graphs = model, cache, mask, graphs
+        self.device = model.tok_embeddings.weight.device
         self.tokens: list[int] = []
 
-    def forward(self, ids: list[int], rows="last", matcher=None) -> torch.Tensor | None:
+    def forward(self, ids: list[int], rows="last", head_rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """Append `ids` to the cache at the next positions (in chunks of `PREFILL_CHUNK`).
 
         Args:
             ids: new token ids.
             rows: which rows of the last chunk get logits: "last" -> [1, V], "all" -> [T, V], an
-                int64 index tensor [K] -> [K, V], "none" -> None (prefill).
-            matcher: the running grammar, or None; a single-row forward whose grammar allows at
-                most `LM_HEAD_ROWS` ids projects only those lm_head rows (the rest stay -inf).
+                int64 index tensor [K] on the model's device -> [K, V], "none" -> None (prefill).
+            head_rows: [K] int64 (host) vocabulary ids: a single-row forward projects only these
+                lm_head rows (the ids a grammar allows; the other logits stay -inf). None: all.
         Returns:
-            fp32 logits as above.
+            fp32 logits as above, on the model's device (on CUDA the forward may still be running).
         Raises:
-            NonFiniteLogitsError: NaN or infinite logits.
             ValueError: the cache has no room.
         """
         pos0 = self.cache.next_position()
-        head_rows = self._head_rows(rows, matcher)
+        if self.graphs is not None and self.graphs.applies(len(ids), pos0):
+            return self._graph_forward(ids, pos0, rows, head_rows)
         out = None
         for i in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[i:i + PREFILL_CHUNK]
             last = i + PREFILL_CHUNK >= len(ids)
-            t = torch.tensor(chunk, dtype=torch.long)
-            pos = torch.arange(pos0 + i, pos0 + i + len(chunk), dtype=torch.long)
+            t = to_device(chunk, self.device)
+            pos = torch.arange(pos0 + i, pos0 + i + len(chunk), dtype=torch.long, device=self.device)
             out = self.model(t, pos, self.cache, rows if last else "none", head=head_rows is None)
         self.tokens.extend(ids)
-        if out is not None and out.numel() and not torch.isfinite(out).all():
-            raise NonFiniteLogitsError(f"non-finite logits at positions {pos0}..{pos0 + len(ids) - 1}")
-        if head_rows is not None:  # hidden [1, dim] -> logits [1, V] of the allowed ids only
-            logits = torch.full((1, self.model.args.vocab_size), float("-inf"))
-            logits[:, head_rows] = linear_rows(self.model.output, out, head_rows)
-            out = logits
-        return out
+        return out if head_rows is None else self._project(out, head_rows)
 
-    def _head_rows(self, rows, matcher) -> torch.Tensor | None:
-        # A single-row forward under a grammar that allows few ids reads only those lm_head rows
-        # (vocab x dim is a large share of the model's bytes per token).
-        single = (isinstance(rows, str) and rows == "last") or (isinstance(rows, torch.Tensor) and rows.numel() == 1)
-        if matcher is None or self.mask is None or not single or matcher.is_stopped():
-            return None
-        allowed = self.mask.allowed(matcher).nonzero().flatten()
-        return allowed if 0 < len(allowed) <= LM_HEAD_ROWS else None
+    def _project(self, h: torch.Tensor, head_rows: torch.Tensor) -> torch.Tensor:
+        # hidden [1, dim] -> logits [1, V] of the allowed ids `head_rows` (host) only, -inf elsewhere
+        head_rows = head_rows.to(self.device, non_blocking=True)
+        logits = torch.full((1, self.model.args.vocab_size), float("-inf"), device=self.device)
+        logits[:, head_rows] = linear_rows(self.model.output, h, head_rows)
+        return logits
+
+    def _graph_forward(self, ids: list[int], pos0: int, rows, head_rows: torch.Tensor | None) -> torch.Tensor | None:
+        # `forward` through the decode graphs: they return the final hidden states of every row
+        h = self.graphs.run(ids, pos0)  # [len(ids), dim]
+        self.tokens.extend(ids)
+        if isinstance(rows, str):
+            if rows == "none":
+                return None
+            h = h[-1:] if rows == "last" else h
+        else:
+            h = h[rows]
+        return self.model.output(h).float() if head_rows is None else self._project(h, head_rows)
 
     def discard(self, n: int) -> None:
         """Drop the KV and token ids of the last n cached tokens (rejected draft tokens)."""
@@ -230,14 +242,25 @@ def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], sta
     # Logits only where a token is chosen: the proposals' rows and the last row (a grammar-forced
     # token needs none). Row r of the chain is predicted by ids[len(feed) - 1 + r].
     choose = [r for r in range(len(chain) + 1) if r == len(chain) or sources[r] != GRAMMAR]
+    select = to_device(choose, target.device)
     t_fwd = time.perf_counter()
-    logits = target.forward(ids, torch.tensor(choose) + len(feed) - 1, matcher)  # [len(choose), V]
-    t_fwd = time.perf_counter() - t_fwd
+    # A plain step's mask comes first: a grammar that allows few ids projects only those lm_head
+    # rows (vocab x dim is a large share of the model's bytes per token).
+    masks = target.mask.fill_chain(matcher, []) if matcher is not None and not chain else None
+    logits = target.forward(ids, select + (len(feed) - 1), _head_rows(target.mask, masks))  # [len(choose), V]
+    # Pipelining: while the forward runs (asynchronously on CUDA), the host computes the grammar
+    # masks of every row of the chain, which do not depend on its result (on the CPU: in order).
+    t_masks = time.perf_counter()
+    if matcher is not None and masks is None:
+        masks = target.mask.fill_chain(matcher, chain)
+    t_masks = time.perf_counter() - t_masks
+    picks = _choices(logits, masks, select, target.mask, temperature <= 0, len(ids))
+    t_fwd = time.perf_counter() - t_fwd - t_masks
     stats.forwards += 1
-    rows = {r: logits[i:i + 1] for i, r in enumerate(choose)}  # chain row -> logits [1, V]
+    rows = {r: (logits[i:i + 1], picks[i] if picks else None) for i, r in enumerate(choose)}
     next_feed, stop, emitted, row, proposals = _accept(chain, sources, qs, confs, rows, out, stats, matcher,
-                                                       target.mask, jump_forward, max_tokens, temperature,
-                                                       top_p, generator, stop_ids)
+                                                       jump_forward, max_tokens, temperature, top_p, generator,
+                                                       stop_ids)
     chosen_at = time.perf_counter()
     # The KV keeps the fed tokens and chain[:row], the accepted prefix.
     target.discard(len(chain) - row)
@@ -246,13 +269,46 @@ def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], sta
     return next_feed, stop, emitted, chosen_at
 
 
-def _accept(chain, sources, qs, confs, rows: dict, out: list[int], stats: DecodeStats, matcher, mask,
+def _head_rows(mask, masks: torch.Tensor | None) -> torch.Tensor | None:
+    """The allowed ids [K] int64 (host) of a plain step's mask [1, n_words] when there are at most
+    `LM_HEAD_ROWS` of them (only those lm_head rows are projected), else None."""
+    if masks is None:
+        return None
+    allowed = mask.unpacked(masks[0]).nonzero().flatten()
+    return allowed if 0 < len(allowed) <= LM_HEAD_ROWS else None
+
+
+def _choices(logits: torch.Tensor, masks: torch.Tensor | None, select: torch.Tensor, mask, greedy: bool,
+             n_tokens: int) -> list[int] | None:
+    """Mask the verified rows' logits [R, V] in place on the device (rows `select` [R] of the
+    chain's `masks`, or no grammar) and read the greedy choice of each row: [R] token ids, or
+    None when sampling (its rows are read one by one while accepting).
+
+    Raises:
+        NonFiniteLogitsError: NaN or +inf logits, or a row with no finite logit.
+    """
+    # on the device: no NaN, no +inf, and some finite logit in every row (before the grammar masks)
+    finite = ~(logits.isnan().any() | logits.isposinf().any()) & (logits.amax(-1) > float("-inf")).all()
+    if masks is not None:
+        mask.apply(logits, masks, select)
+    if greedy:
+        # The decode loop's one host read per forward: every row's chosen token and the finiteness flag.
+        values = torch.cat([logits.argmax(-1), finite.view(1).long()]).tolist()
+        finite, picks = values[-1], values[:-1]
+    else:
+        finite, picks = bool(finite), None
+    if not finite:
+        raise NonFiniteLogitsError(f"non-finite logits in a forward over {n_tokens} tokens")
+    return picks
+
+
+def _accept(chain, sources, qs, confs, rows: dict, out: list[int], stats: DecodeStats, matcher,
             jump_forward: bool, max_tokens: int, temperature: float, top_p: float, generator,
             stop_ids: set[int]):
-    """Walk the verified rows: accept proposals while the target agrees, choose its own token at the
-    first disagreement (or after the chain). Returns (next feed, stop, emitted, last row,
-    proposals as (source, confidence, accepted)). The walk always ends at some row: the last has
-    no proposal."""
+    """Walk the verified rows (chain row -> (masked logits [1, V], greedy pick or None)): accept
+    proposals while the target agrees, choose its own token at the first disagreement (or after the
+    chain). Returns (next feed, stop, emitted, last row, proposals as (source, confidence,
+    accepted)). The walk always ends at some row: the last has no proposal."""
     proposals: list[tuple[str, float, bool]] = []
     emitted = row = 0
     for row in range(len(chain) + 1):
@@ -268,10 +324,8 @@ def _accept(chain, sources, qs, confs, rows: dict, out: list[int], stats: Decode
         if matcher is not None and row == len(chain) and (
                 matcher.is_stopped() or (jump_forward and matcher.compute_ff_tokens())):
             break  # the call is complete, or the chain was cut inside a forced run (forced next step)
-        logits_row = rows[row]
-        if matcher is not None:
-            mask.apply(matcher, logits_row)
-        token, ok = _choose(logits_row[0], chain[row] if src else None, qs[row] if src else None,
+        logits_row, pick = rows[row]
+        token, ok = _choose(logits_row[0], pick, chain[row] if src else None, qs[row] if src else None,
                             temperature, top_p, generator)
         if src is not None:
             proposals.append((src, confs[row], ok))
@@ -306,22 +360,23 @@ def token_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) ->
     return probs
 
 
-def _choose(logits: torch.Tensor, proposal: int | None, q: torch.Tensor | None, temperature: float,
-            top_p: float, generator: torch.Generator | None) -> tuple[int, bool]:
+def _choose(logits: torch.Tensor, pick: int | None, proposal: int | None, q: torch.Tensor | None,
+            temperature: float, top_p: float, generator: torch.Generator | None) -> tuple[int, bool]:
     """The target's token at one position, and whether it is the proposal (accepted).
 
-    Greedy: the argmax; the proposal is accepted iff it equals it. Sampling: speculative rejection
-    sampling - accept x ~ q with probability min(1, p(x) / q(x)); on rejection sample from
-    norm(max(p - q, 0)) (q is one-hot for deterministic proposals); with no proposal sample p.
+    Greedy: `pick`, the argmax of the masked `logits` [V] (read with the forward's other rows); the
+    proposal is accepted iff it equals it. Sampling: speculative rejection sampling - accept x ~ q
+    with probability min(1, p(x) / q(x)); on rejection sample from norm(max(p - q, 0)) (q is
+    one-hot for deterministic proposals); with no proposal sample p. `generator` is on the logits'
+    device (or None).
     """
     if temperature <= 0:
-        token = int(logits.argmax())
-        return token, token == proposal
+        return pick, pick == proposal
     p = token_probs(logits, temperature, top_p)
     if proposal is None:
         return int(torch.multinomial(p, 1, generator=generator)), False
     qx = float(q[proposal]) if q is not None else 1.0
-    u = float(torch.rand((), generator=generator))
+    u = float(torch.rand((), generator=generator, device=p.device))
     if u * qx < float(p[proposal]):
         return proposal, True
     if q is None:

@@ -374,24 +374,69 @@ def _compile_lark(lark: str, ll_tokenizer, what: str) -> str:
 
 
 class TokenMask:
-    """Reusable bitmask buffer: fills from a matcher and applies to logits in place.
+    """Grammar masks in llguidance's packed bitmask format: int32 words, bit `i % 32` of word `i // 32`
+    set when token i is allowed. The matcher computes them on the host; `apply` masks logits on their
+    device (on CUDA the words go up from pinned host memory, copied non-blocking).
 
-    logits: [1, vocab] fp32. Disallowed ids are set to -inf.
+    Args:
+        vocab_size: the tokenizer's vocabulary (logits may be wider: the ids past it are masked).
+        device: the model's device, where `apply` masks logits.
+        executor: the `llguidance.LLExecutor` that computes a chain's masks in one call (None: a
+            one-thread executor of this mask's own).
     """
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, device: "str | torch.device" = "cpu", executor=None):
+        import llguidance
+
         self.vocab_size = vocab_size
-        self.bits = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
+        self.device = torch.device(device)
+        self.n_words = (vocab_size + 31) // 32
+        self._executor = executor if executor is not None else llguidance.LLExecutor(1)
+        self._bits = torch.zeros(self.n_words, dtype=torch.int32, device="cpu")  # `allowed`'s host words
+        self._chain = torch.zeros((0, self.n_words), dtype=torch.int32, device="cpu")  # `fill_chain`'s rows
+        self._shifts = torch.arange(32, dtype=torch.int32, device=self.device)
 
     def allowed(self, matcher) -> torch.Tensor:
-        """Bool tensor [vocab] of ids the matcher allows next."""
-        matcher.unsafe_compute_mask_ptr(self.bits.data_ptr(), self.bits.numel() * 4)
-        unpacked = np.unpackbits(self.bits.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
+        """Bool tensor [vocab] (host) of the ids the matcher allows next."""
+        matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self.n_words * 4)
+        return self.unpacked(self._bits)
+
+    def unpacked(self, words: torch.Tensor) -> torch.Tensor:
+        """Bool tensor [vocab] (host) of one row of packed words [n_words] int32 (host)."""
+        unpacked = np.unpackbits(words.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
         return torch.from_numpy(unpacked.view(np.bool_))
 
-    def apply(self, matcher, logits: torch.Tensor) -> torch.Tensor:
-        """Mask `logits` [1, V'] in place (V' may exceed the tokenizer vocab: the rest is masked)."""
-        allowed = self.allowed(matcher)
-        logits[..., self.vocab_size:] = float("-inf")
-        logits[..., : self.vocab_size].masked_fill_(~allowed, float("-inf"))
+    def fill_chain(self, matcher, chain: list[int]) -> torch.Tensor:
+        """The masks [len(chain) + 1, n_words] int32 (host; pinned on CUDA) of the matcher's states
+        along `chain`: row r is the mask after chain[:r] (llguidance's
+        `unsafe_compute_mask_ptr_with_draft_token`, one call). The matcher is left as it was; rows
+        after a token the grammar rejects, or after the grammar stops, are not written. The rows
+        are overwritten by the next call."""
+        n = len(chain) + 1
+        if self._chain.shape[0] < n:
+            self._chain = torch.zeros((max(n, 16), self.n_words), dtype=torch.int32, device="cpu",
+                                      pin_memory=self.device.type == "cuda")
+        rows = self._chain[:n]
+        if chain:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token([(matcher, 0, list(chain))], rows.data_ptr(),
+                                                                    self.n_words * 4, n)
+        else:
+            matcher.unsafe_compute_mask_ptr(rows.data_ptr(), self.n_words * 4)
+        return rows
+
+    def apply(self, logits: torch.Tensor, words: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Mask `logits` [R, V'] in place on their device: logit [i, t] becomes -inf unless bit t of
+        `words[rows[i]]` is set (V' may exceed the vocabulary: the ids past it are masked).
+
+        Args:
+            logits: [R, V'] fp32 on the model's device.
+            words: [N, n_words] int32 packed masks (host, e.g. `fill_chain`'s rows).
+            rows: [R] int64 indices into `words` on the logits' device (None: words has R rows).
+        """
+        dev = words.to(logits.device, non_blocking=True)
+        if rows is not None:
+            dev = dev.index_select(0, rows)
+        allowed = ((dev.unsqueeze(-1) >> self._shifts) & 1).view(len(dev), -1)[:, : self.vocab_size].bool()
+        logits[:, self.vocab_size:] = float("-inf")
+        logits[:, : self.vocab_size].masked_fill_(~allowed, float("-inf"))
         return logits

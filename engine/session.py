@@ -21,6 +21,7 @@ import torch
 from .decision import (Checkpoint, Decision, Segment, SessionArgumentError, finite_arg, positive_int_arg, sampling_args,
                        settle)
 from .decode import NonFiniteLogitsError, Target, decode
+from .device import DecodeGraphs, DeviceError, resolve_device, resolve_dtype
 from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, ToolGrammar, call_format_for, normalize_tools, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
@@ -100,7 +101,8 @@ class Engine:
         args: the `ModelArgs`.
         source: what was loaded ("embedded", a path, or "tiny-random").
         load_s: load time in seconds.
-        weights: the weight format, "fp32", "int8" or "int4".
+        weights: the weight format: "int8" or "int4" (quantized), else the dtype ("fp32", "bf16", "fp16").
+        device: the torch device of the weights, where every tensor of the sessions lives.
         weight_choice: the `tokenspeed.quant.FormatChoice` behind `weights` when loaded with
             quantize="auto" (its timings; None otherwise).
         call_format: the `tokenspeed.grammar.CallFormat` the model's chat template writes tool
@@ -122,9 +124,11 @@ class Engine:
         self.source = source
         self.load_s = load_s
         self.weights = weights
+        self.device = model.tok_embeddings.weight.device
         self.weight_choice = weight_choice
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,
                                                    eos_token=tokenizer.eos_id)
+        self.mask_executor = llguidance.LLExecutor(1)  # the sessions' grammar masks along draft chains
         self.call_format = call_format_for(tokenizer.chat_template)  # the family's tool-call format
         self.load_stages.done("grammar tokenizer")
         self._grammars: dict[tuple, ToolGrammar] = {}
@@ -143,8 +147,8 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, *, threads: int | None = None,
-             dtype: torch.dtype = torch.float32, device: str = "cpu", quantize: str | None = "auto",
-             stages: LoadStages | None = None) -> "Engine":
+             dtype: "torch.dtype | str | None" = "auto", device: "str | torch.device | None" = "auto",
+             quantize: str | None = "auto", stages: LoadStages | None = None) -> "Engine":
         """Load a model and keep it resident.
 
         Args:
@@ -152,21 +156,31 @@ class Engine:
                 safetensors folder, or "tiny-random" (2 layers, random weights, the embedded
                 model's tokenizer: for tests where only shapes matter).
             threads: torch intra-op threads (None leaves torch's default).
-            dtype: weight and KV-cache dtype.
-            device: torch device string.
+            dtype: weight and KV-cache dtype: "auto" (default: bfloat16 on CUDA, float32 on the
+                CPU), a name of `tokenspeed.device.DTYPES` ("float32", "bfloat16", ...) or a torch dtype.
+            device: "auto" (default: CUDA when `torch.cuda.is_available()`, else the CPU), "cpu",
+                "cuda" or "cuda:N" (or a torch.device). Every tensor of the engine's sessions lives there.
             quantize: "auto" (default: the fastest format on this machine whose greedy tokens agree
-                with fp32's, measured once and cached, see `tokenspeed.quant.choose_format`; fp32
-                where the model is not fp32 on the CPU, and for "tiny-random"), None (fp32 weights, the reference), "int8"
-                or "int4" (CPU) for weight-only quantized linears (`tokenspeed.quant`). Quantized CPU
-                weights are cached (`tokenspeed.weights.load_quantized`): a warm load reads them packed.
+                with fp32's, measured once and cached, see `tokenspeed.quant.choose_format`; the
+                unquantized dtype where the model is not fp32 on the CPU, and for "tiny-random"), None
+                (unquantized weights, the reference), "int8" or "int4" (CPU) for weight-only quantized
+                linears (`tokenspeed.quant`). Quantized CPU weights are cached
+                (`tokenspeed.weights.load_quantized`): a warm load reads them packed.
             stages: `LoadStages` to continue (its clock runs on from its last stage), else a new one;
                 it becomes `Engine.load_stages`.
         Raises:
             ModelLoadError: bad path or unsupported file.
+            DeviceError: a malformed device or dtype, a CUDA device this machine does not have, or
+                int8/int4 weights on a device other than the CPU.
             ValueError: unknown quantize mode, or an unknown or unrunnable `$TOKENSPEED_CPU_ISA`.
         """
         if quantize not in (None, "auto", *MODES):
             raise ValueError(f"unknown quantization {quantize!r}; choose one of {('auto', *MODES)} or None")
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
+        if quantize in MODES and device.type != "cpu":
+            raise DeviceError(f"quantize={quantize!r} is a CPU weight format (tokenspeed.quant); on {device} "
+                              "use quantize='auto' or None with a dtype")
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
@@ -175,7 +189,7 @@ class Engine:
         stages.done("resolve model")
         tok = Tokenizer(files.folder)
         stages.done("tokenizer")
-        on_cpu = device == "cpu" and dtype == torch.float32 and model != "tiny-random"
+        on_cpu = device.type == "cpu" and dtype == torch.float32 and model != "tiny-random"
         choice = None
         if quantize == "auto" and on_cpu:
             from .quant import cached_format
@@ -183,26 +197,27 @@ class Engine:
             probes, identity = [tok.encode(p) for p in _AUTO_PROBES], f"{model or 'embedded'}:{files.folder}"
             choice = cached_format(probes, identity, cache_dir() / "auto_quant.json")
             stages.done("auto weights: cached choice lookup")
-        fmt = choice.format if choice else quantize if quantize in MODES else "fp32"
-        net = load_quantized(files, fmt) if on_cpu and fmt != "fp32" else None
+        plain = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+        fmt = choice.format if choice else quantize if quantize in MODES else plain
+        net = load_quantized(files, fmt) if on_cpu and fmt in MODES else None
         if net is not None:
             stages.done(f"{fmt} weights from the quantized cache")
         else:
             net = _tiny_random(files.args) if model == "tiny-random" else _fp32_model(files)
             net = net.to(device=device, dtype=dtype)
-            stages.done("fp32 weights")
+            stages.done(f"{plain} weights")
             if quantize == "auto" and on_cpu and choice is None:
                 from .quant import choose_format
 
                 net, choice = choose_format(net, probes, identity, cache_dir() / "auto_quant.json")
                 fmt = choice.format
                 stages.done("auto weights: format measured")
-            elif fmt != "fp32":
+            elif fmt in MODES:
                 from .quant import quantize as quantize_model
 
                 quantize_model(net, fmt)
                 stages.done(f"quantize {fmt}")
-            if on_cpu and fmt != "fp32":
+            if on_cpu and fmt in MODES:
                 save_quantized(net, files, fmt)
                 stages.done("quantized cache written")
         return cls(net, tok, source=model or "embedded", load_s=time.perf_counter() - t0, weights=fmt,
@@ -260,7 +275,8 @@ class Session:
         tools: the normalized tool definitions.
         segments: list of `Segment` describing the context in cache order.
         num_tokens: tokens in the context (cached plus pending).
-        target: the `tokenspeed.decode.Target` (model, KV cache, cached token ids) the decode loop uses.
+        target: the `tokenspeed.decode.Target` (model, KV cache, cached token ids) the decode loop uses;
+            on CUDA its decode and verification forwards run as CUDA graphs (`tokenspeed.device.DecodeGraphs`).
         speculator: the `tokenspeed.speculation.Speculator` (drafting state of this session).
     """
 
@@ -282,8 +298,9 @@ class Session:
                                  f"({len(system_ids)} tokens)")
             w = self.model.tok_embeddings.weight
             cache, window = TieredKVCache(self.model.args, kv, w.dtype, w.device), kv.budget
-        self._mask = TokenMask(self.tok.vocab_size)
-        self.target = Target(self.model, cache, self._mask)
+        self._mask = TokenMask(self.tok.vocab_size, engine.device, engine.mask_executor)
+        graphs = DecodeGraphs(self.model, cache) if engine.device.type == "cuda" and kv_budget is None else None
+        self.target = Target(self.model, cache, self._mask, graphs)
         self.pending: list[int] = []       # appended to the context but not yet prefilled
         # In a pruned session the draft attends over the last `budget` tokens only: its cost stays flat.
         self.speculator = Speculator(engine.speculation, self.model.args.max_seq_len, window)
@@ -462,7 +479,7 @@ class Session:
         trigger = self.tok.encode(self.tok.assistant_prefix)
         self._append(trigger, "trigger")
         prefill, self.pending = self.pending, []
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        gen = torch.Generator(self.engine.device).manual_seed(seed) if seed is not None else None
         stream = None if grammar is not None and grammar.mode == "required" else \
             self._text_stream(on_text, calls=grammar is not None and grammar.mode == "auto")
         try:
@@ -545,7 +562,7 @@ class Session:
             self._append(self._render([{"role": "user", "content": prompt}]), "text")
         self._append(self.tok.encode(self.tok.assistant_prefix), "assistant")
         feed, self.pending = self.pending, []
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        gen = torch.Generator(self.engine.device).manual_seed(seed) if seed is not None else None
         out, feed, _ = decode(self.target, self.speculator, feed, tok=self.tok, max_tokens=max_tokens,
                               temperature=temperature, top_p=top_p, generator=gen,
                               on_token=self._text_stream(on_token))

@@ -194,7 +194,7 @@ class AgentNode(ManagedNode):
 
         self._wake = self.create_guard_condition(lambda: self.loop.on_engine_output())
         self.worker = EngineWorker(model=p.model, threads=p.threads, quantize=p.quantize,
-                                   system=p.system_prompt, tools=tools,
+                                   device=p.device, dtype=p.dtype, system=p.system_prompt, tools=tools,
                                    tool_choice=self._tool_choice(), kv_budget=p.kv_budget_tokens,
                                    notify=self._wake.trigger, logger=self.get_logger(),
                                    repeat_slack=p.restate_slack_tokens)

@@ -91,7 +91,8 @@ class EngineWorker:
     """A daemon thread that loads the engine, prefills observations and runs decisions.
 
     model: path, "tiny-random" or "" (embedded model); threads: CPU threads (0 = engine default);
-    quantize: "auto", "int4", "int8" or "none" (fp32 weights), see `tokenspeed.Engine.load`;
+    quantize: "auto", "int4", "int8" or "none" (fp32 weights); device ("auto", "cpu", "cuda[:N]") and
+    dtype ("auto", "float32", ...): see `tokenspeed.Engine.load`;
     system: system prompt; tools: OpenAI tool dicts; tool_choice: passed to decide() unless a
     request brings its own;
     kv_budget: hot KV tokens of the session (relevance pruning beyond it); repeat_slack: see above
@@ -101,9 +102,10 @@ class EngineWorker:
     """
 
     def __init__(self, *, model: str, threads: int, system: str, tools: list[dict], tool_choice,
-                 kv_budget: int, notify: Callable[[], None], logger, repeat_slack: int = 0, quantize: str = "auto"):
+                 kv_budget: int, notify: Callable[[], None], logger, repeat_slack: int = 0, quantize: str = "auto",
+                 device: str = "auto", dtype: str = "auto"):
         self._cfg = dict(model=model or None, threads=threads or None, system=system, tools=tools,
-                         quantize=None if quantize == "none" else quantize)
+                         quantize=None if quantize == "none" else quantize, device=device, dtype=dtype)
         self._tool_choice = tool_choice
         self._checker = CallChecker(tools)
         self._kv_budget = kv_budget
@@ -282,7 +284,8 @@ class EngineWorker:
                        time.time() - psutil.Process().create_time() - (time.perf_counter() - t0), c0)
             stages.add("import tokenspeed (torch)", time.perf_counter() - t0, time.process_time() - c0)
             engine = tokenspeed.Engine.load(self._cfg["model"], threads=self._cfg["threads"],
-                                            quantize=self._cfg["quantize"], stages=stages)
+                                            quantize=self._cfg["quantize"], device=self._cfg["device"],
+                                            dtype=self._cfg["dtype"], stages=stages)
             self._session = engine.session(system=self._cfg["system"], tools=self._cfg["tools"],
                                            kv_budget=self._kv_budget)
             stages.done("session: system prompt and tools prefilled")
@@ -291,7 +294,7 @@ class EngineWorker:
             self.weights = engine.weights
             self.threads = torch.get_num_threads()
             self.state = "ready"
-            self._log.info(f"engine ready in {time.perf_counter() - t0:.1f} s, {engine.weights} weights "
+            self._log.info(f"engine ready in {time.perf_counter() - t0:.1f} s, {engine.weights} weights on {engine.device} "
                            f"({self.context_tokens} tokens of system prompt and tools); start-up stages (CPU: "
                            f"the whole process, every thread):\n{stages.table()}")
             if engine.weight_choice is not None:

@@ -216,7 +216,7 @@ class MarketBridgeNode(ManagedNode):
         if p.agent:
             self._wake_engine = self.create_guard_condition(lambda: self.loop.on_engine_output())
             self.worker = EngineWorker(model=p.model, threads=p.threads, quantize=p.quantize,
-                                       system=p.system_prompt, tools=tools,
+                                       device=p.device, dtype=p.dtype, system=p.system_prompt, tools=tools,
                                        tool_choice="required", kv_budget=p.kv_budget_tokens,
                                        notify=self._notify_engine_output, logger=self.get_logger())
         self.loop = DecisionLoop(self.monitor, self.worker, self.get_clock(), publish_margin_s=p.publish_margin_s,

@@ -52,6 +52,10 @@ class NodeParams(BaseModel):
     quantize: Literal["auto", "int4", "int8", "none"] = Field(
         "auto", description="engine weights: auto (the fastest format on this CPU that agrees with fp32, measured "
         "once and cached), int4 (the GGUF's Q4_1 codes), int8, or none (fp32)")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+                        description="engine device: auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="engine weights and KV cache: auto (bfloat16 on CUDA, float32 on the CPU) or a dtype")
     tools_file: str = Field("", description="OpenAI tool list (JSON); empty = the node's default in tokenspeed_ros/config")
     kv_budget_tokens: int = Field(
         1024, ge=64, description="hot KV cache of the session, tokens; older context is pruned by relevance")

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..device import to_device
 from ..model import KVCache, ModelArgs, Transformer
 
 __all__ = ["DraftModel", "DraftState", "fingerprint", "DEFAULT_DRAFT"]
@@ -31,7 +32,8 @@ class DraftModel(nn.Module):
 
     Attributes:
         net: the draft `Transformer` (logits [.., Vd] in draft-vocabulary order).
-        vocab: [Vd] int64 target token ids of the draft's output rows.
+        vocab: [Vd] int64 target token ids of the draft's output rows (on the target's device).
+        vocab_ids: the same ids as a host list.
         target_id: fingerprint of the target it was built for (see `fingerprint`).
         window: tokens of context the draft was trained to attend over (`DraftState`; sessions
             use it unless their KV budget is smaller), or None for the whole context.
@@ -61,6 +63,7 @@ class DraftModel(nn.Module):
         net.tok_embeddings.weight.requires_grad_(False)
         self.net = net
         self.register_buffer("vocab", vocab.to(device=p.device, dtype=torch.long), persistent=False)
+        self.vocab_ids: list[int] = vocab.tolist()  # the same ids on the host (no device read per proposal)
         self.target_id = fingerprint(target)
         self.window: int | None = None
 
@@ -202,6 +205,7 @@ class DraftState:
     def __init__(self, draft: DraftModel, capacity: int, window: int | None = None):
         self.draft = draft
         self.window = window
+        self.device = draft.vocab.device
         self.cache: KVCache = draft.net.new_cache(capacity if window is None else min(capacity, window + window // 2 + 1))
         self.tokens = np.zeros(self.cache.capacity, dtype=np.int64)
         self.offset = 0  # context index of the token in cache slot 0
@@ -241,8 +245,9 @@ class DraftState:
         self.tokens[keep:keep + len(new)] = new
         out = None
         for i in range(0, len(new), 512):  # bounded prefill chunks
-            chunk = torch.from_numpy(new[i:i + 512].copy())
-            pos = torch.arange(keep + i, keep + i + len(chunk)) + (self.offset - self.anchor)
+            chunk = to_device(new[i:i + 512].tolist(), self.device)
+            start = keep + i + self.offset - self.anchor
+            pos = torch.arange(start, start + len(chunk), device=self.device)
             out = self.draft.net(chunk, pos, self.cache, "last" if logits and i + 512 >= len(new) else "none")
         return out[0] if logits else None
 

@@ -6,6 +6,7 @@ the CPU grows with the rows it verifies, and most tool-call tokens are grammar-f
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -242,12 +243,13 @@ class Speculator:
             return looked, src, None, 1.0
         vocab = self.draft.draft.vocab
         if matcher is not None:
-            logits = logits.masked_fill(~allowed(matcher)[vocab], float("-inf"))
-        if torch.isinf(logits).all():  # the grammar allows none of the draft's vocabulary
-            return looked, src, None, 1.0
+            logits = logits.masked_fill(~allowed(matcher).to(logits.device, non_blocking=True)[vocab], float("-inf"))
         probs = torch.softmax(logits / temperature if temperature > 0 else logits, dim=-1)
-        top_i = int(probs.argmax())
-        top = float(probs[top_i])
+        top, top_i = probs.max(-1)
+        top, top_i = torch.stack([top, top_i.to(top.dtype)]).tolist()  # the draft's one host read per proposal
+        if math.isnan(top):  # the grammar allows none of the draft's vocabulary (softmax of all -inf)
+            return looked, src, None, 1.0
+        top_i = int(top_i)
         # The model's proposal wins unless it is unsure and the context offers a copy; alone, it
         # must be confident enough to be worth a verification row.
         if looked is None and top < self.config.min_confidence:
@@ -255,10 +257,10 @@ class Speculator:
         if looked is not None and top < self.config.lookup_below:
             return looked, src, None, 1.0
         if temperature > 0:
-            q = torch.zeros(self.draft.draft.net.tok_embeddings.num_embeddings)
+            q = torch.zeros(self.draft.draft.net.tok_embeddings.num_embeddings, device=probs.device)
             q[vocab] = probs
             return int(torch.multinomial(q, 1, generator=generator)), MODEL, q, top
-        return int(vocab[top_i]), MODEL, None, top
+        return int(self.draft.draft.vocab_ids[top_i]), MODEL, None, top
 
     @staticmethod
     def _forced_after(tok: int, matcher, jump_forward: bool, room: int) -> list[int]:

@@ -13,7 +13,8 @@ from tokenspeed_ros.agent_node import AgentNode
 from tokenspeed_ros.market_bridge import MarketBridgeNode, MarketBridgeParams
 from tokenspeed_ros.params import AgentParams
 
-NOT_DEFAULT = {"quantize": "int8", "sensor_reliability": "reliable", "fallback": "stop", "tool_choice": "auto"}
+NOT_DEFAULT = {"quantize": "int8", "device": "cpu", "dtype": "bfloat16", "sensor_reliability": "reliable",
+               "fallback": "stop", "tool_choice": "auto"}
 
 
 def other_value(name: str, default):

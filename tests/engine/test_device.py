@@ -1,0 +1,86 @@
+"""Device-generic sessions: no tensor of a session, the decode loop, speculation or the grammar
+masks is made without the model's device, checked on the CPU by making "meta" torch's default
+device - a tensor created without an explicit device then lands on meta, where it cannot be read
+or mixed with the model's tensors, and the decision fails. Host buffers say device="cpu". The
+decode step as CUDA graphs: its bookkeeping, run eagerly on the CPU, and its fallback."""
+import logging
+
+import torch
+
+import tokenspeed
+from tokenspeed.device import DecodeGraphs
+from tokenspeed.speculation import SpecConfig
+
+PROMPT = "The red cube is at x=0.42 y=-0.10. Move above it."
+
+
+def _turn(engine, tools, **sampling):
+    """A greedy decision and a reply (sampled with `sampling`) in a new session: (call text, reply)."""
+    session = engine.session(system="You control a robot arm.", tools=tools)
+    session.observe(PROMPT)
+    text = session.decide(max_tokens=40).text
+    return text, session.generate("Say what you did.", max_tokens=5, **sampling)
+
+
+def _same_on_meta(engine, tools, **sampling):
+    reference = _turn(engine, tools, **sampling)
+    with torch.device("meta"):
+        assert _turn(engine, tools, **sampling) == reference
+
+
+def test_no_tensor_is_made_off_the_models_device(engine, tiny_engine, robot_tools, monkeypatch):
+    # The Python forward (what CUDA runs; the fused C++ step is CPU-only) and proposals at every
+    # step: the draft model alone on the real model (no copy drafters to pre-empt it), then the
+    # copy drafters on the tiny one; greedy decisions, sampled replies.
+    for e in (engine, tiny_engine):
+        monkeypatch.setattr(e.model, "use_fused", False)
+    monkeypatch.setattr(engine, "speculation", SpecConfig(draft=engine.speculation.draft, prompt_lookup=False,
+                                                          forced_text=False, adaptive=False))
+    assert engine.speculation.draft is not None
+    _same_on_meta(engine, robot_tools, temperature=0.8, seed=1)
+    monkeypatch.setattr(tiny_engine, "speculation", SpecConfig(adaptive=False))
+    _same_on_meta(tiny_engine, robot_tools)
+    _same_on_meta(tiny_engine, robot_tools, temperature=0.8, seed=1)
+
+
+def test_bfloat16_session_keeps_its_dtype(robot_tools):
+    engine = tokenspeed.Engine.load("tiny-random", dtype="bfloat16")
+    assert engine.weights == "bf16" and engine.device == torch.device("cpu")
+    session = engine.session(tools=robot_tools)
+    assert session.cache.k.dtype == torch.bfloat16
+    session.observe("The red cube is at x=0.42 y=-0.10. Pick it up.")
+    d = session.decide(max_tokens=64)
+    assert d.status in ("ok", "invalid") and d.forwards > 0, d.reason  # random weights: any call, no dtype error
+    assert "grammar rejected" not in d.reason and "non-finite" not in d.reason
+
+
+def _graph_turn(engine, tools, capture=None):
+    """A decision in a new session (1024-token cache) whose decode and verification forwards run
+    through `DecodeGraphs` (capture=None: no runner, the model's own forward): (text, session)."""
+    session = engine.session(system="You control a robot arm.", tools=tools, capacity=1024)
+    if capture is not None:
+        session.target.graphs = DecodeGraphs(engine.model, session.cache, max_width=16, capture=capture)
+    session.observe(PROMPT)
+    return session.decide(max_tokens=48).text, session
+
+
+def test_decode_graph_bookkeeping_on_the_cpu(tiny_engine, robot_tools, monkeypatch, caplog):
+    # The CPU runs the graphs' static step eagerly through the same buffers: same greedy call as the
+    # plain path, one buffer set per forward width used, the cache advanced as by the plain path.
+    monkeypatch.setattr(tiny_engine, "speculation", SpecConfig(adaptive=False))  # verification widths > 1
+    text, plain = _graph_turn(tiny_engine, robot_tools)
+    got, session = _graph_turn(tiny_engine, robot_tools, capture=False)
+    graphs = session.target.graphs
+    assert got == text and session.tokens == plain.tokens and session.cache.n == plain.cache.n
+    assert max(graphs.widths, default=0) > 1, sorted(graphs.widths)  # decode steps and verifications
+    assert all(b.inputs.shape == (3, w) and not b.graphs for w, b in graphs.widths.items())
+    assert torch.equal(session.cache.pos[:session.cache.n], plain.cache.pos[:plain.cache.n])
+    # A capture that fails (here for real: this torch has no CUDA; on a GPU, a fake raises) leaves
+    # the runner eager after one log line, with the same output.
+    if torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: (_ for _ in ()).throw(RuntimeError("fake capture fault")))
+    with caplog.at_level(logging.WARNING, logger="tokenspeed.device"):
+        got, session = _graph_turn(tiny_engine, robot_tools, capture=True)
+    assert got == text and session.target.graphs.eager
+    assert len(caplog.records) == 1, caplog.text
+    assert caplog.records[0].getMessage().startswith("CUDA graph capture of a "), caplog.text
