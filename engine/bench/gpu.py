@@ -459,6 +459,7 @@ def run_gpu(device: str | None = None, quick: bool = False, out: Path | None = N
 
     def parity():
         ref = Engine.load(model, device="cpu", dtype=torch.float32, quantize=None)
+        ref.model.use_fused = False  # the plain torch path (same math): no C++ build on the device
         return check_parity(ref.model, engine.model, parity_prompts(engine.tokenizer, n_prompts, bfcl), n_new)
 
     rep.section("parity", parity)
@@ -530,5 +531,16 @@ def _print(results: dict) -> None:
         con.print(f"Triton kernels vs torch: {'ok' if ker['ok'] else 'FAILED'} (attention worst out_rel "
                   f"{max(r['out_rel'] for r in ker['attention']):.1e}, norm worst "
                   f"{max(r['y_rel'] for r in ker['norm']):.1e})")
+        if "triton_us" in ker["attention"][0]:
+            k = Table(title="kernel times, CUDA-event medians (us)")
+            for col in ("kernel", "shape", "Triton", "torch", "SDPA (no mass)"):
+                k.add_column(col, justify="left" if col in ("kernel", "shape") else "right")
+            for r in ker["attention"]:
+                k.add_row("attention + slot mass", f"{r['layout']} {r['dtype']} S={r['slots']} T={r['rows']}",
+                          _fmt(r["triton_us"], 1), _fmt(r["torch_mass_us"], 1), _fmt(r["sdpa_us"], 1))
+            for r in ker["norm"]:
+                k.add_row("rms norm" + (" + residual" if r["residual"] else ""), f"dim={r['dim']} rows={r['rows']}",
+                          _fmt(r["fused_us"], 1), _fmt(r["torch_us"], 1), "-")
+            con.print(k)
     for name in results["failed"]:
         con.print(f"[bold red]section {name} failed[/]: {sec[name].get('error', 'check out of tolerance')}")
