@@ -9,9 +9,10 @@ and the run goes on):
    log-sum-exp against the torch path; GQA, 1 and 4 rows with verification's mask) and the fused
    RMSNorm(+residual) kernel against torch; on CUDA also their CUDA-event median times.
 3. raw decode: one decode step (prefill TTFT too) of a Llama-3.1-8B-shaped random bf16 model and
-   of the embedded model against the floor = (weight bytes + KV bytes read) / bandwidth, with the
-   torch norms and with the fused Triton norm (`Transformer.use_triton_norm`, off by default until
-   these figures say it helps).
+   of the embedded model against the floor = (weight bytes + KV bytes read) / bandwidth, over a full
+   KV cache at a short and a long context and over a pruned one (1024-token budget: the Triton
+   attention with slot mass) at the long one, with the torch norms and with the fused Triton norm
+   (`Transformer.use_triton_norm`, off by default until these figures say it helps).
 4. parity: greedy decoding of the device model (bf16 on CUDA) against the CPU fp32 reference on
    20 BFCL prompts (`$TOKENSPEED_BFCL`): the device model, fed the reference's tokens, must choose
    every one of them (so its greedy decode is identical), and each logits row must be within
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..kv import KVConfig, TieredKVCache
 from ..model import ModelArgs, Transformer
 
 __all__ = ["LLAMA31_8B", "SMALL", "TINY", "BRIEF", "GOALS", "PARITY_RTOL", "device_bandwidth", "random_model",
@@ -202,15 +204,24 @@ def check_kernels(device: torch.device, quick: bool = False) -> dict:
 
 # ---------------------------------------------------------------------------------- raw decode
 
-def measure(model: Transformer, context: int, decode_tokens: int, device: torch.device, bandwidth_gbs: float) -> dict:
+def measure(model: Transformer, context: int, decode_tokens: int, device: torch.device, bandwidth_gbs: float,
+            kv: KVConfig | None = None) -> dict:
     """TTFT (prefill of `context` random tokens + first token) and ITL p50/p90 of `decode_tokens` eager
     decode steps (synchronised each step, as an engine that reads each token on the host does).
 
-    Returns a dict in ms with the floors: floor_ms (weights) and floor_ctx_ms (weights + KV read),
-    and itl_vs_floor = ITL p50 / floor_ctx_ms.
+    kv: None for a full KV cache; a `KVConfig` for a pruned one (`TieredKVCache`, whose attention
+    also scores relevance: the Triton kernel on CUDA). Its prefill runs in chunks of 512 tokens (at
+    most `kv.reserve`), trimmed to the budget after each (as `Session.observe` does), and its decode steps inside
+    `cache.decision()` (no prefetch, as in a decision).
+    Returns a dict in ms with the floors: floor_ms (weights) and floor_ctx_ms (weights + the KV
+    read at the middle step), itl_vs_floor = ITL p50 / floor_ctx_ms, and attended (slots read then).
     """
     args = model.args
-    cache = model.new_cache(context + decode_tokens + 1)
+    if kv is None:
+        cache, chunk = model.new_cache(context + decode_tokens + 3), context
+    else:
+        w = model.tok_embeddings.weight
+        cache, chunk = TieredKVCache(args, kv, w.dtype, w.device), min(512, kv.reserve)
     gen = torch.Generator(device="cpu").manual_seed(0)
     prompt = torch.randint(0, args.vocab_size, (context,), generator=gen).to(device)
     warm = model.new_cache(64)
@@ -218,38 +229,49 @@ def measure(model: Transformer, context: int, decode_tokens: int, device: torch.
         model(prompt[:n], torch.arange(warm.n, warm.n + n, device=device), warm)
     _sync(device)
     t0 = time.perf_counter()
-    token = model(prompt, torch.arange(context, device=device), cache).argmax(-1)
+    for i in range(0, context, chunk):
+        last = i + chunk >= context
+        logits = model(prompt[i:i + chunk], torch.arange(i, min(i + chunk, context), device=device), cache,
+                       "last" if last else "none")
+        cache.trim()
+    token = logits.argmax(-1)
     _sync(device)
     ttft = time.perf_counter() - t0
-    itl = []
-    for _ in range(decode_tokens):
-        t0 = time.perf_counter()
-        pos = torch.tensor([cache.n], device=device)
-        token = model(token.view(1), pos, cache).argmax(-1)
-        _sync(device)
-        itl.append(time.perf_counter() - t0)
-    itl.sort()
+    itl, attended = [], 0
+    with cache.decision():
+        for step in range(decode_tokens + 2):  # the first two warm this cache's kernels up: not timed
+            t0 = time.perf_counter()
+            pos = torch.tensor([context + step], device=device)
+            token = model(token.view(1), pos, cache).argmax(-1)
+            _sync(device)
+            itl.append(time.perf_counter() - t0)
+            if step == 2 + decode_tokens // 2:
+                attended = cache.n
+    itl = sorted(itl[2:])
     wbytes = _weight_bytes(model)
-    kv_bytes = 2 * args.n_layers * args.n_kv_heads * args.head_dim * (context + decode_tokens // 2) * cache.k.element_size()
+    kv_bytes = 2 * args.n_layers * args.n_kv_heads * args.head_dim * attended * cache.k.element_size()
     floor_ctx = (wbytes + kv_bytes) / (bandwidth_gbs * 1e9) * 1e3
     p50 = itl[len(itl) // 2] * 1e3
-    return {"context": context, "ttft_ms": ttft * 1e3, "prefill_tok_s": context / ttft,
+    return {"context": context, "cache": "full" if kv is None else f"pruned {kv.budget}", "attended": attended,
+            "ttft_ms": ttft * 1e3, "prefill_tok_s": context / ttft,
             "itl_p50_ms": p50, "itl_p90_ms": itl[int(len(itl) * 0.9)] * 1e3,
             "floor_ms": wbytes / (bandwidth_gbs * 1e9) * 1e3, "floor_ctx_ms": floor_ctx,
             "itl_vs_floor": p50 / floor_ctx, "weight_gb": wbytes / 1e9}
 
 
-def _raw_decode(name: str, model: Transformer, contexts, steps: int, device: torch.device, bw: float) -> list[dict]:
-    # The eager decode step at each context, with the torch norms and (on CUDA) the fused Triton norm.
+def _raw_decode(name: str, model: Transformer, contexts, steps: int, device: torch.device, bw: float,
+                pruned: KVConfig) -> list[dict]:
+    # The eager decode step at each context over a full cache, and at the longest over a `pruned` cache
+    # (the Triton attention on CUDA), with the torch norms and (on CUDA) the fused Triton norm.
     # The CUDA-graph replay of the decode step is part A's runner (issue 18); it joins here as one
     # more `step` variant once it exists.
     rows = []
     for fused_norm in (False, True) if device.type == "cuda" else (False,):
         model.use_triton_norm = fused_norm
         try:
-            for c in contexts:
+            for c, kv in [(c, None) for c in contexts] + [(contexts[-1], pruned)]:
                 rows.append({"model": name, "step": "eager", "triton_norm": fused_norm,
-                             **measure(model, c, steps, device, bw)})
+                             **measure(model, c, steps, device, bw, kv)})
         finally:
             del model.use_triton_norm  # back to the class default
     return rows
@@ -422,10 +444,13 @@ def run_gpu(device: str | None = None, quick: bool = False, out: Path | None = N
         triton_version = None
     if cuda:
         big, contexts, steps, name, agent_ctx, n_prompts, n_new = LLAMA31_8B, (128, 4096), 64, "llama-3.1-8b-shape", 4096, PARITY_PROMPTS, 16
+        pruned = KVConfig(budget=1024)
     elif quick:
         big, contexts, steps, name, agent_ctx, n_prompts, n_new = TINY, (16, 64), 4, "tiny-shape", 256, 2, 4
+        pruned = KVConfig(budget=40, page=4, reserve=16, cold=64)
     else:
         big, contexts, steps, name, agent_ctx, n_prompts, n_new = SMALL, (128, 1024), 16, "small-shape", 2048, 4, 8
+        pruned = KVConfig(budget=512)
     model = model if model is not None else ("tiny-random" if quick else None)
     rep = _Report(out, {"device": torch.cuda.get_device_name(dev) if cuda else "cpu", "dtype": str(dtype),
                         "torch": torch.__version__, "triton": triton_version, "threads": torch.get_num_threads(),
@@ -438,7 +463,7 @@ def run_gpu(device: str | None = None, quick: bool = False, out: Path | None = N
     def raw_big():
         m = random_model(big, dev, dtype)
         try:
-            return _raw_decode(f"{name} (random)", m, contexts, steps, dev, bw)
+            return _raw_decode(f"{name} (random)", m, contexts, steps, dev, bw, pruned)
         finally:
             del m
             if cuda:
@@ -463,7 +488,7 @@ def run_gpu(device: str | None = None, quick: bool = False, out: Path | None = N
         return check_parity(ref.model, engine.model, parity_prompts(engine.tokenizer, n_prompts, bfcl), n_new)
 
     rep.section("parity", parity)
-    rep.section("decode_embedded", _raw_decode, f"{engine.source}", engine.model, contexts, steps, dev, bw)
+    rep.section("decode_embedded", _raw_decode, f"{engine.source}", engine.model, contexts, steps, dev, bw, pruned)
 
     def agent(eng):
         wl = build_workload(quick=quick, bfcl_dir=bfcl)
@@ -503,12 +528,13 @@ def _print(results: dict) -> None:
     t = Table(title=f"raw decode vs floor on {results['device']} ({results['dtype']}), read bandwidth "
                     f"{_fmt(results.get('bandwidth_gbs'), 0)} GB/s; goal for the 8B shape: ITL <= "
                     f"{GOALS['decode_vs_floor']}x floor")
-    for col in ("model", "step", "triton norm", "context", "TTFT ms", "ITL p50 ms", "ITL p90 ms", "floor+KV ms",
+    for col in ("model", "step", "triton norm", "cache", "context", "attended", "TTFT ms", "ITL p50 ms", "ITL p90 ms", "floor+KV ms",
                 "ITL / floor"):
         t.add_column(col, justify="left" if col == "model" else "right")
     for key in ("decode_big", "decode_embedded"):
         for r in sec.get(key, {}).get("rows", []):
-            t.add_row(r["model"], r["step"], "on" if r["triton_norm"] else "off", str(r["context"]), _fmt(r["ttft_ms"], 1),
+            t.add_row(r["model"], r["step"], "on" if r["triton_norm"] else "off", r["cache"], str(r["context"]),
+                      str(r["attended"]), _fmt(r["ttft_ms"], 1),
                       _fmt(r["itl_p50_ms"]), _fmt(r["itl_p90_ms"]), _fmt(r["floor_ctx_ms"]), f"{r['itl_vs_floor']:.2f}x")
     con.print(t)
     a = Table(title="agent figures (warm sessions, jump-forward + speculation) vs the brief's column "
