@@ -150,10 +150,13 @@ class ColdTier:
             `transfer.wait()`) and pos [c] int64 (host).
         """
         slots = [self.slot_of[p] for p in pids]
-        counts = [int(self.count[s]) for s in slots]
-        copies = self.transfer.start([x for s, c in zip(slots, counts) for x in (self.k[s, :, :, :c], self.v[s, :, :, :c])])
-        return [(pid, copies[2 * i], copies[2 * i + 1], self.pos[s, :c].clone())
-                for i, (pid, s, c) in enumerate(zip(pids, slots, counts))]
+        # whole slots: contiguous in pinned memory, so the copies need no pageable staging buffer
+        copies = self.transfer.start([x for s in slots for x in (self.k[s], self.v[s])])
+        out = []
+        for i, (pid, s) in enumerate(zip(pids, slots)):
+            c = int(self.count[s])
+            out.append((pid, copies[2 * i][:, :, :c], copies[2 * i + 1][:, :, :c], self.pos[s, :c].clone()))
+        return out
 
     def truncate(self, n_tokens: int) -> None:
         """Forget every stored token at position >= n_tokens (rollback)."""
