@@ -34,7 +34,7 @@ GGML_BEST  = $(if $(filter x86_64,$(shell uname -m)),$(_GGML_X86) -DGGML_AVX512=
 	-DGGML_AVX512_VNNI=$(call _cpu_has,avx512_vnni) -DGGML_AVX512_BF16=$(call _cpu_has,avx512_bf16),-DGGML_NATIVE=ON)
 GGML_AVX2  = $(_GGML_X86) -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
 
-.PHONY: setup msgs demo test test-all clean peers peers-avx2
+.PHONY: setup msgs demo test test-all clean peers peers-avx2 device-bundle
 
 setup: $(STAMP) $(MSGS_STAMP) $(MARKET_STAMP) $(KERNELS_STAMP)
 
@@ -84,6 +84,22 @@ peers-avx2: | $(STAMP)
 	CMAKE_ARGS="$(GGML_AVX2)" $(PIP) install --no-cache-dir --force-reinstall --no-deps \
 		--target "$(LLAMA_CPP_AVX2_DIR)" "$(LLAMA_CPP_SPEC)"
 	$(PIP) install $(LLAMA_CPP_SERVER_DEPS)
+
+# What the device check (engine/bench/device_check.sh, README "GPU") needs on a GPU machine that has
+# torch and triton but no internet, in two git-ignored folders that travel in two calls (64 MiB each):
+# .device/a = wheels + BFCL + the embedded GGUF's first half, .device/b = its second half.
+DEVICE_WHEELS ?= llguidance==1.9.1 gguf==0.19.0 platformdirs==4.14.9
+DEVICE_PLATFORMS := $(foreach n,17 24 28 31 34 35,--platform manylinux_2_$(n)_x86_64)
+device-bundle: | $(STAMP)
+	rm -rf .device && mkdir -p .device/a/wheels .device/b
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(DEVICE_PLATFORMS) -d .device/a/wheels $(DEVICE_WHEELS)
+	cp -r "$$($(PY) -c 'from tokenspeed.bfcl import bfcl_dir; print(bfcl_dir())')" .device/a/bfcl
+	chmod -R u+w .device/a/bfcl
+	split -b 48M "$$($(PY) -c 'from tokenspeed.weights import default_model_path; print(default_model_path())')" \
+		.device/model.gguf.part-
+	mv .device/model.gguf.part-aa .device/a/ && mv .device/model.gguf.part-ab .device/b/
+	du -sh .device/a .device/b
 
 clean:
 	rm -rf $(VENV) build

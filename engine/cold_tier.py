@@ -1,14 +1,70 @@
-"""The cold tier of the pruned KV cache: evicted pages in host memory, with key summaries that let
-the newest queries bound each page's attention (Quest, Tang et al. 2024) before it is recalled."""
+"""The cold tier of the pruned KV cache: evicted pages in host memory (pinned when the hot tier is
+on CUDA), with key summaries that let the newest queries bound each page's attention (Quest, Tang
+et al. 2024) before it is recalled, and `PageTransfer`, the copies of prefetched pages back to the
+device on a side CUDA stream."""
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 
 from .model import ModelArgs
 
-__all__ = ["ColdTier"]
+__all__ = ["ColdTier", "PageTransfer"]
+
+
+class PageTransfer:
+    """Copies of cold pages to the compute device, overlapped with compute on CUDA.
+
+    On CUDA, `start()` issues non-blocking copies from the cold tier's pinned host memory on a side
+    stream and records an event; `wait()` makes the compute stream wait for that event (a device-side
+    wait: the host does not block) and does nothing when no copy is in flight. The cache calls
+    `wait()` only where it must: before it reads the copies, and before the cold tier overwrites
+    host memory a copy may still be reading. On the CPU the copies are plain and synchronous, with
+    the same bookkeeping, so CPU tests check when copies are issued and waited for.
+
+    Attributes:
+        in_flight: copies issued and not yet waited for.
+        issued: batches issued; waited: waits done (both since construction).
+    Args:
+        device: the compute device (torch.device or string; None: CPU).
+    """
+
+    def __init__(self, device=None):
+        self.device = torch.device(device or "cpu")
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._event = None
+        self._out: list[torch.Tensor] = []
+        self.in_flight = False
+        self.issued = 0
+        self.waited = 0
+
+    def start(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Issue copies of host `tensors` to the device; returns the device tensors (not to be read
+        before `wait()`)."""
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+        with ctx:
+            out = [t.to(self.device, non_blocking=True) for t in tensors]
+            if self.stream is not None:  # recorded after every copy issued so far on the side stream
+                self._event = torch.cuda.Event()
+                self._event.record(self.stream)
+        self._out += out
+        self.in_flight = True
+        self.issued += 1
+        return out
+
+    def wait(self) -> None:
+        """Order the compute stream after the copies in flight (no-op when none are)."""
+        if not self.in_flight:
+            return
+        if self.stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(self._event)
+            for t in self._out:  # allocated on the side stream, read on the compute stream
+                t.record_stream(compute)
+        self._out, self._event, self.in_flight = [], None, False
+        self.waited += 1
 
 
 class ColdTier:
@@ -18,6 +74,10 @@ class ColdTier:
     pos [page] int64, count (valid tokens), score (at eviction), superseded flag; key min, max
     and mean [L, Hkv, D, max_pages] on the compute device (slot last: scoring every page is one
     matmul with no gather).
+
+    Attributes:
+        transfer: the `PageTransfer` of `prefetch()`. A slot freed while its copies are in flight
+            is fenced: `put()` waits for them before it rewrites that slot, and only then.
     """
 
     def __init__(self, args: ModelArgs, tokens: int, page: int, dtype, device):
@@ -37,6 +97,8 @@ class ColdTier:
         self.kmean = torch.zeros(summary, dtype=torch.float32, device=device)
         self.slot_of: dict[int, int] = {}     # page id (position // page) -> storage slot
         self.free = list(range(self.max_pages - 1, -1, -1))
+        self.transfer = PageTransfer(device)
+        self._fenced: set[int] = set()        # slots freed while copies were in flight
 
     @property
     def tokens(self) -> int:
@@ -57,6 +119,8 @@ class ColdTier:
             dropped += int(self.count[victim])
             self.remove([p for p, s in self.slot_of.items() if s == victim])
         s = self.free.pop()
+        if s in self._fenced and self.transfer.in_flight:  # a copy in flight may still read this slot
+            self.transfer.wait()
         c = pos.shape[0]
         self.k[s, :, :, :c].copy_(k)
         self.v[s, :, :, :c].copy_(v)
@@ -68,10 +132,31 @@ class ColdTier:
         return dropped
 
     def remove(self, pids) -> None:
+        """Forget pages `pids` (their slots become free)."""
+        if not self.transfer.in_flight:
+            self._fenced.clear()
         for pid in pids:
             s = self.slot_of.pop(pid)
             self.count[s] = 0
             self.free.append(s)
+            if self.transfer.in_flight:
+                self._fenced.add(s)
+
+    def prefetch(self, pids: list[int]) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Start copying the stored pages `pids` to the compute device (on CUDA: a side stream).
+
+        Returns:
+            [(pid, k, v, pos)] with k, v [L, Hkv, c, D] on the device (read them only after
+            `transfer.wait()`) and pos [c] int64 (host).
+        """
+        slots = [self.slot_of[p] for p in pids]
+        # whole slots: contiguous in pinned memory, so the copies need no pageable staging buffer
+        copies = self.transfer.start([x for s in slots for x in (self.k[s], self.v[s])])
+        out = []
+        for i, (pid, s) in enumerate(zip(pids, slots)):
+            c = int(self.count[s])
+            out.append((pid, copies[2 * i][:, :, :c], copies[2 * i + 1][:, :, :c], self.pos[s, :c].clone()))
+        return out
 
     def truncate(self, n_tokens: int) -> None:
         """Forget every stored token at position >= n_tokens (rollback)."""

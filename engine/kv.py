@@ -6,9 +6,10 @@ tier in host memory, and query-aware recall between them.
 - Never evicted: attention sinks (StreamingLLM, Xiao et al. 2023), pinned segments (system prompt,
   tools; of pinned observations, the newest per source), the `recent` newest tokens. Eviction moves whole pages (Quest, Tang et al. 2024):
   superseded sensor readings first, then the lowest page score.
-- Cold tier: evicted pages in host memory with key min/max/mean summaries. Recall: the newest
-  queries bound each cold page's score (Quest), the best by key centroid are prefetched, and the
-  exact scores decide before the next forward which come back (with the rest of their segment).
+- Cold tier: evicted pages in host memory (pinned on CUDA) with key min/max/mean summaries. Recall:
+  the newest queries bound each cold page's score (Quest), the best by key centroid are prefetched
+  (on CUDA, copied on a side stream while the GPU computes: `PageTransfer`), and the exact scores
+  decide before the next forward which come back (with the rest of their segment).
 - Positions: keys keep their original rotation, so a kept or recalled slot is bit-identical to
   the full cache's; slot order is free (eviction fills holes, recall appends).
 - Rollback: `snapshot()`/`restore()` bring back the recorded hot set in its slot order.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -118,8 +119,6 @@ class TieredKVCache(KVCache):
         self._lse: list[torch.Tensor | None] = [None] * args.n_layers  # their log-sum-exp [H, R]
         self._staged: list = []      # prefetched pages (pid, k, v, pos) awaiting the exact check
         self._staged_q = None        # the queries and log-sum-exp that shortlisted them
-        self._stream = torch.cuda.Stream(device) if torch.device(device or "cpu").type == "cuda" else None
-        self._event = None
         self._floor = 0              # next position after a rollback that lost its newest tokens
         self._in_decision = False    # no prefetch while a decision() runs
         self.totals = dict(evicted=0, recalled=0, cold_dropped=0, prefetch_hits=0, prefetch_misses=0,
@@ -294,28 +293,16 @@ class TieredKVCache(KVCache):
             return
         cand = torch.argsort(centroid.masked_fill(~ok, float("-inf")), descending=True)[: 4 * cfg.max_recall_pages]
         cand = [pids[i] for i in cand.tolist() if bool(ok[i])]
-        staged = []
-        ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
-        with ctx:
-            for pid in cand:
-                s = cold.slot_of[pid]
-                c = int(cold.count[s])
-                k = cold.k[s, :, :, :c].to(self.k.device, non_blocking=True)
-                v = cold.v[s, :, :, :c].to(self.v.device, non_blocking=True)
-                staged.append((pid, k, v, cold.pos[s, :c].clone()))
-            if self._stream is not None:
-                self._event = torch.cuda.Event()
-                self._event.record(self._stream)
-        self._staged = staged
+        if not cand:
+            return
+        self._staged = cold.prefetch(cand)
         self._staged_q = (q, lse)
 
     def _recall(self) -> None:
         # Before a forward: keep the prefetched pages whose exact best probability passes.
         staged, self._staged = self._staged, []
-        if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
-            self._event = None
         cfg, cold = self.config, self.cold
+        cold.transfer.wait()  # the prefetched copies are read from here on
         staged = [st for st in staged if st[0] in cold.slot_of]  # the cold tier may have dropped some
         if not staged:
             return

@@ -9,7 +9,9 @@ Every projection is an `nn.Linear` that quantized linears replace (`tokenspeed.q
 CPU, a forward of at most `FUSED_PREFILL_ROWS` new tokens (decode, draft verification, forced runs,
 short observations) runs all layers in C++ calls of up to `FUSED_ROWS` tokens each when the
 extension is built (`tokenspeed.kernels.cpu_decode`, same math); `use_fused = False` turns it off.
-Attention that reports per-slot mass (relevance scoring) comes from `tokenspeed.kernels.attention`.
+Attention that reports per-slot mass (relevance scoring) comes from `tokenspeed.kernels.attention`
+(on CUDA, the Triton kernel for decode and verification); the norms and residual adds from
+`tokenspeed.kernels.norm` (`use_triton_norm`: the fused Triton kernel on CUDA).
 
 The KV cache holds `n` valid slots as a contiguous prefix `[0, n)` per layer; each forward writes
 its T new tokens at slots `[n, n + T)` and attends over `[0, n + T)` (cached slots fully
@@ -36,6 +38,7 @@ from torch import nn
 
 from .kernels.attention import attention_mass
 from .kernels.cpu_decode import FUSED_PREFILL_ROWS, FUSED_ROWS, FusedDecode
+from .kernels.norm import add_rms_norm, rms_norm
 
 __all__ = ["ModelArgs", "KVCache", "Transformer", "rope_tables", "apply_rope"]
 
@@ -86,13 +89,6 @@ class ModelArgs:
             tie_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=cfg.get("model_type") == "qwen2" or cfg.get("attention_bias", False),
         )
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Computed in fp32 like Hugging Face LlamaRMSNorm, cast back to the input dtype.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -267,9 +263,13 @@ class Transformer(nn.Module):
     Attributes:
         use_fused: run forwards of at most `FUSED_PREFILL_ROWS` tokens through the fused CPU decode step
             when it is available (default True; the Python path gives the same results).
+        use_triton_norm: on CUDA, each residual add and the norm after it run as one Triton kernel
+            (`tokenspeed.kernels.triton_norm`). Default False: `tokenspeed bench gpu` times both, and
+            it stays off until a GPU measurement shows it helps.
     """
 
     use_fused = True
+    use_triton_norm = False
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -365,9 +365,15 @@ class Transformer(nn.Module):
                 mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device)
                 mask[:, start:] = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
             h = self.tok_embeddings(tokens).unsqueeze(0)  # [1, T, dim]
+            fuse = self.use_triton_norm
+            h, x = add_rms_norm(h, None, self.layers[0].attention_norm, eps, fuse)
             for i, layer in enumerate(self.layers):
-                h = h + layer.attention(_rms_norm(h, layer.attention_norm, eps), cos, sin, cache, i, start, mask)
-                h = h + layer.feed_forward(_rms_norm(h, layer.ffn_norm, eps))
+                h, x = add_rms_norm(h, layer.attention(x, cos, sin, cache, i, start, mask), layer.ffn_norm, eps, fuse)
+                delta = layer.feed_forward(x)
+                if i + 1 < len(self.layers):  # the residual add and the next layer's norm, in one pass
+                    h, x = add_rms_norm(h, delta, self.layers[i + 1].attention_norm, eps, fuse)
+                else:
+                    h = h + delta
         cache.n = start + T
         if isinstance(logits_for, str):
             if logits_for == "none":
@@ -375,7 +381,7 @@ class Transformer(nn.Module):
             h = h[0, -1:] if logits_for == "last" else h[0]
         else:
             h = h[0, logits_for]
-        h = _rms_norm(h, self.norm, eps)
+        h = rms_norm(h, self.norm, eps)
         return self.output(h).float() if head else h
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -3,7 +3,7 @@ and `tokenspeed bench gpu` (the same decode path on CUDA against the HBM floor).
 
     tokenspeed bench aal --quick            # small workload, a minute or two on 2 cores
     tokenspeed bench aal --threads 2        # the full 10-call, ~4K-token run with all peers
-    tokenspeed bench gpu                    # CUDA: Llama-3.1-8B-shaped random weights + the real model
+    tokenspeed bench gpu --out DIR          # the device check (CUDA): kernels, parity, decode vs floor, agent figures
     tokenspeed bench profile                # torch.profiler table of one int4 decode step
     tokenspeed bench kv needle|agreement|cost   # pruned KV cache accuracy and cost (tokenspeed.bench.kv)
     tokenspeed bench auto                   # tool_choice=auto: call/text rates per tool-listing prompt (BFCL)
@@ -38,8 +38,15 @@ def _cmd_aal(args) -> int:
 def _cmd_gpu(args) -> int:
     from .gpu import run_gpu
 
-    run_gpu(device=args.device, quick=args.quick, out=Path(args.out) if args.out else None)
-    return 0
+    try:
+        res = run_gpu(device=args.device, quick=args.quick, out=Path(args.out) if args.out else None,
+                      model=args.model, bfcl=args.bfcl)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        print(f"# wrote {Path(args.out) / 'gpu.json'}", file=sys.stderr)
+    return 1 if res["failed"] else 0
 
 
 def _cmd_kv(args) -> int:
@@ -72,10 +79,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--bfcl", default=None, help="BFCL data folder (default: shared/bfcl beside the repository)")
     a.add_argument("--out", default="bench-out/aal", help="output folder (default bench-out/aal)")
     a.set_defaults(func=_cmd_aal)
-    g = sub.add_parser("gpu", help="decode TTFT/ITL vs the memory-bandwidth floor (CUDA; CPU with small shapes)")
+    g = sub.add_parser("gpu", help="the device check: kernels, parity vs CPU fp32, decode vs the HBM floor, agent "
+                                   "figures vs the brief (CUDA; CPU with small shapes); exit 1 if a section failed")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     g.add_argument("--quick", action="store_true", help="small shapes and few tokens (CPU tests)")
-    g.add_argument("--out", default=None, help="write the results as JSON here")
+    g.add_argument("--out", default=None, help="folder for gpu.json, written after each section")
+    g.add_argument("--model", default=None, help="a .gguf file or safetensors folder (default: the embedded model)")
+    g.add_argument("--bfcl", default=None, help="BFCL data folder (default: $TOKENSPEED_BFCL, then shared/bfcl)")
     g.set_defaults(func=_cmd_gpu)
     f = sub.add_parser("profile", help="torch.profiler table of one decode step (what limits ITL)")
     f.add_argument("--model", default=None, help="a .gguf file or safetensors folder (default: embedded model)")

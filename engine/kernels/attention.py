@@ -10,6 +10,9 @@ import math
 
 import torch
 
+TRITON_ROWS = 16            # query rows up to which the Triton kernel runs (decode, verification); above, torch
+TRITON_DEVICES = ("cuda",)  # device types whose tensors the Triton kernels take (tests add "cpu" under the interpreter)
+
 
 def attention_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -41,10 +44,12 @@ def attention_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def attention_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`attention_with_mass`, dispatched: the Triton decode kernel for one query token on CUDA
-    when Triton is installed, the torch reference otherwise. Same arguments and results."""
-    if q.is_cuda and q.shape[2] == 1 and _triton_decode() is not None:
-        return _triton_decode()(q, k, v)
+    """`attention_with_mass`, dispatched: on CUDA with Triton installed, forwards of at most
+    `TRITON_ROWS` query rows (decode, draft verification with its [T, S] mask) run the Triton
+    kernel (`tokenspeed.kernels.triton_decode`); the torch reference otherwise (CPU, prefill).
+    Same arguments and results."""
+    if q.device.type in TRITON_DEVICES and q.shape[2] <= TRITON_ROWS and _triton_decode() is not None:
+        return _triton_decode()(q, k, v, mask)
     return attention_with_mass(q, k, v, mask)
 
 

@@ -8,7 +8,6 @@ import pytest
 import tokenspeed
 from tokenspeed.bench import main as bench_main
 from tokenspeed.bench.aal import LLAMA_CPP_SERVER_DEPS, build_job, run_aal
-from tokenspeed.bench.gpu import run_gpu
 from tokenspeed.bench.peers import check_call
 from tokenspeed.bench.decode_profile import profile_decode
 from tokenspeed.bench.report import agreement, percentile, ratios, summarize, targets
@@ -136,12 +135,29 @@ def test_aal_refuses_a_llama_cpp_folder_without_llama_cpp(tmp_path, monkeypatch)
     assert not (tmp_path / "out").exists()
 
 
-def test_gpu_script_runs_on_cpu_with_small_shapes(tmp_path):
-    res = run_gpu(device="cpu", quick=True, out=tmp_path / "gpu.json")
-    assert len(res["rows"]) == 4 and res["bandwidth_gbs"] > 0
-    for r in res["rows"]:
-        assert r["ttft_ms"] > 0 and r["itl_p50_ms"] > 0 and r["floor_ctx_ms"] >= r["floor_ms"] > 0
-    assert json.loads((tmp_path / "gpu.json").read_text())["rows"][0]["model"].startswith("tiny-shape")
+def test_gpu_device_check_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
+    """`tokenspeed bench gpu` with small shapes on CPU: every section runs (Triton kernels under the
+    interpreter), parity of the same fp32 weights is exact, and gpu.json holds each section."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the kernels are first imported
+    assert bench_main(["gpu", "--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "gpu.json").read_text())
+    sec = res["sections"]
+    assert res["failed"] == [] and res["bandwidth_gbs"] > 0
+    assert sec["kernels"]["ok"] and sec["kernels"]["attention"] and sec["kernels"]["norm"]
+    for key in ("decode_big", "decode_embedded"):
+        rows = sec[key]["rows"]
+        assert [r["cache"] for r in rows] == ["full", "full", "pruned 40"]
+        assert rows[-1]["attended"] <= 40 + 16 < rows[1]["attended"]   # the pruned cache reads its hot tier only
+        for r in rows:
+            assert r["ttft_ms"] > 0 and r["itl_p50_ms"] > 0 and r["floor_ctx_ms"] >= r["floor_ms"] > 0
+    assert sec["decode_big"]["rows"][0]["model"].startswith("tiny-shape")
+    par = sec["parity"]
+    assert par["ok"] and par["identical_tokens"] == par["tokens"] == 8 and par["max_rel_logit_err"] < 1e-5
+    for key in ("agent_embedded", "agent_big"):
+        a = sec[key]
+        assert a["calls"] == 2 and a["turn_ms"] > 0 and a["warm_ttft_p50_ms"] > 0 and a["warm_context_tokens"] >= 256
+    out = capsys.readouterr().out
+    assert "10-call AAL turn" in out and "112" in out and "parity vs CPU fp32: 8/8" in out
 
 
 def test_profile_reports_ops_and_matmul_share():

@@ -249,3 +249,57 @@ def test_recall_brings_an_observation_back_whole_or_not_at_all(tiny_engine):
 
     assert recall(size - 1) == set()                              # does not fit whole: stays cold
     assert recall(size) == pages                                  # fits: every page comes back
+
+
+def test_prefetch_copies_are_issued_after_a_forward_and_waited_for_before_they_are_read(tiny_engine):
+    """`PageTransfer` bookkeeping (on CUDA a side stream and an event; here the same state with
+    synchronous copies): issued after an observation's forward and left in flight through its
+    eviction (new pages go to free slots), waited for once by the next forward, which reads the
+    copies; never issued inside a decision."""
+    s = _session(tiny_engine, budget=300, cold=2048, recall_threshold=1e-6)
+    _fill(s, 9)
+    c, tr = s.cache, s.cache.cold.transfer
+    assert c._staged and tr.in_flight and tr.issued >= 1       # staged by the last observation's forward
+    assert c.totals["evicted"] > 0
+    assert all(k.device == c.k.device for _, k, _, _ in c._staged)
+    issued, waited = tr.issued, tr.waited
+    with c.decision():
+        s._forward([42])                                        # recall: waits once, then reads the copies
+        assert not tr.in_flight and tr.waited == waited + 1 and c.totals["recalled"] > 0
+        for t in (43, 44):
+            s._forward([t])
+        assert tr.issued == issued and tr.waited == waited + 1  # nothing issued, nothing to wait for
+    s._forward([45])
+    assert tr.in_flight and tr.issued == issued + 1
+
+
+def test_cold_tier_waits_for_copies_in_flight_only_before_rewriting_a_slot_they_read(tiny_engine):
+    """A slot freed while a prefetch is in flight is fenced: put() waits before reusing it; a put
+    into a slot no copy reads does not wait. Pages come back bit-identical."""
+    from tokenspeed.cold_tier import ColdTier
+
+    args = tiny_engine.args
+    cold = ColdTier(args, tokens=64, page=16, dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(0)
+
+    def page(pid):
+        shape = (args.n_layers, args.n_kv_heads, 16, args.head_dim)
+        return torch.randn(shape, generator=g), torch.randn(shape, generator=g), torch.arange(16) + 16 * pid
+
+    a, b = page(0), page(1)
+    cold.put(0, *a, 0.5, False)
+    cold.put(1, *b, 0.5, False)
+    (pid, k, v, pos), = cold.prefetch([0])
+    assert pid == 0 and torch.equal(k, a[0]) and torch.equal(v, a[1]) and torch.equal(pos, a[2])
+    tr = cold.transfer
+    assert tr.in_flight and tr.waited == 0
+    cold.put(2, *page(2), 0.5, False)          # a slot that never held a page: no wait
+    assert tr.in_flight and tr.waited == 0
+    cold.remove([0])                           # freed while its copy is in flight: fenced
+    cold.put(3, *page(3), 0.5, False)          # reuses that slot (LIFO): waits first
+    assert not tr.in_flight and tr.waited == 1
+    cold.prefetch([1])
+    cold.remove([1])
+    tr.wait()                                  # waited before the slot is reused: no second wait
+    cold.put(4, *page(4), 0.5, False)
+    assert tr.waited == 2 and not tr.in_flight
