@@ -182,24 +182,12 @@ class DecodeGraphs:
         """The model's forward with fixed shapes: inputs [3, w] int64 (token ids, rotary
         positions, cache slots < span) -> final normalised hidden states [w, dim]. Writes K/V and
         positions at the slots; row i attends over the slots j <= slots[i]."""
-        from .model import _rms_norm, _sdpa_attention, apply_rope
+        from .kernels.norm import rms_norm
 
         m, cache = self.model, self.cache
         tokens, positions, slots = inputs
-        w, eps = inputs.shape[1], m.args.norm_eps
         cos, sin = m.rope_cos[positions], m.rope_sin[positions]
         mask = self._slots[:span].unsqueeze(0) <= slots.unsqueeze(1)  # [w, span]
         cache.pos.index_copy_(0, slots, positions)
-        h = m.tok_embeddings(tokens).unsqueeze(0)  # [1, w, dim]
-        for i, layer in enumerate(m.layers):
-            a = layer.attention
-            q, k, v = a.wqkv(_rms_norm(h, layer.attention_norm, eps)).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-            q = apply_rope(q.view(1, w, a.n_heads, a.head_dim).transpose(1, 2), cos, sin)     # [1, H, w, D]
-            k = apply_rope(k.view(1, w, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)  # [1, Hkv, w, D]
-            v = v.view(1, w, a.n_kv_heads, a.head_dim).transpose(1, 2)
-            cache.k[i, 0].index_copy_(1, slots, k[0])
-            cache.v[i, 0].index_copy_(1, slots, v[0])
-            out = _sdpa_attention(q, cache.k[i, :, :, :span], cache.v[i, :, :, :span], mask)
-            h = h + a.wo(out.transpose(1, 2).reshape(1, w, -1))
-            h = h + layer.feed_forward(_rms_norm(h, layer.ffn_norm, eps))
-        return _rms_norm(h[0], m.norm, eps)
+        h = m.blocks(m.tok_embeddings(tokens).unsqueeze(0), cos, sin, cache, 0, mask, slots, span)
+        return rms_norm(h[0], m.norm, m.args.norm_eps)

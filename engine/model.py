@@ -217,17 +217,24 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(args.dim, q + 2 * kv, bias=args.qkv_bias)
         self.wo = nn.Linear(q, args.dim, bias=False)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, mask):
-        # x: [1, T, dim]; cos/sin: [T, D]; writes KV slots [start, start + T)
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, mask, slots=None, span: int = 0):
+        # x: [1, T, dim]; cos/sin: [T, D]; writes KV slots [start, start + T) and attends over [0, start + T);
+        # with slots ([T] int64 device tensor, a CUDA graph's static input): writes KV at those slots and
+        # attends over [0, span)
         T = x.shape[1]
         q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(1, T, self.n_heads, self.head_dim).transpose(1, 2)       # [1, H, T, D]
         k = k.view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)    # [1, Hkv, T, D]
         v = v.view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        end = start + T
-        cache.k[layer, :, :, start:end] = k
-        cache.v[layer, :, :, start:end] = v
+        if slots is None:
+            end = start + T
+            cache.k[layer, :, :, start:end] = k
+            cache.v[layer, :, :, start:end] = v
+        else:
+            end = span
+            cache.k[layer, 0].index_copy_(1, slots, k[0])
+            cache.v[layer, 0].index_copy_(1, slots, v[0])
         if cache.tracks_attention:
             out, mass, lse = attention_mass(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], mask)
             cache.record_attention(layer, q, mass, lse)
@@ -364,16 +371,7 @@ class Transformer(nn.Module):
             if T > 1:  # cached slots visible, causal among the new tokens
                 mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device)
                 mask[:, start:] = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
-            h = self.tok_embeddings(tokens).unsqueeze(0)  # [1, T, dim]
-            fuse = self.use_triton_norm
-            h, x = add_rms_norm(h, None, self.layers[0].attention_norm, eps, fuse)
-            for i, layer in enumerate(self.layers):
-                h, x = add_rms_norm(h, layer.attention(x, cos, sin, cache, i, start, mask), layer.ffn_norm, eps, fuse)
-                delta = layer.feed_forward(x)
-                if i + 1 < len(self.layers):  # the residual add and the next layer's norm, in one pass
-                    h, x = add_rms_norm(h, delta, self.layers[i + 1].attention_norm, eps, fuse)
-                else:
-                    h = h + delta
+            h = self.blocks(self.tok_embeddings(tokens).unsqueeze(0), cos, sin, cache, start, mask)
         cache.n = start + T
         if isinstance(logits_for, str):
             if logits_for == "none":
@@ -383,6 +381,25 @@ class Transformer(nn.Module):
             h = h[0, logits_for]
         h = rms_norm(h, self.norm, eps)
         return self.output(h).float() if head else h
+
+    def blocks(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
+               mask: torch.Tensor | None, slots: torch.Tensor | None = None, span: int = 0) -> torch.Tensor:
+        """The decoder layers in Python: h [1, T, dim] embeddings -> residual stream [1, T, dim]
+        (before the final norm). KV goes to cache slots [start, start + T), attention over
+        [0, start + T) under mask [T, start + T] bool (None: all); with `slots` ([T] int64 on the
+        device) and `span`, to those slots and over [0, span) under mask [T, span] (the fixed shapes
+        of a CUDA graph, `tokenspeed.device.DecodeGraphs`)."""
+        eps, fuse = self.args.norm_eps, self.use_triton_norm
+        h, x = add_rms_norm(h, None, self.layers[0].attention_norm, eps, fuse)
+        for i, layer in enumerate(self.layers):
+            h, x = add_rms_norm(h, layer.attention(x, cos, sin, cache, i, start, mask, slots, span),
+                                layer.ffn_norm, eps, fuse)
+            delta = layer.feed_forward(x)
+            if i + 1 < len(self.layers):  # the residual add and the next layer's norm, in one pass
+                h, x = add_rms_norm(h, delta, self.layers[i + 1].attention_norm, eps, fuse)
+            else:
+                h = h + delta
+        return h
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face Llama/Qwen2 names into this module (fusing QKV and gate/up).
