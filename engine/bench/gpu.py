@@ -10,7 +10,7 @@ and the run goes on):
    RMSNorm(+residual) kernel against torch; on CUDA also their CUDA-event median times.
 3. raw decode: one decode step (prefill TTFT too) of a Llama-3.1-8B-shaped random bf16 model and
    of the embedded model against the floor = (weight bytes + KV bytes read) / bandwidth, over a full
-   KV cache at a short and a long context and over a pruned one (1024-token budget: the Triton
+   KV cache at a short and a long context (eager, and as CUDA graph replays) and over a pruned one (1024-token budget: the Triton
    attention with slot mass) at the long one, with the torch norms and with the fused Triton norm
    (`Transformer.use_triton_norm`, off by default until these figures say it helps).
 4. parity: greedy decoding of the device model (bf16 on CUDA) against the CPU fp32 reference on
@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..device import DecodeGraphs
 from ..kv import KVConfig, TieredKVCache
 from ..model import ModelArgs, Transformer
 
@@ -205,9 +206,12 @@ def check_kernels(device: torch.device, quick: bool = False) -> dict:
 # ---------------------------------------------------------------------------------- raw decode
 
 def measure(model: Transformer, context: int, decode_tokens: int, device: torch.device, bandwidth_gbs: float,
-            kv: KVConfig | None = None) -> dict:
-    """TTFT (prefill of `context` random tokens + first token) and ITL p50/p90 of `decode_tokens` eager
+            kv: KVConfig | None = None, graphs: bool = False) -> dict:
+    """TTFT (prefill of `context` random tokens + first token) and ITL p50/p90 of `decode_tokens`
     decode steps (synchronised each step, as an engine that reads each token on the host does).
+
+    graphs: run the decode steps through `tokenspeed.device.DecodeGraphs` (full cache only): CUDA
+    graph replays on CUDA, the same static step eagerly elsewhere; else the model's own forward.
 
     kv: None for a full KV cache; a `KVConfig` for a pruned one (`TieredKVCache`, whose attention
     also scores relevance: the Triton kernel on CUDA). Its prefill runs in chunks of 512 tokens (at
@@ -238,11 +242,15 @@ def measure(model: Transformer, context: int, decode_tokens: int, device: torch.
     _sync(device)
     ttft = time.perf_counter() - t0
     itl, attended = [], 0
+    runner = DecodeGraphs(model, cache) if graphs and kv is None else None
     with cache.decision():
-        for step in range(decode_tokens + 2):  # the first two warm this cache's kernels up: not timed
+        for step in range(decode_tokens + 2):  # the first two warm this cache's kernels (and capture graphs) up: not timed
             t0 = time.perf_counter()
-            pos = torch.tensor([context + step], device=device)
-            token = model(token.view(1), pos, cache).argmax(-1)
+            if runner is not None:
+                token = model.output(runner.run([int(token)], context + step)).argmax(-1)
+            else:
+                pos = torch.tensor([context + step], device=device)
+                token = model(token.view(1), pos, cache).argmax(-1)
             _sync(device)
             itl.append(time.perf_counter() - t0)
             if step == 2 + decode_tokens // 2:
@@ -253,6 +261,7 @@ def measure(model: Transformer, context: int, decode_tokens: int, device: torch.
     floor_ctx = (wbytes + kv_bytes) / (bandwidth_gbs * 1e9) * 1e3
     p50 = itl[len(itl) // 2] * 1e3
     return {"context": context, "cache": "full" if kv is None else f"pruned {kv.budget}", "attended": attended,
+            "step": "graph" if runner is not None else "eager",
             "ttft_ms": ttft * 1e3, "prefill_tok_s": context / ttft,
             "itl_p50_ms": p50, "itl_p90_ms": itl[int(len(itl) * 0.9)] * 1e3,
             "floor_ms": wbytes / (bandwidth_gbs * 1e9) * 1e3, "floor_ctx_ms": floor_ctx,
@@ -261,17 +270,17 @@ def measure(model: Transformer, context: int, decode_tokens: int, device: torch.
 
 def _raw_decode(name: str, model: Transformer, contexts, steps: int, device: torch.device, bw: float,
                 pruned: KVConfig) -> list[dict]:
-    # The eager decode step at each context over a full cache, and at the longest over a `pruned` cache
-    # (the Triton attention on CUDA), with the torch norms and (on CUDA) the fused Triton norm.
-    # The CUDA-graph replay of the decode step is part A's runner (issue 18); it joins here as one
-    # more `step` variant once it exists.
+    # The decode step at each context over a full cache, eager and as CUDA graph replays (on the CPU
+    # the graph runner's static step, eagerly), and at the longest over a `pruned` cache (eager: the
+    # Triton attention on CUDA), with the torch norms and (on CUDA) the fused Triton norm.
     rows = []
     for fused_norm in (False, True) if device.type == "cuda" else (False,):
         model.use_triton_norm = fused_norm
         try:
-            for c, kv in [(c, None) for c in contexts] + [(contexts[-1], pruned)]:
-                rows.append({"model": name, "step": "eager", "triton_norm": fused_norm,
-                             **measure(model, c, steps, device, bw, kv)})
+            for c, kv, graphs in ([(c, None, g) for c in contexts for g in (False, True)]
+                                  + [(contexts[-1], pruned, False)]):
+                rows.append({"model": name, "triton_norm": fused_norm,
+                             **measure(model, c, steps, device, bw, kv, graphs)})
         finally:
             del model.use_triton_norm  # back to the class default
     return rows

@@ -146,8 +146,10 @@ def test_gpu_device_check_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert sec["kernels"]["ok"] and sec["kernels"]["attention"] and sec["kernels"]["norm"]
     for key in ("decode_big", "decode_embedded"):
         rows = sec[key]["rows"]
-        assert [r["cache"] for r in rows] == ["full", "full", "pruned 40"]
-        assert rows[-1]["attended"] <= 40 + 16 < rows[1]["attended"]   # the pruned cache reads its hot tier only
+        assert [(r["cache"], r["step"]) for r in rows] == [("full", "eager"), ("full", "graph"), ("full", "eager"),
+                                                           ("full", "graph"), ("pruned 40", "eager")]
+        assert rows[-1]["attended"] <= 40 + 16 < rows[2]["attended"]   # the pruned cache reads its hot tier only
+        assert rows[2]["attended"] == rows[3]["attended"]              # the graph runner's step reads the same slots
         for r in rows:
             assert r["ttft_ms"] > 0 and r["itl_p50_ms"] > 0 and r["floor_ctx_ms"] >= r["floor_ms"] > 0
     assert sec["decode_big"]["rows"][0]["model"].startswith("tiny-shape")
