@@ -85,12 +85,12 @@ class ColdTier:
         self.max_pages = tokens // page
         cuda = torch.device(device or "cpu").type == "cuda"
         shape = (self.max_pages, args.n_layers, args.n_kv_heads, page, args.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
-        self.v = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
-        self.pos = torch.zeros(self.max_pages, page, dtype=torch.long)
-        self.count = torch.zeros(self.max_pages, dtype=torch.long)
-        self.score = torch.zeros(self.max_pages)
-        self.superseded = torch.zeros(self.max_pages, dtype=torch.bool)
+        self.k = torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=cuda)
+        self.v = torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=cuda)
+        self.pos = torch.zeros(self.max_pages, page, dtype=torch.long, device="cpu")
+        self.count = torch.zeros(self.max_pages, dtype=torch.long, device="cpu")
+        self.score = torch.zeros(self.max_pages, device="cpu")
+        self.superseded = torch.zeros(self.max_pages, dtype=torch.bool, device="cpu")
         summary = (args.n_layers, args.n_kv_heads, args.head_dim, self.max_pages)
         self.kmin = torch.zeros(summary, dtype=torch.float32, device=device)
         self.kmax = torch.zeros(summary, dtype=torch.float32, device=device)
@@ -113,7 +113,7 @@ class ColdTier:
             dropped = int(self.count[self.slot_of[pid]])
             self.remove([pid])
         if not self.free:
-            used = torch.tensor(list(self.slot_of.values()))
+            used = torch.tensor(list(self.slot_of.values()), device="cpu")
             key = self.score[used] - 1e9 * self.superseded[used].float()
             victim = int(used[int(key.argmin())])
             dropped += int(self.count[victim])

@@ -280,8 +280,8 @@ class TieredKVCache(KVCache):
         q, lse = torch.stack(self._q), torch.stack(self._lse)            # [L, H, R, D], [L, H, R]
         # Superseded sensor readings stay cold: a newer reading of the same source replaced them.
         pids = list(cold.slot_of)
-        slots = torch.tensor([cold.slot_of[p] for p in pids])
-        pos, valid = cold.pos[slots], torch.arange(cfg.page) < cold.count[slots].unsqueeze(1)
+        slots = torch.tensor([cold.slot_of[p] for p in pids], device="cpu")
+        pos, valid = cold.pos[slots], torch.arange(cfg.page, device="cpu") < cold.count[slots].unsqueeze(1)
         _, sup = self._slot_classes(pos.flatten().to(self.pos.device))
         sup = (sup.view(pos.shape).cpu() | ~valid).all(dim=1)
         pids = [p for p, x in zip(pids, sup.tolist()) if not x]
@@ -310,7 +310,7 @@ class TieredKVCache(KVCache):
         page = cfg.page
         kp = torch.zeros(len(staged), *staged[0][1].shape[:2], page, staged[0][1].shape[-1],
                          dtype=self.k.dtype, device=self.k.device)
-        counts = torch.tensor([s[3].shape[0] for s in staged])
+        counts = torch.tensor([s[3].shape[0] for s in staged], device="cpu")
         for i, (_, k, _, _) in enumerate(staged):
             kp[i, :, :, :k.shape[2]] = k
         best = cold.exact_scores(kp, counts, q, lse)
@@ -396,9 +396,9 @@ class TieredKVCache(KVCache):
                 s = self.cold.slot_of[p]
                 c = int(self.cold.count[s])
                 self._insert(self.cold.k[s, :, :, :c], self.cold.v[s, :, :, :c], self.cold.pos[s, :c],
-                             torch.zeros(c))
+                             torch.zeros(c, device="cpu"))
                 self.cold.remove([p])
-            self.totals["rollback_lost"] += int((~torch.isin(missing // page, torch.tensor(have, dtype=torch.long))).sum())
+            self.totals["rollback_lost"] += int((~torch.isin(missing // page, torch.tensor(have, dtype=torch.long, device="cpu"))).sum())
         # Slot order: the snapshot's positions that are hot, in its order, then any others (tokens
         # sharing a page with a kept one) in their current order.
         hot = self.pos[:self.n].cpu()
@@ -407,14 +407,14 @@ class TieredKVCache(KVCache):
         if not torch.equal(want, hot):
             order = torch.argsort(hot)
             src = order[torch.searchsorted(hot[order], want)]
-            dst = torch.arange(self.n)
+            dst = torch.arange(self.n, device="cpu")
             moved = src != dst
             self._move(src[moved].to(self.pos.device), dst[moved].to(self.pos.device))
             hot = want
         by_pos = torch.argsort(snap.pos)
         at = torch.searchsorted(snap.pos[by_pos], hot).clamp(max=snap.pos.shape[0] - 1)
         found = snap.pos[by_pos][at] == hot
-        self.score[:self.n] = torch.where(found, snap.score[by_pos][at], torch.zeros(())).to(self.score.device)
+        self.score[:self.n] = torch.where(found, snap.score[by_pos][at], torch.zeros((), device="cpu")).to(self.score.device)
 
     def take_metrics(self) -> dict:
         """Sizes now and counters since the previous call (tokens, pages for prefetch).

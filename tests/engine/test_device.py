@@ -43,6 +43,33 @@ def test_no_tensor_is_made_off_the_models_device(engine, tiny_engine, robot_tool
     _same_on_meta(tiny_engine, robot_tools, temperature=0.8, seed=1)
 
 
+def _pruned_turns(engine, tools):
+    """Twelve readings and decisions in a session pruned to a 640-token hot tier (evictions to the
+    cold tier), then a rollback past the evictions and one more decision: (call texts, tokens)."""
+    session = engine.session(system="You control a robot arm.", tools=tools, kv_budget=640)
+    texts, early = [], None
+    for i in range(12):
+        if i == 3:
+            early = session.checkpoint()
+        session.observe(f"camera sees red_cube at x=0.4{i} y=-0.1{i}; joints q=[{i / 10:.2f},0.50]",
+                        kind="sensor", source=f"sensor{i % 3}")
+        texts.append(session.decide(max_tokens=24).text)
+    assert session.cache.take_metrics()["totals"]["evicted"] > 0
+    session.rollback(early)
+    texts.append(session.decide(max_tokens=24).text)
+    return texts, session.tokens
+
+
+def test_a_pruned_session_makes_no_tensor_off_its_device(tiny_engine, robot_tools, monkeypatch):
+    # The tiered KV cache's hot tier on the model's device, its cold tier's host tensors on "cpu"
+    # (pinned on CUDA): eviction, cold-tier bookkeeping and rollback give the same outputs on meta.
+    monkeypatch.setattr(tiny_engine.model, "use_fused", False)
+    monkeypatch.setattr(tiny_engine, "speculation", SpecConfig(adaptive=False))
+    reference = _pruned_turns(tiny_engine, robot_tools)
+    with torch.device("meta"):
+        assert _pruned_turns(tiny_engine, robot_tools) == reference
+
+
 def test_bfloat16_session_keeps_its_dtype(robot_tools):
     engine = tokenspeed.Engine.load("tiny-random", dtype="bfloat16")
     assert engine.weights == "bf16" and engine.device == torch.device("cpu")
