@@ -247,14 +247,16 @@ def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], sta
     # A plain step's mask comes first: a grammar that allows few ids projects only those lm_head
     # rows (vocab x dim is a large share of the model's bytes per token).
     masks = target.mask.fill_chain(matcher, []) if matcher is not None and not chain else None
-    logits = target.forward(ids, select + (len(feed) - 1), _head_rows(target.mask, masks))  # [len(choose), V]
+    head_rows = _head_rows(target.mask, masks)
+    logits = target.forward(ids, select + (len(feed) - 1), head_rows)  # [len(choose), V]
     # Pipelining: while the forward runs (asynchronously on CUDA), the host computes the grammar
     # masks of every row of the chain, which do not depend on its result (on the CPU: in order).
     t_masks = time.perf_counter()
     if matcher is not None and masks is None:
         masks = target.mask.fill_chain(matcher, chain)
     t_masks = time.perf_counter() - t_masks
-    picks = _choices(logits, masks, select, target.mask, temperature <= 0, len(ids))
+    # logits projected on the allowed ids only are already masked (-inf elsewhere)
+    picks = _choices(logits, masks if head_rows is None else None, select, target.mask, temperature <= 0, len(ids))
     t_fwd = time.perf_counter() - t_fwd - t_masks
     stats.forwards += 1
     rows = {r: (logits[i:i + 1], picks[i] if picks else None) for i, r in enumerate(choose)}
