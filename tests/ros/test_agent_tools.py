@@ -84,3 +84,23 @@ def test_bad_tool_lists_are_refused_by_name(start_agent, params, message):
     agent = start_agent(model="/nonexistent/model.gguf", **params)
     assert agent.wait(60) == 2
     assert message in agent.log_path.read_text()
+
+
+def test_a_call_just_sent_is_not_preempted_before_the_robot_answers(probe, start_agent):
+    """The robot's feedback topic is on, but this robot never answers: after each model call the
+    agent waits APPLY_WAIT_S for the robot to take it up before a rate trigger (every 0.1 s) may
+    decide again, so the next call cannot preempt one the robot has not even applied yet."""
+    from tokenspeed_ros.agent_node import APPLY_WAIT_S
+
+    actions = probe.listen(ActionCommand, "agent/action")
+    probe.node.create_publisher(String, "goal", LATCHED).publish(String(data=GOAL))
+    SensorFeed(probe)
+    agent = start_agent(model="tiny-random", deadline_budget_s=30.0, decision_period_s=0.1,
+                        tools_when_empty="[pick]")
+
+    def published_s():       # publish times of the model's calls, seconds
+        return [a.header.stamp.sec + a.header.stamp.nanosec * 1e-9 for a in actions if a.source == "model"]
+
+    assert probe.spin_until(lambda: len(published_s()) >= 4, ENGINE_TIMEOUT), agent.log_path.read_text()
+    stamps = published_s()
+    assert min(b - a for a, b in zip(stamps, stamps[1:])) >= APPLY_WAIT_S, stamps
