@@ -119,18 +119,29 @@ def start_sim(env, log, fault: str = "") -> subprocess.Popen:
                             env=env, cwd=ROOT, stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def with_epochs(msgs) -> list[tuple[tuple[int, int], object]]:
-    """((agent run, decision id), msg) in arrival order: a restarted agent counts from 1 again."""
-    out, epoch, top = [], 0, 0
-    for m in msgs:
-        if m.decision_id < top and m.decision_id <= 2:
-            epoch, top = epoch + 1, 0
-        top = max(top, m.decision_id)
-        out.append(((epoch, m.decision_id), m))
-    return out
+class Heard(list):
+    """Messages in arrival order, with the run of the node that published each one in `runs`: a
+    restarted node is a new publisher (a new GID) and counts its decision ids from 1 again. Its
+    first messages can be lost while DDS discovers it, so the ids alone cannot tell the runs apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.runs: list[int] = []
+        self._publishers: dict[bytes, int] = {}
+
+    def hear(self, msg, info) -> None:
+        """Subscription callback (message, MessageInfo)."""
+        gid = bytes(info["publisher_gid"]["data"])
+        self.runs.append(self._publishers.setdefault(gid, len(self._publishers)))
+        self.append(msg)
 
 
-def outcome_table(statuses: list[DeadlineStatus], actions: list[ActionCommand], diag: dict, after_id: int) -> dict:
+def with_epochs(msgs: Heard) -> list[tuple[tuple[int, int], object]]:
+    """((agent run, decision id), msg) in arrival order."""
+    return [((run, m.decision_id), m) for run, m in zip(msgs.runs, msgs)]
+
+
+def outcome_table(statuses: Heard, actions: Heard, diag: dict, after_id: int) -> dict:
     """One row of the matrix: what arrived over DDS for the decisions after `after_id` (decisions,
     model calls on time, fallbacks, commands missing) and what the monitor measured itself
     (/diagnostics: its fallbacks later than the bound after their deadline or, for a decision
@@ -193,10 +204,10 @@ def start_probe(prefix: str, monitored: str):
     node = rclpy.create_node(f"{prefix}_fault_probe")
     executor = SingleThreadedExecutor()
     executor.add_node(node)
-    statuses, actions = [], []
+    statuses, actions = Heard(), Heard()
     diag = listen_diagnostics(node, f"{monitored}: decisions")
-    node.create_subscription(DeadlineStatus, f"{prefix}/deadline_status", statuses.append, 1000)
-    node.create_subscription(ActionCommand, f"{prefix}/action", actions.append, 1000)
+    node.create_subscription(DeadlineStatus, f"{prefix}/deadline_status", statuses.hear, 1000)
+    node.create_subscription(ActionCommand, f"{prefix}/action", actions.hear, 1000)
     return node, executor, statuses, actions, diag
 
 
