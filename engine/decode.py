@@ -72,15 +72,14 @@ class Target:
         for i in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[i:i + PREFILL_CHUNK]
             last = i + PREFILL_CHUNK >= len(ids)
-            t = to_device(chunk, self.device)
-            pos = torch.arange(pos0 + i, pos0 + i + len(chunk), dtype=torch.long, device=self.device)
-            out = self.model(t, pos, self.cache, rows if last else "none", head=head_rows is None)
+            out = self.model(to_device(chunk, self.device), pos0 + i, self.cache, rows if last else "none",
+                             head=head_rows is None)
         self.tokens.extend(ids)
         return out if head_rows is None else self._project(out, head_rows)
 
     def _project(self, h: torch.Tensor, head_rows: torch.Tensor) -> torch.Tensor:
         # hidden [1, dim] -> logits [1, V] of the allowed ids `head_rows` (host) only, -inf elsewhere
-        head_rows = head_rows.to(self.device, non_blocking=True)
+        head_rows = to_device(head_rows, self.device)
         logits = torch.full((1, self.model.args.vocab_size), float("-inf"), device=self.device)
         logits[:, head_rows] = linear_rows(self.model.output, h, head_rows)
         return logits

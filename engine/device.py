@@ -67,9 +67,10 @@ def resolve_dtype(dtype: "str | torch.dtype | None", device: torch.device) -> to
     raise DeviceError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
 
 
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """[N] int64 tensor of `values` on `device` (on CUDA through pinned memory, copied non-blocking)."""
-    t = torch.tensor(values, dtype=torch.long, device="cpu")
+def to_device(values: "list[int] | torch.Tensor", device: torch.device) -> torch.Tensor:
+    """`values` on `device`: a list of ints as [N] int64, or a host tensor as it is (on CUDA through
+    pinned memory, copied non-blocking: the host does not wait for the device)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long, device="cpu")
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
@@ -153,7 +154,7 @@ class DecodeGraphs:
             graph.replay()
         else:
             out = self.static_forward(buf.inputs, span)
-        self.cache.n = n + w
+        self.cache.advance(w, pos0 + w)
         return out
 
     def _capture(self, buf: _Width, span: int) -> tuple:

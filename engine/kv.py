@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .cold_tier import ColdTier
+from .device import to_device
 from .model import KVCache, ModelArgs
 
 __all__ = ["KVConfig", "TieredKVCache", "ColdTier"]
@@ -119,7 +120,6 @@ class TieredKVCache(KVCache):
         self._lse: list[torch.Tensor | None] = [None] * args.n_layers  # their log-sum-exp [H, R]
         self._staged: list = []      # prefetched pages (pid, k, v, pos) awaiting the exact check
         self._staged_q = None        # the queries and log-sum-exp that shortlisted them
-        self._floor = 0              # next position after a rollback that lost its newest tokens
         self._in_decision = False    # no prefetch while a decision() runs
         self.totals = dict(evicted=0, recalled=0, cold_dropped=0, prefetch_hits=0, prefetch_misses=0,
                            rollback_lost=0)
@@ -153,11 +153,6 @@ class TieredKVCache(KVCache):
 
     def admit(self, n_context: int, n_new: int) -> None:
         """Any context fits: the hot tier is pruned to the budget, the rest is tiered."""
-
-    def next_position(self) -> int:
-        """Position of the next token: after the newest hot position, or the rollback point if later."""
-        newest = int(self.pos[:self.n].max()) + 1 if self.n else 0
-        return max(newest, self._floor)
 
     @contextmanager
     def decision(self):
@@ -268,8 +263,8 @@ class TieredKVCache(KVCache):
             raise ValueError(f"KV cache full: cannot insert {E} recalled tokens into {n}/{self.capacity}")
         for buf, new in ((self.k, k), (self.v, v)):
             buf[:, 0, :, n:n + E] = new.to(buf.device, buf.dtype)
-        self.pos[n:n + E] = pos.to(self.pos.device)
-        self.score[n:n + E] = score.to(self.score.device)
+        self.pos[n:n + E] = to_device(pos, self.pos.device)
+        self.score[n:n + E] = to_device(score, self.score.device)
         self.n = n + E
 
     # ------------------------------------------------------------ recall
@@ -310,32 +305,35 @@ class TieredKVCache(KVCache):
         page = cfg.page
         kp = torch.zeros(len(staged), *staged[0][1].shape[:2], page, staged[0][1].shape[-1],
                          dtype=self.k.dtype, device=self.k.device)
-        counts = torch.tensor([s[3].shape[0] for s in staged], device="cpu")
+        counts = to_device(torch.tensor([s[3].shape[0] for s in staged], device="cpu"), self.k.device)
         for i, (_, k, _, _) in enumerate(staged):
             kp[i, :, :, :k.shape[2]] = k
-        best = cold.exact_scores(kp, counts, q, lse)
-        hits = [i for i in torch.argsort(best, descending=True).tolist()
-                if float(best[i]) > cfg.recall_threshold][: cfg.max_recall_pages]
+        # The recall decision reads the exact scores on the host, once: which pages come back
+        # decides the hot tier's size, which the forward needs.
+        best = cold.exact_scores(kp, counts, q, lse).tolist()
+        hits = [i for i in sorted(range(len(best)), key=best.__getitem__, reverse=True)
+                if best[i] > cfg.recall_threshold][: cfg.max_recall_pages]
         self.totals["prefetch_hits"] += len(hits)
         self.totals["prefetch_misses"] += len(staged) - len(hits)
         # pid -> (k, v, pos, initial score): a hit page starts with its eviction score, at least
         # its predicted probability; the rest of its observation comes back with it, as one group
         # that is recalled whole or not at all (a fact cut off by the room limit is noise).
-        chosen, groups = {}, []
+        chosen, groups, siblings = {}, [], []
         for i in hits:
             pid = staged[i][0]
             if pid in chosen:  # a sibling of an earlier hit
                 continue
-            chosen[pid] = (*staged[i][1:], max(float(cold.score[cold.slot_of[pid]]), float(best[i])))
+            chosen[pid] = (*staged[i][1:], max(float(cold.score[cold.slot_of[pid]]), best[i]))
             group = [pid]
             for sib in self._segment_pages(pid):
                 if sib not in chosen and sib in cold.slot_of:
-                    sl = cold.slot_of[sib]
-                    c = int(cold.count[sl])
-                    chosen[sib] = (cold.k[sl, :, :, :c].to(self.k.device), cold.v[sl, :, :, :c].to(self.v.device),
-                                   cold.pos[sl, :c].clone(), float(cold.score[sl]))
+                    chosen[sib] = None  # copied below
                     group.append(sib)
+            siblings += group[1:]
             groups.append(group)
+        # the siblings are copied like the prefetched pages (on CUDA, on the side stream, non-blocking)
+        for sib, k, v, pos in cold.prefetch(siblings) if siblings else ():
+            chosen[sib] = (k, v, pos, float(cold.score[cold.slot_of[sib]]))
         limit = self.capacity if cfg.recall_room is None else min(self.capacity, cfg.budget + cfg.recall_room)
         room, take = limit - self.n, []
         for group in groups:
@@ -345,10 +343,11 @@ class TieredKVCache(KVCache):
                 room -= size
         if not take:
             return
+        cold.transfer.wait()  # the siblings' copies are read from here on
         k = torch.cat([chosen[p][0] for p in take], dim=2)
         v = torch.cat([chosen[p][1] for p in take], dim=2)
         pos = torch.cat([chosen[p][2] for p in take])
-        score = torch.cat([torch.full((chosen[p][2].shape[0],), chosen[p][3]) for p in take])
+        score = torch.cat([torch.full((chosen[p][2].shape[0],), chosen[p][3], device="cpu") for p in take])
         cold.remove(take)
         self._insert(k, v, pos, score)
         self.totals["recalled"] += pos.shape[0]
@@ -379,7 +378,7 @@ class TieredKVCache(KVCache):
         restores the snapshot's slot order and scores.
         """
         self._staged = []
-        self._floor = n_tokens
+        self._next = n_tokens  # the next token's position, whether or not the newest were kept
         self._compact(self.pos[:self.n] < n_tokens)
         if self.cold is not None:
             self.cold.truncate(n_tokens)
@@ -392,12 +391,12 @@ class TieredKVCache(KVCache):
         if missing.numel():
             want = torch.unique(missing // page).tolist()
             have = [p for p in want if self.cold is not None and p in self.cold.slot_of]
-            for p in have:
-                s = self.cold.slot_of[p]
-                c = int(self.cold.count[s])
-                self._insert(self.cold.k[s, :, :, :c], self.cold.v[s, :, :, :c], self.cold.pos[s, :c],
-                             torch.zeros(c, device="cpu"))
-                self.cold.remove([p])
+            if have:  # through the side stream on CUDA, like a recall: the host does not wait for the copies
+                pages = self.cold.prefetch(have)
+                self.cold.transfer.wait()
+                for _, k, v, pos in pages:
+                    self._insert(k, v, pos, torch.zeros(pos.shape[0], device="cpu"))
+                self.cold.remove(have)
             self.totals["rollback_lost"] += int((~torch.isin(missing // page, torch.tensor(have, dtype=torch.long, device="cpu"))).sum())
         # Slot order: the snapshot's positions that are hot, in its order, then any others (tokens
         # sharing a page with a kept one) in their current order.

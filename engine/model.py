@@ -106,8 +106,9 @@ def rope_tables(args: ModelArgs, device=None, length: int | None = None,
     `apply_scaling` / Hugging Face `_compute_llama3_parameters`.
     """
     d = args.head_dim
-    if torch.device(device or torch.get_default_device()).type == "meta":  # shapes only (arange on meta
-        shape = (length or args.max_seq_len, d)                          # imports torch._dynamo: seconds)
+    if torch.device(device or torch.get_default_device()).type == "meta":
+        # shapes only (arange on meta imports torch._dynamo: seconds)
+        shape = (len(positions) if positions is not None else length or args.max_seq_len, d)
         return torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
     sc = args.rope_scaling or {}
@@ -137,7 +138,10 @@ class KVCache(nn.Module):
     """Pre-allocated keys and values for all layers: k, v [n_layers, 1, n_kv_heads, capacity, head_dim].
 
     `n` is the number of valid slots (a contiguous prefix); `pos` [capacity] int64 holds each
-    slot's rotary position. Truncating (rollback, rejected draft tokens) only lowers `n`.
+    slot's rotary position. Truncating (rollback, rejected draft tokens) only lowers `n`. The
+    position of the next token is kept on the host (`next_position`), so no forward reads `pos`
+    back from the device: forwards append tokens at consecutive positions (`advance`), and the
+    slots `truncate` drops are the newest ones.
 
     The session-facing contract (`admit`, `trim`, `decision`, `snapshot`, `restore`,
     `take_metrics`, `segments`) is shared with the pruned `tokenspeed.kv.TieredKVCache`; here
@@ -157,13 +161,32 @@ class KVCache(nn.Module):
         self.register_buffer("pos", torch.zeros(capacity, dtype=torch.long, device=device), persistent=False)
         self.capacity = capacity
         self.n = 0
+        self._next = 0  # rotary position of the next appended token (host int, see next_position)
         self.segments: list = []
 
     def truncate(self, n: int) -> None:
-        """Keep only the first n slots (n <= current length)."""
+        """Keep only the first n slots (n <= current length); the dropped newest slots held
+        consecutive positions, so the next position goes back by their number."""
         if not 0 <= n <= self.n:
             raise ValueError(f"cannot truncate KV cache of {self.n} slots to {n}")
+        self._next -= self.n - n
         self.n = n
+
+    def advance(self, T: int, next_position: int) -> None:
+        """Count the T slots [n, n + T) a forward has written, the newest at rotary position
+        next_position - 1 (a host int from the forward's caller: nothing is read from the device)."""
+        self.n += T
+        self._next = next_position
+
+    def drop_oldest(self, k: int) -> None:
+        """Forget the k oldest slots (a sliding window): slots [k, n) move to [0, n - k) with their
+        keys, values and positions; the next position is unchanged."""
+        kept = max(self.n - k, 0)
+        if kept:
+            for buf in (self.k, self.v):
+                buf[:, :, :, :kept] = buf[:, :, :, k:self.n].clone()
+            self.pos[:kept] = self.pos[k:self.n].clone()
+        self.n = kept
 
     def prepare(self, T: int) -> None:
         """Called by `Transformer.forward` before writing T new slots at [n, n + T).
@@ -175,8 +198,9 @@ class KVCache(nn.Module):
             raise ValueError(f"KV cache full: {self.n} + {T} tokens > capacity {self.capacity}")
 
     def next_position(self) -> int:
-        """Rotary position for the next appended token (last position + 1, 0 when empty)."""
-        return int(self.pos[self.n - 1]) + 1 if self.n else 0
+        """Rotary position for the next appended token: the newest position + 1, 0 for a new cache
+        (a host int: reading it does not synchronise with the device)."""
+        return self._next
 
     def admit(self, n_context: int, n_new: int) -> None:
         """Check that a context of n_context tokens can take n_new more.
@@ -323,11 +347,13 @@ class Transformer(nn.Module):
             self._fused = FusedDecode(ext, self) if ext is not None else None
         return self._fused
 
-    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_at(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim] (fp32) of the rotary positions [T] (int64): rows of the tables, or
         computed for these positions when one is past them (beyond the trained context, see the
-        module docstring; the tables never grow, so a session of any length keeps memory flat)."""
-        if positions.numel() and int(positions.max()) >= self.rope_cos.shape[0]:
+        module docstring; the tables never grow, so a session of any length keeps memory flat).
+        `end` is one past the largest position, from the caller's host-side count (reading it from
+        `positions` would synchronise with the device every forward)."""
+        if end > self.rope_cos.shape[0]:
             return rope_tables(self.args, device=self.rope_cos.device, positions=positions)
         return self.rope_cos[positions], self.rope_sin[positions]
 
@@ -337,13 +363,15 @@ class Transformer(nn.Module):
         return KVCache(self.args, capacity or self.args.max_seq_len, dtype or p.dtype, p.device)
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+    def forward(self, tokens: torch.Tensor, positions: int | torch.Tensor, cache: KVCache,
                 logits_for: str | torch.Tensor = "last", head: bool = True) -> torch.Tensor:
         """Append T tokens to the cache and return logits.
 
         Args:
             tokens: [T] int64 token ids.
-            positions: [T] int64 rotary positions of these tokens.
+            positions: rotary positions of these tokens: an int p for p .. p + T - 1 (the decode
+                path: no host read), or increasing [T] int64 (its maximum is read on the host, a
+                synchronisation on an accelerator: reference and test paths).
             cache: the KV cache; slots [cache.n, cache.n + T) are written and cache.n advances by T.
             logits_for: "last" -> logits [1, vocab] of the last token; "all" -> [T, vocab];
                 an int64 index tensor [K] -> [K, vocab] for those rows; "none" -> None (prefill).
@@ -355,9 +383,14 @@ class Transformer(nn.Module):
             ValueError: the cache has no room for T more tokens.
         """
         T = tokens.shape[0]
+        if isinstance(positions, torch.Tensor):
+            end = int(positions.max()) + 1 if T else cache.next_position()
+        else:
+            end = int(positions) + T
+            positions = torch.arange(end - T, end, dtype=torch.long, device=self.rope_cos.device)
         cache.prepare(T)
         start = cache.n
-        cos, sin = self.rope_at(positions)
+        cos, sin = self.rope_at(positions, end)
         cache.pos[start:start + T] = positions
         eps = self.args.norm_eps
         fused = (self.fused_decode() if self.use_fused and T <= FUSED_PREFILL_ROWS and cache.k.dtype == torch.float32
@@ -372,7 +405,7 @@ class Transformer(nn.Module):
                 mask = torch.ones(T, start + T, dtype=torch.bool, device=tokens.device)
                 mask[:, start:] = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
             h = self.blocks(self.tok_embeddings(tokens).unsqueeze(0), cos, sin, cache, start, mask)
-        cache.n = start + T
+        cache.advance(T, end)
         if isinstance(logits_for, str):
             if logits_for == "none":
                 return None

@@ -223,14 +223,9 @@ class DraftState:
                 self.offset = self.anchor = start  # refill from rotary position 0
                 self.cache.truncate(0)
             elif len(context) - self.offset > self.cache.capacity:  # slide: forget the `drop` oldest cached tokens
-                c, n = self.cache, self.cache.n
-                kept = max(n - drop, 0)
-                if kept:
-                    c.k[:, :, :, :kept] = c.k[:, :, :, drop:n].clone()
-                    c.v[:, :, :, :kept] = c.v[:, :, :, drop:n].clone()
-                    c.pos[:kept] = c.pos[drop:n].clone()
-                    self.tokens[:kept] = self.tokens[drop:n].copy()
-                c.truncate(kept)
+                n = self.cache.n
+                self.tokens[:max(n - drop, 0)] = self.tokens[drop:n].copy()
+                self.cache.drop_oldest(drop)
                 self.offset = start
         context = context[self.offset:]
         if len(context) > self.cache.capacity or len(context) == 0:
@@ -246,9 +241,8 @@ class DraftState:
         out = None
         for i in range(0, len(new), 512):  # bounded prefill chunks
             chunk = to_device(new[i:i + 512].tolist(), self.device)
-            start = keep + i + self.offset - self.anchor
-            pos = torch.arange(start, start + len(chunk), device=self.device)
-            out = self.draft.net(chunk, pos, self.cache, "last" if logits and i + 512 >= len(new) else "none")
+            start = keep + i + self.offset - self.anchor  # rotary position of the chunk's first token
+            out = self.draft.net(chunk, start, self.cache, "last" if logits and i + 512 >= len(new) else "none")
         return out[0] if logits else None
 
     def logits(self, context: np.ndarray) -> torch.Tensor | None:

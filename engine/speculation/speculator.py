@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..device import to_device
 from ..model import Transformer
 from .adaptive import AdaptiveLength
 from .draft_model import DEFAULT_DRAFT, DraftModel
@@ -243,7 +244,7 @@ class Speculator:
             return looked, src, None, 1.0
         vocab = self.draft.draft.vocab
         if matcher is not None:
-            logits = logits.masked_fill(~allowed(matcher).to(logits.device, non_blocking=True)[vocab], float("-inf"))
+            logits = logits.masked_fill(~to_device(allowed(matcher), logits.device)[vocab], float("-inf"))
         probs = torch.softmax(logits / temperature if temperature > 0 else logits, dim=-1)
         top, top_i = probs.max(-1)
         top, top_i = torch.stack([top, top_i.to(top.dtype)]).tolist()  # the draft's one host read per proposal

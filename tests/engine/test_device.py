@@ -2,13 +2,16 @@
 masks is made without the model's device, checked on the CPU by making "meta" torch's default
 device - a tensor created without an explicit device then lands on meta, where it cannot be read
 or mixed with the model's tensors, and the decision fails. Host buffers say device="cpu". The
-decode step as CUDA graphs: its bookkeeping, run eagerly on the CPU, and its fallback."""
+decode step as CUDA graphs: its bookkeeping, run eagerly on the CPU, and its fallback. No hidden
+host reads in the decode loop: its forwards run with the model on meta, where reading a tensor raises."""
 import logging
 
+import pytest
 import torch
 
 import tokenspeed
 from tokenspeed.device import DecodeGraphs
+from tokenspeed.kv import KVConfig
 from tokenspeed.speculation import SpecConfig
 
 PROMPT = "The red cube is at x=0.42 y=-0.10. Move above it."
@@ -111,3 +114,83 @@ def test_decode_graph_bookkeeping_on_the_cpu(tiny_engine, robot_tools, monkeypat
     assert got == text and session.target.graphs.eager
     assert len(caplog.records) == 1, caplog.text
     assert caplog.records[0].getMessage().startswith("CUDA graph capture of a "), caplog.text
+
+
+def _next_position_truth(session):
+    """The next position as the device holds it: the newest position + 1 (the cached tokens' count
+    when a rollback lost the newest tokens)."""
+    c = session.cache
+    newest = int(c.pos[:c.n].max()) + 1 if c.n else 0
+    assert newest <= len(session.tokens)
+    return len(session.tokens)
+
+
+def test_the_host_next_position_follows_the_cache(tiny_engine, robot_tools, monkeypatch):
+    # The cache keeps the next rotary position on the host (no forward reads it back from the
+    # device): decisions with speculation (rejected draft tokens truncated), observations, trims
+    # and evictions to the cold tier, recalls and rollbacks keep it equal to what the device holds.
+    monkeypatch.setattr(tiny_engine, "speculation", SpecConfig(adaptive=False))
+    plain = tiny_engine.session(system="You control a robot arm.", tools=robot_tools)
+    pruned = tiny_engine.session(system="You control a robot arm.", tools=robot_tools,
+                                 kv_budget=KVConfig(budget=640, recall_threshold=1e-6))  # recalls often
+    for session in (plain, pruned):
+        early = None
+        for i in range(12):
+            if i == 3:
+                early = session.checkpoint()
+            session.observe(f"camera sees red_cube at x=0.4{i} y=-0.1{i}; joints q=[{i / 10:.2f},0.50]")
+            assert session.cache.next_position() == _next_position_truth(session)
+            session.decide(max_tokens=24)
+            assert session.cache.next_position() == _next_position_truth(session)
+        late = session.checkpoint()
+        session.observe("The gripper slipped.")
+        session.rollback(late)
+        assert session.cache.next_position() == _next_position_truth(session)
+        session.rollback(early)
+        assert session.cache.next_position() == _next_position_truth(session)
+        session.decide(max_tokens=24)
+        assert session.cache.next_position() == _next_position_truth(session)
+    assert plain.cache.next_position() == int(plain.cache.pos[plain.cache.n - 1]) + 1
+    totals = pruned.cache.take_metrics()["totals"]
+    assert totals["evicted"] > 0 and totals["recalled"] > 0, totals
+    # a sliding window (the draft model's cache) drops the oldest slots: the next position stays
+    cache = tiny_engine.model.new_cache(64)
+    tiny_engine.model(torch.arange(40), 100, cache, "none")
+    cache.drop_oldest(30)
+    assert cache.n == 10 and cache.next_position() == 140 == int(cache.pos[9]) + 1
+    cache.truncate(4)
+    assert cache.next_position() == 134 == int(cache.pos[3]) + 1
+
+
+def test_decode_forwards_read_nothing_back_from_the_device(tiny_engine):
+    # The decode loop reads the device once per forward, in `_choices` (the chosen token ids).
+    # Everything before it - decode steps, verification forwards with selected rows and lm_head
+    # rows, rejected tokens dropped, over the plain cache, the pruned cache inside a decision and
+    # the decode graphs' step - runs here on the "meta" device, where any host read of a tensor
+    # (int(), .item(), .tolist(), bool(), .cpu()) raises.
+    from tokenspeed.decode import Target
+    from tokenspeed.kv import TieredKVCache
+    from tokenspeed.model import Transformer
+
+    args = tiny_engine.args
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.use_fused = False  # the C++ step is CPU-only
+    V = args.vocab_size
+    caches = [lambda: model.new_cache(256),
+              lambda: TieredKVCache(args, KVConfig(budget=256, cold=256), device="meta")]
+    for make_cache, graphs in ((caches[0], False), (caches[0], True), (caches[1], False)):
+        cache = make_cache()
+        target = Target(model, cache, graphs=DecodeGraphs(model, cache, capture=False) if graphs else None)
+        with cache.decision():
+            assert target.forward(list(range(40)), "none") is None          # the decision's prefill
+            assert target.forward([5], "last").shape == (1, V)              # a decode step
+            rows = torch.tensor([0, 2, 3]).to("meta")
+            assert target.forward([6, 7, 8, 9], rows).shape == (3, V)       # a verification
+            target.discard(2)                                               # two drafts rejected
+            logits = target.forward([10], "last", head_rows=torch.tensor([1, 5, 9]))  # grammar's rows
+        assert logits.shape == (1, V) and logits.device.type == "meta"
+        assert cache.n == cache.next_position() == len(target.tokens) == 44
+    # the check is live: a forward given its positions as a device tensor reads their maximum
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        model(torch.tensor([11]).to("meta"), torch.tensor([43]).to("meta"), model.new_cache(64))

@@ -191,7 +191,7 @@ def test_decide_reports_metrics_and_history_outgrows_max_seq_len(tiny_engine):
     model = tiny_engine.model
     assert model.rope_cos.shape[0] == model.rope_sin.shape[0] == tiny_engine.args.max_seq_len
     pos = torch.tensor([0, tiny_engine.args.max_seq_len - 1, s.num_tokens, 3 * s.num_tokens])
-    cos, sin = model.rope_at(pos)
+    cos, sin = model.rope_at(pos, 3 * s.num_tokens + 1)
     table_cos, table_sin = rope_tables(tiny_engine.args, length=3 * s.num_tokens + 1)
     assert torch.equal(cos, table_cos[pos]) and torch.equal(sin, table_sin[pos])
 
@@ -255,7 +255,8 @@ def test_prefetch_copies_are_issued_after_a_forward_and_waited_for_before_they_a
     """`PageTransfer` bookkeeping (on CUDA a side stream and an event; here the same state with
     synchronous copies): issued after an observation's forward and left in flight through its
     eviction (new pages go to free slots), waited for once by the next forward, which reads the
-    copies; never issued inside a decision."""
+    copies; the recalled pages' siblings copied the same way and waited for before insertion;
+    never issued inside a decision otherwise."""
     s = _session(tiny_engine, budget=300, cold=2048, recall_threshold=1e-6)
     _fill(s, 9)
     c, tr = s.cache, s.cache.cold.transfer
@@ -264,13 +265,14 @@ def test_prefetch_copies_are_issued_after_a_forward_and_waited_for_before_they_a
     assert all(k.device == c.k.device for _, k, _, _ in c._staged)
     issued, waited = tr.issued, tr.waited
     with c.decision():
-        s._forward([42])                                        # recall: waits once, then reads the copies
-        assert not tr.in_flight and tr.waited == waited + 1 and c.totals["recalled"] > 0
+        s._forward([42])                                        # recall: waits, then reads the copies;
+        assert tr.issued == issued + 1 and tr.waited == waited + 2  # the hits' siblings: one batch, waited for
+        assert not tr.in_flight and c.totals["recalled"] > 0
         for t in (43, 44):
             s._forward([t])
-        assert tr.issued == issued and tr.waited == waited + 1  # nothing issued, nothing to wait for
+        assert tr.issued == issued + 1 and tr.waited == waited + 2  # nothing issued, nothing to wait for
     s._forward([45])
-    assert tr.in_flight and tr.issued == issued + 1
+    assert tr.in_flight and tr.issued == issued + 2
 
 
 def test_cold_tier_waits_for_copies_in_flight_only_before_rewriting_a_slot_they_read(tiny_engine):
