@@ -255,13 +255,13 @@ def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], sta
         masks = target.mask.fill_chain(matcher, chain)
     t_masks = time.perf_counter() - t_masks
     # logits projected on the allowed ids only are already masked (-inf elsewhere)
-    picks = _choices(logits, masks if head_rows is None else None, select, target.mask, temperature <= 0, len(ids))
+    drafts = [(chain[r], qs[r]) if r < len(chain) else (None, None) for r in choose]
+    picks = _choices(logits, masks if head_rows is None else None, select, target.mask, drafts, temperature, top_p,
+                     generator, len(ids))
     t_fwd = time.perf_counter() - t_fwd - t_masks
     stats.forwards += 1
-    rows = {r: (logits[i:i + 1], picks[i] if picks else None) for i, r in enumerate(choose)}
-    next_feed, stop, emitted, row, proposals = _accept(chain, sources, qs, confs, rows, out, stats, matcher,
-                                                       jump_forward, max_tokens, temperature, top_p, generator,
-                                                       stop_ids)
+    next_feed, stop, emitted, row, proposals = _accept(chain, sources, confs, dict(zip(choose, picks)), out, stats,
+                                                       matcher, jump_forward, max_tokens, stop_ids)
     chosen_at = time.perf_counter()
     # The KV keeps the fed tokens and chain[:row], the accepted prefix.
     target.discard(len(chain) - row)
@@ -279,35 +279,67 @@ def _head_rows(mask, masks: torch.Tensor | None) -> torch.Tensor | None:
     return allowed if 0 < len(allowed) <= LM_HEAD_ROWS else None
 
 
-def _choices(logits: torch.Tensor, masks: torch.Tensor | None, select: torch.Tensor, mask, greedy: bool,
-             n_tokens: int) -> list[int] | None:
+def _choices(logits: torch.Tensor, masks: torch.Tensor | None, select: torch.Tensor, mask, drafts: list,
+             temperature: float, top_p: float, generator: torch.Generator | None, n_tokens: int) -> list[int]:
     """Mask the verified rows' logits [R, V] in place on the device (rows `select` [R] of the
-    chain's `masks`, or no grammar) and read the greedy choice of each row: [R] token ids, or
-    None when sampling (its rows are read one by one while accepting).
+    chain's `masks`, or no grammar) and choose the target's token of each row: [R] token ids.
+
+    Greedy: the masked argmax. Sampling (`temperature` > 0, `top_p`, `generator` on the logits'
+    device): speculative rejection sampling (Leviathan et al. 2023, alg. 1; Chen et al. 2023), for
+    every row at once. Row r's proposal x with draft distribution q (drafts[r] = (x, q [V] or
+    None: deterministic, q one-hot) or (None, None): no proposal) is kept with probability
+    min(1, p(x) / q(x)); otherwise the token is sampled from norm(max(p - q, 0)) (from p with no
+    proposal). A row's proposal is accepted iff its chosen token equals it.
 
     Raises:
         NonFiniteLogitsError: NaN or +inf logits, or a row with no finite logit.
     """
-    # on the device: no NaN, no +inf, and some finite logit in every row (before the grammar masks)
+    chosen, finite = _choose_rows(logits, masks, select, mask, drafts, temperature, top_p, generator)
+    # The decode loop's one host read per forward: every row's chosen token and the finiteness flag.
+    values = torch.cat([chosen, finite.view(1).long()]).tolist()
+    if not values[-1]:
+        raise NonFiniteLogitsError(f"non-finite logits in a forward over {n_tokens} tokens")
+    return values[:-1]
+
+
+def _choose_rows(logits: torch.Tensor, masks: torch.Tensor | None, select: torch.Tensor, mask, drafts: list,
+                 temperature: float, top_p: float, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_choices` on the device, with nothing read on the host: (chosen tokens [R] int64, whether
+    the logits are finite [] bool)."""
+    # no NaN, no +inf, and some finite logit in every row (before the grammar masks)
     finite = ~(logits.isnan().any() | logits.isposinf().any()) & (logits.amax(-1) > float("-inf")).all()
     if masks is not None:
         mask.apply(logits, masks, select)
-    if greedy:
-        # The decode loop's one host read per forward: every row's chosen token and the finiteness flag.
-        values = torch.cat([logits.argmax(-1), finite.view(1).long()]).tolist()
-        finite, picks = values[-1], values[:-1]
-    else:
-        finite, picks = bool(finite), None
-    if not finite:
-        raise NonFiniteLogitsError(f"non-finite logits in a forward over {n_tokens} tokens")
-    return picks
+    if temperature <= 0:
+        return logits.argmax(-1), finite
+    return _sample_rows(logits, drafts, finite, temperature, top_p, generator), finite
 
 
-def _accept(chain, sources, qs, confs, rows: dict, out: list[int], stats: DecodeStats, matcher,
-            jump_forward: bool, max_tokens: int, temperature: float, top_p: float, generator,
-            stop_ids: set[int]):
-    """Walk the verified rows (chain row -> (masked logits [1, V], greedy pick or None)): accept
-    proposals while the target agrees, choose its own token at the first disagreement (or after the
+def _sample_rows(logits: torch.Tensor, drafts: list, finite: torch.Tensor, temperature: float, top_p: float,
+                 generator: torch.Generator | None) -> torch.Tensor:
+    """`_choices`' sampled tokens [R] int64 on the device from the masked logits [R, V] (when
+    `finite` [] bool is False the draws are meaningless, and never read)."""
+    p = token_probs(logits, temperature, top_p)                                    # [R, V]
+    x = to_device(torch.tensor([-1 if d[0] is None else d[0] for d in drafts], device="cpu"), p.device)
+    xi = x.clamp(min=0).unsqueeze(1)                                               # [R, 1]
+    q = torch.zeros_like(p)  # draft distributions: sampled, one-hot (deterministic), none (no proposal)
+    for r, (proposal, qr) in enumerate(drafts):
+        if qr is not None:
+            q[r] = qr
+        elif proposal is not None:
+            q[r, proposal] = 1.0
+    u = torch.rand(x.shape[0], generator=generator, device=p.device)
+    accept = (x >= 0) & (u * q.gather(1, xi)[:, 0] < p.gather(1, xi)[:, 0])
+    residual = (p - q).clamp_min(0.0)  # p itself where there is no proposal
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    residual = torch.where(finite, residual, torch.ones_like(residual))  # NaN must not reach multinomial
+    return torch.where(accept, x, torch.multinomial(residual, 1, generator=generator)[:, 0])
+
+
+def _accept(chain, sources, confs, picks: dict, out: list[int], stats: DecodeStats, matcher,
+            jump_forward: bool, max_tokens: int, stop_ids: set[int]):
+    """Walk the verified rows (chain row -> the target's chosen token, `_choices`): accept
+    proposals while the target agrees, take its own token at the first disagreement (or after the
     chain). Returns (next feed, stop, emitted, last row, proposals as (source, confidence,
     accepted)). The walk always ends at some row: the last has no proposal."""
     proposals: list[tuple[str, float, bool]] = []
@@ -325,9 +357,8 @@ def _accept(chain, sources, qs, confs, rows: dict, out: list[int], stats: Decode
         if matcher is not None and row == len(chain) and (
                 matcher.is_stopped() or (jump_forward and matcher.compute_ff_tokens())):
             break  # the call is complete, or the chain was cut inside a forced run (forced next step)
-        logits_row, pick = rows[row]
-        token, ok = _choose(logits_row[0], pick, chain[row] if src else None, qs[row] if src else None,
-                            temperature, top_p, generator)
+        token = picks[row]
+        ok = src is not None and token == chain[row]
         if src is not None:
             proposals.append((src, confs[row], ok))
         if ok:
@@ -347,44 +378,16 @@ def _accept(chain, sources, qs, confs, rows: dict, out: list[int], stats: Decode
 
 
 def token_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """Sampling distribution [V] (fp32) from logits [V]: softmax(logits / temperature), top-p filtered.
+    """Sampling distributions [..., V] (fp32) from logits [..., V]: softmax(logits / temperature),
+    top-p filtered.
 
     Top-p (Holtzman et al., 2020) keeps the smallest set of most likely tokens whose mass reaches
     `top_p` and renormalises. Masked (-inf) logits get probability 0.
     """
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
-        sorted_p, idx = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < top_p
-        probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
-        probs /= probs.sum()
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p * keep)
+        probs /= probs.sum(-1, keepdim=True)
     return probs
-
-
-def _choose(logits: torch.Tensor, pick: int | None, proposal: int | None, q: torch.Tensor | None,
-            temperature: float, top_p: float, generator: torch.Generator | None) -> tuple[int, bool]:
-    """The target's token at one position, and whether it is the proposal (accepted).
-
-    Greedy: `pick`, the argmax of the masked `logits` [V] (read with the forward's other rows); the
-    proposal is accepted iff it equals it. Sampling: speculative rejection sampling - accept x ~ q
-    with probability min(1, p(x) / q(x)); on rejection sample from norm(max(p - q, 0)) (q is
-    one-hot for deterministic proposals); with no proposal sample p. `generator` is on the logits'
-    device (or None).
-    """
-    if temperature <= 0:
-        return pick, pick == proposal
-    p = token_probs(logits, temperature, top_p)
-    if proposal is None:
-        return int(torch.multinomial(p, 1, generator=generator)), False
-    qx = float(q[proposal]) if q is not None else 1.0
-    u = float(torch.rand((), generator=generator, device=p.device))
-    if u * qx < float(p[proposal]):
-        return proposal, True
-    if q is None:
-        residual = p.clone()
-        residual[proposal] = 0.0
-    else:
-        residual = (p - q).clamp_min_(0.0)
-    if float(residual.sum()) <= 0:
-        residual = p
-    return int(torch.multinomial(residual, 1, generator=generator)), False

@@ -164,11 +164,13 @@ def test_the_host_next_position_follows_the_cache(tiny_engine, robot_tools, monk
 
 def test_decode_forwards_read_nothing_back_from_the_device(tiny_engine):
     # The decode loop reads the device once per forward, in `_choices` (the chosen token ids).
-    # Everything before it - decode steps, verification forwards with selected rows and lm_head
-    # rows, rejected tokens dropped, over the plain cache, the pruned cache inside a decision and
-    # the decode graphs' step - runs here on the "meta" device, where any host read of a tensor
-    # (int(), .item(), .tolist(), bool(), .cpu()) raises.
-    from tokenspeed.decode import Target
+    # Everything before that read - decode steps, verification forwards with selected rows and
+    # lm_head rows, rejected tokens dropped, over the plain cache, the pruned cache inside a
+    # decision and the decode graphs' step; then grammar masks and greedy or sampled choices - runs
+    # here on the "meta" device, where any host read of a tensor (int(), .item(), .tolist(),
+    # bool(), .cpu()) raises.
+    from tokenspeed.decode import Target, _choose_rows
+    from tokenspeed.grammar import TokenMask
     from tokenspeed.kv import TieredKVCache
     from tokenspeed.model import Transformer
 
@@ -191,6 +193,13 @@ def test_decode_forwards_read_nothing_back_from_the_device(tiny_engine):
             logits = target.forward([10], "last", head_rows=torch.tensor([1, 5, 9]))  # grammar's rows
         assert logits.shape == (1, V) and logits.device.type == "meta"
         assert cache.n == cache.next_position() == len(target.tokens) == 44
+    mask, select = TokenMask(V, device="meta"), torch.arange(3).to("meta")
+    words = torch.full((3, mask.n_words), -1, dtype=torch.int32)  # every id allowed
+    q = torch.full((V,), 1.0 / V).to("meta")  # a sampled draft's distribution
+    for temperature in (0.0, 0.8):  # greedy; rejection sampling of a deterministic and a sampled proposal
+        chosen, finite = _choose_rows(torch.zeros(3, V).to("meta"), words, select, mask,
+                                      [(6, None), (7, q), (None, None)], temperature, 0.9, None)
+        assert chosen.shape == (3,) and chosen.device.type == finite.device.type == "meta"
     # the check is live: a forward given its positions as a device tensor reads their maximum
     with pytest.raises((RuntimeError, NotImplementedError)):
         model(torch.tensor([11]).to("meta"), torch.tensor([43]).to("meta"), model.new_cache(64))
