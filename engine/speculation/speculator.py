@@ -246,22 +246,23 @@ class Speculator:
         if matcher is not None:
             logits = logits.masked_fill(~to_device(allowed(matcher), logits.device)[vocab], float("-inf"))
         probs = torch.softmax(logits / temperature if temperature > 0 else logits, dim=-1)
-        top, top_i = probs.max(-1)
-        top, top_i = torch.stack([top, top_i.to(top.dtype)]).tolist()  # the draft's one host read per proposal
+        top, pick = probs.max(-1)
+        if temperature > 0:  # drawn before the read (from all-NaN probabilities: a placeholder, never used)
+            pick = torch.multinomial(torch.nan_to_num(probs, nan=1.0), 1, generator=generator)[0]
+        top, pick = torch.stack([top, pick.to(top.dtype)]).tolist()  # the draft's one host read per proposal
         if math.isnan(top):  # the grammar allows none of the draft's vocabulary (softmax of all -inf)
             return looked, src, None, 1.0
-        top_i = int(top_i)
         # The model's proposal wins unless it is unsure and the context offers a copy; alone, it
         # must be confident enough to be worth a verification row.
         if looked is None and top < self.config.min_confidence:
             return None, src, None, 1.0
         if looked is not None and top < self.config.lookup_below:
             return looked, src, None, 1.0
+        q = None
         if temperature > 0:
             q = torch.zeros(self.draft.draft.net.tok_embeddings.num_embeddings, device=probs.device)
             q[vocab] = probs
-            return int(torch.multinomial(q, 1, generator=generator)), MODEL, q, top
-        return int(self.draft.draft.vocab_ids[top_i]), MODEL, None, top
+        return self.draft.draft.vocab_ids[int(pick)], MODEL, q, top
 
     @staticmethod
     def _forced_after(tok: int, matcher, jump_forward: bool, room: int) -> list[int]:
