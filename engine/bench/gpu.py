@@ -428,6 +428,7 @@ def profile_decision(engine, wl, context: int) -> dict:
         `kernel_gaps` of the decode steps (kernels 0 and "note" `NO_KERNELS` on a CPU), with
         ttft_ms, decide_ms (under the profiler), unprofiled_decide_ms, forwards, output_tokens.
     """
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     session, _ = _run_turn(engine, wl)
@@ -437,7 +438,9 @@ def profile_decision(engine, wl, context: int) -> dict:
     with profile(activities=activities) as prof:
         d = _warm_decision(session, wl)
     events = prof.events()
-    first_token_us = next(e for e in events if e.name == _DECIDE).time_range.start + d.ttft_s * 1e6
+    # the host range (on CUDA the profile also holds a GPU range of that name, from its first kernel)
+    decide = next(e for e in events if e.name == _DECIDE and e.device_type == DeviceType.CPU)
+    first_token_us = decide.time_range.start + d.ttft_s * 1e6
     return {"ttft_ms": d.ttft_s * 1e3, "decide_ms": d.total_s * 1e3, "unprofiled_decide_ms": plain.total_s * 1e3,
             "forwards": d.forwards, "output_tokens": d.forced_tokens + d.generated_tokens,
             **kernel_gaps(k for k in device_kernels(events) if k.start_us >= first_token_us)}

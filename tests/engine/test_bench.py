@@ -12,7 +12,7 @@ from tokenspeed.bench import main as bench_main
 from tokenspeed.bench.aal import LLAMA_CPP_SERVER_DEPS, build_job, run_aal
 from tokenspeed.bench.peers import check_call
 from tokenspeed.bench.decode_profile import profile_decode
-from tokenspeed.bench.kernel_gaps import NO_KERNELS, Kernel, kernel_gaps
+from tokenspeed.bench.kernel_gaps import NO_KERNELS, Kernel, device_kernels, kernel_gaps
 from tokenspeed.bench.report import agreement, percentile, ratios, summarize, targets
 from tokenspeed.bench.workload import Workload, bfcl_tool, build_workload
 
@@ -188,6 +188,21 @@ def test_kernel_gaps_counts_overlap_once_and_names_the_kernels_around_each_gap()
     assert none["kernels"] == 0 and none["note"] == NO_KERNELS and none["busy_us"] is None and none["largest"] == []
     with pytest.raises(ValueError, match="negative duration"):
         kernel_gaps([Kernel("gemm", 0.0, -1.0)])
+
+
+def test_device_kernels_takes_the_cuda_activities_of_a_profile_but_not_its_annotations():
+    """Built FunctionEvents in the shape of a CUDA profile's (no CUDA device on the test machines:
+    a real CPU-only profile, which has none of them, runs in the device check test above)."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    def event(name, start, end, device, annotation=False):
+        return FunctionEvent(0, name, 1, start, end, device_type=device, is_user_annotation=annotation)
+
+    events = [event("tokenspeed.decide", 0.0, 90.0, DeviceType.CPU, True), event("aten::mm", 1.0, 9.0, DeviceType.CPU),
+              event("tokenspeed.decide", 12.0, 80.0, DeviceType.CUDA, True),  # the GPU range of the annotation
+              event("sm90_gemm", 12.0, 40.0, DeviceType.CUDA), event("Memcpy HtoD", 55.0, 56.5, DeviceType.CUDA)]
+    assert device_kernels(events) == [Kernel("sm90_gemm", 12.0, 28.0), Kernel("Memcpy HtoD", 55.0, 1.5)]
 
 
 @settings(max_examples=60, deadline=None)
