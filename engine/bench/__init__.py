@@ -3,7 +3,7 @@ and `tokenspeed bench gpu` (the same decode path on CUDA against the HBM floor).
 
     tokenspeed bench aal --quick            # small workload, a minute or two on 2 cores
     tokenspeed bench aal --threads 2        # the full 10-call, ~4K-token run with all peers
-    tokenspeed bench gpu --out DIR          # the device check (CUDA): kernels, parity, decode vs floor, agent figures, kernel gaps
+    tokenspeed bench gpu --out DIR          # the device check (CUDA): kernels, parity, decode vs floor, agent figures, profile
     tokenspeed bench profile                # torch.profiler table of one int4 decode step
     tokenspeed bench kv needle|agreement|cost   # pruned KV cache accuracy and cost (tokenspeed.bench.kv)
     tokenspeed bench auto                   # tool_choice=auto: call/text rates per tool-listing prompt (BFCL)

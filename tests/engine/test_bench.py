@@ -212,7 +212,8 @@ def test_kernel_gaps_busy_time_is_the_union_of_the_intervals(intervals):
     cells = {t for s, d in intervals for t in range(s, s + d)}  # unit cells covered by some kernel
     assert g["busy_us"] == len(cells)
     assert g["span_us"] == max(s + d for s, d in intervals) - min(s for s, _ in intervals)
-    assert g["idle_us"] == g["span_us"] - g["busy_us"] >= 0 and g["gap_max_us"] == (g["largest"][0]["gap_us"] if g["largest"] else None)
+    assert g["idle_us"] == g["span_us"] - g["busy_us"] >= 0
+    assert g["gap_max_us"] == (g["largest"][0]["gap_us"] if g["largest"] else None)
 
 
 def test_profile_reports_ops_and_matmul_share():
