@@ -21,7 +21,7 @@ import torch
 from .decision import (Checkpoint, Decision, Segment, SessionArgumentError, finite_arg, positive_int_arg, sampling_args,
                        settle)
 from .decode import NonFiniteLogitsError, Target, decode
-from .device import DecodeGraphs, DeviceError, resolve_device, resolve_dtype
+from .device import DecodeGraphs, resolve_device, resolve_dtype
 from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, ToolGrammar, call_format_for, normalize_tools, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
@@ -163,24 +163,21 @@ class Engine:
             quantize: "auto" (default: the fastest format on this machine whose greedy tokens agree
                 with fp32's, measured once and cached, see `tokenspeed.quant.choose_format`; the
                 unquantized dtype where the model is not fp32 on the CPU, and for "tiny-random"), None
-                (unquantized weights, the reference), "int8" or "int4" (CPU) for weight-only quantized
-                linears (`tokenspeed.quant`). Quantized CPU weights are cached
+                (unquantized weights, the reference), "int8" or "int4" for weight-only quantized
+                linears (`tokenspeed.quant`; on CUDA through torch's int8 and int4 kernels, bf16
+                activations for int4). Quantized fp32 CPU weights are cached
                 (`tokenspeed.weights.load_quantized`): a warm load reads them packed.
             stages: `LoadStages` to continue (its clock runs on from its last stage), else a new one;
                 it becomes `Engine.load_stages`.
         Raises:
             ModelLoadError: bad path or unsupported file.
-            DeviceError: a malformed device or dtype, a CUDA device this machine does not have, or
-                int8/int4 weights on a device other than the CPU.
+            DeviceError: a malformed device or dtype, or a CUDA device this machine does not have.
             ValueError: unknown quantize mode, or an unknown or unrunnable `$TOKENSPEED_CPU_ISA`.
         """
         if quantize not in (None, "auto", *MODES):
             raise ValueError(f"unknown quantization {quantize!r}; choose one of {('auto', *MODES)} or None")
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
-        if quantize in MODES and device.type != "cpu":
-            raise DeviceError(f"quantize={quantize!r} is a CPU weight format (tokenspeed.quant); on {device} "
-                              "use quantize='auto' or None with a dtype")
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
@@ -204,7 +201,9 @@ class Engine:
             stages.done(f"{fmt} weights from the quantized cache")
         else:
             net = _tiny_random(files.args) if model == "tiny-random" else _fp32_model(files)
-            net = net.to(device=device, dtype=dtype)
+            # off the CPU, quantized weights are made on the device from fp32, then the rest is cast
+            cast_after = fmt in MODES and device.type != "cpu"
+            net = net.to(device=device, dtype=torch.float32 if cast_after else dtype)
             stages.done(f"{plain} weights")
             if quantize == "auto" and on_cpu and choice is None:
                 from .quant import choose_format
@@ -216,6 +215,8 @@ class Engine:
                 from .quant import quantize as quantize_model
 
                 quantize_model(net, fmt)
+                if cast_after:
+                    net = net.to(dtype=dtype)
                 stages.done(f"quantize {fmt}")
             if on_cpu and fmt in MODES:
                 save_quantized(net, files, fmt)
