@@ -317,8 +317,8 @@ class Session:
 
     @property
     def tokens(self) -> list[int]:
-        """Token ids whose KV is in the cache, in slot order."""
-        return self.target.tokens
+        """Token ids whose KV is in the cache, in slot order (a copy: O(context))."""
+        return self.target.tokens.tolist()
 
     @property
     def segments(self) -> list[Segment]:
@@ -327,7 +327,7 @@ class Session:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens) + len(self.pending)
+        return len(self.target.tokens) + len(self.pending)
 
     def _render(self, messages: list[dict]) -> list[int]:
         # Render messages on their own, after the system message, and keep only their tokens
@@ -360,7 +360,7 @@ class Session:
             ids, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
             self._forward(ids, "none")
             self.cache.trim()  # back to the KV budget between decisions
-            self.speculator.observe(self.tokens)  # the draft model's KV follows, off the decision path
+            self.speculator.observe(self.target.context())  # the draft model's KV follows, off the decision path
 
     def observe(self, content, role: str = "user", kind: str = "text", source: str = "", pin: bool = False) -> int:
         """Append an observation to the context and prefill it now (streaming prefill).
@@ -401,7 +401,7 @@ class Session:
     def checkpoint(self) -> Checkpoint:
         """Capture the context (O(1): the KV prefix is immutable until rollback)."""
         last_end = self.segments[-1].end if self.segments else 0
-        return Checkpoint(len(self.tokens), tuple(self.pending), len(self.segments), last_end, self.cache.snapshot(),
+        return Checkpoint(len(self.target.tokens), tuple(self.pending), len(self.segments), last_end, self.cache.snapshot(),
                           self.id)
 
     def rollback(self, cp: Checkpoint) -> None:
@@ -413,10 +413,10 @@ class Session:
         """
         if not isinstance(cp, Checkpoint) or cp.session_id != self.id:
             raise SessionArgumentError("rollback() takes a Checkpoint taken from this same session")
-        if cp.n_tokens > len(self.tokens) or cp.n_segments > len(self.segments):
+        if cp.n_tokens > len(self.target.tokens) or cp.n_segments > len(self.segments):
             raise ValueError("checkpoint is not a prefix of this session's context")
         self.cache.restore(cp.n_tokens, cp.kv)  # a pruned cache also undoes evictions and recalls since cp
-        del self.tokens[cp.n_tokens:]
+        del self.target.tokens[cp.n_tokens:]
         self.pending = list(cp.pending)
         del self.segments[cp.n_segments:]
         if self.segments:
@@ -513,7 +513,7 @@ class Session:
             end = self.tok.encode(self.tok.assistant_suffix)
             self.pending = feed + end
             self.segments[-1].kind = "assistant"
-            self.segments[-1].end = len(self.tokens) + len(self.pending)
+            self.segments[-1].end = len(self.target.tokens) + len(self.pending)
         else:
             self.rollback(cp)
         return d
@@ -568,5 +568,5 @@ class Session:
                               temperature=temperature, top_p=top_p, generator=gen,
                               on_token=self._text_stream(on_token))
         self.pending = feed + self.tok.encode(self.tok.assistant_suffix)
-        self.segments[-1].end = len(self.tokens) + len(self.pending)
+        self.segments[-1].end = len(self.target.tokens) + len(self.pending)
         return self.tok.decode(out)
