@@ -12,7 +12,9 @@ and the run goes on):
    of the embedded model against the floor = (weight bytes + KV bytes read) / bandwidth, over a full
    KV cache at a short and a long context (eager, and as CUDA graph replays) and over a pruned one (1024-token budget: the Triton
    attention with slot mass) at the long one, with the torch norms and with the fused Triton norm
-   (`Transformer.use_triton_norm`, off by default until these figures say it helps).
+   (`Transformer.use_triton_norm`, off by default until these figures say it helps); then the graph
+   step with weight-only int8 and int4 weights (`tokenspeed.quant`: torch's kernels on CUDA), whose
+   floor counts their own bytes: the rows that say whether they beat bf16.
 4. parity: greedy decoding of the device model (bf16 on CUDA) against the CPU fp32 reference on
    20 BFCL prompts (`$TOKENSPEED_BFCL`): the device model, fed the reference's tokens, must choose
    every one of them (so its greedy decode is identical), and each logits row must be within
@@ -33,6 +35,7 @@ H100, 7B) and the goals. On CPU (`--device cpu --quick`) the same script runs wi
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -48,6 +51,7 @@ import torch.nn.functional as F
 from ..device import DecodeGraphs
 from ..kv import KVConfig, TieredKVCache
 from ..model import ModelArgs, Transformer
+from ..quant import MODES, linear_bytes, quantize
 from .kernel_gaps import device_kernels, kernel_gaps
 
 __all__ = ["LLAMA31_8B", "SMALL", "TINY", "BRIEF", "GOALS", "PARITY_RTOL", "device_bandwidth", "random_model",
@@ -121,16 +125,6 @@ def random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype, seed
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     return model.to(dtype=dtype).eval()
-
-
-def _weight_bytes(model: Transformer) -> int:
-    # Every projection (lm_head included, once) - what a decode step reads; embeddings are gathered.
-    seen, total = set(), 0
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
-            seen.add(id(m.weight))
-            total += m.weight.numel() * m.weight.element_size()
-    return total
 
 
 # ---------------------------------------------------------------------------------- kernels
@@ -262,7 +256,7 @@ def measure(model: Transformer, context: int, decode_tokens: int, device: torch.
             if step == 2 + decode_tokens // 2:
                 attended = cache.n
     itl = sorted(itl[2:])
-    wbytes = _weight_bytes(model)
+    wbytes = linear_bytes(model)
     kv_bytes = 2 * args.n_layers * args.n_kv_heads * args.head_dim * attended * cache.k.element_size()
     floor_ctx = (wbytes + kv_bytes) / (bandwidth_gbs * 1e9) * 1e3
     p50 = itl[len(itl) // 2] * 1e3
@@ -278,17 +272,28 @@ def _raw_decode(name: str, model: Transformer, contexts, steps: int, device: tor
                 pruned: KVConfig) -> list[dict]:
     # The decode step at each context over a full cache, eager and as CUDA graph replays (on the CPU
     # the graph runner's static step, eagerly), and at the longest over a `pruned` cache (eager: the
-    # Triton attention on CUDA), with the torch norms and (on CUDA) the fused Triton norm.
-    rows = []
+    # Triton attention on CUDA), with the torch norms and (on CUDA) the fused Triton norm; then the
+    # graph step of a weight-only int8 and int4 copy (torch's kernels on CUDA), each context.
+    rows, plain = [], str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
     for fused_norm in (False, True) if device.type == "cuda" else (False,):
         model.use_triton_norm = fused_norm
         try:
             for c, kv, graphs in ([(c, None, g) for c in contexts for g in (False, True)]
                                   + [(contexts[-1], pruned, False)]):
-                rows.append({"model": name, "triton_norm": fused_norm,
+                rows.append({"model": name, "weights": plain, "triton_norm": fused_norm,
                              **measure(model, c, steps, device, bw, kv, graphs)})
         finally:
             del model.use_triton_norm  # back to the class default
+    for mode in MODES:
+        model.invalidate_fused()  # the fused CPU step holds the C++ extension, which does not copy
+        q = quantize(copy.deepcopy(model), mode)
+        try:
+            rows += [{"model": name, "weights": mode, "triton_norm": False, **measure(q, c, steps, device, bw, graphs=True)}
+                     for c in contexts]
+        finally:
+            del q
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -597,12 +602,12 @@ def _print(results: dict) -> None:
     t = Table(title=f"raw decode vs floor on {results['device']} ({results['dtype']}), read bandwidth "
                     f"{_fmt(results.get('bandwidth_gbs'), 0)} GB/s; goal for the 8B shape: ITL <= "
                     f"{GOALS['decode_vs_floor']}x floor")
-    for col in ("model", "step", "triton norm", "cache", "context", "attended", "TTFT ms", "ITL p50 ms", "ITL p90 ms", "floor+KV ms",
+    for col in ("model", "weights", "step", "triton norm", "cache", "context", "attended", "TTFT ms", "ITL p50 ms", "ITL p90 ms", "floor+KV ms",
                 "ITL / floor"):
         t.add_column(col, justify="left" if col == "model" else "right")
     for key in ("decode_big", "decode_embedded"):
         for r in sec.get(key, {}).get("rows", []):
-            t.add_row(r["model"], r["step"], "on" if r["triton_norm"] else "off", r["cache"], str(r["context"]),
+            t.add_row(r["model"], r["weights"], r["step"], "on" if r["triton_norm"] else "off", r["cache"], str(r["context"]),
                       str(r["attended"]), _fmt(r["ttft_ms"], 1),
                       _fmt(r["itl_p50_ms"]), _fmt(r["itl_p90_ms"]), _fmt(r["floor_ctx_ms"]), f"{r['itl_vs_floor']:.2f}x")
     con.print(t)

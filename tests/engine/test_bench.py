@@ -149,9 +149,12 @@ def test_gpu_device_check_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert sec["kernels"]["ok"] and sec["kernels"]["attention"] and sec["kernels"]["norm"]
     for key in ("decode_big", "decode_embedded"):
         rows = sec[key]["rows"]
-        assert [(r["cache"], r["step"]) for r in rows] == [("full", "eager"), ("full", "graph"), ("full", "eager"),
-                                                           ("full", "graph"), ("pruned 40", "eager")]
-        assert rows[-1]["attended"] <= 40 + 16 < rows[2]["attended"]   # the pruned cache reads its hot tier only
+        assert [(r["weights"], r["cache"], r["step"]) for r in rows] == [
+            ("float32", "full", "eager"), ("float32", "full", "graph"), ("float32", "full", "eager"),
+            ("float32", "full", "graph"), ("float32", "pruned 40", "eager"),
+            ("int8", "full", "graph"), ("int8", "full", "graph"), ("int4", "full", "graph"), ("int4", "full", "graph")]
+        assert rows[7]["floor_ms"] < rows[5]["floor_ms"] < rows[0]["floor_ms"]   # each format's own weight bytes
+        assert rows[4]["attended"] <= 40 + 16 < rows[2]["attended"]    # the pruned cache reads its hot tier only
         assert rows[2]["attended"] == rows[3]["attended"]              # the graph runner's step reads the same slots
         for r in rows:
             assert r["ttft_ms"] > 0 and r["itl_p50_ms"] > 0 and r["floor_ctx_ms"] >= r["floor_ms"] > 0
