@@ -9,8 +9,10 @@ is token-for-token the plain greedy output. The loop sees the model only through
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 from .device import to_device
@@ -39,7 +41,8 @@ class Target:
     Attributes:
         model: the `Transformer`.
         cache: its KV cache (`tokenspeed.model.KVCache` or `tokenspeed.kv.TieredKVCache`).
-        tokens: token ids whose KV is in the cache, in slot order.
+        tokens: token ids whose KV is in the cache, in slot order (an int64 `array.array`: `context()`
+            reads it as numpy with one copy, not one conversion per id, however long the session runs).
         mask: the session's `TokenMask` (grammar masks, applied on the device), or None.
         device: the model's device.
         graphs: the `tokenspeed.device.DecodeGraphs` that runs decode and verification forwards
@@ -49,7 +52,11 @@ class Target:
     def __init__(self, model, cache, mask=None, graphs=None):
         self.model, self.cache, self.mask, self.graphs = model, cache, mask, graphs
         self.device = model.tok_embeddings.weight.device
-        self.tokens: list[int] = []
+        self.tokens = array("q")
+
+    def context(self, feed=()) -> np.ndarray:
+        """The cached token ids then `feed` (ids not yet cached): [N + len(feed)] int64, a copy."""
+        return np.concatenate([np.frombuffer(self.tokens, dtype=np.int64), np.asarray(feed, dtype=np.int64)])
 
     def forward(self, ids: list[int], rows="last", head_rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """Append `ids` to the cache at the next positions (in chunks of `PREFILL_CHUNK`).
@@ -158,7 +165,7 @@ def decode(target: Target, speculator: Speculator, feed: list[int], *, tok=None,
     stats = DecodeStats()
     t0 = time.perf_counter() if t0 is None else t0
     stop_ids = set(tok.stop_ids) if tok is not None else set()
-    copying = _copy_helpers(target.tokens + feed, speculator, tok, matcher, stop_ids)
+    copying = _copy_helpers(target.context(feed), speculator, tok, matcher, stop_ids)
     out: list[int] = []
     t_last = None
     while True:
@@ -184,7 +191,7 @@ def decode(target: Target, speculator: Speculator, feed: list[int], *, tok=None,
     return out, feed, stats
 
 
-def _copy_helpers(context: list[int], speculator: Speculator, tok, matcher, stop_ids: set[int]):
+def _copy_helpers(context: np.ndarray, speculator: Speculator, tok, matcher, stop_ids: set[int]):
     """(copy source, MessageMatch or None, ForcedText or None) for this answer's drafting."""
     source = copy_source(context, len(context), stop_ids) if speculator.lookup else None
     match = None
@@ -196,7 +203,7 @@ def _copy_helpers(context: list[int], speculator: Speculator, tok, matcher, stop
                 texts[i] = tok.decode([i])
             return texts[i]
 
-        match = MessageMatch(tok.decode(context[source[0]:source[1]], skip_special=True), token_text)
+        match = MessageMatch(tok.decode(context[source[0]:source[1]].tolist(), skip_special=True), token_text)
     forced_text = ForcedText(tok.encode) if speculator.forced_text and matcher is not None and tok is not None else None
     return source, match, forced_text
 
@@ -230,7 +237,7 @@ def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], sta
     source, match, forced_text = copying
     t_draft = time.perf_counter()
     allowed = target.mask.allowed if matcher is not None else None
-    chain, sources, qs, confs = spec.chain(target.tokens + feed, spec.max_k, matcher, allowed, jump_forward,
+    chain, sources, qs, confs = spec.chain(target.context(feed), spec.max_k, matcher, allowed, jump_forward,
                                            max_tokens - len(out) - 1, temperature, generator, source, len(feed),
                                            match, forced_text)
     t_draft = time.perf_counter() - t_draft

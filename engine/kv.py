@@ -356,7 +356,7 @@ class TieredKVCache(KVCache):
         # Pages of the (short, <= 8 pages) observations that overlap page `pid`.
         page, lo, hi = self.config.page, pid * self.config.page, (pid + 1) * self.config.page
         out = []
-        i = bisect.bisect_right([g.start for g in self.segments], lo) - 1
+        i = bisect.bisect_right(self.segments, lo, key=lambda g: g.start) - 1
         for g in self.segments[max(i, 0):]:
             if g.start >= hi:
                 break

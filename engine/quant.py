@@ -1,27 +1,19 @@
-"""Weight-only quantized linears, swapped in for `nn.Linear` (gpt-fast style).
+"""Weight-only quantized linears, swapped in for `nn.Linear` (gpt-fast style) by `quantize`.
 
-`quantize(model, "int4")` replaces every block projection with an `Int4Linear`: 4-bit codes in
-groups of 32 input channels with a scale and a minimum per group - the layout of GGUF Q4_1, so a
-model converted from a Q4_1 file gets its original codes back exactly (only the group scale and
-minimum are rounded to bf16) - multiplied with int8-quantized activations by the fused extension's
-`int4_matmul` (the Q4_1 x Q8_1 scheme of llama.cpp; CPU only), for decode and prefill alike. The
-lm_head becomes an `Int8Linear` (GGUF files usually keep it at 8 bits).
-
-`quantize(model, "int8")` replaces every projection of a `Transformer` (QKV, output, gate/up,
-down and the lm_head) with an `Int8Linear`: int8 weights with one fp32 scale per output channel
-(symmetric, scale = max|w_row| / 127). The embedding table stays in the model's dtype (a gather
-reads one row per token); a tied lm_head gets its own int8 copy.
-
-Decode-sized inputs (at most `PACKED_ROWS` rows) run `torch._weight_int8pack_mm`, which reads
-the int8 weights directly (4x fewer bytes than fp32; activations are rounded to bf16 for it);
-larger inputs (prefill) dequantize the weight once per call and use the dtype's GEMM, which is
-faster for many rows. With the fused CPU decode extension built (`tokenspeed.kernels.cpu_decode`),
-decode-sized inputs run its `int8_gemv` instead (fp32 activations, ~2x faster for the lm_head). `linear_rows` projects onto a subset of output rows (lm_head logits for
-the few token ids a grammar allows) for both `nn.Linear` and `Int8Linear`.
+- "int4": block projections get 4-bit codes in groups of 32 input channels with a scale and a
+  minimum per group (the GGUF Q4_1 layout: a model converted from a Q4_1 file gets its codes back).
+  On the CPU `Int4Linear` multiplies them with int8-quantized activations in the fused extension
+  (llama.cpp's Q4_1 x Q8_1 scheme); on CUDA `Int4TinygemmLinear` runs torch's int4 kernel.
+  The lm_head becomes an `Int8Linear` (GGUF files usually keep it at 8 bits).
+- "int8": every projection, the lm_head included, gets int8 weights with one fp32 scale per output
+  channel (`Int8Linear`); decode-sized inputs run torch's `_weight_int8pack_mm` (CPU and CUDA) or the
+  fused extension's `int8_gemv`, larger ones dequantize once per call.
+`linear_rows` projects onto a subset of output rows (the lm_head logits of the ids a grammar allows).
 """
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -35,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Int8Linear", "Int4Linear", "quantize", "linear_rows", "fused_ext", "choose_format", "cached_format",
+__all__ = ["Int8Linear", "Int4Linear", "Int4TinygemmLinear", "QUANTIZED", "q4_1_groups", "linear_bytes", "quantize", "linear_rows", "fused_ext", "choose_format", "cached_format",
            "FormatChoice", "MODES", "FORMATS", "PACKED_ROWS"]
 
 MODES = ("int8", "int4")
@@ -44,8 +36,30 @@ log = logging.getLogger(__name__)
 PACKED_ROWS = 32  # rows up to which the packed int8 kernel beats dequantize + GEMM (measured, 2-core CPU)
 
 
-def _has_int8pack(device: torch.device) -> bool:
-    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+@functools.cache
+def _has_int8pack(device_type: str) -> bool:
+    # torch's weight-only int8 kernel is registered for this device type (CPU; CUDA in CUDA builds)
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", key)
+
+
+def q4_1_groups(weight: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit groups of `group` input channels (the GGUF Q4_1 scheme): weight [N, K] float ->
+    (codes [N, K] uint8 in 0..15, scale [N, K / group] fp32, minimum [N, K / group] fp32) with
+    weight ~ code * scale + minimum, computed on the weight's device.
+
+    Raises:
+        ValueError: K is not a multiple of `group`.
+    """
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"4-bit groups of {group} need in_features divisible by {group}, got {n}x{k}")
+    wg = w.reshape(n, k // group, group)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    codes = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
+    return codes, scale, lo
 
 
 def _uninitialised(cls, linear: nn.Linear, *weights: torch.Tensor) -> nn.Module:
@@ -100,8 +114,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        packed = x2.shape[0] <= PACKED_ROWS and _has_int8pack(x.device)
-        if packed and (ext := fused_ext()) is not None:
+        packed = x2.shape[0] <= PACKED_ROWS and _has_int8pack(x.device.type)
+        if packed and x.device.type == "cuda":  # torch's CUDA kernel: fp32 accumulation, any activation dtype
+            y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
+        elif packed and (ext := fused_ext()) is not None:
             y = ext.int8_gemv(x2.float(), self.qweight, self.scales).to(x.dtype)
         elif packed:
             y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.scales_bf16).to(x.dtype)
@@ -136,15 +152,10 @@ class Int4Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        w = weight.detach().float()
-        n, k = w.shape
-        if not self.supports(w.shape):
+        if not self.supports(weight.shape):
+            n, k = weight.shape
             raise ValueError(f"Int4Linear needs in_features divisible by {self.GROUP} and out_features by 16, got {n}x{k}")
-        wg = w.reshape(n, k // self.GROUP, self.GROUP)
-        lo, hi = wg.amin(-1), wg.amax(-1)
-        scale = ((hi - lo) / 15).clamp(min=1e-12)
-        codes = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
-        self._store(*self.pack(codes, scale, lo), None if bias is None else bias.detach().clone())
+        self._store(*self.pack(*q4_1_groups(weight, self.GROUP)), None if bias is None else bias.detach().clone())
 
     def _store(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = codes.shape[0] * 16, codes.shape[1] * 8
@@ -213,6 +224,79 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.GROUP}, int8 activations"
 
 
+class Int4TinygemmLinear(nn.Module):
+    """Weight-only 4-bit linear layer for torch's int4 kernel (`torch._weight_int4pack_mm`,
+    "tinygemm": the kernel of gpt-fast and torchao's int4 weight-only layers), bf16 activations. The
+    weights' groups are those of `Int4Linear` (`q4_1_groups`: 32 input channels, w = code * scale + min);
+    the kernel computes (code - 8) * scale + zero with zero = min + 8 * scale.
+
+    The packed layout is the device's own, made where the layer is built: on CUDA (sm80+)
+    `_convert_weight_to_int4pack` [N / 8, K / (16 tiles), 32, tiles / 2] int32; on the CPU the CPU
+    kernel's (`_for_cpu` ops, [N, K / 2] uint8), where the tests check the conversion. A layer moved to
+    another device type after it is built no longer fits its kernel (torch raises).
+
+    Buffers: packed (see above), scales_and_zeros [K / 32, N, 2] bf16, bias [N] or None.
+    forward(x [..., in]) -> [..., out] in x's dtype (computed in bf16).
+
+    Raises (constructor): ValueError if in_features is not a multiple of 32 or out_features of 8.
+    """
+
+    GROUP = 32
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        n, k = weight.shape
+        if not self.supports(weight.shape):
+            raise ValueError(f"Int4TinygemmLinear needs in_features divisible by {self.GROUP} and out_features by 8, "
+                             f"got {n}x{k}")
+        codes, scale, minimum = q4_1_groups(weight, self.GROUP)
+        tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)  # inner k tiles: the kernel's widest that fits
+        if weight.device.type == "cpu":
+            packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), tiles)
+        else:  # two codes per byte, the even input channel in the high nibble
+            packed = torch._convert_weight_to_int4pack((codes[:, ::2] << 4 | codes[:, 1::2]).contiguous(), tiles)
+        self.out_features, self.in_features = n, k
+        self.register_buffer("packed", packed)
+        zeros = minimum + 8 * scale
+        self.register_buffer("scales_and_zeros", torch.stack([scale, zeros], -1).transpose(0, 1).contiguous()
+                             .to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @staticmethod
+    def supports(shape: tuple[int, int]) -> bool:
+        """Whether a weight of `shape` [out, in] fits the kernel's layout."""
+        return shape[1] % Int4TinygemmLinear.GROUP == 0 and shape[0] % 8 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        mm = torch._weight_int4pack_mm_for_cpu if self.packed.device.type == "cpu" else torch._weight_int4pack_mm
+        y = mm(x2, self.packed, self.GROUP, self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.GROUP}, tinygemm"
+
+
+QUANTIZED = (Int8Linear, Int4Linear, Int4TinygemmLinear)  # the layer types `quantize` swaps in
+
+
+def linear_bytes(model: nn.Module) -> int:
+    """Bytes of every projection of `model` (nn.Linear or a quantized layer, a shared weight once,
+    buffers such as scales included): what one decode step reads of its weights. Embeddings are
+    gathered, one row per token, and not counted."""
+    seen, total = set(), 0
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, *QUANTIZED)):
+            for t in [*m._parameters.values(), *m._buffers.values()]:
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.numel() * t.element_size()
+    return total
+
+
 def fused_ext(verbose: bool = False):
     """The fused CPU decode extension for the variant in force (`tokenspeed.kernels.cpu_decode.load`,
     built into the engine's cache folder on first use), or None where it cannot be built.
@@ -253,14 +337,15 @@ def quantize(model: nn.Module, mode: str = "int8", empty: bool = False) -> nn.Mo
 
     Args:
         model: a `tokenspeed.Transformer` (any module works).
-        mode: "int8" (every linear `Int8Linear`) or "int4" (`Int4Linear` where the shape fits, the
-            lm_head - a child named "output" - and any other linear `Int8Linear`).
+        mode: "int8" (every linear `Int8Linear`) or "int4" (where the shape fits, `Int4Linear` on the
+            CPU and `Int4TinygemmLinear` on other devices; the lm_head - a child named "output" - and
+            any other linear `Int8Linear`).
         empty: uninitialised CPU layers of the same shapes instead (`Int4Linear.empty`; the model may be
             on the meta device), for `load_state_dict` to fill with weights quantized earlier.
     Returns:
         the same model.
     Raises:
-        ValueError: unknown mode, or "int4" on a model that is not on the CPU.
+        ValueError: unknown mode.
     """
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r}; choose one of {MODES}")
@@ -268,10 +353,8 @@ def quantize(model: nn.Module, mode: str = "int8", empty: bool = False) -> nn.Mo
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            if mode == "int4" and not empty and child.weight.device.type != "cpu":
-                raise ValueError("int4 quantization runs on the CPU only; use int8 or the float model on this device")
-            cls = Int4Linear if mode == "int4" and name != "output" and Int4Linear.supports(child.weight.shape) \
-                else Int8Linear
+            int4 = Int4Linear if empty or child.weight.device.type == "cpu" else Int4TinygemmLinear
+            cls = int4 if mode == "int4" and name != "output" and int4.supports(child.weight.shape) else Int8Linear
             setattr(parent, name, cls.empty(child) if empty else cls(child.weight, child.bias))
     if hasattr(model, "invalidate_fused"):
         model.invalidate_fused()

@@ -21,7 +21,7 @@ import torch
 from .decision import (Checkpoint, Decision, Segment, SessionArgumentError, finite_arg, positive_int_arg, sampling_args,
                        settle)
 from .decode import NonFiniteLogitsError, Target, decode
-from .device import DecodeGraphs, DeviceError, resolve_device, resolve_dtype
+from .device import DecodeGraphs, resolve_device, resolve_dtype
 from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, ToolGrammar, call_format_for, normalize_tools, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
@@ -163,24 +163,21 @@ class Engine:
             quantize: "auto" (default: the fastest format on this machine whose greedy tokens agree
                 with fp32's, measured once and cached, see `tokenspeed.quant.choose_format`; the
                 unquantized dtype where the model is not fp32 on the CPU, and for "tiny-random"), None
-                (unquantized weights, the reference), "int8" or "int4" (CPU) for weight-only quantized
-                linears (`tokenspeed.quant`). Quantized CPU weights are cached
+                (unquantized weights, the reference), "int8" or "int4" for weight-only quantized
+                linears (`tokenspeed.quant`; on CUDA through torch's int8 and int4 kernels, bf16
+                activations for int4). Quantized fp32 CPU weights are cached
                 (`tokenspeed.weights.load_quantized`): a warm load reads them packed.
             stages: `LoadStages` to continue (its clock runs on from its last stage), else a new one;
                 it becomes `Engine.load_stages`.
         Raises:
             ModelLoadError: bad path or unsupported file.
-            DeviceError: a malformed device or dtype, a CUDA device this machine does not have, or
-                int8/int4 weights on a device other than the CPU.
+            DeviceError: a malformed device or dtype, or a CUDA device this machine does not have.
             ValueError: unknown quantize mode, or an unknown or unrunnable `$TOKENSPEED_CPU_ISA`.
         """
         if quantize not in (None, "auto", *MODES):
             raise ValueError(f"unknown quantization {quantize!r}; choose one of {('auto', *MODES)} or None")
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
-        if quantize in MODES and device.type != "cpu":
-            raise DeviceError(f"quantize={quantize!r} is a CPU weight format (tokenspeed.quant); on {device} "
-                              "use quantize='auto' or None with a dtype")
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
@@ -204,7 +201,9 @@ class Engine:
             stages.done(f"{fmt} weights from the quantized cache")
         else:
             net = _tiny_random(files.args) if model == "tiny-random" else _fp32_model(files)
-            net = net.to(device=device, dtype=dtype)
+            # off the CPU, quantized weights are made on the device from fp32, then the rest is cast
+            cast_after = fmt in MODES and device.type != "cpu"
+            net = net.to(device=device, dtype=torch.float32 if cast_after else dtype)
             stages.done(f"{plain} weights")
             if quantize == "auto" and on_cpu and choice is None:
                 from .quant import choose_format
@@ -216,6 +215,8 @@ class Engine:
                 from .quant import quantize as quantize_model
 
                 quantize_model(net, fmt)
+                if cast_after:
+                    net = net.to(dtype=dtype)
                 stages.done(f"quantize {fmt}")
             if on_cpu and fmt in MODES:
                 save_quantized(net, files, fmt)
@@ -316,8 +317,8 @@ class Session:
 
     @property
     def tokens(self) -> list[int]:
-        """Token ids whose KV is in the cache, in slot order."""
-        return self.target.tokens
+        """Token ids whose KV is in the cache, in slot order (a copy: O(context))."""
+        return self.target.tokens.tolist()
 
     @property
     def segments(self) -> list[Segment]:
@@ -326,7 +327,7 @@ class Session:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens) + len(self.pending)
+        return len(self.target.tokens) + len(self.pending)
 
     def _render(self, messages: list[dict]) -> list[int]:
         # Render messages on their own, after the system message, and keep only their tokens
@@ -359,7 +360,7 @@ class Session:
             ids, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
             self._forward(ids, "none")
             self.cache.trim()  # back to the KV budget between decisions
-            self.speculator.observe(self.tokens)  # the draft model's KV follows, off the decision path
+            self.speculator.observe(self.target.context())  # the draft model's KV follows, off the decision path
 
     def observe(self, content, role: str = "user", kind: str = "text", source: str = "", pin: bool = False) -> int:
         """Append an observation to the context and prefill it now (streaming prefill).
@@ -400,7 +401,7 @@ class Session:
     def checkpoint(self) -> Checkpoint:
         """Capture the context (O(1): the KV prefix is immutable until rollback)."""
         last_end = self.segments[-1].end if self.segments else 0
-        return Checkpoint(len(self.tokens), tuple(self.pending), len(self.segments), last_end, self.cache.snapshot(),
+        return Checkpoint(len(self.target.tokens), tuple(self.pending), len(self.segments), last_end, self.cache.snapshot(),
                           self.id)
 
     def rollback(self, cp: Checkpoint) -> None:
@@ -412,10 +413,10 @@ class Session:
         """
         if not isinstance(cp, Checkpoint) or cp.session_id != self.id:
             raise SessionArgumentError("rollback() takes a Checkpoint taken from this same session")
-        if cp.n_tokens > len(self.tokens) or cp.n_segments > len(self.segments):
+        if cp.n_tokens > len(self.target.tokens) or cp.n_segments > len(self.segments):
             raise ValueError("checkpoint is not a prefix of this session's context")
         self.cache.restore(cp.n_tokens, cp.kv)  # a pruned cache also undoes evictions and recalls since cp
-        del self.tokens[cp.n_tokens:]
+        del self.target.tokens[cp.n_tokens:]
         self.pending = list(cp.pending)
         del self.segments[cp.n_segments:]
         if self.segments:
@@ -512,7 +513,7 @@ class Session:
             end = self.tok.encode(self.tok.assistant_suffix)
             self.pending = feed + end
             self.segments[-1].kind = "assistant"
-            self.segments[-1].end = len(self.tokens) + len(self.pending)
+            self.segments[-1].end = len(self.target.tokens) + len(self.pending)
         else:
             self.rollback(cp)
         return d
@@ -567,5 +568,5 @@ class Session:
                               temperature=temperature, top_p=top_p, generator=gen,
                               on_token=self._text_stream(on_token))
         self.pending = feed + self.tok.encode(self.tok.assistant_suffix)
-        self.segments[-1].end = len(self.tokens) + len(self.pending)
+        self.segments[-1].end = len(self.target.tokens) + len(self.pending)
         return self.tok.decode(out)

@@ -3,7 +3,7 @@ and `tokenspeed bench gpu` (the same decode path on CUDA against the HBM floor).
 
     tokenspeed bench aal --quick            # small workload, a minute or two on 2 cores
     tokenspeed bench aal --threads 2        # the full 10-call, ~4K-token run with all peers
-    tokenspeed bench gpu --out DIR          # the device check (CUDA): kernels, parity, decode vs floor, agent figures
+    tokenspeed bench gpu --out DIR          # the device check (CUDA): kernels, parity, decode vs floor, agent figures, profile
     tokenspeed bench profile                # torch.profiler table of one int4 decode step
     tokenspeed bench kv needle|agreement|cost   # pruned KV cache accuracy and cost (tokenspeed.bench.kv)
     tokenspeed bench auto                   # tool_choice=auto: call/text rates per tool-listing prompt (BFCL)
@@ -80,7 +80,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--out", default="bench-out/aal", help="output folder (default bench-out/aal)")
     a.set_defaults(func=_cmd_aal)
     g = sub.add_parser("gpu", help="the device check: kernels, parity vs CPU fp32, decode vs the HBM floor, agent "
-                                   "figures vs the brief (CUDA; CPU with small shapes); exit 1 if a section failed")
+                                   "figures vs the brief, the idle gaps between a decision's kernels (CUDA; CPU with "
+                                   "small shapes); exit 1 if a section failed")
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     g.add_argument("--quick", action="store_true", help="small shapes and few tokens (CPU tests)")
     g.add_argument("--out", default=None, help="folder for gpu.json, written after each section")

@@ -12,7 +12,9 @@ and the run goes on):
    of the embedded model against the floor = (weight bytes + KV bytes read) / bandwidth, over a full
    KV cache at a short and a long context (eager, and as CUDA graph replays) and over a pruned one (1024-token budget: the Triton
    attention with slot mass) at the long one, with the torch norms and with the fused Triton norm
-   (`Transformer.use_triton_norm`, off by default until these figures say it helps).
+   (`Transformer.use_triton_norm`, off by default until these figures say it helps); then the graph
+   step with weight-only int8 and int4 weights (`tokenspeed.quant`: torch's kernels on CUDA), whose
+   floor counts their own bytes: the rows that say whether they beat bf16.
 4. parity: greedy decoding of the device model (bf16 on CUDA) against the CPU fp32 reference on
    20 BFCL prompts (`$TOKENSPEED_BFCL`): the device model, fed the reference's tokens, must choose
    every one of them (so its greedy decode is identical), and each logits row must be within
@@ -22,6 +24,10 @@ and the run goes on):
    `tokenspeed bench aal` (warm session, jump-forward and speculation on), its effective ITL on
    tool calls ((decide time - TTFT) / (output tokens - 1): forced and accepted tokens included),
    then warm `decide()` TTFT with a ~4K-token context already cached.
+6. profile: one more warm `decide()` of each of those engines under `torch.profiler` (CPU and CUDA
+   activity): how long the GPU sat idle between the kernels of its decode steps (busy, span, idle
+   fraction, gap p50/p90/max, the largest gaps with the kernels on either side: where the host
+   stalled the GPU). On a CPU the profile holds no device kernels and says so.
 
 The figures are printed next to the product brief's column (TokenSpeed / vLLM / TensorRT-LLM, one
 H100, 7B) and the goals. On CPU (`--device cpu --quick`) the same script runs with small shapes
@@ -29,6 +35,7 @@ H100, 7B) and the goals. On CPU (`--device cpu --quick`) the same script runs wi
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -44,9 +51,12 @@ import torch.nn.functional as F
 from ..device import DecodeGraphs
 from ..kv import KVConfig, TieredKVCache
 from ..model import ModelArgs, Transformer
+from ..quant import MODES, linear_bytes, quantize
+from .kernel_gaps import device_kernels, kernel_gaps
 
 __all__ = ["LLAMA31_8B", "SMALL", "TINY", "BRIEF", "GOALS", "PARITY_RTOL", "device_bandwidth", "random_model",
-           "measure", "check_kernels", "check_parity", "agent_figures", "run_gpu"]
+           "measure", "check_kernels", "check_parity", "agent_figures", "profile_decision",
+           "run_gpu"]
 
 LLAMA31_8B = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, hidden_dim=14336,
                        vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0,
@@ -115,16 +125,6 @@ def random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype, seed
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     return model.to(dtype=dtype).eval()
-
-
-def _weight_bytes(model: Transformer) -> int:
-    # Every projection (lm_head included, once) - what a decode step reads; embeddings are gathered.
-    seen, total = set(), 0
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
-            seen.add(id(m.weight))
-            total += m.weight.numel() * m.weight.element_size()
-    return total
 
 
 # ---------------------------------------------------------------------------------- kernels
@@ -256,7 +256,7 @@ def measure(model: Transformer, context: int, decode_tokens: int, device: torch.
             if step == 2 + decode_tokens // 2:
                 attended = cache.n
     itl = sorted(itl[2:])
-    wbytes = _weight_bytes(model)
+    wbytes = linear_bytes(model)
     kv_bytes = 2 * args.n_layers * args.n_kv_heads * args.head_dim * attended * cache.k.element_size()
     floor_ctx = (wbytes + kv_bytes) / (bandwidth_gbs * 1e9) * 1e3
     p50 = itl[len(itl) // 2] * 1e3
@@ -272,17 +272,28 @@ def _raw_decode(name: str, model: Transformer, contexts, steps: int, device: tor
                 pruned: KVConfig) -> list[dict]:
     # The decode step at each context over a full cache, eager and as CUDA graph replays (on the CPU
     # the graph runner's static step, eagerly), and at the longest over a `pruned` cache (eager: the
-    # Triton attention on CUDA), with the torch norms and (on CUDA) the fused Triton norm.
-    rows = []
+    # Triton attention on CUDA), with the torch norms and (on CUDA) the fused Triton norm; then the
+    # graph step of a weight-only int8 and int4 copy (torch's kernels on CUDA), each context.
+    rows, plain = [], str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
     for fused_norm in (False, True) if device.type == "cuda" else (False,):
         model.use_triton_norm = fused_norm
         try:
             for c, kv, graphs in ([(c, None, g) for c in contexts for g in (False, True)]
                                   + [(contexts[-1], pruned, False)]):
-                rows.append({"model": name, "triton_norm": fused_norm,
+                rows.append({"model": name, "weights": plain, "triton_norm": fused_norm,
                              **measure(model, c, steps, device, bw, kv, graphs)})
         finally:
             del model.use_triton_norm  # back to the class default
+    for mode in MODES:
+        model.invalidate_fused()  # the fused CPU step holds the C++ extension, which does not copy
+        q = quantize(copy.deepcopy(model), mode)
+        try:
+            rows += [{"model": name, "weights": mode, "triton_norm": False, **measure(q, c, steps, device, bw, graphs=True)}
+                     for c in contexts]
+        finally:
+            del q
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -358,6 +369,32 @@ def _run_turn(engine, wl) -> tuple[object, list[dict]]:
     return session, records
 
 
+def _fill(session, context: int) -> None:
+    # Sensor readings until the session holds `context` tokens.
+    i = 0
+    while session.num_tokens < context:
+        i += 1
+        session.observe(f"[joint_states] t={i * 0.1:.1f} q=[{', '.join(f'{math.sin(i + j):.3f}' for j in range(7))}] "
+                        f"gripper={'open' if i % 2 else 'closed'}", kind="sensor", source="joint_states")
+
+
+_DECIDE = "tokenspeed.decide"  # the profiler range of a warm decide() call
+
+
+def _warm_decision(session, wl):
+    # One decision on the workload's first request (observed, decided, then rolled back); its
+    # decide() call is the profiler range _DECIDE (a no-op without a profiler).
+    from torch.profiler import record_function
+
+    request = wl.turns[0]
+    cp = session.checkpoint()
+    session.observe(request.observations[-1].content, source="operator")
+    with record_function(_DECIDE):
+        d = session.decide(tool_choice=request.tool_choice, max_tokens=wl.max_tokens)
+    session.rollback(cp)
+    return d
+
+
 def agent_figures(engine, wl, context: int, repeats: int = 5) -> dict:
     """The AAL turn, effective ITL on its tool calls, and warm decide() TTFT at `context` cached tokens.
 
@@ -372,24 +409,46 @@ def agent_figures(engine, wl, context: int, repeats: int = 5) -> dict:
     turn_ms = (time.perf_counter() - t0) * 1e3
     after = sum(r["after_first_ms"] for r in records)
     later_tokens = sum(max(r["output_tokens"] - 1, 0) for r in records)
-    i = 0
-    while session.num_tokens < context:
-        i += 1
-        session.observe(f"[joint_states] t={i * 0.1:.1f} q=[{', '.join(f'{math.sin(i + j):.3f}' for j in range(7))}] "
-                        f"gripper={'open' if i % 2 else 'closed'}", kind="sensor", source="joint_states")
-    ttfts = []
-    request = wl.turns[0]
-    for _ in range(repeats):
-        cp = session.checkpoint()
-        session.observe(request.observations[-1].content, source="operator")
-        d = session.decide(tool_choice=request.tool_choice, max_tokens=wl.max_tokens)
-        ttfts.append(d.ttft_s * 1e3)
-        session.rollback(cp)
+    _fill(session, context)
+    ttfts = [_warm_decision(session, wl).ttft_s * 1e3 for _ in range(repeats)]
     return {"calls": len(records), "valid_calls": sum(r["status"] == "ok" for r in records), "turn_ms": turn_ms,
             "ttft_p50_ms": statistics.median(r["ttft_ms"] for r in records),
             "itl_eff_ms": after / later_tokens if later_tokens else None,
             "warm_context_tokens": session.num_tokens, "warm_ttft_p50_ms": statistics.median(ttfts),
             "warm_ttfts_ms": ttfts, "turns": records}
+
+
+def profile_decision(engine, wl, context: int) -> dict:
+    """Gaps between the device kernels of the decode steps of one warm `decide()` (torch.profiler).
+
+    The session is built as `agent_figures` builds its own (the AAL turn of `wl`, then sensor
+    readings to `context` tokens); one warm decision on the first request runs unprofiled, then the
+    same decision (rolled back in between) runs under `torch.profiler.profile` (CPU activity, and
+    CUDA's on a CUDA device). The decode steps are the device activities that start after the
+    decision's first token was chosen (the decide() range's start + its TTFT; the prefill of the
+    trigger tokens ends before). The profiler's host-side recording slows the host, so the gaps
+    are an upper bound: compare decide_ms with unprofiled_decide_ms.
+
+    Returns:
+        `kernel_gaps` of the decode steps (kernels 0 and "note" `NO_KERNELS` on a CPU), with
+        ttft_ms, decide_ms (under the profiler), unprofiled_decide_ms, forwards, output_tokens.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    session, _ = _run_turn(engine, wl)
+    _fill(session, context)
+    plain = _warm_decision(session, wl)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        d = _warm_decision(session, wl)
+    events = prof.events()
+    # the host range (on CUDA the profile also holds a GPU range of that name, from its first kernel)
+    decide = next(e for e in events if e.name == _DECIDE and e.device_type == DeviceType.CPU)
+    first_token_us = decide.time_range.start + d.ttft_s * 1e6
+    return {"ttft_ms": d.ttft_s * 1e3, "decide_ms": d.total_s * 1e3, "unprofiled_decide_ms": plain.total_s * 1e3,
+            "forwards": d.forwards, "output_tokens": d.forced_tokens + d.generated_tokens,
+            **kernel_gaps(k for k in device_kernels(events) if k.start_us >= first_token_us)}
 
 
 # ---------------------------------------------------------------------------------- the run
@@ -499,25 +558,31 @@ def run_gpu(device: str | None = None, quick: bool = False, out: Path | None = N
     rep.section("parity", parity)
     rep.section("decode_embedded", _raw_decode, f"{engine.source}", engine.model, contexts, steps, dev, bw, pruned)
 
-    def agent(eng):
+    def workload():
         wl = build_workload(quick=quick, bfcl_dir=bfcl)
-        if quick:  # CPU tests run the code path, not figures: random weights decode to max_tokens
-            return agent_figures(eng, dataclasses.replace(wl, max_tokens=12), agent_ctx, repeats=2)
-        return agent_figures(eng, wl, agent_ctx)
+        # CPU tests run the code path, not figures: random weights decode to max_tokens
+        return dataclasses.replace(wl, max_tokens=12) if quick else wl
 
-    rep.section("agent_embedded", agent, engine)
+    def agent(eng):
+        return agent_figures(eng, workload(), agent_ctx, repeats=2 if quick else 5)
 
-    def agent_big():
+    def on_big_body(fn):
+        # fn(engine) for the 8B-shaped body with the embedded model's vocabulary (random weights), then freed
         body = ModelArgs(**{**big.__dict__, "vocab_size": engine.args.vocab_size, "max_seq_len": 8192})
         big_engine = Engine(random_model(body, dev, dtype), engine.tokenizer, source=f"{name} body (random)")
         try:
-            return agent(big_engine)
+            return fn(big_engine)
         finally:
             del big_engine
             if cuda:
                 torch.cuda.empty_cache()
 
-    rep.section("agent_big", agent_big)
+    def profile(eng):
+        return {"model": eng.source, **profile_decision(eng, workload(), agent_ctx)}
+
+    rep.section("agent_embedded", agent, engine)
+    rep.section("agent_big", on_big_body, agent)
+    rep.section("profile", lambda: [profile(engine), on_big_body(profile)])
     if cuda:
         rep.data["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
         rep.write()
@@ -537,12 +602,12 @@ def _print(results: dict) -> None:
     t = Table(title=f"raw decode vs floor on {results['device']} ({results['dtype']}), read bandwidth "
                     f"{_fmt(results.get('bandwidth_gbs'), 0)} GB/s; goal for the 8B shape: ITL <= "
                     f"{GOALS['decode_vs_floor']}x floor")
-    for col in ("model", "step", "triton norm", "cache", "context", "attended", "TTFT ms", "ITL p50 ms", "ITL p90 ms", "floor+KV ms",
+    for col in ("model", "weights", "step", "triton norm", "cache", "context", "attended", "TTFT ms", "ITL p50 ms", "ITL p90 ms", "floor+KV ms",
                 "ITL / floor"):
         t.add_column(col, justify="left" if col == "model" else "right")
     for key in ("decode_big", "decode_embedded"):
         for r in sec.get(key, {}).get("rows", []):
-            t.add_row(r["model"], r["step"], "on" if r["triton_norm"] else "off", r["cache"], str(r["context"]),
+            t.add_row(r["model"], r["weights"], r["step"], "on" if r["triton_norm"] else "off", r["cache"], str(r["context"]),
                       str(r["attended"]), _fmt(r["ttft_ms"], 1),
                       _fmt(r["itl_p50_ms"]), _fmt(r["itl_p90_ms"]), _fmt(r["floor_ctx_ms"]), f"{r['itl_vs_floor']:.2f}x")
     con.print(t)
@@ -577,5 +642,21 @@ def _print(results: dict) -> None:
                 k.add_row("rms norm" + (" + residual" if r["residual"] else ""), f"dim={r['dim']} rows={r['rows']}",
                           _fmt(r["fused_us"], 1), _fmt(r["torch_us"], 1), "-")
             con.print(k)
+    prof = sec.get("profile", {}).get("rows", [])
+    if prof:
+        p = Table(title="device idle between the kernels of the decode steps of one warm decide() (torch.profiler; "
+                        "its host-side recording makes the gaps an upper bound)")
+        for col in ("model", "decide ms", "unprofiled ms", "kernels", "busy ms", "span ms", "idle", "gap p50 us",
+                    "gap p90 us", "largest gap: before -> after"):
+            p.add_column(col, justify="left" if col.startswith(("model", "largest")) else "right")
+        for r in prof:
+            top = r["largest"][0] if r["largest"] else None
+            p.add_row(r["model"], _fmt(r["decide_ms"]), _fmt(r["unprofiled_decide_ms"]), str(r["kernels"]),
+                      _fmt(r["busy_us"] and r["busy_us"] / 1e3), _fmt(r["span_us"] and r["span_us"] / 1e3),
+                      "-" if r["idle_fraction"] is None else f"{100 * r['idle_fraction']:.0f}%",
+                      _fmt(r["gap_p50_us"], 1), _fmt(r["gap_p90_us"], 1),
+                      f"{top['gap_us']:.0f} us: {top['before'][:40]} -> {top['after'][:40]}" if top
+                      else r.get("note", "-"))
+        con.print(p)
     for name in results["failed"]:
         con.print(f"[bold red]section {name} failed[/]: {sec[name].get('error', 'check out of tolerance')}")

@@ -126,6 +126,7 @@ def run_tokenspeed(job: dict, out: str, quantize: str | None, speculation: bool 
     if not speculation:
         engine.speculation = None
     from tokenspeed.kernels.cpu_decode import selected_variant
+    from tokenspeed.quant import linear_bytes
 
     choice = engine.weight_choice
     weights = f"{engine.weights} weights" + (f" ({choice.describe()})" if choice else "")
@@ -134,7 +135,7 @@ def run_tokenspeed(job: dict, out: str, quantize: str | None, speculation: bool 
                    f"jump-forward on, speculation {'on' if speculation else 'off'}", torch.get_num_threads())
     rec.out["load_s"] = time.perf_counter() - t0
     rec.out["weights"] = engine.weights
-    rec.out["weight_bytes"] = _linear_bytes(engine.model)
+    rec.out["weight_bytes"] = linear_bytes(engine.model)
     wl = job["workload"]
     session = engine.session(system=wl["system"], tools=wl["tools"])
     for i, turn in enumerate(wl["turns"]):
@@ -166,16 +167,6 @@ def run_tokenspeed(job: dict, out: str, quantize: str | None, speculation: bool 
     short.generate(wl["short_prompt"], max_tokens=wl["short_tokens"], on_token=stamp)
     rec.short(stamps, cpu)
     rec.write(out)
-
-
-def _linear_bytes(model) -> int:
-    # Bytes of every projection that one decode step reads, lm_head included once.
-    total = 0
-    for m in model.modules():
-        if type(m).__name__ in ("Linear", "Int8Linear", "Int4Linear"):
-            tensors = list(m._parameters.values()) + list(m._buffers.values())
-            total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
-    return total
 
 
 # -------------------------------------------------------------------------------------- llama.cpp

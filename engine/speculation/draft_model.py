@@ -160,9 +160,9 @@ class DraftModel(nn.Module):
             raise ValueError(f"{path}: missing {own_missing}, unexpected {unexpected}")
         draft.meta = meta
         draft.window = meta.get("window")
-        from ..quant import Int4Linear, Int8Linear, quantize
+        from ..quant import QUANTIZED, quantize
 
-        if any(isinstance(m, (Int4Linear, Int8Linear)) for m in target.modules()):
+        if any(isinstance(m, QUANTIZED) for m in target.modules()):
             # A quantized target: the draft's linears go int8 too. Drafting between the target's
             # forwards reads the draft's weights from DRAM each time (the target evicts them from
             # the caches): 17 MB in fp32 took 2.0 ms per proposal, most of a drafting step.

@@ -27,15 +27,18 @@ class PromptLookup:
     occurrences in the last message are tried first, then those in the `window` tokens before
     it, each oldest first, skipping those whose proposal the output has already copied (the
     pair (last n-gram token, proposal) occurs in the output). Otherwise (or when all are used)
-    the latest occurrence is proposed.
+    the latest occurrence is proposed. Only the last `horizon` tokens are searched, so a proposal
+    costs the same after hours of streamed observations as in a fresh session.
+
+    Raises (constructor): ValueError for n-gram bounds out of order or a window or horizon < 1.
     """
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, window: int = 512):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, window: int = 512, horizon: int = 4096):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        if window < 1:
-            raise ValueError(f"window must be >= 1 token, got {window}")
-        self.max_ngram, self.min_ngram, self.window = max_ngram, min_ngram, window
+        if window < 1 or horizon < 1:
+            raise ValueError(f"window and horizon must be >= 1 token, got {window}, {horizon}")
+        self.max_ngram, self.min_ngram, self.window, self.horizon = max_ngram, min_ngram, window, horizon
 
     def propose(self, context: np.ndarray, source: tuple[int, int] | None = None) -> int | None:
         """Next-token proposal for `context` [N] int64, or None when no n-gram matches.
@@ -51,10 +54,11 @@ class PromptLookup:
         the last message (from_message True), then from the window before it, then the latest
         occurrence. A caller that checks proposals against a grammar takes the first valid one.
         """
-        n_ctx = len(context)
-        for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)  # [N - n, n]
-            hits = np.flatnonzero((windows == context[-n:]).all(axis=1))
+        start = max(0, len(context) - self.horizon)
+        searched = context[start:]
+        for n in range(min(self.max_ngram, len(searched) - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(searched[:-1], n)  # [H - n, n]
+            hits = np.flatnonzero((windows == searched[-n:]).all(axis=1)) + start  # indices in `context`
             if not len(hits):
                 continue
             if source is not None:
@@ -131,5 +135,10 @@ def copy_source(context, out_start: int, end_ids) -> tuple[int, int]:
     context: token ids; out_start: where the output begins; end_ids: end-of-turn token ids (the
     last message starts after the second-to-last of them before out_start; 0 if none).
     """
-    ends = [i for i in range(out_start - 1, -1, -1) if context[i] in end_ids][:2]
-    return (ends[1] + 1 if len(ends) == 2 else 0), out_start
+    ends = []
+    for i in range(out_start - 1, -1, -1):  # back from the output: O(last two messages), not O(context)
+        if context[i] in end_ids:
+            ends.append(i)
+            if len(ends) == 2:
+                return i + 1, out_start
+    return 0, out_start

@@ -120,18 +120,18 @@ class Speculator:
         """Whether grammar-forced text is proposed (`ForcedText`)."""
         return self.config is not None and self.config.forced_text
 
-    def observe(self, context: list[int]) -> None:
-        """Prefill the draft's KV cache with the session's context (token ids whose target KV is
-        cached) as observations arrive, so that drafting at decision time prefills nothing."""
+    def observe(self, context: np.ndarray | list[int]) -> None:
+        """Prefill the draft's KV cache with the session's context ([N] int64 array or list: the token
+        ids whose target KV is cached) as observations arrive, so that drafting at decision time prefills nothing."""
         if self.draft is not None:
-            self.draft.sync(np.asarray(context, dtype=np.int64))
+            self.draft.sync(np.asarray(context, dtype=np.int64))  # no copy for an int64 array
 
     @property
     def max_k(self) -> int:
         """Most proposals per step (0: plain decoding)."""
         return self.config.max_k if self.enabled else 0
 
-    def chain(self, context: list[int], k: int, matcher, allowed, jump_forward: bool, budget: int,
+    def chain(self, context: np.ndarray | list[int], k: int, matcher, allowed, jump_forward: bool, budget: int,
               temperature: float, generator: torch.Generator | None = None,
               source: tuple[int, int] | None = None, n_fed: int = 1, match: MessageMatch | None = None,
               forced_text: ForcedText | None = None
@@ -142,7 +142,7 @@ class Speculator:
         (`AdaptiveLength.pays`), else the chain ends before it.
 
         Args:
-            context: the full token sequence so far (cached and to-be-fed).
+            context: [N] int64 array (or list), the full token sequence so far (cached and to-be-fed).
             matcher: llguidance matcher or None; left in the state it had on entry.
             allowed: callable(matcher) -> bool [V] mask (for the draft model's proposals).
             budget: most chain tokens in total.
@@ -168,7 +168,7 @@ class Speculator:
         if k <= 0 or budget <= 0 or not sources_on:
             return tokens, sources, qs, confs
         adaptive = self.config.adaptive
-        ctx = np.asarray(context, dtype=np.int64)
+        ctx = np.asarray(context, dtype=np.int64)  # no copy for an int64 array
         drafted = consumed = 0
         p_all = 1.0  # estimated probability that every proposal so far is accepted
         best = max(self.length.estimate(s) for s in sources_on)  # a proposal's best-case estimate

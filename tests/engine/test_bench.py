@@ -4,12 +4,15 @@ import importlib.util
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tokenspeed
 from tokenspeed.bench import main as bench_main
 from tokenspeed.bench.aal import LLAMA_CPP_SERVER_DEPS, build_job, run_aal
 from tokenspeed.bench.peers import check_call
 from tokenspeed.bench.decode_profile import profile_decode
+from tokenspeed.bench.kernel_gaps import NO_KERNELS, Kernel, device_kernels, kernel_gaps
 from tokenspeed.bench.report import agreement, percentile, ratios, summarize, targets
 from tokenspeed.bench.workload import Workload, bfcl_tool, build_workload
 
@@ -146,9 +149,12 @@ def test_gpu_device_check_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert sec["kernels"]["ok"] and sec["kernels"]["attention"] and sec["kernels"]["norm"]
     for key in ("decode_big", "decode_embedded"):
         rows = sec[key]["rows"]
-        assert [(r["cache"], r["step"]) for r in rows] == [("full", "eager"), ("full", "graph"), ("full", "eager"),
-                                                           ("full", "graph"), ("pruned 40", "eager")]
-        assert rows[-1]["attended"] <= 40 + 16 < rows[2]["attended"]   # the pruned cache reads its hot tier only
+        assert [(r["weights"], r["cache"], r["step"]) for r in rows] == [
+            ("float32", "full", "eager"), ("float32", "full", "graph"), ("float32", "full", "eager"),
+            ("float32", "full", "graph"), ("float32", "pruned 40", "eager"),
+            ("int8", "full", "graph"), ("int8", "full", "graph"), ("int4", "full", "graph"), ("int4", "full", "graph")]
+        assert rows[7]["floor_ms"] < rows[5]["floor_ms"] < rows[0]["floor_ms"]   # each format's own weight bytes
+        assert rows[4]["attended"] <= 40 + 16 < rows[2]["attended"]    # the pruned cache reads its hot tier only
         assert rows[2]["attended"] == rows[3]["attended"]              # the graph runner's step reads the same slots
         for r in rows:
             assert r["ttft_ms"] > 0 and r["itl_p50_ms"] > 0 and r["floor_ctx_ms"] >= r["floor_ms"] > 0
@@ -158,8 +164,59 @@ def test_gpu_device_check_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     for key in ("agent_embedded", "agent_big"):
         a = sec[key]
         assert a["calls"] == 2 and a["turn_ms"] > 0 and a["warm_ttft_p50_ms"] > 0 and a["warm_context_tokens"] >= 256
+    # the profile section runs its CPU-only profiler: one warm decision per engine, no device kernels
+    prof = sec["profile"]["rows"]
+    assert [r["model"] for r in prof] == ["tiny-random", "tiny-shape body (random)"]
+    for r in prof:
+        assert r["kernels"] == 0 and r["note"] == NO_KERNELS and r["largest"] == [] and r["idle_fraction"] is None
+        assert r["forwards"] > 0 and r["decide_ms"] >= r["ttft_ms"] > 0 and r["unprofiled_decide_ms"] > 0
     out = capsys.readouterr().out
     assert "10-call AAL turn" in out and "112" in out and "parity vs CPU fp32: 8/8" in out
+    assert "device idle between the kernels" in out and NO_KERNELS in out
+
+
+def test_kernel_gaps_counts_overlap_once_and_names_the_kernels_around_each_gap():
+    ks = [Kernel("gemm", 0.0, 10.0), Kernel("copy", 5.0, 10.0),  # two streams: busy 0..15 once
+          Kernel("norm", 20.0, 2.0), Kernel("attn", 22.0, 3.0), Kernel("argmax", 125.0, 5.0)]
+    g = kernel_gaps(reversed(ks), largest=2)  # any order
+    assert g["kernels"] == 5 and g["busy_us"] == 15 + 2 + 3 + 5 and g["span_us"] == 130
+    assert g["idle_us"] == 5 + 100 and g["idle_fraction"] == pytest.approx(105 / 130)
+    # gaps before copy, norm, attn, argmax: 0 (overlap), 5, 0 (back to back), 100
+    assert (g["gap_p50_us"], g["gap_p90_us"], g["gap_max_us"]) == (0.0, 100.0, 100.0)
+    assert g["largest"] == [{"gap_us": 100.0, "at_us": 25.0, "before": "attn", "after": "argmax"},
+                            {"gap_us": 5.0, "at_us": 15.0, "before": "copy", "after": "norm"}]
+    one = kernel_gaps([Kernel("gemm", 3.0, 4.0)])
+    assert one["busy_us"] == one["span_us"] == 4 and one["idle_fraction"] == 0 and one["gap_p50_us"] is None
+    none = kernel_gaps([])
+    assert none["kernels"] == 0 and none["note"] == NO_KERNELS and none["busy_us"] is None and none["largest"] == []
+    with pytest.raises(ValueError, match="negative duration"):
+        kernel_gaps([Kernel("gemm", 0.0, -1.0)])
+
+
+def test_device_kernels_takes_the_cuda_activities_of_a_profile_but_not_its_annotations():
+    """Built FunctionEvents in the shape of a CUDA profile's (no CUDA device on the test machines:
+    a real CPU-only profile, which has none of them, runs in the device check test above)."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    def event(name, start, end, device, annotation=False):
+        return FunctionEvent(0, name, 1, start, end, device_type=device, is_user_annotation=annotation)
+
+    events = [event("tokenspeed.decide", 0.0, 90.0, DeviceType.CPU, True), event("aten::mm", 1.0, 9.0, DeviceType.CPU),
+              event("tokenspeed.decide", 12.0, 80.0, DeviceType.CUDA, True),  # the GPU range of the annotation
+              event("sm90_gemm", 12.0, 40.0, DeviceType.CUDA), event("Memcpy HtoD", 55.0, 56.5, DeviceType.CUDA)]
+    assert device_kernels(events) == [Kernel("sm90_gemm", 12.0, 28.0), Kernel("Memcpy HtoD", 55.0, 1.5)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 20)), min_size=1, max_size=12))
+def test_kernel_gaps_busy_time_is_the_union_of_the_intervals(intervals):
+    g = kernel_gaps(Kernel(f"k{i}", s, d) for i, (s, d) in enumerate(intervals))
+    cells = {t for s, d in intervals for t in range(s, s + d)}  # unit cells covered by some kernel
+    assert g["busy_us"] == len(cells)
+    assert g["span_us"] == max(s + d for s, d in intervals) - min(s for s, _ in intervals)
+    assert g["idle_us"] == g["span_us"] - g["busy_us"] >= 0
+    assert g["gap_max_us"] == (g["largest"][0]["gap_us"] if g["largest"] else None)
 
 
 def test_profile_reports_ops_and_matmul_share():

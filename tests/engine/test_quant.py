@@ -1,11 +1,14 @@
-"""Weight-only int8 linears: numerics against fp32, row projection, model swap, real-model calls."""
+"""Weight-only int8/int4 linears: numerics against fp32, the int4 layout for torch's CUDA kernel,
+row projection, model swap, real-model calls."""
 import pytest
 import torch
 from torch import nn
 
 import tokenspeed
 from support import decide_each
-from tokenspeed.quant import PACKED_ROWS, Int4Linear, Int8Linear, linear_rows, quantize
+from tokenspeed.model import Transformer
+from tokenspeed.quant import (PACKED_ROWS, Int4Linear, Int4TinygemmLinear, Int8Linear, linear_bytes, linear_rows,
+                              q4_1_groups, quantize)
 
 
 @pytest.mark.parametrize("rows", [1, PACKED_ROWS + 5])  # packed decode kernel and the dequantize path
@@ -37,6 +40,48 @@ def test_int4_linear_recovers_q4_1_codes_exactly():
     assert (lin(x) - ref).norm() / ref.norm() < 0.01
     with pytest.raises(ValueError, match="divisible"):
         Int4Linear(torch.randn(8, 40))
+
+
+def test_int4_tinygemm_layer_runs_the_same_q4_1_groups_through_torchs_kernel():
+    # On the CPU the layer packs for torch's CPU int4 kernel (`_for_cpu`): the same arithmetic and
+    # scales-and-zeros as the CUDA kernel, so this checks the conversion from the Q4_1 groups
+    # (zero = min + 8 scale) where no GPU is.
+    torch.manual_seed(0)
+    w = torch.randn(96, 192)
+    codes, scale, minimum = q4_1_groups(w)
+    dequant = (codes.view(96, 6, 32).float() * scale[..., None] + minimum[..., None]).view(96, 192)
+    same_groups = Int4Linear(w).dequantized()  # its scale and minimum rounded to bf16
+    assert (same_groups - dequant).norm() / dequant.norm() < 1e-2
+    lin = Int4TinygemmLinear(w)
+    assert lin.scales_and_zeros.shape == (6, 96, 2) and lin.scales_and_zeros.dtype == torch.bfloat16
+    x = torch.randn(5, 192)
+    ref = x @ dequant.T
+    out = lin(x)
+    assert out.dtype == torch.float32 and out.shape == (5, 96)
+    assert (out - ref).norm() / ref.norm() < 0.01  # bf16 activations, scales and zeros
+    with pytest.raises(ValueError, match="divisible"):
+        Int4TinygemmLinear(torch.randn(12, 64))
+
+
+def test_int4_off_the_cpu_is_packed_for_torchs_cuda_kernel():
+    # No GPU here: a tiny model on the meta device, as fake tensors (shapes and dtypes, no data, and
+    # torch's shape rules for its CUDA int4 kernel), takes the CUDA branch: the nibble-packed uint8
+    # codes that `_convert_weight_to_int4pack` checks, its int32 tile layout, and a forward through
+    # `_weight_int4pack_mm`.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = tokenspeed.Engine.load("tiny-random").args
+    with FakeTensorMode(), torch.device("meta"):
+        meta = quantize(Transformer(args), "int4")
+        w13 = meta.layers[0].feed_forward.w13
+        y = w13(torch.empty(4, w13.in_features, dtype=torch.bfloat16))
+    assert isinstance(w13, Int4TinygemmLinear) and isinstance(meta.output, Int8Linear)
+    n, k = w13.out_features, w13.in_features
+    assert k == 64  # the widest inner-k tiling that divides it: 4 tiles of 16 channels
+    assert w13.packed.dtype == torch.int32 and w13.packed.shape == (n // 8, k // (16 * 4), 32, 4 // 2)
+    assert y.shape == (4, n) and y.dtype == torch.bfloat16
+    # what one decode step reads: 4-bit codes, a bf16 scale and zero per group of 32
+    assert linear_bytes(w13) == n * k // 2 + n * (k // 32) * 2 * 2
 
 
 def test_linear_rows_equals_selected_columns():

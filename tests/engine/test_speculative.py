@@ -148,6 +148,9 @@ def test_prompt_lookup_proposes_continuation_of_latest_match():
     assert lookup.propose(np.array([1, 2, 3])) is None
     with pytest.raises(ValueError):
         PromptLookup(max_ngram=1, min_ngram=2)
+    # only the last `horizon` tokens are searched: a proposal costs the same in an endless session
+    far = np.concatenate([[5, 6, 7, 4], np.zeros(100, dtype=np.int64) + 3, [5, 6, 7]])
+    assert PromptLookup(horizon=200).propose(far) == 4 and PromptLookup(horizon=50).propose(far) is None
 
 
 def test_prompt_lookup_copies_values_of_the_last_message_in_order():
