@@ -135,10 +135,10 @@ def copy_source(context, out_start: int, end_ids) -> tuple[int, int]:
     context: token ids; out_start: where the output begins; end_ids: end-of-turn token ids (the
     last message starts after the second-to-last of them before out_start; 0 if none).
     """
-    ends = []
+    seen = 0
     for i in range(out_start - 1, -1, -1):  # back from the output: O(last two messages), not O(context)
         if context[i] in end_ids:
-            ends.append(i)
-            if len(ends) == 2:
+            seen += 1
+            if seen == 2:
                 return i + 1, out_start
     return 0, out_start
