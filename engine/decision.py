@@ -70,6 +70,8 @@ class Decision:
             runs inside a draft chain are counted in forced_tokens, not here).
         accepted_tokens: of draft_tokens, how many the target accepted.
         draft_sources: {"canonical" | "lookup" | "model": [proposed, accepted]} per drafter.
+        drafted_ahead: decode steps whose chain was drafted during the previous step's forward
+            (pipelined drafting, `tokenspeed.decode`): the guess it assumed came true.
         kv: KV tiering metrics since the previous decision (pruned sessions only, else None):
             see `tokenspeed.kv.TieredKVCache.take_metrics`.
     """
@@ -89,6 +91,7 @@ class Decision:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     draft_sources: dict = field(default_factory=dict)
+    drafted_ahead: int = 0
     kv: dict | None = None
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -47,12 +48,42 @@ class Target:
         device: the model's device.
         graphs: the `tokenspeed.device.DecodeGraphs` that runs decode and verification forwards
             (CUDA graphs), or None: the model's own forward runs them (the CPU: its fused step).
+        worker: a one-thread `concurrent.futures.Executor` that runs `launch()`ed CPU forwards
+            (`Engine.forward_worker`), or None: a CPU forward runs on the caller's thread.
     """
 
-    def __init__(self, model, cache, mask=None, graphs=None):
-        self.model, self.cache, self.mask, self.graphs = model, cache, mask, graphs
+    def __init__(self, model, cache, mask=None, graphs=None, worker=None):
+        self.model, self.cache, self.mask, self.graphs, self.worker = model, cache, mask, graphs, worker
         self.device = model.tok_embeddings.weight.device
         self.tokens = array("q")
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the host can work while a `launch()`ed forward runs: on CUDA (kernels are queued)
+        or with a CPU worker thread."""
+        return self.device.type != "cpu" or self.worker is not None
+
+    def launch(self, ids: list[int], rows="last", head_rows: torch.Tensor | None = None) -> Callable[[], torch.Tensor | None]:
+        """Start `forward(ids, rows, head_rows)`; returns a callable that waits for its result.
+
+        Until that callable returns, the caller must not touch this target (its cache, `tokens`,
+        `mask` rows). On CUDA the forward's kernels are queued on the caller's thread and the
+        result is a device tensor still being computed; with a `worker`, the CPU forward runs on
+        the worker thread (the fused decode step releases the GIL) with the caller's torch
+        intra-op thread count, and the result re-raises its exception. Otherwise the forward runs
+        before this returns.
+        """
+        if self.worker is None:
+            out = self.forward(ids, rows, head_rows)
+            return lambda: out
+        threads = torch.get_num_threads()  # per thread in torch: the worker follows the caller's setting
+
+        def run():
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            return self.forward(ids, rows, head_rows)
+
+        return self.worker.submit(run).result
 
     def context(self, feed=()) -> np.ndarray:
         """The cached token ids then `feed` (ids not yet cached): [N + len(feed)] int64, a copy."""
@@ -116,8 +147,9 @@ class DecodeStats:
 
     Attributes: ttft_s (start -> first chosen token, seconds), itl_s (seconds per token, amortised
     over a step's tokens), forwards, forced_tokens, generated_tokens, draft_tokens,
-    accepted_tokens, draft_sources ({source: [proposed, accepted]}), deadline_missed (bool),
-    reason (why the answer ended early, or "").
+    accepted_tokens, draft_sources ({source: [proposed, accepted]}), drafted_ahead (steps whose
+    chain was drafted during the previous step's forward), deadline_missed (bool), reason (why the
+    answer ended early, or "").
     """
 
     ttft_s: float = 0.0
@@ -128,6 +160,7 @@ class DecodeStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     draft_sources: dict = field(default_factory=dict)
+    drafted_ahead: int = 0
     deadline_missed: bool = False
     reason: str = ""
 
@@ -168,6 +201,7 @@ def decode(target: Target, speculator: Speculator, feed: list[int], *, tok=None,
     copying = _copy_helpers(target.context(feed), speculator, tok, matcher, stop_ids)
     out: list[int] = []
     t_last = None
+    ahead = None  # the next step's chain, drafted during this step's forward (`_draft_ahead`)
     while True:
         if matcher is not None:
             if jump_forward:
@@ -176,8 +210,8 @@ def decode(target: Target, speculator: Speculator, feed: list[int], *, tok=None,
                 break
         if _ends_before_step(stats, len(out), deadline_at, max_tokens):
             break
-        feed, stop, emitted, now = _step(target, speculator, feed, out, stats, copying, matcher, jump_forward,
-                                         max_tokens, temperature, top_p, generator, stop_ids)
+        feed, stop, emitted, now, ahead = _step(target, speculator, feed, out, stats, copying, matcher, jump_forward,
+                                                max_tokens, temperature, top_p, generator, stop_ids, ahead)
         if emitted:
             if t_last is None:
                 stats.ttft_s = now - t0
@@ -229,17 +263,34 @@ def _ends_before_step(stats: DecodeStats, n_out: int, deadline_at: float | None,
     return False
 
 
+@dataclass
+class _Ahead:
+    """A chain drafted during the previous step's forward (`_draft_ahead`): usable when the
+    cached tokens number `n_cached` and the step's feed is `feed` (then the context and the
+    grammar state are the ones it was drafted for)."""
+
+    n_cached: int
+    feed: list[int]
+    chain: tuple  # `Speculator.chain`'s (tokens, sources, q, confidence)
+
+
 def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], stats: DecodeStats, copying,
           matcher, jump_forward: bool, max_tokens: int, temperature: float, top_p: float, generator,
-          stop_ids: set[int]) -> tuple[list[int], bool, int, float]:
-    """Draft, verify in one forward, accept; returns (next feed, stop, tokens emitted, the
-    `time.perf_counter()` when they were chosen)."""
+          stop_ids: set[int], ahead: _Ahead | None) -> tuple[list[int], bool, int, float, _Ahead | None]:
+    """Draft (or take the chain drafted ahead), verify in one forward, accept; returns (next feed,
+    stop, tokens emitted, the `time.perf_counter()` when they were chosen, the next step's chain
+    drafted during this forward or None)."""
     source, match, forced_text = copying
     t_draft = time.perf_counter()
     allowed = target.mask.allowed if matcher is not None else None
-    chain, sources, qs, confs = spec.chain(target.context(feed), spec.max_k, matcher, allowed, jump_forward,
-                                           max_tokens - len(out) - 1, temperature, generator, source, len(feed),
-                                           match, forced_text)
+    context = target.context(feed)
+    budget = max_tokens - len(out) - 1
+    if ahead is not None and ahead.n_cached == len(target.tokens) and ahead.feed == feed:
+        chain, sources, qs, confs = ahead.chain
+        stats.drafted_ahead += 1
+    else:
+        chain, sources, qs, confs = spec.chain(context, spec.max_k, matcher, allowed, jump_forward, budget,
+                                               temperature, generator, source, len(feed), match, forced_text)
     t_draft = time.perf_counter() - t_draft
     if len(feed) + len(chain) > MAX_VERIFY:  # keep the verified rows in one forward
         target.forward(feed[:-1], "none")
@@ -254,18 +305,27 @@ def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], sta
     # rows (vocab x dim is a large share of the model's bytes per token).
     masks = target.mask.fill_chain(matcher, []) if matcher is not None and not chain else None
     head_rows = _head_rows(target.mask, masks)
-    logits = target.forward(ids, select + (len(feed) - 1), head_rows)  # [len(choose), V]
-    # Pipelining: while the forward runs (asynchronously on CUDA), the host computes the grammar
-    # masks of every row of the chain, which do not depend on its result (on the CPU: in order).
-    t_masks = time.perf_counter()
-    if matcher is not None and masks is None:
-        masks = target.mask.fill_chain(matcher, chain)
-    t_masks = time.perf_counter() - t_masks
+    pending = target.launch(ids, select + (len(feed) - 1), head_rows)  # -> [len(choose), V]
+    # Pipelining: while the forward runs (CUDA: queued kernels; CPU: the worker thread), the host
+    # computes what does not depend on its result: the grammar masks of every row of the chain, and
+    # the next step's chain for the case that all of this chain is accepted (greedy only).
+    t_host = time.perf_counter()
+    try:
+        if matcher is not None and masks is None:
+            masks = target.mask.fill_chain(matcher, chain)
+        ahead = None
+        if target.overlaps and spec.enabled and temperature <= 0:
+            ahead = _draft_ahead(spec, np.concatenate([context, np.asarray(chain, dtype=np.int64)]), chain, matcher,
+                                 allowed, jump_forward, budget - len(chain), copying)
+    finally:
+        t_host = time.perf_counter() - t_host
+        logits = pending()
     # logits projected on the allowed ids only are already masked (-inf elsewhere)
     drafts = [(chain[r], qs[r]) if r < len(chain) else (None, None) for r in choose]
     picks = _choices(logits, masks if head_rows is None else None, select, target.mask, drafts, temperature, top_p,
                      generator, len(ids))
-    t_fwd = time.perf_counter() - t_fwd - t_masks
+    # The forward's time: launch to choice, less the host work that ran after it (not overlapped).
+    t_fwd = time.perf_counter() - t_fwd - (0.0 if target.overlaps else t_host)
     stats.forwards += 1
     next_feed, stop, emitted, row, proposals = _accept(chain, sources, confs, dict(zip(choose, picks)), out, stats,
                                                        matcher, jump_forward, max_tokens, stop_ids)
@@ -274,7 +334,56 @@ def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], sta
     target.discard(len(chain) - row)
     if spec.enabled:
         spec.record(len(ids), t_fwd, proposals, t_draft, len(chain) - row)
-    return next_feed, stop, emitted, chosen_at
+    return next_feed, stop, emitted, chosen_at, ahead
+
+
+def _draft_ahead(spec: Speculator, full: np.ndarray, chain: list[int], matcher, allowed, jump_forward: bool,
+                 budget: int, copying) -> _Ahead | None:
+    """Draft the next step's chain while this step's forward runs (pipelined drafting: PEARL's
+    "post-verify", Liu et al. 2024, sec. 3): assume the target accepts all of `chain` and then
+    chooses the drafters' own next proposal (the guess), followed by the grammar-forced run after
+    it (what the next step's jump-forward feeds), and draft after that.
+
+    Args:
+        full: [N] int64, the context through `chain` (cached, fed and drafted tokens).
+        chain: this step's chain (the matcher has not consumed it).
+        budget: most output tokens after `chain` (the guess and the next chain included).
+        copying: `_copy_helpers`' (copy source, MessageMatch, ForcedText).
+    Returns:
+        the `_Ahead`, or None (no guess, or the answer would end before the next step). The
+        matcher is left as it was; the draft model's KV follows the guessed context (a wrong
+        guess costs the next step's draft a re-sync of the differing tokens).
+    """
+    source, match, forced_text = copying
+    consumed = 0
+    try:
+        if matcher is not None:
+            if chain and not matcher.consume_tokens(chain):
+                return None
+            consumed = len(chain)
+            if matcher.is_stopped():
+                return None
+        guess = spec.guess(full, matcher, allowed, source, match, forced_text)
+        if guess is None:
+            return None
+        feed = [guess]
+        if matcher is not None:
+            if not matcher.consume_token(guess):
+                return None
+            consumed += 1
+            if jump_forward and not matcher.is_stopped():
+                forced = matcher.compute_ff_tokens()
+                if forced and matcher.consume_tokens(forced):
+                    feed += forced
+                    consumed += len(forced)
+            if matcher.is_stopped():
+                return None
+        nxt = spec.chain(np.concatenate([full, np.asarray(feed, dtype=np.int64)]), spec.max_k, matcher, allowed,
+                         jump_forward, budget - len(feed), 0.0, None, source, len(feed), match, forced_text)
+        return _Ahead(len(full), feed, nxt)
+    finally:
+        if consumed:
+            matcher.rollback(consumed)
 
 
 def _head_rows(mask, masks: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,5 +1,5 @@
-"""Where the engine's tensors live: the device and dtype settings, host-to-device copies, and the
-decode step as a CUDA graph (`DecodeGraphs`).
+"""Where the engine's tensors live: the device and dtype settings, host-to-device copies, the
+decode step as a CUDA graph (`DecodeGraphs`), and the CPU's forward worker thread (`forward_worker`).
 
 Everything here runs on the CPU too: the graph runner then runs its step eagerly through the
 same buffers, so the CPU tests check its bookkeeping.
@@ -7,10 +7,12 @@ same buffers, so the CPU tests check its bookkeeping.
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["DeviceError", "DTYPES", "resolve_device", "resolve_dtype", "to_device", "DecodeGraphs"]
+__all__ = ["DeviceError", "DTYPES", "resolve_device", "resolve_dtype", "to_device", "forward_worker", "DecodeGraphs"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,24 @@ def to_device(values: "list[int] | torch.Tensor", device: torch.device) -> torch
     pinned memory, copied non-blocking: the host does not wait for the device)."""
     t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long, device="cpu")
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def forward_worker(device: torch.device, pipeline: bool | None = None) -> ThreadPoolExecutor | None:
+    """The one-thread executor on which a CPU engine's decode forwards run while the host drafts
+    the next step and computes grammar masks (`tokenspeed.decode.Target.launch`), or None.
+
+    Args:
+        device: the engine's device. Off the CPU there is no worker (CUDA forwards are queued
+            kernels: the host works beside them on its own thread).
+        pipeline: True or False; None (auto): on when this process may run on more cores than
+            torch's intra-op threads (`torch.get_num_threads()`) use, so that a core is free for
+            the host's work.
+    """
+    if device.type != "cpu":
+        return None
+    if pipeline is None:
+        pipeline = len(os.sched_getaffinity(0)) > torch.get_num_threads()
+    return ThreadPoolExecutor(1, thread_name_prefix="tokenspeed-forward") if pipeline else None
 
 
 class _Width:

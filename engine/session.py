@@ -21,7 +21,7 @@ import torch
 from .decision import (Checkpoint, Decision, Segment, SessionArgumentError, finite_arg, positive_int_arg, sampling_args,
                        settle)
 from .decode import NonFiniteLogitsError, Target, decode
-from .device import DecodeGraphs, resolve_device, resolve_dtype
+from .device import DecodeGraphs, forward_worker, resolve_device, resolve_dtype
 from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, ToolGrammar, call_format_for, normalize_tools, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
@@ -111,10 +111,13 @@ class Engine:
         speculation: `tokenspeed.speculation.SpecConfig` new sessions speculate with (default:
             prompt lookup, grammar runs and the shipped draft model when it matches this
             target), or None for plain decoding. Set it before creating sessions.
+        forward_worker: the thread the sessions' CPU decode forwards run on while the host drafts
+            ahead and computes grammar masks (`tokenspeed.device.forward_worker`), or None.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, source: str, load_s: float = 0.0,
-                 weights: str = "fp32", weight_choice=None, load_stages: LoadStages | None = None):
+                 weights: str = "fp32", weight_choice=None, load_stages: LoadStages | None = None,
+                 pipeline: bool | None = None):
         import llguidance
 
         self.load_stages = load_stages if load_stages is not None else LoadStages()
@@ -125,6 +128,7 @@ class Engine:
         self.load_s = load_s
         self.weights = weights
         self.device = model.tok_embeddings.weight.device
+        self.forward_worker = forward_worker(self.device, pipeline)
         self.weight_choice = weight_choice
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,
                                                    eos_token=tokenizer.eos_id)
@@ -148,7 +152,8 @@ class Engine:
     @classmethod
     def load(cls, model: str | None = None, *, threads: int | None = None,
              dtype: "torch.dtype | str | None" = "auto", device: "str | torch.device | None" = "auto",
-             quantize: str | None = "auto", stages: LoadStages | None = None) -> "Engine":
+             quantize: str | None = "auto", stages: LoadStages | None = None,
+             pipeline: bool | None = None) -> "Engine":
         """Load a model and keep it resident.
 
         Args:
@@ -169,6 +174,9 @@ class Engine:
                 (`tokenspeed.weights.load_quantized`): a warm load reads them packed.
             stages: `LoadStages` to continue (its clock runs on from its last stage), else a new one;
                 it becomes `Engine.load_stages`.
+            pipeline: on the CPU, run decode forwards on a worker thread while the host drafts the
+                next step and computes grammar masks: True, False, or None (auto: when a core is
+                free beside the `threads`; see `tokenspeed.device.forward_worker`).
         Raises:
             ModelLoadError: bad path or unsupported file.
             DeviceError: a malformed device or dtype, or a CUDA device this machine does not have.
@@ -222,7 +230,7 @@ class Engine:
                 save_quantized(net, files, fmt)
                 stages.done("quantized cache written")
         return cls(net, tok, source=model or "embedded", load_s=time.perf_counter() - t0, weights=fmt,
-                   weight_choice=choice, load_stages=stages)
+                   weight_choice=choice, load_stages=stages, pipeline=pipeline)
 
     def session(self, system: str | None = None, tools=None, capacity: int | None = None,
                 kv_budget: "int | KVConfig | None" = None, tool_prompt: str = DEFAULT_TOOL_PROMPT) -> "Session":
@@ -301,7 +309,7 @@ class Session:
             cache, window = TieredKVCache(self.model.args, kv, w.dtype, w.device), kv.budget
         self._mask = TokenMask(self.tok.vocab_size, engine.device, engine.mask_executor)
         graphs = DecodeGraphs(self.model, cache) if engine.device.type == "cuda" and kv_budget is None else None
-        self.target = Target(self.model, cache, self._mask, graphs)
+        self.target = Target(self.model, cache, self._mask, graphs, engine.forward_worker)
         self.pending: list[int] = []       # appended to the context but not yet prefilled
         # In a pruned session the draft attends over the last `budget` tokens only: its cost stays flat.
         self.speculator = Speculator(engine.speculation, self.model.args.max_seq_len, window)

@@ -153,7 +153,7 @@ def run_tokenspeed(job: dict, out: str, quantize: str | None, speculation: bool 
                  forwards=d.forwards, forced_tokens=d.forced_tokens, ttft_ms=_ms(d.ttft_s),
                  itl_ms=[_ms(x) for x in d.itl_s], decide_ms=_ms(t2 - t1), observe_ms=_ms(t1 - t0),
                  turn_ms=_ms(t2 - t0), decided_tokens=d.generated_tokens, draft_tokens=d.draft_tokens,
-                 accepted_tokens=d.accepted_tokens, draft_sources=d.draft_sources)
+                 accepted_tokens=d.accepted_tokens, draft_sources=d.draft_sources, drafted_ahead=d.drafted_ahead)
     drafted = sum(t["draft_tokens"] for t in rec.out["turns"])
     if drafted:
         rec.out["spec_acceptance"] = sum(t["accepted_tokens"] for t in rec.out["turns"]) / drafted

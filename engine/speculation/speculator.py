@@ -204,6 +204,14 @@ class Speculator:
             matcher.rollback(consumed)
         return tokens, sources, qs, confs
 
+    def guess(self, context: np.ndarray, matcher, allowed, source: tuple[int, int] | None = None,
+              match: MessageMatch | None = None, forced_text: ForcedText | None = None) -> int | None:
+        """The drafters' greedy proposal for the token after `context` [N] int64, whether or not it
+        would pay for a verification row (the guess of pipelined drafting, `tokenspeed.decode`), or
+        None when no drafter proposes one. Arguments as `chain`; the matcher is not advanced."""
+        return self._propose(np.asarray(context, dtype=np.int64), matcher, allowed, 0.0, None, source, match,
+                             forced_text)[0]
+
     def _copy(self, full: np.ndarray, matcher, allowed, source, match: MessageMatch | None,
               forced_text: ForcedText | None) -> tuple[int | None, str, bool]:
         """A copied proposal after `full` [N] int64: (token or None, its source, whether it is from

@@ -203,3 +203,16 @@ def test_decode_forwards_read_nothing_back_from_the_device(tiny_engine):
     # the check is live: a forward given its positions as a device tensor reads their maximum
     with pytest.raises((RuntimeError, NotImplementedError)):
         model(torch.tensor([11]).to("meta"), torch.tensor([43]).to("meta"), model.new_cache(64))
+
+
+def test_the_forward_worker_runs_where_a_core_is_free(monkeypatch):
+    from tokenspeed.device import forward_worker
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert forward_worker(torch.device("cpu")) is not None           # auto: a core beside the one thread
+    assert forward_worker(torch.device("cpu"), pipeline=False) is None
+    assert forward_worker(torch.device("cuda")) is None               # CUDA forwards are queued already
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    assert forward_worker(torch.device("cpu")) is None               # no core free
+    assert forward_worker(torch.device("cpu"), pipeline=True) is not None

@@ -369,3 +369,56 @@ def test_rejection_sampling_preserves_target_distribution(one_thread):
     z = 3.09
     limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
     assert chi2 < limit, (chi2, limit, dof)
+
+
+@pytest.fixture(scope="module")
+def pipelined():
+    """The embedded model, fp32, with the forward worker thread on whatever the core count."""
+    return tokenspeed.Engine.load(quantize=None, pipeline=True)
+
+
+def test_pipelined_drafting_equals_plain_on_real_prompts(engine, pipelined):
+    """Drafting the next chain during the forward (the forward on the worker thread) changes no
+    token: the 20 real prompts give the plain greedy output, under the untrained draft at a fixed
+    k (its guesses miss) and the default speculation (some come true)."""
+    assert pipelined.forward_worker is not None
+    plain, plain_texts = _outputs(engine, None)
+    saved, ahead = pipelined.speculation, 0
+    try:
+        for config in (rejecting_config(pipelined), saved):
+            spec, spec_texts = _outputs(pipelined, config)
+            assert [d.text for d in spec] == [d.text for d in plain]
+            assert [d.status for d in spec] == [d.status for d in plain]
+            assert spec_texts == plain_texts
+            ahead += sum(d.drafted_ahead for d in spec)
+    finally:
+        pipelined.speculation = saved
+    assert ahead > 0
+
+
+def test_a_forward_failing_on_the_worker_thread_fails_the_call_as_inline(tiny_engine):
+    """A forward that raises on the worker thread raises in the caller, as an inline forward does,
+    and the session's cache and token ids stay consistent."""
+    worker = tokenspeed.Engine.load("tiny-random", pipeline=True)
+    errors = []
+    for e in (tiny_engine, worker):
+        s = e.session(capacity=48)
+        with pytest.raises(ValueError, match="KV cache") as info:
+            s.generate("Count from one to one hundred, slowly.", max_tokens=64)
+        errors.append(str(info.value))
+        assert s.cache.n == len(s.target.tokens)
+    assert errors[0] == errors[1]
+
+
+def test_a_launched_forward_runs_with_the_callers_thread_count(tiny_engine, monkeypatch):
+    """torch's intra-op thread count is per thread: the worker takes the caller's (the ROS nodes
+    change `threads` live). A stand-in forward reports the count it ran with."""
+    target = tokenspeed.Engine.load("tiny-random", pipeline=True).session().target
+    monkeypatch.setattr(target, "forward", lambda ids, rows, head_rows: torch.get_num_threads())
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            assert target.launch([1])() == n
+    finally:
+        torch.set_num_threads(before)
