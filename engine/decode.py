@@ -50,17 +50,19 @@ class Target:
             (CUDA graphs), or None: the model's own forward runs them (the CPU: its fused step).
         worker: a one-thread `concurrent.futures.Executor` that runs `launch()`ed CPU forwards
             (`Engine.forward_worker`), or None: a CPU forward runs on the caller's thread.
+        pipelined: decode steps draft the next chain while their forward runs (`Engine.pipeline`).
     """
 
-    def __init__(self, model, cache, mask=None, graphs=None, worker=None):
+    def __init__(self, model, cache, mask=None, graphs=None, worker=None, pipelined=False):
         self.model, self.cache, self.mask, self.graphs, self.worker = model, cache, mask, graphs, worker
+        self.pipelined = pipelined
         self.device = model.tok_embeddings.weight.device
         self.tokens = array("q")
 
     @property
-    def overlaps(self) -> bool:
-        """Whether the host can work while a `launch()`ed forward runs: on CUDA (kernels are queued)
-        or with a CPU worker thread."""
+    def asynchronous(self) -> bool:
+        """Whether a `launch()`ed forward runs while the caller goes on: on CUDA (queued kernels)
+        or on the CPU worker thread."""
         return self.device.type != "cpu" or self.worker is not None
 
     def launch(self, ids: list[int], rows="last", head_rows: torch.Tensor | None = None) -> Callable[[], torch.Tensor | None]:
@@ -306,15 +308,16 @@ def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], sta
     masks = target.mask.fill_chain(matcher, []) if matcher is not None and not chain else None
     head_rows = _head_rows(target.mask, masks)
     pending = target.launch(ids, select + (len(feed) - 1), head_rows)  # -> [len(choose), V]
-    # Pipelining: while the forward runs (CUDA: queued kernels; CPU: the worker thread), the host
-    # computes what does not depend on its result: the grammar masks of every row of the chain, and
-    # the next step's chain for the case that all of this chain is accepted (greedy only).
+    # Pipelining: while the forward runs (CUDA: queued kernels; CPU: the worker thread, else in
+    # order), the host computes what does not depend on its result: the grammar masks of every row
+    # of the chain and, pipelined, the next step's chain for the case that all of this chain is
+    # accepted (greedy only).
     t_host = time.perf_counter()
     try:
         if matcher is not None and masks is None:
             masks = target.mask.fill_chain(matcher, chain)
         ahead = None
-        if target.overlaps and spec.enabled and temperature <= 0:
+        if target.pipelined and spec.enabled and temperature <= 0:
             ahead = _draft_ahead(spec, np.concatenate([context, np.asarray(chain, dtype=np.int64)]), chain, matcher,
                                  allowed, jump_forward, budget - len(chain), copying)
     finally:
@@ -325,7 +328,7 @@ def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], sta
     picks = _choices(logits, masks if head_rows is None else None, select, target.mask, drafts, temperature, top_p,
                      generator, len(ids))
     # The forward's time: launch to choice, less the host work that ran after it (not overlapped).
-    t_fwd = time.perf_counter() - t_fwd - (0.0 if target.overlaps else t_host)
+    t_fwd = time.perf_counter() - t_fwd - (0.0 if target.asynchronous else t_host)
     stats.forwards += 1
     next_feed, stop, emitted, row, proposals = _accept(chain, sources, confs, dict(zip(choose, picks)), out, stats,
                                                        matcher, jump_forward, max_tokens, stop_ids)

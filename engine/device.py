@@ -7,12 +7,11 @@ same buffers, so the CPU tests check its bookkeeping.
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["DeviceError", "DTYPES", "resolve_device", "resolve_dtype", "to_device", "forward_worker", "DecodeGraphs"]
+__all__ = ["DeviceError", "DTYPES", "resolve_device", "resolve_dtype", "to_device", "resolve_pipeline", "forward_worker", "DecodeGraphs"]
 
 log = logging.getLogger(__name__)
 
@@ -76,22 +75,22 @@ def to_device(values: "list[int] | torch.Tensor", device: torch.device) -> torch
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-def forward_worker(device: torch.device, pipeline: bool | None = None) -> ThreadPoolExecutor | None:
-    """The one-thread executor on which a CPU engine's decode forwards run while the host drafts
-    the next step and computes grammar masks (`tokenspeed.decode.Target.launch`), or None.
+def resolve_pipeline(device: torch.device, pipeline: bool | None = None) -> bool:
+    """Whether decode steps draft the next chain while their forward runs (`tokenspeed.decode`).
 
-    Args:
-        device: the engine's device. Off the CPU there is no worker (CUDA forwards are queued
-            kernels: the host works beside them on its own thread).
-        pipeline: True or False; None (auto): on when this process may run on more cores than
-            torch's intra-op threads (`torch.get_num_threads()`) use, so that a core is free for
-            the host's work.
+    None (auto): on CUDA, where the forward is queued kernels and the host works beside them on
+    its own thread; off on the CPU, where the forward must run on a worker thread
+    (`forward_worker`) and, measured on a 2-core VM, the thread hand-offs cost what the overlap
+    saves (README, "Pipelining"). True or False: as given.
     """
-    if device.type != "cpu":
-        return None
-    if pipeline is None:
-        pipeline = len(os.sched_getaffinity(0)) > torch.get_num_threads()
-    return ThreadPoolExecutor(1, thread_name_prefix="tokenspeed-forward") if pipeline else None
+    return device.type != "cpu" if pipeline is None else bool(pipeline)
+
+
+def forward_worker(device: torch.device, pipeline: bool) -> ThreadPoolExecutor | None:
+    """The one-thread executor on which a pipelined CPU engine's decode forwards run while the
+    host drafts the next step and computes grammar masks (`tokenspeed.decode.Target.launch`), or
+    None (not pipelined, or off the CPU: CUDA forwards are queued kernels already)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="tokenspeed-forward") if pipeline and device.type == "cpu" else None
 
 
 class _Width:

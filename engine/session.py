@@ -21,7 +21,7 @@ import torch
 from .decision import (Checkpoint, Decision, Segment, SessionArgumentError, finite_arg, positive_int_arg, sampling_args,
                        settle)
 from .decode import NonFiniteLogitsError, Target, decode
-from .device import DecodeGraphs, forward_worker, resolve_device, resolve_dtype
+from .device import DecodeGraphs, forward_worker, resolve_device, resolve_dtype, resolve_pipeline
 from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, ToolGrammar, call_format_for, normalize_tools, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
@@ -111,8 +111,11 @@ class Engine:
         speculation: `tokenspeed.speculation.SpecConfig` new sessions speculate with (default:
             prompt lookup, grammar runs and the shipped draft model when it matches this
             target), or None for plain decoding. Set it before creating sessions.
-        forward_worker: the thread the sessions' CPU decode forwards run on while the host drafts
-            ahead and computes grammar masks (`tokenspeed.device.forward_worker`), or None.
+        pipeline: whether decode steps draft the next chain while their forward runs
+            (`tokenspeed.device.resolve_pipeline`: by default on CUDA, off on the CPU). Set it
+            before creating sessions.
+        forward_worker: the thread a pipelined CPU engine's decode forwards run on
+            (`tokenspeed.device.forward_worker`), or None.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, source: str, load_s: float = 0.0,
@@ -128,7 +131,7 @@ class Engine:
         self.load_s = load_s
         self.weights = weights
         self.device = model.tok_embeddings.weight.device
-        self.forward_worker = forward_worker(self.device, pipeline)
+        self.pipeline = resolve_pipeline(self.device, pipeline)
         self.weight_choice = weight_choice
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,
                                                    eos_token=tokenizer.eos_id)
@@ -148,6 +151,15 @@ class Engine:
         if config is not None and not isinstance(config, SpecConfig):
             raise TypeError(f"Engine.speculation must be a SpecConfig or None, got {type(config).__name__}")
         self._speculation = config
+
+    @property
+    def pipeline(self) -> bool:
+        return self._pipeline
+
+    @pipeline.setter
+    def pipeline(self, on: bool) -> None:
+        self._pipeline = bool(on)
+        self.forward_worker = forward_worker(self.device, self._pipeline)
 
     @classmethod
     def load(cls, model: str | None = None, *, threads: int | None = None,
@@ -174,9 +186,9 @@ class Engine:
                 (`tokenspeed.weights.load_quantized`): a warm load reads them packed.
             stages: `LoadStages` to continue (its clock runs on from its last stage), else a new one;
                 it becomes `Engine.load_stages`.
-            pipeline: on the CPU, run decode forwards on a worker thread while the host drafts the
-                next step and computes grammar masks: True, False, or None (auto: when a core is
-                free beside the `threads`; see `tokenspeed.device.forward_worker`).
+            pipeline: draft the next decode step while the forward runs (on the CPU the forwards
+                then run on a worker thread): True, False, or None (auto: on CUDA only; see
+                `tokenspeed.device.resolve_pipeline`).
         Raises:
             ModelLoadError: bad path or unsupported file.
             DeviceError: a malformed device or dtype, or a CUDA device this machine does not have.
@@ -309,7 +321,7 @@ class Session:
             cache, window = TieredKVCache(self.model.args, kv, w.dtype, w.device), kv.budget
         self._mask = TokenMask(self.tok.vocab_size, engine.device, engine.mask_executor)
         graphs = DecodeGraphs(self.model, cache) if engine.device.type == "cuda" and kv_budget is None else None
-        self.target = Target(self.model, cache, self._mask, graphs, engine.forward_worker)
+        self.target = Target(self.model, cache, self._mask, graphs, engine.forward_worker, engine.pipeline)
         self.pending: list[int] = []       # appended to the context but not yet prefilled
         # In a pruned session the draft attends over the last `budget` tokens only: its cost stays flat.
         self.speculator = Speculator(engine.speculation, self.model.args.max_seq_len, window)

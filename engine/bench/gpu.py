@@ -23,7 +23,8 @@ and the run goes on):
    the embedded model's vocabulary (random weights: timings only): the 10-call AAL turn of
    `tokenspeed bench aal` (warm session, jump-forward and speculation on), its effective ITL on
    tool calls ((decide time - TTFT) / (output tokens - 1): forced and accepted tokens included),
-   then warm `decide()` TTFT with a ~4K-token context already cached.
+   then warm `decide()` TTFT with a ~4K-token context already cached; the embedded model's figures
+   once more without pipelined drafting (`Engine.pipeline`), the A/B of the overlap.
 6. profile: one more warm `decide()` of each of those engines under `torch.profiler` (CPU and CUDA
    activity): how long the GPU sat idle between the kernels of its decode steps (busy, span, idle
    fraction, gap p50/p90/max, the largest gaps with the kernels on either side: where the host
@@ -362,7 +363,7 @@ def _run_turn(engine, wl) -> tuple[object, list[dict]]:
         records.append({"status": d.status, "context_tokens": session.num_tokens, "ttft_ms": d.ttft_s * 1e3,
                         "decide_ms": (t2 - t1) * 1e3, "turn_ms": (t2 - t0) * 1e3, "output_tokens": n_out,
                         "forced_tokens": d.forced_tokens, "forwards": d.forwards, "draft_tokens": d.draft_tokens,
-                        "accepted_tokens": d.accepted_tokens,
+                        "accepted_tokens": d.accepted_tokens, "drafted_ahead": d.drafted_ahead,
                         "after_first_ms": (d.total_s - d.ttft_s) * 1e3})
     return session, records
 
@@ -410,6 +411,7 @@ def agent_figures(engine, wl, context: int, repeats: int = 5) -> dict:
     _fill(session, context)
     ttfts = [_warm_decision(session, wl).ttft_s * 1e3 for _ in range(repeats)]
     return {"calls": len(records), "valid_calls": sum(r["status"] == "ok" for r in records), "turn_ms": turn_ms,
+            "pipeline": engine.pipeline, "drafted_ahead": sum(r["drafted_ahead"] for r in records),
             "ttft_p50_ms": statistics.median(r["ttft_ms"] for r in records),
             "itl_eff_ms": after / later_tokens if later_tokens else None,
             "warm_context_tokens": session.num_tokens, "warm_ttft_p50_ms": statistics.median(ttfts),
@@ -579,6 +581,15 @@ def run_gpu(device: str | None = None, quick: bool = False, out: Path | None = N
         return {"model": eng.source, **profile_decision(eng, workload(), agent_ctx)}
 
     rep.section("agent_embedded", agent, engine)
+
+    def serial(eng):  # the same figures without pipelined drafting (Engine.pipeline), for the A/B
+        was, eng.pipeline = eng.pipeline, False
+        try:
+            return agent(eng)
+        finally:
+            eng.pipeline = was
+
+    rep.section("agent_embedded_serial", serial, engine)
     rep.section("agent_big", on_big_body, agent)
     rep.section("profile", lambda: [profile(engine), on_big_body(profile)])
     if cuda:
@@ -620,6 +631,11 @@ def _print(results: dict) -> None:
         a.add_row(label, _fmt(big.get(key)), _fmt(emb.get(key)), *(f"{x:g}" for x in BRIEF[brief]),
                   f"<= {GOALS[goal]:g}" if goal else "-")
     con.print(a)
+    ser = sec.get("agent_embedded_serial", {})
+    if "itl_eff_ms" in ser and "itl_eff_ms" in emb:
+        con.print(f"embedded, pipelined drafting {'on' if emb.get('pipeline') else 'off'} -> off: effective ITL "
+                  f"{_fmt(emb['itl_eff_ms'])} -> {_fmt(ser['itl_eff_ms'])} ms, AAL turn {_fmt(emb['turn_ms'])} -> "
+                  f"{_fmt(ser['turn_ms'])} ms (drafted ahead in {emb.get('drafted_ahead', 0)} steps)")
     par, ker = sec.get("parity", {}), sec.get("kernels", {})
     if "tokens" in par:
         con.print(f"parity vs CPU fp32: {par['identical_tokens']}/{par['tokens']} tokens identical over "

@@ -161,9 +161,10 @@ def test_gpu_device_check_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert sec["decode_big"]["rows"][0]["model"].startswith("tiny-shape")
     par = sec["parity"]
     assert par["ok"] and par["identical_tokens"] == par["tokens"] == 8 and par["max_rel_logit_err"] < 1e-5
-    for key in ("agent_embedded", "agent_big"):
+    for key in ("agent_embedded", "agent_embedded_serial", "agent_big"):
         a = sec[key]
         assert a["calls"] == 2 and a["turn_ms"] > 0 and a["warm_ttft_p50_ms"] > 0 and a["warm_context_tokens"] >= 256
+    assert sec["agent_embedded_serial"]["pipeline"] is False and sec["agent_embedded_serial"]["drafted_ahead"] == 0
     # the profile section runs its CPU-only profiler: one warm decision per engine, no device kernels
     prof = sec["profile"]["rows"]
     assert [r["model"] for r in prof] == ["tiny-random", "tiny-shape body (random)"]
@@ -172,6 +173,7 @@ def test_gpu_device_check_runs_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
         assert r["forwards"] > 0 and r["decide_ms"] >= r["ttft_ms"] > 0 and r["unprofiled_decide_ms"] > 0
     out = capsys.readouterr().out
     assert "10-call AAL turn" in out and "112" in out and "parity vs CPU fp32: 8/8" in out
+    assert "pipelined drafting off -> off" in out  # the CPU's default: no pipelining
     assert "device idle between the kernels" in out and NO_KERNELS in out
 
 

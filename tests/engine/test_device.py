@@ -205,14 +205,11 @@ def test_decode_forwards_read_nothing_back_from_the_device(tiny_engine):
         model(torch.tensor([11]).to("meta"), torch.tensor([43]).to("meta"), model.new_cache(64))
 
 
-def test_the_forward_worker_runs_where_a_core_is_free(monkeypatch):
-    from tokenspeed.device import forward_worker
+def test_pipelining_is_on_by_default_on_cuda_only_and_the_cpu_forwards_then_run_on_a_worker():
+    from tokenspeed.device import forward_worker, resolve_pipeline
 
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    assert forward_worker(torch.device("cpu")) is not None           # auto: a core beside the one thread
-    assert forward_worker(torch.device("cpu"), pipeline=False) is None
-    assert forward_worker(torch.device("cuda")) is None               # CUDA forwards are queued already
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
-    assert forward_worker(torch.device("cpu")) is None               # no core free
-    assert forward_worker(torch.device("cpu"), pipeline=True) is not None
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_pipeline(cuda) and not resolve_pipeline(cpu)
+    assert resolve_pipeline(cpu, True) and not resolve_pipeline(cuda, False)
+    assert forward_worker(cpu, True) is not None
+    assert forward_worker(cpu, False) is None and forward_worker(cuda, True) is None  # CUDA: queued kernels
