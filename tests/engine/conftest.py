@@ -1,5 +1,6 @@
 """Engine test fixtures: the real embedded model (loaded once per test run) and a tiny random one."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,10 @@ import torch
 from support import serve_process
 
 ROOT = Path(__file__).resolve().parents[2]
+# Triton reads this when a kernel module is first imported (any test may import one first): on a
+# machine without CUDA the kernels run under the interpreter, on CPU tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

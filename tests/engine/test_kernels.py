@@ -1,10 +1,6 @@
 """Kernels: the attention-with-mass torch path against SDPA; the Triton attention and fused RMSNorm
 kernels (run by the Triton interpreter on CPU) against SDPA and the torch paths, alone and through
 the model's CUDA dispatch."""
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # read by triton when kernels are decorated
-
 import pytest
 import torch
 import torch.nn.functional as F
