@@ -11,7 +11,9 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Callable
+from concurrent.futures import wait
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +26,7 @@ from .speculation.drafters import GRAMMAR
 __all__ = ["Target", "DecodeStats", "NonFiniteLogitsError", "decode", "token_probs", "PREFILL_CHUNK",
            "LM_HEAD_ROWS"]
 
+HostResult = TypeVar("HostResult")
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the attention mask and activations
 LM_HEAD_ROWS = 4096  # grammar allows at most this many ids next -> project only those lm_head rows
 MAX_VERIFY = 512     # most tokens one verification forward carries
@@ -48,8 +51,8 @@ class Target:
         device: the model's device.
         graphs: the `tokenspeed.device.DecodeGraphs` that runs decode and verification forwards
             (CUDA graphs), or None: the model's own forward runs them (the CPU: its fused step).
-        worker: a one-thread `concurrent.futures.Executor` that runs `launch()`ed CPU forwards
-            (`Engine.forward_worker`), or None: a CPU forward runs on the caller's thread.
+        worker: a one-thread `concurrent.futures.Executor` that runs the host's work beside a CPU
+            forward (`forward_beside`, `Engine.host_worker`), or None.
         pipelined: decode steps draft the next chain while their forward runs (`Engine.pipeline`).
     """
 
@@ -59,33 +62,38 @@ class Target:
         self.device = model.tok_embeddings.weight.device
         self.tokens = array("q")
 
-    @property
-    def asynchronous(self) -> bool:
-        """Whether a `launch()`ed forward runs while the caller goes on: on CUDA (queued kernels)
-        or on the CPU worker thread."""
-        return self.device.type != "cpu" or self.worker is not None
+    def forward_beside(self, ids: list[int], rows, head_rows: torch.Tensor | None, host: Callable[[], HostResult]
+                       ) -> tuple[torch.Tensor | None, HostResult, bool]:
+        """`forward(ids, rows, head_rows)` and `host()` at the same time, where this target can.
 
-    def launch(self, ids: list[int], rows="last", head_rows: torch.Tensor | None = None) -> Callable[[], torch.Tensor | None]:
-        """Start `forward(ids, rows, head_rows)`; returns a callable that waits for its result.
+        On CUDA `host` runs on the caller's thread while the queued kernels run. With a `worker`
+        (the CPU, pipelined) `host` runs on the worker thread, with the caller's torch intra-op
+        thread count, while the forward runs on the caller's (the fused decode step releases the
+        GIL), so that no thread hand-off stands between the forward and its result. Otherwise
+        `host` runs after the forward. `host` must not touch the cache or the token ids.
 
-        Until that callable returns, the caller must not touch this target (its cache, `tokens`,
-        `mask` rows). On CUDA the forward's kernels are queued on the caller's thread and the
-        result is a device tensor still being computed; with a `worker`, the CPU forward runs on
-        the worker thread (the fused decode step releases the GIL) with the caller's torch
-        intra-op thread count, and the result re-raises its exception. Otherwise the forward runs
-        before this returns.
+        Returns:
+            (the forward's result, host's result, whether they overlapped).
+        Raises:
+            what the forward raises (after `host` has finished), else what `host` raises.
         """
         if self.worker is None:
             out = self.forward(ids, rows, head_rows)
-            return lambda: out
+            return out, host(), self.device.type != "cpu"
         threads = torch.get_num_threads()  # per thread in torch: the worker follows the caller's setting
 
         def run():
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
-            return self.forward(ids, rows, head_rows)
+            return host()
 
-        return self.worker.submit(run).result
+        job = self.worker.submit(run)
+        try:
+            out = self.forward(ids, rows, head_rows)
+        except BaseException:
+            wait([job])
+            raise
+        return out, job.result(), True
 
     def context(self, feed=()) -> np.ndarray:
         """The cached token ids then `feed` (ids not yet cached): [N + len(feed)] int64, a copy."""
@@ -307,28 +315,28 @@ def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], sta
     # rows (vocab x dim is a large share of the model's bytes per token).
     masks = target.mask.fill_chain(matcher, []) if matcher is not None and not chain else None
     head_rows = _head_rows(target.mask, masks)
-    pending = target.launch(ids, select + (len(feed) - 1), head_rows)  # -> [len(choose), V]
-    # Pipelining: while the forward runs (CUDA: queued kernels; CPU: the worker thread, else in
-    # order), the host computes what does not depend on its result: the grammar masks of every row
-    # of the chain and, pipelined, the next step's chain for the case that all of this chain is
-    # accepted (greedy only).
-    t_host = time.perf_counter()
-    try:
-        if matcher is not None and masks is None:
-            masks = target.mask.fill_chain(matcher, chain)
-        ahead = None
-        if target.pipelined and spec.enabled and temperature <= 0:
-            ahead = _draft_ahead(spec, np.concatenate([context, np.asarray(chain, dtype=np.int64)]), chain, matcher,
-                                 allowed, jump_forward, budget - len(chain), copying)
-    finally:
-        t_host = time.perf_counter() - t_host
-        logits = pending()
+    # Pipelining: while the forward runs (CUDA: queued kernels; CPU: beside it on the worker thread,
+    # else after it), the host computes what does not depend on its result: the grammar masks of
+    # every row of the chain and, pipelined, the next step's chain for the case that all of this
+    # chain is accepted (greedy only).
+    pipelined = target.pipelined and spec.enabled and temperature <= 0
+    full = np.concatenate([context, np.asarray(chain, dtype=np.int64)]) if pipelined else None
+
+    def host():
+        t = time.perf_counter()
+        rows = target.mask.fill_chain(matcher, chain) if matcher is not None and masks is None else masks
+        nxt = _draft_ahead(spec, full, chain, matcher, allowed, jump_forward, budget - len(chain),
+                           copying) if pipelined else None
+        return rows, nxt, time.perf_counter() - t
+
+    logits, (masks, ahead, t_host), overlapped = target.forward_beside(ids, select + (len(feed) - 1), head_rows,
+                                                                       host)  # logits [len(choose), V]
     # logits projected on the allowed ids only are already masked (-inf elsewhere)
     drafts = [(chain[r], qs[r]) if r < len(chain) else (None, None) for r in choose]
     picks = _choices(logits, masks if head_rows is None else None, select, target.mask, drafts, temperature, top_p,
                      generator, len(ids))
-    # The forward's time: launch to choice, less the host work that ran after it (not overlapped).
-    t_fwd = time.perf_counter() - t_fwd - (0.0 if target.asynchronous else t_host)
+    # The forward's time: start to choice, less the host work that ran after it (not overlapped).
+    t_fwd = time.perf_counter() - t_fwd - (0.0 if overlapped else t_host)
     stats.forwards += 1
     next_feed, stop, emitted, row, proposals = _accept(chain, sources, confs, dict(zip(choose, picks)), out, stats,
                                                        matcher, jump_forward, max_tokens, stop_ids)

@@ -1,5 +1,5 @@
 """Where the engine's tensors live: the device and dtype settings, host-to-device copies, the
-decode step as a CUDA graph (`DecodeGraphs`), and the CPU's forward worker thread (`forward_worker`).
+decode step as a CUDA graph (`DecodeGraphs`), and the worker thread of a pipelined CPU engine (`host_worker`).
 
 Everything here runs on the CPU too: the graph runner then runs its step eagerly through the
 same buffers, so the CPU tests check its bookkeeping.
@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["DeviceError", "DTYPES", "resolve_device", "resolve_dtype", "to_device", "resolve_pipeline", "forward_worker", "DecodeGraphs"]
+__all__ = ["DeviceError", "DTYPES", "resolve_device", "resolve_dtype", "to_device", "resolve_pipeline", "host_worker", "DecodeGraphs"]
 
 log = logging.getLogger(__name__)
 
@@ -79,18 +79,19 @@ def resolve_pipeline(device: torch.device, pipeline: bool | None = None) -> bool
     """Whether decode steps draft the next chain while their forward runs (`tokenspeed.decode`).
 
     None (auto): on CUDA, where the forward is queued kernels and the host works beside them on
-    its own thread; off on the CPU, where the forward must run on a worker thread
-    (`forward_worker`) and, measured on a 2-core VM, the thread hand-offs cost what the overlap
-    saves (README, "Pipelining"). True or False: as given.
+    its own thread; off on the CPU, where the host's work must run on a worker thread
+    (`host_worker`) and, measured on a 2-core VM, the forward then ran slower by more than the
+    overlap saved (README, GPU, "Pipelining"). True or False: as given.
     """
     return device.type != "cpu" if pipeline is None else bool(pipeline)
 
 
-def forward_worker(device: torch.device, pipeline: bool) -> ThreadPoolExecutor | None:
-    """The one-thread executor on which a pipelined CPU engine's decode forwards run while the
-    host drafts the next step and computes grammar masks (`tokenspeed.decode.Target.launch`), or
-    None (not pipelined, or off the CPU: CUDA forwards are queued kernels already)."""
-    return ThreadPoolExecutor(1, thread_name_prefix="tokenspeed-forward") if pipeline and device.type == "cpu" else None
+def host_worker(device: torch.device, pipeline: bool) -> ThreadPoolExecutor | None:
+    """The one-thread executor on which a pipelined CPU engine's host work (grammar masks, drafting
+    the next step) runs while the caller's thread runs the decode forward
+    (`tokenspeed.decode.Target.forward_beside`), or None (not pipelined, or off the CPU: there the
+    host works beside the queued kernels on the caller's thread)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="tokenspeed-host") if pipeline and device.type == "cpu" else None
 
 
 class _Width:

@@ -21,7 +21,7 @@ import torch
 from .decision import (Checkpoint, Decision, Segment, SessionArgumentError, finite_arg, positive_int_arg, sampling_args,
                        settle)
 from .decode import NonFiniteLogitsError, Target, decode
-from .device import DecodeGraphs, forward_worker, resolve_device, resolve_dtype, resolve_pipeline
+from .device import DecodeGraphs, host_worker, resolve_device, resolve_dtype, resolve_pipeline
 from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, ToolGrammar, call_format_for, normalize_tools, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .model import ModelArgs, Transformer
@@ -114,8 +114,8 @@ class Engine:
         pipeline: whether decode steps draft the next chain while their forward runs
             (`tokenspeed.device.resolve_pipeline`: by default on CUDA, off on the CPU). Set it
             before creating sessions.
-        forward_worker: the thread a pipelined CPU engine's decode forwards run on
-            (`tokenspeed.device.forward_worker`), or None.
+        host_worker: the thread on which a pipelined CPU engine's host work runs beside each
+            decode forward (`tokenspeed.device.host_worker`), or None.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, source: str, load_s: float = 0.0,
@@ -159,7 +159,7 @@ class Engine:
     @pipeline.setter
     def pipeline(self, on: bool) -> None:
         self._pipeline = bool(on)
-        self.forward_worker = forward_worker(self.device, self._pipeline)
+        self.host_worker = host_worker(self.device, self._pipeline)
 
     @classmethod
     def load(cls, model: str | None = None, *, threads: int | None = None,
@@ -186,8 +186,8 @@ class Engine:
                 (`tokenspeed.weights.load_quantized`): a warm load reads them packed.
             stages: `LoadStages` to continue (its clock runs on from its last stage), else a new one;
                 it becomes `Engine.load_stages`.
-            pipeline: draft the next decode step while the forward runs (on the CPU the forwards
-                then run on a worker thread): True, False, or None (auto: on CUDA only; see
+            pipeline: draft the next decode step while the forward runs (on the CPU that work then
+                runs on a worker thread): True, False, or None (auto: on CUDA only; see
                 `tokenspeed.device.resolve_pipeline`).
         Raises:
             ModelLoadError: bad path or unsupported file.
@@ -321,7 +321,7 @@ class Session:
             cache, window = TieredKVCache(self.model.args, kv, w.dtype, w.device), kv.budget
         self._mask = TokenMask(self.tok.vocab_size, engine.device, engine.mask_executor)
         graphs = DecodeGraphs(self.model, cache) if engine.device.type == "cuda" and kv_budget is None else None
-        self.target = Target(self.model, cache, self._mask, graphs, engine.forward_worker, engine.pipeline)
+        self.target = Target(self.model, cache, self._mask, graphs, engine.host_worker, engine.pipeline)
         self.pending: list[int] = []       # appended to the context but not yet prefilled
         # In a pruned session the draft attends over the last `budget` tokens only: its cost stays flat.
         self.speculator = Speculator(engine.speculation, self.model.args.max_seq_len, window)

@@ -205,11 +205,11 @@ def test_decode_forwards_read_nothing_back_from_the_device(tiny_engine):
         model(torch.tensor([11]).to("meta"), torch.tensor([43]).to("meta"), model.new_cache(64))
 
 
-def test_pipelining_is_on_by_default_on_cuda_only_and_the_cpu_forwards_then_run_on_a_worker():
-    from tokenspeed.device import forward_worker, resolve_pipeline
+def test_pipelining_is_on_by_default_on_cuda_only_and_a_pipelined_cpu_engine_has_a_host_worker():
+    from tokenspeed.device import host_worker, resolve_pipeline
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_pipeline(cuda) and not resolve_pipeline(cpu)
     assert resolve_pipeline(cpu, True) and not resolve_pipeline(cuda, False)
-    assert forward_worker(cpu, True) is not None
-    assert forward_worker(cpu, False) is None and forward_worker(cuda, True) is None  # CUDA: queued kernels
+    assert host_worker(cpu, True) is not None
+    assert host_worker(cpu, False) is None and host_worker(cuda, True) is None  # CUDA: queued kernels

@@ -373,15 +373,15 @@ def test_rejection_sampling_preserves_target_distribution(one_thread):
 
 @pytest.fixture(scope="module")
 def pipelined():
-    """The embedded model, fp32, with the forward worker thread on whatever the core count."""
+    """The embedded model, fp32, pipelined (on the CPU: host work on a worker thread)."""
     return tokenspeed.Engine.load(quantize=None, pipeline=True)
 
 
 def test_pipelined_drafting_equals_plain_on_real_prompts(engine, pipelined):
-    """Drafting the next chain during the forward (the forward on the worker thread) changes no
-    token: the 20 real prompts give the plain greedy output, under the untrained draft at a fixed
+    """Drafting the next chain during the forward (on the worker thread) changes no token: the 20
+    real prompts give the plain greedy output, under the untrained draft at a fixed
     k (its guesses miss) and the default speculation (some come true)."""
-    assert pipelined.forward_worker is not None
+    assert pipelined.host_worker is not None
     plain, plain_texts = _outputs(engine, None)
     saved, ahead = pipelined.speculation, 0
     try:
@@ -396,29 +396,34 @@ def test_pipelined_drafting_equals_plain_on_real_prompts(engine, pipelined):
     assert ahead > 0
 
 
-def test_a_forward_failing_on_the_worker_thread_fails_the_call_as_inline(tiny_engine):
-    """A forward that raises on the worker thread raises in the caller, as an inline forward does,
-    and the session's cache and token ids stay consistent."""
+def test_a_forward_failing_beside_the_host_work_fails_the_call_as_without_it(tiny_engine):
+    """A forward that raises while the worker thread drafts ahead raises as it does without
+    pipelining, and the session's cache and token ids stay consistent."""
     worker = tokenspeed.Engine.load("tiny-random", pipeline=True)
-    errors = []
-    for e in (tiny_engine, worker):
-        s = e.session(capacity=48)
-        with pytest.raises(ValueError, match="KV cache") as info:
-            s.generate("Count from one to one hundred, slowly.", max_tokens=64)
-        errors.append(str(info.value))
-        assert s.cache.n == len(s.target.tokens)
+    fixed = SpecConfig(adaptive=False, max_k=4)  # prompt lookup at a fixed k: the same steps in both
+    saved, errors = tiny_engine.speculation, []
+    try:
+        for e in (tiny_engine, worker):
+            e.speculation = fixed
+            s = e.session(capacity=48)
+            with pytest.raises(ValueError, match="KV cache") as info:
+                s.generate("Count from one to one hundred, slowly.", max_tokens=64)
+            errors.append(str(info.value))
+            assert s.cache.n == len(s.target.tokens)
+    finally:
+        tiny_engine.speculation = saved
     assert errors[0] == errors[1]
 
 
-def test_a_launched_forward_runs_with_the_callers_thread_count(tiny_engine, monkeypatch):
+def test_host_work_beside_a_cpu_forward_runs_on_the_worker_with_the_callers_thread_count():
     """torch's intra-op thread count is per thread: the worker takes the caller's (the ROS nodes
-    change `threads` live). A stand-in forward reports the count it ran with."""
+    change `threads` live)."""
     target = tokenspeed.Engine.load("tiny-random", pipeline=True).session().target
-    monkeypatch.setattr(target, "forward", lambda ids, rows, head_rows: torch.get_num_threads())
     before = torch.get_num_threads()
     try:
         for n in (1, 2, 1):
             torch.set_num_threads(n)
-            assert target.launch([1])() == n
+            logits, threads, overlapped = target.forward_beside([1], "last", None, torch.get_num_threads)
+            assert threads == n and overlapped and logits.shape == (1, target.model.args.vocab_size)
     finally:
         torch.set_num_threads(before)
