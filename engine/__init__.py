@@ -11,7 +11,8 @@ Quick start::
 """
 from .grammar import ToolSchemaError
 from .model import ModelArgs, Transformer
-from .session import Checkpoint, Decision, Engine, LoadStages, Segment, Session, SessionArgumentError
+from .engine import Engine, LoadStages
+from .session import Checkpoint, Decision, Segment, Session, SessionArgumentError
 from .speculation import SpecConfig
 from .device import DeviceError
 from .weights import ModelLoadError

@@ -19,7 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from .grammar import CallFormat, ToolSchemaError, format_tool_calls, normalize_tools
-from .session import Checkpoint, Decision, Engine, Session
+from .engine import Engine
+from .session import Checkpoint, Decision, Session
 
 __all__ = ["ChatError", "ChatEngine", "ConversationCache"]
 

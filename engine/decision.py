@@ -133,7 +133,8 @@ class Decision:
                 "itl_ms_p50": itl[len(itl) // 2] * 1e3 if itl else None,
                 "prefill_tokens": self.prefill_tokens, "forwards": self.forwards,
                 "forced_tokens": self.forced_tokens, "generated_tokens": self.generated_tokens,
-                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens}
+                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "drafted_ahead": self.drafted_ahead}
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .chat import ChatEngine, ChatError
-from .session import Engine
+from .engine import Engine
 
 __all__ = ["ChatCompletionRequest", "Server", "create_app", "listen", "serve"]
 

@@ -1,7 +1,7 @@
-"""Engine and Session: the agent API.
+"""Session: the agent API over one resident KV cache.
 
-An `Engine` loads a model once and stays resident. `Engine.session()` returns a `Session` that
-keeps its KV cache between calls: `observe()` prefills new context immediately (streaming
+An `Engine` (`tokenspeed.engine`) loads a model once and stays resident. `Engine.session()`
+returns a `Session` that keeps its KV cache between calls: `observe()` prefills new context immediately (streaming
 prefill), so `decide()` only prefills its own trigger tokens (the chat template's assistant
 prefix, e.g. `<|im_start|>assistant\\n`, and the grammar-forced start of the call) before the
 first decode step.
@@ -12,7 +12,6 @@ deadlines are `time.monotonic()` values.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import time
 
@@ -21,278 +20,23 @@ import torch
 from .decision import (Checkpoint, Decision, Segment, SessionArgumentError, finite_arg, positive_int_arg, sampling_args,
                        settle)
 from .decode import NonFiniteLogitsError, Target, decode
-from .device import DecodeGraphs, host_worker, resolve_device, resolve_dtype, resolve_pipeline
-from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, ToolGrammar, call_format_for, normalize_tools, tools_system_prompt
+from .device import DecodeGraphs
+from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
-from .model import ModelArgs, Transformer
-from .quant import MODES
-from .paths import cache_dir
-from .speculation import SpecConfig, Speculator
-from .tokenizer import Tokenizer
-from .weights import ModelLoadError, load_model_files, load_quantized, resolve_model, save_quantized
+from .speculation import Speculator
 
-__all__ = ["Engine", "LoadStages", "Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError"]
+__all__ = ["Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError"]
 
-# Probe prompts for quantize="auto": a format's greedy tokens after each must equal fp32's.
-_AUTO_PROBES = ("The red cube is at x=0.42 y=-0.10 on the table. Pick it up and",
-                '{"name": "move_to", "arguments": {"x": 0.31, "y":',
-                "Joint positions: [0.12, -0.54, 1.03]. The gripper is open. Next action:")
 _ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,31}$")  # chat roles are template text: no markup in them
 _SESSION_IDS = itertools.count(1)
 
 
-def _tiny_random(args: ModelArgs) -> Transformer:
-    # 2 layers, random weights (seed 0), the embedded model's vocabulary
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
-                     vocab_size=args.vocab_size, max_seq_len=4096, tie_embeddings=True)
-    torch.manual_seed(0)
-    net = Transformer(args)
-    with torch.no_grad():
-        for p in net.parameters():
-            p.normal_(0.0, 0.5 if p.dim() == 1 else 0.05).add_(1.0 if p.dim() == 1 else 0.0)
-    return net
-
-
-def _fp32_model(files) -> Transformer:
-    with torch.device("meta"):  # no random init: every weight comes from the checkpoint
-        net = Transformer(files.args)
-    net = net.to_empty(device="cpu")
-    try:
-        net.load_hf_state_dict(load_model_files(files))
-    except (KeyError, ValueError) as exc:
-        raise ModelLoadError(f"{files.folder}: {exc}") from exc
-    return net
-
-
-class LoadStages(dict):
-    """Start-up stages, in order: name -> (wall s, CPU s of the whole process) since the previous
-    stage (or since construction). `Engine.load` fills one (`Engine.load_stages`); callers may
-    continue it with their own stages (the ROS agent adds its session set-up)."""
-
-    def __init__(self):
-        super().__init__()
-        self._clock = (time.perf_counter(), time.process_time())
-
-    def add(self, name: str, wall_s: float, cpu_s: float) -> None:
-        """Record a stage measured elsewhere (e.g. before the engine was imported)."""
-        self[name] = (wall_s, cpu_s)
-
-    def done(self, name: str) -> None:
-        """Close the stage `name` now."""
-        now = (time.perf_counter(), time.process_time())
-        self[name] = (now[0] - self._clock[0], now[1] - self._clock[1])
-        self._clock = now
-
-    def table(self) -> str:
-        """The stages as a text table (wall and CPU seconds, total last)."""
-        width = max(map(len, self), default=5)
-        rows = [f"  {name:<{width}} {w:7.2f} s {c:7.2f} s" for name, (w, c) in self.items()]
-        total = [sum(v[i] for v in self.values()) for i in (0, 1)]
-        return "\n".join([f"  {'stage':<{width}} {'wall':>9} {'CPU':>9}", *rows,
-                          f"  {'total':<{width}} {total[0]:7.2f} s {total[1]:7.2f} s"])
-
-
-class Engine:
-    """A resident model: weights, tokenizer and grammar tokenizer, loaded once.
-
-    Attributes:
-        model: the `Transformer` (fp32 by default).
-        tokenizer: the `Tokenizer`.
-        args: the `ModelArgs`.
-        source: what was loaded ("embedded", a path, or "tiny-random").
-        load_s: load time in seconds.
-        weights: the weight format: "int8" or "int4" (quantized), else the dtype ("fp32", "bf16", "fp16").
-        device: the torch device of the weights, where every tensor of the sessions lives.
-        weight_choice: the `tokenspeed.quant.FormatChoice` behind `weights` when loaded with
-            quantize="auto" (its timings; None otherwise).
-        call_format: the `tokenspeed.grammar.CallFormat` the model's chat template writes tool
-            calls in (`call_format_for`): what the grammar constrains and the decision parses.
-        load_stages: `LoadStages` of the load (model files, tokenizers, weights, draft model).
-        speculation: `tokenspeed.speculation.SpecConfig` new sessions speculate with (default:
-            prompt lookup, grammar runs and the shipped draft model when it matches this
-            target), or None for plain decoding. Set it before creating sessions.
-        pipeline: whether decode steps draft the next chain while their forward runs
-            (`tokenspeed.device.resolve_pipeline`: by default on CUDA, off on the CPU). Set it
-            before creating sessions.
-        host_worker: the thread on which a pipelined CPU engine's host work runs beside each
-            decode forward (`tokenspeed.device.host_worker`), or None.
-    """
-
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, source: str, load_s: float = 0.0,
-                 weights: str = "fp32", weight_choice=None, load_stages: LoadStages | None = None,
-                 pipeline: bool | None = None):
-        import llguidance
-
-        self.load_stages = load_stages if load_stages is not None else LoadStages()
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.args = model.args
-        self.source = source
-        self.load_s = load_s
-        self.weights = weights
-        self.device = model.tok_embeddings.weight.device
-        self.pipeline = resolve_pipeline(self.device, pipeline)
-        self.weight_choice = weight_choice
-        self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,
-                                                   eos_token=tokenizer.eos_id)
-        self.mask_executor = llguidance.LLExecutor(1)  # the sessions' grammar masks along draft chains
-        self.call_format = call_format_for(tokenizer.chat_template)  # the family's tool-call format
-        self.load_stages.done("grammar tokenizer")
-        self._grammars: dict[tuple, ToolGrammar] = {}
-        self.speculation = SpecConfig.default(self.model)
-        self.load_stages.done("draft model")
-
-    @property
-    def speculation(self) -> SpecConfig | None:
-        return self._speculation
-
-    @speculation.setter
-    def speculation(self, config: SpecConfig | None) -> None:
-        if config is not None and not isinstance(config, SpecConfig):
-            raise TypeError(f"Engine.speculation must be a SpecConfig or None, got {type(config).__name__}")
-        self._speculation = config
-
-    @property
-    def pipeline(self) -> bool:
-        return self._pipeline
-
-    @pipeline.setter
-    def pipeline(self, on: bool) -> None:
-        self._pipeline = bool(on)
-        self.host_worker = host_worker(self.device, self._pipeline)
-
-    @classmethod
-    def load(cls, model: str | None = None, *, threads: int | None = None,
-             dtype: "torch.dtype | str | None" = "auto", device: "str | torch.device | None" = "auto",
-             quantize: str | None = "auto", stages: LoadStages | None = None,
-             pipeline: bool | None = None) -> "Engine":
-        """Load a model and keep it resident.
-
-        Args:
-            model: None for the embedded SmolLM2-135M-Instruct, a `.gguf` file, a Hugging Face
-                safetensors folder, or "tiny-random" (2 layers, random weights, the embedded
-                model's tokenizer: for tests where only shapes matter).
-            threads: torch intra-op threads (None leaves torch's default).
-            dtype: weight and KV-cache dtype: "auto" (default: bfloat16 on CUDA, float32 on the
-                CPU), a name of `tokenspeed.device.DTYPES` ("float32", "bfloat16", ...) or a torch dtype.
-            device: "auto" (default: CUDA when `torch.cuda.is_available()`, else the CPU), "cpu",
-                "cuda" or "cuda:N" (or a torch.device). Every tensor of the engine's sessions lives there.
-            quantize: "auto" (default: the fastest format on this machine whose greedy tokens agree
-                with fp32's, measured once and cached, see `tokenspeed.quant.choose_format`; the
-                unquantized dtype where the model is not fp32 on the CPU, and for "tiny-random"), None
-                (unquantized weights, the reference), "int8" or "int4" for weight-only quantized
-                linears (`tokenspeed.quant`; on CUDA through torch's int8 and int4 kernels, bf16
-                activations for int4). Quantized fp32 CPU weights are cached
-                (`tokenspeed.weights.load_quantized`): a warm load reads them packed.
-            stages: `LoadStages` to continue (its clock runs on from its last stage), else a new one;
-                it becomes `Engine.load_stages`.
-            pipeline: draft the next decode step while the forward runs (on the CPU that work then
-                runs on a worker thread): True, False, or None (auto: on CUDA only; see
-                `tokenspeed.device.resolve_pipeline`).
-        Raises:
-            ModelLoadError: bad path or unsupported file.
-            DeviceError: a malformed device or dtype, or a CUDA device this machine does not have.
-            ValueError: unknown quantize mode, or an unknown or unrunnable `$TOKENSPEED_CPU_ISA`.
-        """
-        if quantize not in (None, "auto", *MODES):
-            raise ValueError(f"unknown quantization {quantize!r}; choose one of {('auto', *MODES)} or None")
-        device = resolve_device(device)
-        dtype = resolve_dtype(dtype, device)
-        if threads:
-            torch.set_num_threads(threads)
-        t0 = time.perf_counter()
-        stages = stages if stages is not None else LoadStages()
-        files = resolve_model(None if model == "tiny-random" else model)
-        stages.done("resolve model")
-        tok = Tokenizer(files.folder)
-        stages.done("tokenizer")
-        on_cpu = device.type == "cpu" and dtype == torch.float32 and model != "tiny-random"
-        choice = None
-        if quantize == "auto" and on_cpu:
-            from .quant import cached_format
-
-            probes, identity = [tok.encode(p) for p in _AUTO_PROBES], f"{model or 'embedded'}:{files.folder}"
-            choice = cached_format(probes, identity, cache_dir() / "auto_quant.json")
-            stages.done("auto weights: cached choice lookup")
-        plain = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
-        fmt = choice.format if choice else quantize if quantize in MODES else plain
-        net = load_quantized(files, fmt) if on_cpu and fmt in MODES else None
-        if net is not None:
-            stages.done(f"{fmt} weights from the quantized cache")
-        else:
-            net = _tiny_random(files.args) if model == "tiny-random" else _fp32_model(files)
-            # off the CPU, quantized weights are made on the device from fp32, then the rest is cast
-            cast_after = fmt in MODES and device.type != "cpu"
-            net = net.to(device=device, dtype=torch.float32 if cast_after else dtype)
-            stages.done(f"{plain} weights")
-            if quantize == "auto" and on_cpu and choice is None:
-                from .quant import choose_format
-
-                net, choice = choose_format(net, probes, identity, cache_dir() / "auto_quant.json")
-                fmt = choice.format
-                stages.done("auto weights: format measured")
-            elif fmt in MODES:
-                from .quant import quantize as quantize_model
-
-                quantize_model(net, fmt)
-                if cast_after:
-                    net = net.to(dtype=dtype)
-                stages.done(f"quantize {fmt}")
-            if on_cpu and fmt in MODES:
-                save_quantized(net, files, fmt)
-                stages.done("quantized cache written")
-        return cls(net, tok, source=model or "embedded", load_s=time.perf_counter() - t0, weights=fmt,
-                   weight_choice=choice, load_stages=stages, pipeline=pipeline)
-
-    def session(self, system: str | None = None, tools=None, capacity: int | None = None,
-                kv_budget: "int | KVConfig | None" = None, tool_prompt: str = DEFAULT_TOOL_PROMPT) -> "Session":
-        """A new agent session with its own KV cache.
-
-        Args:
-            system: system prompt text (the tools are rendered after it).
-            tools: OpenAI tool definitions (list of dicts), or None.
-            capacity: KV cache size in tokens (default: the model's max_seq_len).
-            kv_budget: None keeps every token (full cache, up to `capacity`); an int (tokens) or a
-                `tokenspeed.kv.KVConfig` bounds the hot KV tier by relevance pruning with a cold
-                tier behind it, so the context can grow without limit (`capacity` is ignored).
-            tool_prompt: how the tools are listed in the system prompt (`tokenspeed.grammar.TOOL_PROMPTS`).
-        Raises:
-            ToolSchemaError: a tool definition is invalid (the message names it), or an unknown tool_prompt.
-            ValueError: the KV budget is invalid.
-        """
-        return Session(self, system=system, tools=normalize_tools(tools), capacity=capacity, kv_budget=kv_budget,
-                       tool_prompt=tool_prompt)
-
-    def grammar(self, tools: list[dict], tool_choice, parallel: bool = False) -> ToolGrammar:
-        """Compiled call grammar for (tools, tool_choice, parallel), cached per engine."""
-        # default=repr: a tool_choice that is not JSON still reaches the parser, which names it
-        key = ("call", json.dumps(tools, sort_keys=True), json.dumps(tool_choice, sort_keys=True, default=repr),
-               parallel)
-        if key not in self._grammars:
-            self._grammars[key] = ToolGrammar.build(self.ll_tokenizer, self.tokenizer.vocab_size, tools, tool_choice,
-                                                    parallel, self.call_format)
-        return self._grammars[key]
-
-    def json_grammar(self, schema: dict) -> ToolGrammar:
-        """Compiled grammar of one JSON value valid under `schema`, cached per engine.
-
-        Raises:
-            ToolSchemaError: the schema is invalid or unenforceable (the message names the path).
-        """
-        key = ("json", json.dumps(schema, sort_keys=True))
-        if key not in self._grammars:
-            self._grammars[key] = ToolGrammar.json_response(self.ll_tokenizer, self.tokenizer.vocab_size, schema)
-        return self._grammars[key]
-
-    def generate(self, prompt: str, **kwargs) -> str:
-        """One-shot chat completion of `prompt` in a fresh session (see `Session.generate`)."""
-        return self.session().generate(prompt, **kwargs)
-
-
 class Session:
     """A stateful agent context resident in one KV cache. Not thread-safe: use from one thread.
+    Made by `tokenspeed.engine.Engine.session()` (its arguments are documented there).
 
     Attributes:
+        engine: the `tokenspeed.engine.Engine` whose model, tokenizer and settings it uses.
         tools: the normalized tool definitions.
         segments: list of `Segment` describing the context in cache order.
         num_tokens: tokens in the context (cached plus pending).
@@ -301,7 +45,7 @@ class Session:
         speculator: the `tokenspeed.speculation.Speculator` (drafting state of this session).
     """
 
-    def __init__(self, engine: Engine, system: str | None, tools: list[dict], capacity: int | None,
+    def __init__(self, engine, system: str | None, tools: list[dict], capacity: int | None,
                  kv_budget: "int | KVConfig | None" = None, tool_prompt: str = DEFAULT_TOOL_PROMPT):
         self.engine = engine
         self.id = next(_SESSION_IDS)

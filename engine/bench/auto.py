@@ -41,7 +41,7 @@ def run_auto(styles: list[str], n: int, bfcl: Path | None = None, threads: int |
 
     from ..bfcl import load_bfcl
     from ..grammar import TOOL_PROMPTS, ToolSchemaError, format_tool_calls
-    from ..session import Engine
+    from ..engine import Engine
 
     unknown = [s for s in styles if s not in TOOL_PROMPTS]
     if unknown:

@@ -37,7 +37,7 @@ def profile_decode(model: str | None = None, quantize: str | None = "auto", thre
     from torch.profiler import ProfilerActivity, profile
 
     from ..kernels.cpu_decode import selected_variant
-    from ..session import Engine
+    from ..engine import Engine
 
     engine = Engine.load(model, threads=threads, quantize=quantize)
     net = engine.model

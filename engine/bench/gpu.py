@@ -500,7 +500,7 @@ def run_gpu(device: str | None = None, quick: bool = False, out: Path | None = N
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but torch sees no CUDA device")
-    from ..session import Engine
+    from ..engine import Engine
     from .workload import build_workload
 
     cuda = dev.type == "cuda"

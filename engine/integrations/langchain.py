@@ -42,7 +42,7 @@ def _shared_chat(model: str | None, quantize: str | None, threads: int | None, c
                  cache_budget_mb: float) -> ChatEngine:
     # One resident engine per model setting in a process: chat models are cheap to create
     # (LangChain makes many), engines are not.
-    from ..session import Engine
+    from ..engine import Engine
 
     engine = Engine.load(model, threads=threads, quantize=quantize)
     return ChatEngine(engine, context, int(cache_budget_mb * (1 << 20)))

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 import tokenspeed
 from tokenspeed.grammar import call_format_for, format_tool_calls, parse_tool_calls
 from tokenspeed.model import ModelArgs
-from tokenspeed.session import _tiny_random
+from tokenspeed.engine import _tiny_random
 from tokenspeed.tokenizer import Tokenizer
 from tokenspeed.weights import resolve_model
 
