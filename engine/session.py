@@ -309,7 +309,10 @@ class Session:
             max_tokens: most new tokens.
             temperature: 0 for greedy; > 0 samples from softmax(logits / temperature).
             top_p: nucleus sampling mass (Holtzman et al., 2020), used when temperature > 0.
-            seed: RNG seed for sampling (reproducible outputs).
+            seed: RNG seed for sampling: reproducible outputs without speculation
+                (`Engine.speculation` None). With it, the draws depend on which tokens were
+                proposed, and the adaptive length and the draft model's on/off switch follow
+                measured timings, so a seed fixes the distribution, not the exact text.
             on_token: callback(str) receiving each new text piece as it is generated (streaming).
         Returns:
             the generated text (the reply stays in the context). With speculation, greedy output
