@@ -351,7 +351,7 @@ def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], sta
 def _draft_ahead(spec: Speculator, full: np.ndarray, chain: list[int], matcher, allowed, jump_forward: bool,
                  budget: int, copying) -> _Ahead | None:
     """Draft the next step's chain while this step's forward runs (pipelined drafting: PEARL's
-    "post-verify", Liu et al. 2024, sec. 3): assume the target accepts all of `chain` and then
+    "post-verify", Liu et al. 2024): assume the target accepts all of `chain` and then
     chooses the drafters' own next proposal (the guess), followed by the grammar-forced run after
     it (what the next step's jump-forward feeds), and draft after that.
 
