@@ -225,6 +225,7 @@ class Session:
             SessionArgumentError: deadline or deadline_at not a finite number (NaN would disable
                 the deadline), max_tokens not a positive integer, temperature negative or not
                 finite, top_p outside (0, 1].
+            ValueError: the KV cache is full; the session is left as it was before the call.
         """
         t0 = time.perf_counter()
         deadline = finite_arg(deadline, "deadline", " of seconds or None")
@@ -258,6 +259,9 @@ class Session:
             d = Decision(status="invalid", reason=str(exc))
             grammar = stream = None
             is_text = False
+        except BaseException:
+            self.rollback(cp)  # e.g. the KV cache is full: the context is left as before the call
+            raise
         else:
             d = Decision(status="deadline_missed" if stats.deadline_missed else "invalid", reason=stats.reason,
                          **stats.counters())
@@ -321,19 +325,26 @@ class Session:
             SessionArgumentError: prompt not a string or None, max_tokens not a positive integer,
                 temperature negative or not finite, top_p outside (0, 1].
             NonFiniteLogitsError: a forward produced NaN/inf logits (corrupt weights in memory).
+            ValueError: the KV cache is full (the prompt or the reply does not fit).
+        On an error the session is left as it was before the call (the prompt is not added).
         """
         if prompt is not None and not isinstance(prompt, str):
             raise SessionArgumentError(f"prompt must be a string or None, got {type(prompt).__name__}")
         positive_int_arg(max_tokens, "max_tokens")
         sampling_args(temperature, top_p)
-        if prompt is not None:
-            self._append(self._render([{"role": "user", "content": prompt}]), "text")
-        self._append(self.tok.encode(self.tok.assistant_prefix), "assistant")
-        feed, self.pending = self.pending, []
-        gen = torch.Generator(self.engine.device).manual_seed(seed) if seed is not None else None
-        out, feed, _ = decode(self.target, self.speculator, feed, tok=self.tok, max_tokens=max_tokens,
-                              temperature=temperature, top_p=top_p, generator=gen,
-                              on_token=self._text_stream(on_token))
+        cp = self.checkpoint()
+        try:
+            if prompt is not None:
+                self._append(self._render([{"role": "user", "content": prompt}]), "text")
+            self._append(self.tok.encode(self.tok.assistant_prefix), "assistant")
+            feed, self.pending = self.pending, []
+            gen = torch.Generator(self.engine.device).manual_seed(seed) if seed is not None else None
+            out, feed, _ = decode(self.target, self.speculator, feed, tok=self.tok, max_tokens=max_tokens,
+                                  temperature=temperature, top_p=top_p, generator=gen,
+                                  on_token=self._text_stream(on_token))
+        except BaseException:
+            self.rollback(cp)  # e.g. the KV cache is full: the context is left as before the call
+            raise
         self.pending = feed + self.tok.encode(self.tok.assistant_suffix)
         self.segments[-1].end = len(self.target.tokens) + len(self.pending)
         return self.tok.decode(out)

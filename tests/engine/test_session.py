@@ -210,3 +210,17 @@ def test_observe_rejects_bad_content(tiny_engine):
         s.observe(42)
     with pytest.raises(TypeError):
         s.observe([{"role": "user"}])
+
+
+def test_a_call_that_overflows_the_kv_cache_raises_and_leaves_the_session_as_it_was(tiny_engine, robot_tools):
+    """generate() and decide() past the KV capacity raise ValueError and roll the session back:
+    the same cached tokens, pending observations and segments, so a smaller call still works."""
+    s = tiny_engine.session(tools=robot_tools, capacity=len(tiny_engine.session(tools=robot_tools).tokens) + 40)
+    s.observe("The red cube is at x=0.42 y=-0.10.")
+    before = (s.tokens, list(s.pending), [(g.start, g.end, g.kind) for g in s.segments])
+    for call in (lambda: s.generate("Count from one to one hundred, slowly, one number per line.", max_tokens=200),
+                 lambda: s.decide(max_tokens=200)):
+        with pytest.raises(ValueError, match="KV cache full|context full"):
+            call()
+        assert (s.tokens, list(s.pending), [(g.start, g.end, g.kind) for g in s.segments]) == before
+    assert s.generate("Hi", max_tokens=2) is not None  # the context still has room for a short reply
