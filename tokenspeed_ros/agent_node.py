@@ -576,9 +576,17 @@ class AgentNode(ManagedNode):
 
     def _answer_goal(self, goal_handle, task: Task) -> None:
         """Send the goal through execute to its result; skipped once the context is shut down
-        (Ctrl-C: nothing can be published, the client sees the server go away)."""
-        if self.context.ok() and self._task_server is not None:
+        (Ctrl-C: nothing can be published, the client sees the server go away). A shutdown that
+        lands between that check and the status publish (rcl: "feedback publisher is invalid")
+        is logged, not raised: the node is going away, and so is the goal."""
+        if not (self.context.ok() and self._task_server is not None):
+            return
+        try:
             goal_handle.execute(lambda gh: self._task_result(task, gh))
+        except RuntimeError as e:  # rcl's RCLError
+            if self.context.ok() and self._task_server is not None and "invalid" not in str(e):
+                raise
+            self.get_logger().warning(f"RunTask goal not answered: the action server went away ({e})")
 
     def _task_result(self, task: Task, goal_handle) -> RunTask.Result:
         self._task_handles.pop(id(task), None)

@@ -22,6 +22,7 @@ failing engine).
 import json
 import os
 from collections import Counter
+import re
 import signal
 import subprocess
 import sys
@@ -47,6 +48,18 @@ BUDGET_S = 0.5
 # What a test may tolerate on this shared 2-core machine beyond the stated bound (see
 # test_deadline_monitor): late fallbacks are counted and reported, none may exceed this.
 WORST_S = 5 * FALLBACK_BOUND_S
+
+# rclpy's own teardown report: at interpreter exit a Task whose __init__ never finished (created
+# as the context shut down) fails in Future.__del__; Python prints it as an ignored exception.
+# It is not a failure of the node's code, which is what "no Traceback" checks.
+_RCLPY_TEARDOWN = re.compile(r"Exception ignored in: <function Future\.__del__[^\n]*\n"
+                             r"Traceback \(most recent call last\):\n(?:[ \t].*\n)*AttributeError: [^\n]*\n?")
+
+
+def own_output(log_text: str) -> str:
+    """A node's log without rclpy's teardown report (`_RCLPY_TEARDOWN`)."""
+    return _RCLPY_TEARDOWN.sub("", log_text)
+
 
 # Fakes for faults that cannot be caused from outside the process (see the module docstring).
 WRAPPED_AGENT = r'''
@@ -320,7 +333,7 @@ def test_fault(fault, ros_env, tmp_path, monkeypatch):
         row.update(flood_sent=flood_sent, flood_received=int(counter.stdout.read().split()[-1]))
     record(row)
     text = log.read_text() + sim_log.read_text()
-    assert agent_rc in (0, -signal.SIGINT) and "Traceback" not in text, text[-3000:]
+    assert agent_rc in (0, -signal.SIGINT) and "Traceback" not in own_output(text), text[-3000:]
     check(row)
     if fault in ("engine_stall", "decide_exception"):
         assert row["met"] == 0, row
@@ -406,5 +419,5 @@ def test_market_fault(fault, ros_env, tmp_path):
     row.update(fault=fault, crashes=crashes)
     record(row)
     text = log.read_text()
-    assert rc in (0, -signal.SIGINT) and "Traceback" not in text, text[-3000:]
+    assert rc in (0, -signal.SIGINT) and "Traceback" not in own_output(text), text[-3000:]
     check(row)
