@@ -1,10 +1,10 @@
 """Session: the agent API over one resident KV cache.
 
 An `Engine` (`tokenspeed.engine`) loads a model once and stays resident. `Engine.session()`
-returns a `Session` that keeps its KV cache between calls: `observe()` prefills new context immediately (streaming
-prefill), so `decide()` only prefills its own trigger tokens (the chat template's assistant
-prefix, e.g. `<|im_start|>assistant\\n`, and the grammar-forced start of the call) before the
-first decode step.
+returns a `Session` that keeps its KV cache between calls: `observe()` prefills new context
+immediately (streaming prefill), so `decide()` only prefills its own trigger tokens (the chat
+template's assistant prefix, e.g. `<|im_start|>assistant\\n`, and the grammar-forced start of the
+call) before the first decode step.
 
 Timing conventions: all durations are seconds (float) from `time.perf_counter()`; absolute
 deadlines are `time.monotonic()` values.

@@ -584,7 +584,7 @@ class AgentNode(ManagedNode):
         try:
             goal_handle.execute(lambda gh: self._task_result(task, gh))
         except RuntimeError as e:  # rcl's RCLError
-            if self.context.ok() and self._task_server is not None and "invalid" not in str(e):
+            if "invalid" not in str(e):
                 raise
             self.get_logger().warning(f"RunTask goal not answered: the action server went away ({e})")
 
