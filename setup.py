@@ -22,7 +22,7 @@ setup(
     packages=["tokenspeed", "tokenspeed.bench", "tokenspeed.draft", "tokenspeed.integrations", "tokenspeed.kernels",
               "tokenspeed_sim", "tokenspeed_ros"],
     package_dir={"tokenspeed": "engine", "tokenspeed_sim": "sim", "tokenspeed_ros": "tokenspeed_ros"},
-    package_data={"tokenspeed": ["data/*", "kernels/*.cpp", "kernels/*.h"], "tokenspeed_sim": ["data/*"],
+    package_data={"tokenspeed": ["data/*", "data/bfcl/*", "kernels/*.cpp", "kernels/*.h"], "tokenspeed_sim": ["data/*"],
                   "tokenspeed_ros": ["config/*"]},
     data_files=[
         ("share/ament_index/resource_index/packages", ["resource/tokenspeed_ros"]),

@@ -1,7 +1,7 @@
 """BFCL simple_python prompts and function schemas as OpenAI tools.
 
-Source: Berkeley Function Calling Leaderboard v4 (ShishirPatil/gorilla, Apache-2.0), shipped in
-the project's `shared/bfcl/` folder beside the checkout. BFCL spells JSON-schema types its own
+Source: Berkeley Function Calling Leaderboard v4 (ShishirPatil/gorilla, Apache-2.0), shipped
+with the package in `tokenspeed/data/bfcl/` (its README names the commit). BFCL spells JSON-schema types its own
 way ("dict", "float", "tuple", "any"); `to_openai_tool` rewrites them to JSON Schema.
 
 Split: ids whose number % 5 == 0 are held out (never used for draft training).
@@ -19,14 +19,13 @@ _TYPES = {"dict": "object", "float": "number", "tuple": "array", "int": "integer
 
 
 def bfcl_dir(path: str | os.PathLike | None = None) -> Path:
-    """Folder with the BFCL files: `path`, else `$TOKENSPEED_BFCL`, else `shared/bfcl` beside the checkout.
+    """Folder with the BFCL files: `path`, else `$TOKENSPEED_BFCL`, else the copy shipped with the package.
 
     Raises:
         FileNotFoundError: none of them holds BFCL_v4_simple_python.json (the message lists where it looked).
     """
     candidates = [Path(p) for p in (path, os.environ.get("TOKENSPEED_BFCL")) if p]
-    repo = Path(__file__).resolve().parent.parent
-    candidates += [repo.parent / "shared" / "bfcl", repo / "shared" / "bfcl"]
+    candidates.append(Path(__file__).resolve().parent / "data" / "bfcl")
     for c in candidates:
         if (c / "BFCL_v4_simple_python.json").is_file():
             return c

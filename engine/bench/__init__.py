@@ -76,7 +76,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated subset of tokenspeed:auto (the measured weight choice),tokenspeed:int4,"
                         "tokenspeed:int4:plain (no speculation),tokenspeed:int8,tokenspeed,llama.cpp,transformers "
                         "(default: all but tokenspeed:auto and tokenspeed:int8)")
-    a.add_argument("--bfcl", default=None, help="BFCL data folder (default: shared/bfcl beside the repository)")
+    a.add_argument("--bfcl", default=None, help="BFCL data folder (default: $TOKENSPEED_BFCL, then the copy shipped with tokenspeed)")
     a.add_argument("--out", default="bench-out/aal", help="output folder (default bench-out/aal)")
     a.set_defaults(func=_cmd_aal)
     g = sub.add_parser("gpu", help="the device check: kernels, parity vs CPU fp32, decode vs the HBM floor, agent "
@@ -86,7 +86,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--quick", action="store_true", help="small shapes and few tokens (CPU tests)")
     g.add_argument("--out", default=None, help="folder for gpu.json, written after each section")
     g.add_argument("--model", default=None, help="a .gguf file or safetensors folder (default: the embedded model)")
-    g.add_argument("--bfcl", default=None, help="BFCL data folder (default: $TOKENSPEED_BFCL, then shared/bfcl)")
+    g.add_argument("--bfcl", default=None, help="BFCL data folder (default: $TOKENSPEED_BFCL, then the copy shipped with tokenspeed)")
     g.set_defaults(func=_cmd_gpu)
     f = sub.add_parser("profile", help="torch.profiler table of one decode step (what limits ITL)")
     f.add_argument("--model", default=None, help="a .gguf file or safetensors folder (default: embedded model)")

@@ -108,7 +108,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--styles", default=",".join(TOOL_PROMPTS),
                    help=f"comma-separated tool prompt styles (default: all of {','.join(TOOL_PROMPTS)})")
     p.add_argument("--cases", type=int, default=60, help="held-in BFCL cases (default 60)")
-    p.add_argument("--bfcl", default=None, help="BFCL data folder (default: $TOKENSPEED_BFCL or shared/bfcl)")
+    p.add_argument("--bfcl", default=None, help="BFCL data folder (default: $TOKENSPEED_BFCL, then the copy shipped with tokenspeed)")
     p.add_argument("--model", default=None, help="a .gguf file or safetensors folder (default: embedded model)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--quantize", default="int4", choices=["auto", "int4", "int8", "none"])

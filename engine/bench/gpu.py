@@ -490,7 +490,7 @@ def run_gpu(device: str | None = None, quick: bool = False, out: Path | None = N
         out: folder for gpu.json (written after each section), or None.
         model: the embedded model's stand-in: a .gguf file or safetensors folder (None: embedded;
             in quick mode "tiny-random").
-        bfcl: BFCL folder (default `$TOKENSPEED_BFCL`, then shared/bfcl beside the checkout).
+        bfcl: BFCL folder (default `$TOKENSPEED_BFCL`, then the copy shipped with tokenspeed).
     Returns:
         {"device", "dtype", "torch", "triton", "threads", "bandwidth_gbs", "sections": {name: ...},
         "failed": [section names that raised or failed their check]}.

@@ -2,7 +2,7 @@
 
 An agent holds robot-arm tools (`tokenspeed_ros/config/robot_tools.json`), a few trading tools (defined
 here) and real, externally written functions from the Berkeley Function Calling Leaderboard
-(BFCL v4 simple_python, `shared/bfcl/`). It performs `n_calls` decisions; before each one, new
+(BFCL v4 simple_python, `tokenspeed/data/bfcl/`). It performs `n_calls` decisions; before each one, new
 observations (sensor readings, camera detections, market ticks, the previous call's tool result,
 the user's request) enter the context, which grows to ~4K tokens in the full workload.
 
