@@ -269,8 +269,11 @@ class CobotSimNode(Node):
         return status
 
     def destroy_node(self) -> None:
-        self.camera.close()
-        self.scene.close()
+        # SIGINT can arrive while the constructor still runs (a short launch on a busy machine), and
+        # rclpy's shutdown then destroys a node that has no camera yet: close what was opened.
+        for part in ("camera", "scene"):
+            if hasattr(self, part):
+                getattr(self, part).close()
         super().destroy_node()
 
 
