@@ -305,7 +305,7 @@ class LatencyHarness(Node):
             "feedback": dict(Counter(state for i in in_window for state, _, _ in self._feedback.get(i, []))),
             "duplicate_decision_ids": self.duplicate_ids,
             "observation_echoes": len(self._echo_keys),
-            "trace": trace_summary([d for d in model], done_stamps),
+            "trace": trace_summary(decisions, done_stamps),
             "task_time_s": None if self.first_success_at is None or self.engine_ready_at is None
             else self.first_success_at - self.engine_ready_at,
             "run_task": self.run_task,
@@ -318,11 +318,13 @@ class LatencyHarness(Node):
 
 
 def trace_summary(decisions: list[Decision], done_stamps: list[float]) -> dict:
-    """The agent's per-stage traces of `decisions` (model calls): p50 ms per stage with the
-    robot's "applied" added as `published_to_applied`, tokens that entered the context per
-    decision, decided-ahead hits and misses, and for hits the latency from the robot's last "done"
+    """The agent's per-stage traces of `decisions`: p50 ms per stage of the model calls with the
+    robot's "applied" added as `published_to_applied`; over every decision the engine took (a
+    model call, or a fallback whose result came late): tokens that entered the context per
+    decision, decided-ahead hits and misses; for hits the latency from the robot's last "done"
     before the command to the command's publish time (`done_stamps`: sorted "done" stamps, s)."""
-    traced = [d for d in decisions if d.trace is not None]
+    engine = [d for d in decisions if d.trace is not None and d.trace["times"].get("queued")]
+    traced = [d for d in decisions if d.trace is not None and d.source == "model"]
     stages: dict[str, list[float]] = {}
     for d in traced:
         applied = None if d.applied is None else (d.applied - d.published) * 1e3
@@ -334,14 +336,15 @@ def trace_summary(decisions: list[Decision], done_stamps: list[float]) -> dict:
         i = bisect.bisect_right(done_stamps, d.published)
         if d.trace.get("ahead") == "hit" and i:
             feedback_to_command.append(d.published - done_stamps[i - 1])
-    tokens = [d.trace["tokens_in"] for d in traced if d.trace["times"].get("queued")]
+    tokens = [d.trace["tokens_in"] for d in engine]
     return {
         "decisions": len(traced),
+        "engine_decisions": len(engine),
         "stages_p50_ms": {s: float(np.median(v)) for s, v in stages.items()},
         "tokens_per_decision": tokens,
         "tokens_per_decision_p50": float(np.median(tokens)) if tokens else None,
         "tokens_per_decision_mean": float(np.mean(tokens)) if tokens else None,
-        "decided_ahead": dict(Counter(d.trace.get("ahead") or "none" for d in traced)),
+        "decided_ahead": dict(Counter(d.trace.get("ahead") or "none" for d in engine)),
         "feedback_to_command_s": percentiles(feedback_to_command),
     }
 
@@ -414,7 +417,7 @@ def print_table(report: dict) -> None:
         stages.add_row(*(f"{v:.1f}" for v in tr["stages_p50_ms"].values()))
         console.print(stages)
         fc = tr["feedback_to_command_s"]
-        console.print(f"tokens into the context per decision: {tr['tokens_per_decision']} (p50 "
+        console.print(f"tokens into the context per engine decision: {tr['tokens_per_decision']} (p50 "
                       f"{tr['tokens_per_decision_p50']:.0f}); decided ahead: {tr['decided_ahead']}; robot done -> "
                       f"command published for decided-ahead calls: p50 {ms(fc['p50'])} ms (n {fc['n']})")
     dl = report["deadline"]

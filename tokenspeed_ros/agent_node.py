@@ -619,11 +619,12 @@ class AgentNode(ManagedNode):
         node_times = self._traced.pop(result.decision_id, None)
         if cmd is not None:
             self._publish_target(cmd)
-            if node_times is not None:
-                record = trace_record(cmd.decision_id, cmd.tool_name, cmd.source, node_times, result.trace,
-                                      Time.from_msg(cmd.header.stamp).nanoseconds * 1e-9)
-                self.traces.add(record)
-                self._trace_pub.publish(String(data=json.dumps(record)))
+        if node_times is not None:      # a result dropped as late is traced too (never published)
+            record = trace_record(result.decision_id, (result.tool_call or {}).get("name", ""), result.status,
+                                  node_times, result.trace,
+                                  0.0 if cmd is None else Time.from_msg(cmd.header.stamp).nanoseconds * 1e-9)
+            self.traces.add(record)
+            self._trace_pub.publish(String(data=json.dumps(record)))
         if result.status == "task_done" and self.task is not None:
             self._end_task(DONE, result.reason)     # after the completion's feedback went out
 

@@ -40,12 +40,14 @@ def stages_ms(times: dict) -> dict[str, float | None]:
     return out
 
 
-def trace_record(decision_id: int, tool: str, source: str, node: dict, engine: dict | None, published: float) -> dict:
-    """One decision's trace as published on the trace topic (JSON): ids, the absolute times
-    (`node`: capture, received, perceived; `engine`: `DecisionTrace.as_dict()` or None when the
-    engine did not take it), tokens, whether it was decided ahead, and `stages_ms`."""
+def trace_record(decision_id: int, tool: str, status: str, node: dict, engine: dict | None, published: float) -> dict:
+    """One decision's trace as published on the trace topic (JSON): the id, the tool the model
+    called ("" for none), the engine's status ("ok", "deadline_missed", "task_done", ...), the
+    absolute times (`node`: capture, received, perceived; `engine`: `DecisionTrace.as_dict()` or
+    None when the engine did not take it; `published`: the command's stamp, 0.0 for a result
+    dropped as late), tokens, whether it was decided ahead, and `stages_ms`."""
     times = {**node, **(engine or {}), "published": published}
-    return {"decision_id": decision_id, "tool": tool, "source": source, "times": times,
+    return {"decision_id": decision_id, "tool": tool, "status": status, "times": times,
             "tokens_in": times.get("tokens_in", 0), "prefill_tokens": times.get("prefill_tokens", 0),
             "context_tokens": times.get("context_tokens", 0), "ahead": times.get("ahead", ""),
             "stages_ms": stages_ms(times)}
