@@ -411,10 +411,11 @@ def print_table(report: dict) -> None:
     console.print(table)
     tr = report.get("trace") or {}
     if tr.get("decisions"):
-        stages = Table(title=f"per-stage trace, p50 ms over {tr['decisions']} model decisions")
-        for col in tr["stages_p50_ms"]:
-            stages.add_column(col.replace("_", " "), justify="right")
-        stages.add_row(*(f"{v:.1f}" for v in tr["stages_p50_ms"].values()))
+        stages = Table(title=f"per-stage trace of {tr['decisions']} model decisions (the agent's agent/action/trace)")
+        stages.add_column("stage")
+        stages.add_column("p50 ms", justify="right")
+        for name, v in tr["stages_p50_ms"].items():
+            stages.add_row(name, f"{v:.1f}")
         console.print(stages)
         fc = tr["feedback_to_command_s"]
         console.print(f"tokens into the context per engine decision: {tr['tokens_per_decision']} (p50 "

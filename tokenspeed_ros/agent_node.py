@@ -44,7 +44,7 @@ from tokenspeed_msgs.action import RunTask
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback, DeadlineStatus, Observation
 from tokenspeed_msgs.srv import Decide
 
-from tokenspeed_ros.context_policy import GripperState, predicted_state, state_line, task_brief  # noqa: F401
+from tokenspeed_ros.context_policy import GripperState, predicted_state, state_line
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
 from tokenspeed_ros.decision_trace import TraceStats, trace_record
 from tokenspeed_ros.decision_loop import DecisionLoop
@@ -151,7 +151,7 @@ class AgentNode(ManagedNode):
                                    device=p.device, dtype=p.dtype, system=p.system_prompt, tools=tools,
                                    tool_choice=self._tool_choice(), kv_budget=p.kv_budget_tokens,
                                    notify=self._wake.trigger, logger=self.get_logger(),
-                                   repeat_slack=p.restate_slack_tokens)
+                                   repeat_slack=p.restate_slack_tokens, replace_sources=("state",))
         self.loop = DecisionLoop(self.monitor, self.worker, self.get_clock(), publish_margin_s=p.publish_margin_s,
                                  on_observed=self._echo_observation, check_result=self._check_result,
                                  on_resolved=self._on_resolved)
@@ -392,12 +392,12 @@ class AgentNode(ManagedNode):
         allowed_tools form (mode = the tool_choice parameter; an empty subset = every tool but
         the completion tool); or the one tool tool_choice names. holding: the gripper's state to
         choose for (False: the current one)."""
-        if self.task is not None and self.task.running and self._done_evidence() is not None:
+        holding = self.gripper.holding if holding is False else holding
+        if self.task is not None and self.task.running and self._done_evidence(holding) is not None:
             names = [TASK_DONE]
         elif self.p.tool_choice not in ("required", "auto"):
             return {"name": self.p.tool_choice}
         else:
-            holding = self.gripper.holding if holding is False else holding
             names = self.p.tools_when_empty if holding is None else self.p.tools_when_holding
             names = [n for n in names or self._tool_names if n != TASK_DONE]
             wanted = tools or (self.task.tools if self.task is not None else [])
@@ -406,12 +406,12 @@ class AgentNode(ManagedNode):
             "mode": "required" if names == [TASK_DONE] else self.p.tool_choice,
             "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
 
-    def _done_evidence(self) -> str | None:
+    def _done_evidence(self, holding: str | None | bool = False) -> str | None:
         """Why the task counts as achieved now (the robot cell's status, or with no status topic
-        an empty gripper), or None."""
+        an empty gripper: `holding`, False = what it holds now), or None."""
         if self.p.task_status_topic:
             return achieved(self._status)
-        return "the gripper is empty" if self.gripper.holding is None else None
+        return "the gripper is empty" if (self.gripper.holding if holding is False else holding) is None else None
 
     def _goal(self) -> str | None:
         goal = self._texts.get("goal")

@@ -99,8 +99,7 @@ class _Ahead:
     text: str
     tool_choice: object
     checkpoint: object              # tokenspeed Checkpoint before the predicted state line
-    previous: dict                  # the worker's repeat bookkeeping at the checkpoint
-    observed: int
+    book: tuple                     # the worker's bookkeeping at the checkpoint (`EngineWorker._book`)
     result: tuple                   # (status, call, reason) of the decision
     tokens_in: int                  # state line + trigger tokens
     prefill_ms: float
@@ -152,14 +151,17 @@ class EngineWorker:
     system: system prompt; tools: OpenAI tool dicts; tool_choice: passed to decide() unless a
     request brings its own;
     kv_budget: hot KV tokens of the session (relevance pruning beyond it); repeat_slack: see above
-    (tokens; 0 = only when the reading is still the context's last observation);
+    (tokens; 0 = only when the reading is still the context's last observation); replace_sources:
+    sources whose reading replaces the previous one of the same source when that one is still the
+    context's last observation and no decision answered it (the session rolls back to before it:
+    e.g. state lines, so that missed decisions do not leave a trail of stale states);
     notify: called from the engine thread whenever `drain()` has something new; logger: rclpy
     logger. `state` is "loading", "ready" or "fault" (then `fault` says why).
     """
 
     def __init__(self, *, model: str, threads: int, system: str, tools: list[dict], tool_choice,
                  kv_budget: int, notify: Callable[[], None], logger, repeat_slack: int = 0, quantize: str = "auto",
-                 device: str = "auto", dtype: str = "auto"):
+                 device: str = "auto", dtype: str = "auto", replace_sources: tuple[str, ...] = ()):
         self._cfg = dict(model=model or None, threads=threads or None, system=system, tools=tools,
                          quantize=None if quantize == "none" else quantize, device=device, dtype=dtype)
         self._tool_choice = tool_choice
@@ -185,6 +187,10 @@ class EngineWorker:
         self._repeat_slack = repeat_slack
         self._observed = 0                                 # tokens observed so far (decisions not counted)
         self._previous: dict[str, tuple[str, int]] = {}    # source -> (text, self._observed after it)
+        self._replace = frozenset(replace_sources)
+        # the context's last observation while no decision answered it: (source, Checkpoint before
+        # it, the bookkeeping before it)
+        self._unanswered: tuple | None = None
         self._out: list[Observed | ModelResult] = []
         self._stop = False
         self._loaded = threading.Event()
@@ -419,8 +425,13 @@ class EngineWorker:
             self._log.error(f"engine fault in new_episode(): {type(e).__name__}: {e}")
             return
         self._previous.clear()              # nothing observed so far is in the context any more
+        self._unanswered = None
         self.context_tokens = self._session.num_tokens
         self._log.info(f"new episode: {dropped} tokens of the last one dropped, context {self.context_tokens} tokens")
+
+    def _book(self) -> tuple:
+        """The worker's bookkeeping of the context (restored with a rollback)."""
+        return dict(self._previous), self._observed, self._unanswered
 
     def _observe(self, source: str, text: str, kind: str) -> int:
         previous = self._previous.get(source)
@@ -428,10 +439,14 @@ class EngineWorker:
                                      and self._observed - previous[1] <= self._repeat_slack):
             return 0
         try:
+            if self._unanswered is not None and self._unanswered[0] == source and source in self._replace:
+                self._restore(self._unanswered[1], self._unanswered[2])
+            before = (source, self._session.checkpoint(), self._book())
             n = self._session.observe(text, role="user", kind=kind, source=source, pin=kind == "text")
             self.context_tokens = self._session.num_tokens
             self._observed += n
             self._previous[source] = (text, self._observed)
+            self._unanswered = before
             return n
         except Exception as e:
             self._log.error(f"engine fault in observe({source}): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
@@ -442,8 +457,7 @@ class EngineWorker:
             return
         self._drop_ahead("dropped")         # a newer prediction replaces it
         source, text, _ = restate
-        cp = self._session.checkpoint()
-        previous, observed = dict(self._previous), self._observed
+        cp, book = self._session.checkpoint(), self._book()
         t0 = time.perf_counter()
         ok = False
         try:
@@ -454,22 +468,23 @@ class EngineWorker:
         except Exception as e:  # nothing is decided ahead; the next decision is made as usual
             self._log.error(f"engine fault in decide_ahead(): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
         if not ok:
-            self._restore(cp, previous, observed)
+            self._restore(cp, book)
             self.ahead_counts["failed"] += 1
             return
-        self._ahead = _Ahead(source, text, tool_choice, cp, previous, observed, (d.status, d.tool_call, ""),
+        self._unanswered = None
+        self._ahead = _Ahead(source, text, tool_choice, cp, book, (d.status, d.tool_call, ""),
                              n + d.prefill_tokens, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
         self.context_tokens = self._session.num_tokens
         self._log.info(f"decided ahead: {d.tool_call['name']} ({n} tokens of predicted state prefilled in "
                        f"{self._ahead.prefill_ms:.0f} ms, decided in {self._ahead.decide_ms:.0f} ms)")
 
-    def _restore(self, cp, previous: dict, observed: int) -> None:
-        """Roll the session back to `cp` and the repeat bookkeeping with it."""
+    def _restore(self, cp, book: tuple) -> None:
+        """Roll the session back to `cp` and the bookkeeping (`_book()`) with it."""
         try:
             self._session.rollback(cp)
         except Exception as e:  # the context goes on as it is: the next decisions still get a call or a fallback
             self._log.error(f"engine fault in rollback(): {type(e).__name__}: {e}")
-        self._previous, self._observed = previous, observed
+        self._previous, self._observed, self._unanswered = dict(book[0]), book[1], book[2]
         self.context_tokens = self._session.num_tokens
 
     def _drop_ahead(self, why: str) -> None:
@@ -479,7 +494,7 @@ class EngineWorker:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
-        self._restore(ahead.checkpoint, ahead.previous, ahead.observed)
+        self._restore(ahead.checkpoint, ahead.book)
         self.ahead_counts[why] += 1
         self._missed = "miss" if why == "miss" else self._missed
         self._log.info(f"decided-ahead call {ahead.result[1]['name']} {why}: rolled back")
@@ -516,6 +531,8 @@ class EngineWorker:
             if problem is not None:     # never executed, and not left in the context as if it were
                 self._session.rollback(before)
                 status, call, reason = "invalid", None, problem
+            if status in ("ok", "text"):    # the answer stays in the context: the last observation is answered
+                self._unanswered = None
         except Exception as e:
             self._log.error(f"engine fault in decide(): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
             return ModelResult(decision_id, "engine_fault", reason=f"{type(e).__name__}: {e}")

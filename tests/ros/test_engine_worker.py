@@ -194,3 +194,36 @@ def test_a_call_decided_ahead_is_the_fresh_greedy_decision_and_a_changed_state_d
     assert miss.trace["ahead"] == "miss" and miss.tool_call == fresh_changed.tool_call
     assert miss_tokens == fresh_changed_tokens
     assert worker.ahead_counts["hit"] == 1 and worker.ahead_counts["miss"] == 1
+
+
+def test_an_unanswered_state_line_is_replaced_by_the_next_one():
+    """replace_sources: a state line that is still the context's last observation, with no
+    decision after it (none was asked, or it missed its deadline and was rolled back), is rolled
+    back when the next state line comes: missed decisions leave no trail of stale states. After
+    another reading or an answered decision the next state line is appended."""
+    woke = threading.Event()
+    worker = EngineWorker(model="tiny-random", threads=0, system="You control a robot arm.", tools=TOOLS,
+                          tool_choice={"name": "hold"}, kv_budget=1024, notify=woke.set, logger=get_logger("test"),
+                          replace_sources=("state",))
+
+    def observed(source, text, stamp_s):
+        worker.observe(source, text, stamp_s)
+        return collect(worker, woke, lambda items: any(isinstance(i, Observed) for i in items), 120)[0].tokens
+
+    worker.start()
+    try:
+        assert collect(worker, woke, lambda _: worker.state != "loading", 120) == []
+        base = worker.context_tokens
+        observed("state", "objects red_cube=(0.50,0.10); gripper empty", 1.0)
+        b = observed("state", "objects red_cube=(0.51,0.10); gripper empty", 2.0)
+        assert worker.context_tokens == base + b                   # the first line was replaced
+        worker.decide(1, time.monotonic() - 1.0, restate=("state", "objects red_cube=(0.52,0.10); gripper empty", 3.0))
+        out = collect(worker, woke, lambda items: any(isinstance(i, ModelResult) for i in items), 120)
+        c = next(o.tokens for o in out if isinstance(o, Observed))
+        assert next(o for o in out if isinstance(o, ModelResult)).status == "deadline_missed"
+        assert worker.context_tokens == base + c                   # a missed decision answers nothing
+        r = observed("robot", "robot: hold done (decision 1)", 4.0)
+        d = observed("state", "objects red_cube=(0.53,0.10); gripper empty", 5.0)
+        assert worker.context_tokens == base + c + r + d           # after another reading: appended
+    finally:
+        assert worker.close(timeout=30.0)
