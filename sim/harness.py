@@ -14,7 +14,12 @@ host (see `tokenspeed_sim.sim_node`). Per decision (one ActionCommand, keyed by 
   applied      ActionFeedback(state="applied").header.stamp from the simulator
 
 Stages reported (seconds): capture->context, ttft, capture->published, published->applied and
-end-to-end (capture->applied), each with p50/p90/p99/max; plus deadline hit rate and fallbacks
+end-to-end (capture->applied), each with p50/p90/p99/max; the agent's per-stage trace of each
+decision (`agent/action/trace`, JSON: sensor stamp -> received -> perception done -> queued ->
+prefill start/end -> decide start -> first token -> end -> published; tokens that entered the
+context for it; whether it was decided ahead) with the robot's "applied" as the last stage, its
+p50s, tokens per decision, decided-ahead hits and misses and, for hits, the robot's "done" of the
+call before -> the command published; plus deadline hit rate and fallbacks
 (tokenspeed_msgs/DeadlineStatus; the model's task_done and a start-up no_sensor_data hold are not
 decisions and are counted apart), decisions per second, feedback counts, and the task outcome
 from `sim/scenario_status`. Outputs: report.json, latency.png and a printed table.
@@ -73,6 +78,7 @@ class Decision:
     received: float                  # when the harness got the command
     ttft_s: float
     in_context: float | None = None  # receive time of the matching observation echo
+    trace: dict | None = None        # the agent's per-stage trace of it (agent/action/trace), if any
     applied: float | None = None
     outcome: str = ""                # last feedback state: applied / done / preempted / rejected
     detail: str = ""
@@ -121,6 +127,8 @@ class LatencyHarness(Node):
         self._feedback: dict[int, list[tuple[str, float, str]]] = {}   # decision id -> (state, stamp, detail)
         self.create_subscription(Observation, "agent/observation", self._on_observation, 100)
         self.create_subscription(ActionCommand, "agent/action", self._on_action, 100)
+        self.create_subscription(String, "agent/action/trace", self._on_trace, 100)
+        self._traces: dict[int, dict] = {}      # decision id -> the agent's trace record
         self.create_subscription(DeadlineStatus, "agent/deadline_status", self._on_deadline, 100)
         self.create_subscription(ActionFeedback, "sim/action_feedback", self._on_feedback, 100)
         self.create_subscription(String, "sim/scenario_status", self._on_status, latched)
@@ -193,6 +201,13 @@ class LatencyHarness(Node):
             print(f"[{d.received - self.started:6.1f} s] decision {d.decision_id:<4} {d.source:<8} "
                   f"{d.tool}({d.arguments})  sensor->published {(d.published - d.capture) * 1e3:.0f} ms", flush=True)
 
+    def _on_trace(self, msg: String) -> None:
+        try:
+            record = json.loads(msg.data)
+            self._traces[int(record["decision_id"])] = record
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            self.get_logger().warning("agent/action/trace: not a trace record; ignored")
+
     def _on_deadline(self, msg: DeadlineStatus) -> None:
         self.deadlines[msg.decision_id] = msg
 
@@ -243,8 +258,10 @@ class LatencyHarness(Node):
         everything = list(self.decisions.values())
         decisions = [d for d in everything if d.received >= self.window_start]
         early = [d for d in everything if d.received < self.window_start]
+        done_stamps = sorted(stamp for fb in self._feedback.values() for state, stamp, _ in fb if state == "done")
         for d in everything:   # echoes, commands and feedback come from different writers, in any order
             d.in_context = self._echo_time(d.capture_ns, before=d.received)
+            d.trace = self._traces.get(d.decision_id)
             for state, stamp, detail in self._feedback.get(d.decision_id, []):
                 if state == "applied" and d.applied is None:
                     d.applied = stamp
@@ -288,6 +305,9 @@ class LatencyHarness(Node):
             "feedback": dict(Counter(state for i in in_window for state, _, _ in self._feedback.get(i, []))),
             "duplicate_decision_ids": self.duplicate_ids,
             "observation_echoes": len(self._echo_keys),
+            "trace": trace_summary(decisions, done_stamps),
+            "task_time_s": None if self.first_success_at is None or self.engine_ready_at is None
+            else self.first_success_at - self.engine_ready_at,
             "run_task": self.run_task,
             "task": None if self.scenario is None else {
                 **self.scenario, "first_success_s": None if self.first_success_at is None
@@ -295,6 +315,38 @@ class LatencyHarness(Node):
             "per_decision": [{**asdict(d), **d.stages(), "in_window": d.received >= self.window_start}
                              for d in everything],
         }
+
+
+def trace_summary(decisions: list[Decision], done_stamps: list[float]) -> dict:
+    """The agent's per-stage traces of `decisions`: p50 ms per stage of the model calls with the
+    robot's "applied" added as `published_to_applied`; over every decision the engine took (a
+    model call, or a fallback whose result came late): tokens that entered the context per
+    decision, decided-ahead hits and misses; for hits the latency from the robot's last "done"
+    before the command to the command's publish time (`done_stamps`: sorted "done" stamps, s)."""
+    engine = [d for d in decisions if d.trace is not None and d.trace["times"].get("queued")]
+    traced = [d for d in decisions if d.trace is not None and d.source == "model"]
+    stages: dict[str, list[float]] = {}
+    for d in traced:
+        applied = None if d.applied is None else (d.applied - d.published) * 1e3
+        for s, v in {**d.trace["stages_ms"], "published_to_applied": applied}.items():
+            if v is not None:
+                stages.setdefault(s, []).append(v)
+    feedback_to_command = []
+    for d in traced:
+        i = bisect.bisect_right(done_stamps, d.published)
+        if d.trace.get("ahead") == "hit" and i:
+            feedback_to_command.append(d.published - done_stamps[i - 1])
+    tokens = [d.trace["tokens_in"] for d in engine]
+    return {
+        "decisions": len(traced),
+        "engine_decisions": len(engine),
+        "stages_p50_ms": {s: float(np.median(v)) for s, v in stages.items()},
+        "tokens_per_decision": tokens,
+        "tokens_per_decision_p50": float(np.median(tokens)) if tokens else None,
+        "tokens_per_decision_mean": float(np.mean(tokens)) if tokens else None,
+        "decided_ahead": dict(Counter(d.trace.get("ahead") or "none" for d in engine)),
+        "feedback_to_command_s": percentiles(feedback_to_command),
+    }
 
 
 def write_plot(report: dict, path: Path) -> None:
@@ -357,6 +409,18 @@ def print_table(report: dict) -> None:
     table.add_row("fallback end_to_end", str(fb["n"]), ms(fb["p50"]), ms(fb["p90"]), ms(fb["p99"]), ms(fb["max"]))
     console = Console()
     console.print(table)
+    tr = report.get("trace") or {}
+    if tr.get("decisions"):
+        stages = Table(title=f"per-stage trace of {tr['decisions']} model decisions (the agent's agent/action/trace)")
+        stages.add_column("stage")
+        stages.add_column("p50 ms", justify="right")
+        for name, v in tr["stages_p50_ms"].items():
+            stages.add_row(name, f"{v:.1f}")
+        console.print(stages)
+        fc = tr["feedback_to_command_s"]
+        console.print(f"tokens into the context per engine decision: {tr['tokens_per_decision']} (p50 "
+                      f"{tr['tokens_per_decision_p50']:.0f}); decided ahead: {tr['decided_ahead']}; robot done -> "
+                      f"command published for decided-ahead calls: p50 {ms(fc['p50'])} ms (n {fc['n']})")
     dl = report["deadline"]
     hit = "-" if dl["hit_rate"] is None else f"{dl['hit_rate']:.1%}"
     console.print(f"deadline: {dl['met']}/{dl['statuses']} met (hit rate {hit}), fallbacks published "
@@ -378,7 +442,9 @@ def print_table(report: dict) -> None:
                       f"commands accepted {task['commands_accepted']}, rejected {task['commands_rejected']}")
         if task.get("first_success_s") is not None:
             state = "and still achieved at the end" if task["success"] else "then undone by later actions"
-            console.print(f"  first achieved {task['first_success_s']:.1f} s into the run ({state})")
+            console.print(f"  first achieved {task['first_success_s']:.1f} s into the run ({state})"
+                          + ("" if report.get("task_time_s") is None
+                             else f"; task time (engine ready -> achieved) {report['task_time_s']:.1f} s"))
     run = report.get("run_task")
     if run is not None:
         console.print(f"RunTask action: sent {run['sent_s']:.1f} s into the run, {run['feedback']} feedback messages, "

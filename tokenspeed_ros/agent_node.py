@@ -15,8 +15,11 @@ the robot's status reports the goal achieved (`task`); `Decide` makes one decisi
 The node tracks what the gripper holds from the robot's ActionFeedback (`GripperState`) and
 masks actions by precondition: each decision may only call the tools configured for the current
 state (`tools_when_empty` / `tools_when_holding`, OpenAI allowed_tools). Right before each
-decision it streams a state line into the context ("objects ...; gripper holding red_cube; task:
-..."), so a small model reads the state and the task (`task_brief`) last. The `DeadlineMonitor` publishes
+decision it streams a lean state line into the context (`context_policy`: "objects ...; gripper
+empty; task: ..." or "gripper holding red_cube; task: ..."), so a small model reads the state and
+the task last; while the robot executes a call, the next call is decided ahead on the state the
+call's success leads to (`EngineWorker.decide_ahead`). Every decision's stages go out as JSON on
+`<action_topic>/trace` (`decision_trace`). The `DeadlineMonitor` publishes
 each valid, timely tool call as an `ActionCommand` (plus a `PoseStamped` target for calls with a
 position) and the safe fallback otherwise. Bad input is counted and dropped; missing sensors or a
 missing engine give fallbacks. Counts and latency percentiles go to /diagnostics.
@@ -26,9 +29,8 @@ Run: `tokenspeed_agent --ros-args --params-file tokenspeed_ros/config/agent.yaml
 from __future__ import annotations
 
 import json
-import re
 import sys
-from collections import OrderedDict
+import time
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from geometry_msgs.msg import PoseStamped
@@ -42,7 +44,9 @@ from tokenspeed_msgs.action import RunTask
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback, DeadlineStatus, Observation
 from tokenspeed_msgs.srv import Decide
 
+from tokenspeed_ros.context_policy import GripperState, predicted_state, state_line
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
+from tokenspeed_ros.decision_trace import TraceStats, trace_record
 from tokenspeed_ros.decision_loop import DecisionLoop
 from tokenspeed_ros.engine_worker import EngineWorker, Observed, ToolsFileError, load_tools, run_engine_node
 from tokenspeed_ros.inputs import BadInput, InputHealth, check_stamp, image_to_rgb, joint_state_text
@@ -52,62 +56,8 @@ from tokenspeed_ros.perception import CameraModel, locate_cubes, objects_text
 from tokenspeed_ros.task import CANCELLED, DONE, FAILED, TASK_DONE, TASK_DONE_TOOL, Task, achieved, parse_status
 
 SENSORS = ("joint_states", "camera")    # sources that must be fresh for the engine to decide
-CALLS_KEPT = 256                        # published calls remembered to interpret the robot's feedback
+TRACES_PENDING = 64                     # decisions whose reading times are kept until the engine answers
 APPLY_WAIT_S = 0.5                      # the robot answers a call it was sent ("applied", "rejected") within this (s)
-
-
-class GripperState:
-    """What the gripper holds, from the robot's feedback on the agent's own calls.
-
-    Feedback names only the decision, so `sent()` records each published call (decision id ->
-    tool and arguments) and `feedback()` applies the robot's reports: a pick "done" -> holding
-    its object (unless the detail says the grasp failed); a place "done" -> empty; a pick
-    rejected because the gripper is "already holding X" -> holding X; a place rejected for "not
-    holding" -> empty (the robot's own word corrects a missed event). Feedback is exact in time
-    and names the object, which finger positions cannot (a closed gripper does not say which
-    cube it holds, and is ambiguous while the fingers move). Not thread-safe (executor thread).
-    """
-
-    def __init__(self):
-        self.holding: str | None = None           # object name, or None when empty
-        self._calls: OrderedDict[int, tuple[str, dict]] = OrderedDict()
-
-    def sent(self, decision_id: int, tool: str, arguments_json: str) -> None:
-        """Record a call published to the robot (arguments as JSON text)."""
-        try:
-            arguments = json.loads(arguments_json or "{}")
-        except json.JSONDecodeError:
-            arguments = {}
-        self._calls[decision_id] = (tool, arguments if isinstance(arguments, dict) else {})
-        while len(self._calls) > CALLS_KEPT:
-            self._calls.popitem(last=False)
-
-    def feedback(self, decision_id: int, tool: str, state: str, detail: str) -> bool:
-        """Apply one ActionFeedback (state "applied", "done", "preempted" or "rejected");
-        returns True when what the gripper holds changed."""
-        before = self.holding
-        if state == "done" and tool == "pick" and "fail" not in detail:
-            _, arguments = self._calls.get(decision_id, (tool, {}))
-            self.holding = arguments.get("object") or self.holding
-        elif state == "done" and tool == "place":
-            self.holding = None
-        elif state == "rejected" and tool == "pick":
-            held = re.search(r"already holding (\w+)", detail)
-            self.holding = held.group(1) if held else self.holding
-        elif state == "rejected" and tool == "place" and "not holding" in detail:
-            self.holding = None
-        return self.holding != before
-
-    def text(self) -> str:
-        """"gripper empty" or "gripper holding <object>"."""
-        return "gripper empty" if self.holding is None else f"gripper holding {self.holding}"
-
-
-def task_brief(goal: str) -> str:
-    """The goal as the state line restates it before every decision: without its parenthetical
-    remarks (e.g. "(metres, robot base frame)", which the system prompt already says), fewer tokens
-    to prefill per decision; the goal reading stays in the context in full."""
-    return re.sub(r"\s*\([^()]*\)", "", goal)
 
 
 def target_pose(arguments: dict, frame_id: str, default_z: float) -> PoseStamped | None:
@@ -156,6 +106,9 @@ class AgentNode(ManagedNode):
         self._started = self.get_clock().now()
         self._last_rx: dict[str, Time] = {}         # source -> node time of the last valid message
         self._latest_stamp: Time | None = None      # newest valid sensor stamp
+        self._latest_times = (0.0, 0.0)             # its message's (received, perceived) wall times
+        self._traced: dict[int, dict] = {}          # decision id -> node times of its reading, until resolved
+        self.traces = TraceStats()
         self._texts: dict[str, str] = {}            # source -> newest text (sent to the engine, or held)
         self._held: dict[str, tuple[Time, str]] = {}  # source -> (stamp, kind) of a reading held back
         self._state_queued = ""                     # the last state line given to the engine
@@ -176,6 +129,7 @@ class AgentNode(ManagedNode):
         self._obs_pub = self.create_publisher(Observation, p.observation_topic, 10)
         self._pose_pub = self.create_publisher(PoseStamped, p.target_pose_topic, 10)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self._trace_pub = self.create_publisher(String, p.action_topic + "/trace", 10)
 
         sensor_qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT
                                 if p.sensor_reliability == "best_effort" else ReliabilityPolicy.RELIABLE)
@@ -197,7 +151,7 @@ class AgentNode(ManagedNode):
                                    device=p.device, dtype=p.dtype, system=p.system_prompt, tools=tools,
                                    tool_choice=self._tool_choice(), kv_budget=p.kv_budget_tokens,
                                    notify=self._wake.trigger, logger=self.get_logger(),
-                                   repeat_slack=p.restate_slack_tokens)
+                                   repeat_slack=p.restate_slack_tokens, replace_sources=("state",))
         self.loop = DecisionLoop(self.monitor, self.worker, self.get_clock(), publish_margin_s=p.publish_margin_s,
                                  on_observed=self._echo_observation, check_result=self._check_result,
                                  on_resolved=self._on_resolved)
@@ -267,10 +221,13 @@ class AgentNode(ManagedNode):
         check_stamp(stamp, now.nanoseconds * 1e-9, self.p.max_future_s, self.p.max_age_s)
         return Time.from_msg(stamp, clock_type=now.clock_type)
 
-    def _received(self, source: str, stamp: Time) -> None:
+    def _received(self, source: str, stamp: Time, received: float) -> None:
+        """A valid reading stamped `stamp`, whose message arrived at `received` (wall clock, s),
+        is processed (perception done)."""
         self._last_rx[source] = self.get_clock().now()
         if self._latest_stamp is None or stamp > self._latest_stamp:
             self._latest_stamp = stamp
+            self._latest_times = (received, time.time())
 
     def _submit(self, source: str, text: str, stamp: Time, kind: str = "sensor") -> bool:
         """Send a changed observation to the engine; returns False when the text is unchanged.
@@ -288,19 +245,20 @@ class AgentNode(ManagedNode):
         return True
 
     def _send(self, source: str, text: str, stamp: Time, kind: str) -> None:
-        """Give a reading to the engine. With restate_before_decisions the camera's objects enter
-        the context only as part of the state line (one line, the state last), and every other
-        reading except joint states is followed by the state line."""
-        if not (source == "camera" and self.p.restate_before_decisions):
+        """Give a reading to the engine. With restate_before_decisions the camera's objects and
+        the goal enter the context only as part of the state line (one line, the state last), and
+        every other reading except joint states is followed by the state line."""
+        if not (source in ("camera", "goal") and self.p.restate_before_decisions):
             self.worker.observe(source, text, stamp.nanoseconds * 1e-9, kind)
         if source != "joint_states":
             self._queue_state(stamp)
 
     def _queue_state(self, stamp: Time) -> None:
         """Stream the state line in when it changed, so that between decisions it is prefilled
-        ahead of the next decision, which then restates it for free."""
+        ahead of the next decision, which then restates it for free (not before the camera's first
+        reading: nothing decides without it)."""
         text = self._state_text()
-        if self.p.restate_before_decisions and text != self._state_queued:
+        if self.p.restate_before_decisions and text != self._state_queued and "camera" in self._texts:
             self._state_queued = text
             self.worker.observe("state", text, stamp.nanoseconds * 1e-9)
 
@@ -311,13 +269,14 @@ class AgentNode(ManagedNode):
             self._send(source, self._texts[source], stamp, kind)
 
     def _on_joint_state(self, msg: JointState) -> None:
+        received = time.time()
         try:
             stamp = self._stamp(msg.header.stamp)
             text = joint_state_text(msg)
         except BadInput as e:
             self.health.report(e, self.p.joint_states_topic)
             return
-        self._received("joint_states", stamp)
+        self._received("joint_states", stamp, received)
         if self.p.joint_states_in_context:
             self._submit("joint_states", text, stamp)
 
@@ -338,6 +297,7 @@ class AgentNode(ManagedNode):
         self._camera_info, self._camera_pose, self._camera = info, pose, camera
 
     def _on_image(self, msg: Image) -> None:
+        received = time.time()
         try:
             stamp = self._stamp(msg.header.stamp)
             rgb = image_to_rgb(msg)
@@ -348,7 +308,7 @@ class AgentNode(ManagedNode):
         except BadInput as e:
             self.health.report(e, self.p.image_topic)
             return
-        self._received("camera", stamp)
+        self._received("camera", stamp, received)
         if self._submit("camera", objects_text(objects), stamp) and self.p.decide_on_scene_change:
             self._trigger("scene")
 
@@ -405,7 +365,7 @@ class AgentNode(ManagedNode):
         if msg.state == "applied":
             self._executing = (msg.decision_id, self.get_clock().now()) if moving else None
             return
-        if moving:
+        if moving and not (msg.state == "done" and "fail" not in msg.detail):    # else in the state line
             detail = f" ({msg.detail})" if msg.detail and msg.detail != "ok" else ""
             self._submit("robot", f"robot: {msg.tool_name} {msg.state}{detail} (decision {msg.decision_id})",
                          self.get_clock().now())
@@ -425,18 +385,20 @@ class AgentNode(ManagedNode):
         return self._executing is not None and (now - self._executing[1]).nanoseconds * 1e-9 < self.p.execution_timeout_s
 
     # ------------------------------------------------------------------ decisions
-    def _tool_choice(self, tools: list[str] | None = None):
+    def _tool_choice(self, tools: list[str] | None = None, holding: str | None | bool = False):
         """decide()'s tool_choice: only the completion tool while a task runs and the robot
         reports it achieved; else `tools` (a Decide request's), or the task's tools, or the
         tools_when_empty / tools_when_holding subset for the gripper state, in OpenAI's
         allowed_tools form (mode = the tool_choice parameter; an empty subset = every tool but
-        the completion tool); or the one tool tool_choice names."""
-        if self.task is not None and self.task.running and self._done_evidence() is not None:
+        the completion tool); or the one tool tool_choice names. holding: the gripper's state to
+        choose for (False: the current one)."""
+        holding = self.gripper.holding if holding is False else holding
+        if self.task is not None and self.task.running and self._done_evidence(holding) is not None:
             names = [TASK_DONE]
         elif self.p.tool_choice not in ("required", "auto"):
             return {"name": self.p.tool_choice}
         else:
-            names = self.p.tools_when_empty if self.gripper.holding is None else self.p.tools_when_holding
+            names = self.p.tools_when_empty if holding is None else self.p.tools_when_holding
             names = [n for n in names or self._tool_names if n != TASK_DONE]
             wanted = tools or (self.task.tools if self.task is not None else [])
             names = [n for n in names if n in wanted] if wanted else names
@@ -444,22 +406,32 @@ class AgentNode(ManagedNode):
             "mode": "required" if names == [TASK_DONE] else self.p.tool_choice,
             "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
 
-    def _done_evidence(self) -> str | None:
+    def _done_evidence(self, holding: str | None | bool = False) -> str | None:
         """Why the task counts as achieved now (the robot cell's status, or with no status topic
-        an empty gripper), or None."""
+        an empty gripper: `holding`, False = what it holds now), or None."""
         if self.p.task_status_topic:
             return achieved(self._status)
-        return "the gripper is empty" if self.gripper.holding is None else None
+        return "the gripper is empty" if (self.gripper.holding if holding is False else holding) is None else None
+
+    def _goal(self) -> str | None:
+        goal = self._texts.get("goal")
+        return goal.removeprefix("goal: ") if goal else None
 
     def _state_text(self) -> str:
-        """The state line restated before each decision: "<objects>; <gripper>; task: <goal>"."""
-        parts = [self._texts.get("camera", "objects unknown"), self.gripper.text()]
-        goal = self._texts.get("goal")
-        if goal:
-            parts.append("task: " + task_brief(goal.removeprefix("goal: ")))
-        if self.task is not None and self.task.running and self._done_evidence() is not None:
-            parts.append("the robot reports the task achieved")
-        return "; ".join(parts)
+        """The state line restated before each decision (`context_policy.state_line`)."""
+        return state_line(self._texts.get("camera", "objects unknown"), self.gripper.holding, self._goal(),
+                          self.task is not None and self.task.running and self._done_evidence() is not None)
+
+    def _decide_ahead(self, cmd: ActionCommand) -> None:
+        """While the robot executes the model's call `cmd`, decide the next call on the state line
+        its success leads to (when that line is predictable: `context_policy.predicted_state`)."""
+        if not self.p.decide_ahead or self.task is None or not self.task.running:
+            return
+        tool, arguments = self.gripper.call(cmd.decision_id) or (cmd.tool_name, {})
+        predicted = predicted_state(tool, arguments, self.gripper.holding, self._goal())
+        if predicted is not None:
+            text, holding = predicted
+            self.worker.decide_ahead(("state", text, 0.0), self._tool_choice(holding=holding))
 
     def _missing_sensors(self) -> list[str]:
         now = self.get_clock().now()
@@ -508,6 +480,11 @@ class AgentNode(ManagedNode):
     def _decide(self, stamp: Time, tools: list[str] | None = None) -> None:
         """Open a decision on the observation stamped `stamp` and hand it to the (free) engine."""
         d = self.loop.open(stamp)
+        received, perceived = self._latest_times if stamp == self._latest_stamp else (0.0, 0.0)
+        self._traced[d.decision_id] = {"capture": stamp.nanoseconds * 1e-9, "received": received,
+                                       "perceived": perceived}
+        while len(self._traced) > TRACES_PENDING:       # decisions the engine never answered (fallbacks at once)
+            del self._traced[next(iter(self._traced))]
         # the state line is prefilled just before the decision (queued readings wait behind it; it is
         # not prefilled again while it is the context's last message); its echo carries the decision's stamp
         self._state_queued = self._state_text()
@@ -530,9 +507,10 @@ class AgentNode(ManagedNode):
         if self.task is None or not self.task.running or evidence is None:
             self._submit("robot", f"robot: task not done yet (decision {result.decision_id})", self.get_clock().now())
             return ModelResult(result.decision_id, "task_not_done", reason="the robot does not report it achieved",
-                               ttft_s=result.ttft_s, total_s=result.total_s)
+                               ttft_s=result.ttft_s, total_s=result.total_s, trace=result.trace)
         return ModelResult(result.decision_id, "task_done", ttft_s=result.ttft_s, total_s=result.total_s,
-                           reason=f"decision {result.decision_id}: the model called {TASK_DONE}; {evidence}")
+                           reason=f"decision {result.decision_id}: the model called {TASK_DONE}; {evidence}",
+                           trace=result.trace)
 
     def _on_outcome(self, cmd: ActionCommand | None, status: DeadlineStatus) -> None:
         """Every decision outcome (DeadlineMonitor hook): remember the call for the gripper state,
@@ -542,6 +520,7 @@ class AgentNode(ManagedNode):
         self.gripper.sent(cmd.decision_id, cmd.tool_name, cmd.arguments_json)
         if cmd.source == "model" and cmd.tool_name not in ("hold", "stop") and self.p.action_feedback_topic:
             self._sent = (cmd.decision_id, self.get_clock().now())
+            self._decide_ahead(cmd)
         task = self.task
         if task is not None and task.running and status.reason != CANCELLED:
             task.decisions += 1
@@ -637,8 +616,15 @@ class AgentNode(ManagedNode):
         self._obs_pub.publish(msg)
 
     def _on_resolved(self, result: ModelResult, cmd: ActionCommand | None) -> None:
+        node_times = self._traced.pop(result.decision_id, None)
         if cmd is not None:
             self._publish_target(cmd)
+        if node_times is not None:      # a result dropped as late is traced too (never published)
+            record = trace_record(result.decision_id, (result.tool_call or {}).get("name", ""), result.status,
+                                  node_times, result.trace,
+                                  0.0 if cmd is None else Time.from_msg(cmd.header.stamp).nanoseconds * 1e-9)
+            self.traces.add(record)
+            self._trace_pub.publish(String(data=json.dumps(record)))
         if result.status == "task_done" and self.task is not None:
             self._end_task(DONE, result.reason)     # after the completion's feedback went out
 
@@ -667,7 +653,9 @@ class AgentNode(ManagedNode):
             values=[KeyValue(key="state", value=w.state), KeyValue(key="weights", value=w.weights),
                     KeyValue(key="context_tokens", value=str(w.context_tokens)),
                     KeyValue(key="triggers_skipped_busy", value=str(self._skipped_busy)),
-                    KeyValue(key="triggers_skipped_executing", value=str(self._skipped_executing))])
+                    KeyValue(key="triggers_skipped_executing", value=str(self._skipped_executing))]
+            + [KeyValue(key=f"decided_ahead_{k}", value=str(v)) for k, v in w.ahead_counts.items()]
+            + [KeyValue(key=k, value=v) for k, v in self.traces.key_values()])
         msg = DiagnosticArray(status=[self.monitor.diagnostic_status("tokenspeed_agent: decisions"), inputs, engine])
         msg.header.stamp = now.to_msg()
         self._diag_pub.publish(msg)

@@ -76,6 +76,7 @@ class ModelResult:
     status: "ok", "deadline_missed", "invalid", "text" (as tokenspeed Decision.status) or
     "engine_fault" (decide() raised or no engine). tool_call: {"name", "arguments"} when "ok".
     ttft_s / total_s: engine time to first token and decide() duration, seconds.
+    trace: the engine thread's stages of this decision (`engine_worker.DecisionTrace.as_dict`), or None.
     """
 
     decision_id: int
@@ -84,6 +85,7 @@ class ModelResult:
     reason: str = ""
     ttft_s: float = 0.0
     total_s: float = 0.0
+    trace: dict | None = None
 
 
 class DeadlineMonitor:

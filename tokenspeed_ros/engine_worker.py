@@ -14,6 +14,14 @@ The session's hot KV cache is bounded by the engine's relevance pruning (`kv_bud
 sensor readings are observed with kind "sensor" and their source, so a newer reading of the same
 source supersedes the older one first; goals are pinned. Old history moves to the engine's cold
 tier instead of growing the per-token cost.
+
+Decided ahead (speculative actions): `decide_ahead(restate, tool_choice)` prefills a predicted
+state line on a session checkpoint and decides there while the engine is otherwise idle. A later
+`decide()` whose state line and tool_choice are exactly the predicted ones, with nothing observed
+in between, is answered with that call at once ("hit"): its context is then token for token the
+one a fresh decision would have had, so under greedy decoding the call is the one a fresh decision
+gives. Anything else rolls the session back to the checkpoint first ("miss") and goes on as usual.
+Each result carries a `DecisionTrace` of its stages.
 """
 from __future__ import annotations
 
@@ -22,7 +30,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import jsonschema
@@ -35,6 +43,7 @@ from tokenspeed_ros.launch_spec import help_requested
 from tokenspeed_ros.spin import SPIN_TIMEOUT_S, spin_once
 
 GIL_SWITCH_INTERVAL_S = 0.001     # CPython's thread switch interval in the node processes (s)
+AHEAD_BUDGET_S = 10.0             # a decision decided ahead may take this long (no robot waits on it) (s)
 
 
 class ToolsFileError(ValueError):
@@ -49,6 +58,52 @@ class Observed:
     text: str
     stamp_s: float          # sensor stamp, seconds
     tokens: int
+
+
+@dataclass
+class DecisionTrace:
+    """Where one decision's time went on the engine thread. Times are wall clock (time.time()
+    seconds, comparable with ROS stamps on one host); 0.0 where a stage did not happen.
+
+    queued: the node handed the request over; prefill_start / prefill_end: the observations
+    prefilled for this decision right before it (the state line, or the queue); decide_start /
+    first_token / end: decide() and its first token; for a decision decided ahead ("hit") these
+    are when the stored call was taken, and ahead_* say how it was made. Tokens: prefill_tokens
+    before the decision on its path; tokens_in: every token that entered the context for this
+    decision since the last one (observations, the state line, decide()'s trigger tokens; not the
+    answer); context_tokens: the context when it decided.
+    """
+
+    queued: float
+    prefill_start: float = 0.0
+    prefill_end: float = 0.0
+    prefill_tokens: int = 0
+    decide_start: float = 0.0
+    first_token: float = 0.0
+    end: float = 0.0
+    tokens_in: int = 0
+    context_tokens: int = 0
+    ahead: str = ""                 # "hit", "miss" or "" (none was decided ahead)
+    ahead_prefill_ms: float = 0.0
+    ahead_decide_ms: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Ahead:
+    """A decision decided ahead on a checkpoint: what it assumed and what it gave."""
+
+    source: str
+    text: str
+    tool_choice: object
+    checkpoint: object              # tokenspeed Checkpoint before the predicted state line
+    book: tuple                     # the worker's bookkeeping at the checkpoint (`EngineWorker._book`)
+    result: tuple                   # (status, call, reason) of the decision
+    tokens_in: int                  # state line + trigger tokens
+    prefill_ms: float
+    decide_ms: float
 
 
 class CallChecker:
@@ -96,14 +151,17 @@ class EngineWorker:
     system: system prompt; tools: OpenAI tool dicts; tool_choice: passed to decide() unless a
     request brings its own;
     kv_budget: hot KV tokens of the session (relevance pruning beyond it); repeat_slack: see above
-    (tokens; 0 = only when the reading is still the context's last observation);
+    (tokens; 0 = only when the reading is still the context's last observation); replace_sources:
+    sources whose reading replaces the previous one of the same source when that one is still the
+    context's last observation and no decision answered it (the session rolls back to before it:
+    e.g. state lines, so that missed decisions do not leave a trail of stale states);
     notify: called from the engine thread whenever `drain()` has something new; logger: rclpy
     logger. `state` is "loading", "ready" or "fault" (then `fault` says why).
     """
 
     def __init__(self, *, model: str, threads: int, system: str, tools: list[dict], tool_choice,
                  kv_budget: int, notify: Callable[[], None], logger, repeat_slack: int = 0, quantize: str = "auto",
-                 device: str = "auto", dtype: str = "auto"):
+                 device: str = "auto", dtype: str = "auto", replace_sources: tuple[str, ...] = ()):
         self._cfg = dict(model=model or None, threads=threads or None, system=system, tools=tools,
                          quantize=None if quantize == "none" else quantize, device=device, dtype=dtype)
         self._tool_choice = tool_choice
@@ -122,9 +180,17 @@ class EngineWorker:
         self._new_episode = False       # new_episode() was called: roll back before anything else
         self._episode_start = None      # Checkpoint of the session with only the system prompt and tools
         self._prefill = [0, 0, 0.0]     # observations, tokens, seconds prefilled since the last decision
+        self._missed = ""                          # "miss" when the next decision's ahead one was dropped
+        self._ahead_request: tuple | None = None   # (restate, tool_choice) to decide ahead when idle
+        self._ahead: _Ahead | None = None          # the decision decided ahead, until used or dropped
+        self.ahead_counts = {"hit": 0, "miss": 0, "redone": 0, "dropped": 0, "failed": 0}
         self._repeat_slack = repeat_slack
         self._observed = 0                                 # tokens observed so far (decisions not counted)
         self._previous: dict[str, tuple[str, int]] = {}    # source -> (text, self._observed after it)
+        self._replace = frozenset(replace_sources)
+        # the context's last observation while no decision answered it: (source, Checkpoint before
+        # it, the bookkeeping before it)
+        self._unanswered: tuple | None = None
         self._out: list[Observed | ModelResult] = []
         self._stop = False
         self._loaded = threading.Event()
@@ -205,8 +271,23 @@ class EngineWorker:
             if self._request is not None:
                 raise RuntimeError("a decision request is already queued")
             self._request = (decision_id, deadline_at, self._tool_choice if tool_choice is None else tool_choice,
-                             restate, time.monotonic())
+                             restate, time.monotonic(), DecisionTrace(time.time()))
             self._cv.notify()
+
+    def decide_ahead(self, restate: tuple[str, str, float], tool_choice) -> None:
+        """Decide the next call ahead when the engine is idle: prefill `restate` ((source, text,
+        stamp_s), the state line predicted for the next decision) on a checkpoint and decide with
+        `tool_choice` there (see the module docstring). Replaces one not yet started; anything
+        observed or requested before it starts cancels it."""
+        with self._cv:
+            self._ahead_request = (restate, tool_choice)
+            self._cv.notify()
+
+    @property
+    def decided_ahead(self) -> dict | None:
+        """The call decided ahead and not yet used or dropped ({"name", "arguments"}), or None."""
+        ahead = self._ahead
+        return None if ahead is None else ahead.result[1]
 
     def drain(self) -> list[Observed | ModelResult]:
         """Everything finished since the last call, in order."""
@@ -235,12 +316,14 @@ class EngineWorker:
         while True:
             with self._cv:
                 while (not self._stop and not self._obs and self._request is None and self._threads is None
-                       and not self._new_episode):
+                       and not self._new_episode and self._ahead_request is None):
                     self._cv.wait()
                 if self._stop:
                     return
                 if self._new_episode:       # under the lock: what is observed next joins the new episode
                     self._new_episode = False
+                    self._ahead_request = None
+                    self._drop_ahead("dropped")
                     self._begin_episode()
                     continue
                 if self._threads is not None:
@@ -250,6 +333,11 @@ class EngineWorker:
                     self._threads = None
                     if not self._obs and self._request is None:
                         continue
+                ahead_job = None
+                if self._request is not None:
+                    self._ahead_request = None      # too late to decide ahead
+                elif not self._obs:                 # readings first: the prediction follows them
+                    ahead_job, self._ahead_request = self._ahead_request, None
                 request, self._request = self._request, None
                 if request is not None and request[3] is not None:     # the state line stands for the queue
                     source, text, stamp_s = request[3]
@@ -257,12 +345,31 @@ class EngineWorker:
                     batch = [(source, (text, "sensor", stamp_s))]
                 elif request is not None:                                # everything queued, then decide
                     batch, self._obs = list(self._obs.items()), {}
-                else:                                                    # one reading, then look again
+                elif self._obs:                                          # one reading, then look again
                     source = next(iter(self._obs))
                     batch = [(source, self._obs.pop(source))]
+            if ahead_job is not None:
+                self._decide_ahead(*ahead_job)
+                continue
+            if request is not None and self._ahead is not None and request[3] is not None and \
+                    (request[3][0], request[3][1], request[2]) == (self._ahead.source, self._ahead.text,
+                                                                  self._ahead.tool_choice):
+                self._emit(self._take_ahead(*request))
+                continue
+            if request is None and self._ahead is not None:     # a reading came first: decide ahead again after it
+                with self._cv:
+                    self._ahead_request = self._ahead_request or (
+                        (self._ahead.source, self._ahead.text, 0.0), self._ahead.tool_choice)
+                self._drop_ahead("redone")
+            self._drop_ahead("miss")
+            trace = request[5] if request is not None else None
+            t0, n0 = time.time(), self._prefill[1]
             for source, (text, kind, stamp_s) in batch:
                 self._prefill_one(source, text, kind, stamp_s)
             if request is not None:
+                trace.prefill_start, trace.prefill_end, trace.prefill_tokens = t0, time.time(), self._prefill[1] - n0
+                trace.ahead = self._missed
+                self._missed = ""
                 self._emit(self._decide(*request))
 
     def _prefill_one(self, source: str, text: str, kind: str, stamp_s: float) -> None:
@@ -271,6 +378,7 @@ class EngineWorker:
         self._prefill[0] += n > 0
         self._prefill[1] += n
         self._prefill[2] += time.monotonic() - t0
+        self._log.debug(f"observed {source}: {n} tokens in {(time.monotonic() - t0) * 1e3:.0f} ms: {text}")
         self._emit(Observed(source, text, stamp_s, n))
 
     def _load(self) -> None:
@@ -317,8 +425,13 @@ class EngineWorker:
             self._log.error(f"engine fault in new_episode(): {type(e).__name__}: {e}")
             return
         self._previous.clear()              # nothing observed so far is in the context any more
+        self._unanswered = None
         self.context_tokens = self._session.num_tokens
         self._log.info(f"new episode: {dropped} tokens of the last one dropped, context {self.context_tokens} tokens")
+
+    def _book(self) -> tuple:
+        """The worker's bookkeeping of the context (restored with a rollback)."""
+        return dict(self._previous), self._observed, self._unanswered
 
     def _observe(self, source: str, text: str, kind: str) -> int:
         previous = self._previous.get(source)
@@ -326,19 +439,90 @@ class EngineWorker:
                                      and self._observed - previous[1] <= self._repeat_slack):
             return 0
         try:
+            if self._unanswered is not None and self._unanswered[0] == source and source in self._replace:
+                self._restore(self._unanswered[1], self._unanswered[2])
+            before = (source, self._session.checkpoint(), self._book())
             n = self._session.observe(text, role="user", kind=kind, source=source, pin=kind == "text")
             self.context_tokens = self._session.num_tokens
             self._observed += n
             self._previous[source] = (text, self._observed)
+            self._unanswered = before
             return n
         except Exception as e:
             self._log.error(f"engine fault in observe({source}): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
             return 0
 
-    def _decide(self, decision_id: int, deadline_at: float, tool_choice, restate, queued_at: float) -> ModelResult:
+    def _decide_ahead(self, restate: tuple[str, str, float], tool_choice) -> None:
+        if self._session is None:
+            return
+        self._drop_ahead("dropped")         # a newer prediction replaces it
+        source, text, _ = restate
+        cp, book = self._session.checkpoint(), self._book()
+        t0 = time.perf_counter()
+        ok = False
+        try:
+            n = self._observe(source, text, "sensor")
+            t1 = time.perf_counter()
+            d = self._session.decide(tool_choice=tool_choice, deadline_at=time.monotonic() + AHEAD_BUDGET_S)
+            ok = d.status == "ok" and self._checker.problem(d.tool_call) is None
+        except Exception as e:  # nothing is decided ahead; the next decision is made as usual
+            self._log.error(f"engine fault in decide_ahead(): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
+        if not ok:
+            self._restore(cp, book)
+            self.ahead_counts["failed"] += 1
+            return
+        self._unanswered = None
+        self._ahead = _Ahead(source, text, tool_choice, cp, book, (d.status, d.tool_call, ""),
+                             n + d.prefill_tokens, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
+        self.context_tokens = self._session.num_tokens
+        self._log.info(f"decided ahead: {d.tool_call['name']} ({n} tokens of predicted state prefilled in "
+                       f"{self._ahead.prefill_ms:.0f} ms, decided in {self._ahead.decide_ms:.0f} ms)")
+
+    def _restore(self, cp, book: tuple) -> None:
+        """Roll the session back to `cp` and the bookkeeping (`_book()`) with it."""
+        try:
+            self._session.rollback(cp)
+        except Exception as e:  # the context goes on as it is: the next decisions still get a call or a fallback
+            self._log.error(f"engine fault in rollback(): {type(e).__name__}: {e}")
+        self._previous, self._observed, self._unanswered = dict(book[0]), book[1], book[2]
+        self.context_tokens = self._session.num_tokens
+
+    def _drop_ahead(self, why: str) -> None:
+        """Discard the decision decided ahead, if any: "miss" (the next decision's state line or
+        tools differ), "redone" (a reading came first: it is decided ahead again after it),
+        "dropped" (a new episode or a newer prediction)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        self._restore(ahead.checkpoint, ahead.book)
+        self.ahead_counts[why] += 1
+        self._missed = "miss" if why == "miss" else self._missed
+        self._log.info(f"decided-ahead call {ahead.result[1]['name']} {why}: rolled back")
+
+    def _take_ahead(self, decision_id: int, deadline_at: float, tool_choice, restate, queued_at: float,
+                    trace: DecisionTrace) -> ModelResult:
+        """Answer a request with the call decided ahead for exactly its state line and tool choice."""
+        ahead, self._ahead = self._ahead, None
+        self.ahead_counts["hit"] += 1
+        now = time.time()
+        self._emit(Observed(restate[0], restate[1], restate[2], 0))     # the line is in the context now
+        status, call, reason = ahead.result
+        trace.prefill_start = trace.prefill_end = trace.decide_start = trace.first_token = trace.end = now
+        trace.tokens_in, self._prefill = self._prefill[1] + ahead.tokens_in, [0, 0, 0.0]
+        trace.context_tokens, trace.ahead = self.context_tokens, "hit"
+        trace.ahead_prefill_ms, trace.ahead_decide_ms = ahead.prefill_ms, ahead.decide_ms
+        self._log.info(f"decision {decision_id}: {status} {call['name']} decided ahead (hit); queued -> taken "
+                       f"{(time.monotonic() - queued_at) * 1e3:.1f} ms, budget left "
+                       f"{(deadline_at - time.monotonic()) * 1e3:.0f} ms")
+        return ModelResult(decision_id, status, call, reason, 0.0, time.monotonic() - queued_at, trace.as_dict())
+
+    def _decide(self, decision_id: int, deadline_at: float, tool_choice, restate, queued_at: float,
+                trace: DecisionTrace) -> ModelResult:
         if self._session is None:
             return ModelResult(decision_id, "engine_fault", reason=self.fault or "engine not loaded")
         started = time.monotonic()
+        trace.decide_start = time.time()
+        trace.context_tokens = self._session.num_tokens
         try:
             before = self._session.checkpoint()
             d = self._session.decide(tool_choice=tool_choice, deadline_at=deadline_at)
@@ -347,12 +531,16 @@ class EngineWorker:
             if problem is not None:     # never executed, and not left in the context as if it were
                 self._session.rollback(before)
                 status, call, reason = "invalid", None, problem
+            if status in ("ok", "text"):    # the answer stays in the context: the last observation is answered
+                self._unanswered = None
         except Exception as e:
             self._log.error(f"engine fault in decide(): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
             return ModelResult(decision_id, "engine_fault", reason=f"{type(e).__name__}: {e}")
         self.context_tokens = self._session.num_tokens
         n_obs, n_tok, prefill_s = self._prefill
         self._prefill = [0, 0, 0.0]
+        trace.first_token, trace.end = trace.decide_start + (d.ttft_s or 0.0), time.time()
+        trace.tokens_in = n_tok + d.prefill_tokens
         self._log.info(
             f"decision {decision_id}: {status} {call['name'] if call else reason}; queued -> decide "
             f"{(started - queued_at) * 1e3:.0f} ms, budget left {(deadline_at - started) * 1e3:.0f} ms; since the last "
@@ -360,7 +548,7 @@ class EngineWorker:
             f"{f' ({prefill_s * 1e3 / n_tok:.1f} ms/token)' if n_tok else ''}; decide ttft {d.ttft_s * 1e3:.0f} ms, "
             f"total {d.total_s * 1e3:.0f} ms, {d.forwards} forwards, {d.generated_tokens} generated + "
             f"{d.forced_tokens} forced tokens, context {self.context_tokens} tokens")
-        return ModelResult(decision_id, status, call, reason, d.ttft_s or 0.0, d.total_s or 0.0)
+        return ModelResult(decision_id, status, call, reason, d.ttft_s or 0.0, d.total_s or 0.0, trace.as_dict())
 
 
 def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception], ...],

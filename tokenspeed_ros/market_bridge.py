@@ -19,8 +19,10 @@ Three threads, none waiting on another:
   (deadline_missed, invalid, engine_fault, ...) - goes out as an ActionCommand + DeadlineStatus on
   ROS and as JSON on the ZeroMQ PUB socket, topic `{EXCHANGE}-decision-{SYMBOL}`:
   {"decision_id", "exchange", "symbol", "trigger", "tool", "arguments", "source", "met", "reason",
-  "tick": {features of the tick answered}, "tick_timestamp", "deadline", "published_at",
-  "latency_s", "ttft_s"}  (times: seconds since the epoch; latency = publish - tick timestamp).
+  "tick": {features of the tick answered}, "tick_timestamp", "feed_received_at", "deadline",
+  "published_at", "latency_s", "feed_to_published_s", "ttft_s"}  (times: seconds since the epoch;
+  latency = publish - tick timestamp; feed_to_published = publish - when the bridge received the
+  batch that held the triggering message).
   A result that arrives after its fallback was published is dropped, never sent.
 - engine thread: `EngineWorker` (shared with the robot agent) owns the tokenspeed Session.
 
@@ -116,12 +118,14 @@ class MarketBridgeParams(NodeParams):
 @dataclass
 class Trigger:
     """Why and on which tick a decision was asked: stamp_s = the tick's exchange timestamp (s);
-    streamed = the symbol's state was prefilled within stream_period_s before it."""
+    received_s = when the bridge received the feed batch that held it (wall clock, s); streamed =
+    the symbol's state was prefilled within stream_period_s before it."""
 
     reason: str
     stamp_s: float
     features: dict
     streamed: bool = False
+    received_s: float = 0.0
 
 
 @dataclass
@@ -136,24 +140,25 @@ class _Rules:
 
 
 def state_text(f: dict) -> str:
-    """The market state of one symbol as prefilled into the session (~40 tokens).
+    """The market state of one symbol as prefilled into the session, lean (the tokenizer spends
+    a token per digit): prices in whole USD (what an order can be placed at), sizes to 3
+    significant digits, no filler words.
 
-    Example: "BTC-USD book: mid 78325.50, spread 1.00, imbalance +0.42, volatility 0.8bp,
-    trades buy 0.1210@78326 sell 0.0500@78325"
+    Example: "BTC-USD mid 78326 spread 1 imbalance +0.42 vol 0.8bp trades buy 0.121@78326 sell 0.05@78325"
     """
-    trades = " ".join(f"{side} {amount:.4f}@{price:.0f}" for side, price, amount in f["trades"]) or "none"
-    return (f"{f['symbol']} book: mid {f['mid']:.2f}, spread {f['spread']:.2f}, imbalance {f['imbalance']:+.2f}, "
-            f"volatility {f['volatility_bps']:.1f}bp, trades {trades}")
+    trades = " ".join(f"{side} {amount:.3g}@{price:.0f}" for side, price, amount in f["trades"]) or "none"
+    return (f"{f['symbol']} mid {f['mid']:.0f} spread {f['spread']:g} imbalance {f['imbalance']:+.2f} "
+            f"vol {f['volatility_bps']:.1f}bp trades {trades}")
 
 
 def trigger_text(trigger: Trigger) -> str:
-    """What is prefilled when a decision starts: only the trigger line (~15 tokens) when the state
-    was streamed in moments before, else the state too.
+    """What is prefilled when a decision starts: only the trigger line when the state was
+    streamed in moments before, else the state too. The move is since the last decision.
 
-    Example: "BTC-USD price_move: mid 78325.50 (+6.1bp since the last decision)"
+    Example: "BTC-USD price_move: mid 78326 (+6.1bp)"
     """
     f = trigger.features
-    line = f"{f['symbol']} {trigger.reason}: mid {f['mid']:.2f} ({f['move_bps']:+.1f}bp since the last decision)"
+    line = f"{f['symbol']} {trigger.reason}: mid {f['mid']:.0f} ({f['move_bps']:+.1f}bp)"
     return line if trigger.streamed else f"{state_text(f)}\n{line}"
 
 
@@ -296,6 +301,7 @@ class MarketBridgeNode(ManagedNode):
             return last_rx
         touched: dict[int, SymbolState] = {}
         n = 0
+        received_s = time.time()
         while n < p.max_batch:
             try:
                 frames = self._sub.recv_multipart(zmq.NOBLOCK)
@@ -313,11 +319,12 @@ class MarketBridgeNode(ManagedNode):
         self.counts["coalesced"] += n - len(touched)
         self.counts["max_batch_seen"] = max(self.counts["max_batch_seen"], n)
         for state in touched.values():
-            self._evaluate(state)
+            self._evaluate(state, received_s)
         return last_rx
 
-    def _evaluate(self, state: SymbolState) -> None:
-        """Features, MarketTick and trigger rules for one symbol after a batch."""
+    def _evaluate(self, state: SymbolState, received_s: float) -> None:
+        """Features, MarketTick and trigger rules for one symbol after a batch received at
+        `received_s` (wall clock, s)."""
         p = self.p
         f = state.features(p.recent_trades)
         if f is None:
@@ -344,7 +351,8 @@ class MarketBridgeNode(ManagedNode):
         with self._slot_lock:
             if self._slot is not None:
                 self.counts["triggers_coalesced"] += 1
-            self._slot = Trigger(reason, t, f, streamed=t - rules.last_stream_t <= p.stream_period_s)
+            self._slot = Trigger(reason, t, f, streamed=t - rules.last_stream_t <= p.stream_period_s,
+                                 received_s=received_s)
         self._wake_trigger.trigger()
 
     def _stream(self, rules: _Rules, f: dict) -> None:
@@ -415,8 +423,9 @@ class MarketBridgeNode(ManagedNode):
                "trigger": trig.reason if trig else "", "tool": cmd.tool_name,
                "arguments": json.loads(cmd.arguments_json), "source": cmd.source, "met": status.met,
                "reason": status.reason, "tick": f, "tick_timestamp": stamp_s,
-               "deadline": deadline_s, "published_at": now,
-               "latency_s": cmd.decision_latency_s, "ttft_s": cmd.ttft_s}
+               "feed_received_at": trig.received_s if trig else None, "deadline": deadline_s, "published_at": now,
+               "latency_s": cmd.decision_latency_s, "ttft_s": cmd.ttft_s,
+               "feed_to_published_s": now - trig.received_s if trig and trig.received_s else None}
         self.outcomes.append(out)
         topic = f"{out['exchange'] or 'UNKNOWN'}-decision-{out['symbol'] or 'UNKNOWN'}"
         self._pub.send(topic.encode() + b" " + json.dumps(out).encode())

@@ -40,6 +40,7 @@ def summary(node: MarketBridgeNode, received: int, replay_stats: dict) -> str:
     """Human-readable report of one run (latencies in ms: tick exchange timestamp -> publish)."""
     outcomes = list(node.outcomes)
     model = [o for o in outcomes if o["source"] == "model"]
+    orders = [o["feed_to_published_s"] for o in model if o["tool"] == "place_order" and o["feed_to_published_s"] is not None]
     met = sum(o["met"] for o in outcomes)
     reasons = {}
     for o in outcomes:
@@ -62,6 +63,9 @@ def summary(node: MarketBridgeNode, received: int, replay_stats: dict) -> str:
         f"(budget {node.p.deadline_budget_s} s from the tick's exchange timestamp)",
         f"tick-to-decision latency, all decisions: {_percentiles_ms([o['latency_s'] for o in outcomes])}",
         f"tick-to-decision latency, model decisions: {_percentiles_ms([o['latency_s'] for o in model])}",
+        f"feed message received -> decision published, model decisions: "
+        f"{_percentiles_ms([o['feed_to_published_s'] for o in model if o['feed_to_published_s'] is not None])}; "
+        f"orders (place_order): {_percentiles_ms(orders)}",
         f"time to first token, model decisions: {_percentiles_ms([o['ttft_s'] for o in model if o['ttft_s']])}",
         f"engine turn (a streamed prefill still running, the trigger line, decide), late ones included: {_percentiles_ms(list(node.loop.engine_turn_s))}; "
         f"{node.monitor.counts['late_result_dropped']} late model results dropped",

@@ -115,7 +115,7 @@ class AgentParams(NodeParams):
         "threads", "base_frame", "decision_period_s", "decide_on_goal", "decide_on_scene_change",
         "decide_while_executing", "observe_while_executing", "execution_timeout_s", "deadline_budget_s",
         "publish_margin_s", "fallback", "tool_choice", "tools_when_empty", "tools_when_holding",
-        "restate_before_decisions", "joint_states_in_context", "restate_slack_tokens", "diagnostics_period_s",
+        "restate_before_decisions", "joint_states_in_context", "restate_slack_tokens", "diagnostics_period_s", "decide_ahead",
         "stale_after_s", "max_future_s", "max_age_s", "max_goal_chars", "object_plane_z", "min_blob_area_px"})
 
     # topics (relative names: they follow the node's namespace)
@@ -176,14 +176,17 @@ class AgentParams(NodeParams):
         "cube; empty = every tool")
     restate_before_decisions: bool = Field(
         True, description="observe a state line (objects, gripper, task) right before each decision, so the "
-                          "model reads the state and the task last; the camera's objects then enter the context "
-                          "only in the state line")
+                          "model reads the state and the task last; the camera's objects and the goal then enter "
+                          "the context only in the state line")
     joint_states_in_context: bool = Field(
         False, description="stream joint-state lines into the context (~57 tokens per changed reading); the tools "
                            "work in table coordinates, so by default joint states only keep the sensor check fresh")
     restate_slack_tokens: int = Field(
         64, ge=0, description="the state line is not prefilled again before a decision while at most this many "
                               "tokens of other observations followed it (tokens; a joint-state line is ~57)")
+    decide_ahead: bool = Field(
+        True, description="while the robot executes a pick, decide the next call on the state its success leads "
+                          "to; published at once when the real state line matches, else decided as usual")
     diagnostics_period_s: float = Field(1.0, gt=0.0, description="/diagnostics publish period (s)")
 
     # engine (model, threads, tools_file, kv_budget_tokens: see NodeParams)

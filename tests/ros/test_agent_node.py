@@ -23,6 +23,7 @@ def test_model_decisions_with_the_real_engine(probe, start_agent):
     """tiny-random model, tool forced to "hold" (the grammar fixes every token): the call is
     valid and on time, so it goes out as a model command; observations are echoed with tokens."""
     actions, statuses, observations, diags = listen_all(probe)
+    traces = probe.listen(String, "agent/action/trace")
     goal = probe.node.create_publisher(String, "goal", LATCHED)
     goal.publish(String(data="Hold the arm still."))
     SensorFeed(probe)
@@ -43,6 +44,16 @@ def test_model_decisions_with_the_real_engine(probe, start_agent):
     values = diagnostics(diags[-1])
     assert "latency_p50_ms" in values["tokenspeed_agent: decisions"]
     assert values["tokenspeed_agent: engine"]["state"] == "ready"
+    assert {"decided_ahead_hit", "decided_ahead_miss", "trace_ttft_p50_ms"} <= set(values["tokenspeed_agent: engine"])
+    # every stage of the model's decision, from the sensor stamp to the publish, in order
+    assert probe.spin_until(lambda: any(json.loads(t.data)["decision_id"] == model.decision_id for t in traces), 5)
+    trace = next(json.loads(t.data) for t in traces if json.loads(t.data)["decision_id"] == model.decision_id)
+    times = trace["times"]
+    order = ["capture", "received", "perceived", "queued", "prefill_start", "prefill_end", "decide_start",
+             "first_token", "end", "published"]
+    assert [times[k] for k in order] == sorted(times[k] for k in order), times
+    assert trace["tool"] == "hold" and trace["tokens_in"] > 0 and trace["context_tokens"] > 0
+    assert all(v is not None and v >= 0 for v in trace["stages_ms"].values())
     assert agent.poll() is None
 
 
@@ -146,7 +157,7 @@ def test_bad_input_is_counted_and_never_crashes_the_node(probe, start_agent):
 
 def test_robot_executing_a_call_pauses_rate_decisions_until_its_feedback(probe, start_agent):
     """While the robot reports a model call as applied and not done, rate triggers wait; its
-    "done" feedback triggers the next decision at once and becomes an observation."""
+    "done" feedback triggers the next decision at once; a failed one becomes an observation."""
     from tokenspeed_msgs.msg import ActionFeedback
 
     actions, _, observations, diags = listen_all(probe)
@@ -167,7 +178,14 @@ def test_robot_executing_a_call_pauses_rate_decisions_until_its_feedback(probe, 
     assert len(actions) == n                          # rate triggers skipped while executing
     feedback.publish(ActionFeedback(decision_id=executing, tool_name="pick", state="done"))
     assert probe.spin_until(lambda: len(actions) > n, 10)
+    # a call done as asked is not a line of its own (its effect is in the state line); one that
+    # failed is told to the model
+    executing = actions[-1].decision_id
+    feedback.publish(ActionFeedback(decision_id=executing, tool_name="pick", state="applied"))
+    feedback.publish(ActionFeedback(decision_id=executing, tool_name="pick", state="done",
+                                    detail="grasp of red_cube failed"))
     assert probe.spin_until(lambda: any(o.source == "robot" for o in observations), 5)
-    assert [o.text for o in observations if o.source == "robot"] == [f"robot: pick done (decision {executing})"]
+    assert [o.text for o in observations if o.source == "robot"] == [
+        f"robot: pick done (grasp of red_cube failed) (decision {executing})"]
     assert agent.poll() is None
 

@@ -9,7 +9,7 @@ from std_msgs.msg import String
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback, Observation
 
 from agent_support import SensorFeed
-from tokenspeed_ros.agent_node import GripperState, task_brief
+from tokenspeed_ros.context_policy import GripperState, task_brief
 
 LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 ENGINE_TIMEOUT = 90.0          # process start + model load on a busy 2-core machine, seconds

@@ -128,3 +128,102 @@ def test_a_new_episode_starts_again_from_the_system_prompt_and_tools():
         assert worker.close(timeout=30.0)
     assert [(o.source, o.stamp_s) for o in out] == [("goal", 3.0)]
     assert out[0].tokens > 0 and worker.context_tokens == base + out[0].tokens
+
+
+def test_a_call_decided_ahead_is_the_fresh_greedy_decision_and_a_changed_state_discards_it():
+    """The embedded model (SmolLM2-135M), the demo's tools, system prompt and state lines. While
+    the robot executes pick(red_cube), the next call is decided ahead on the state line pick's
+    success leads to. Hit: the real line is that line, so the stored call is answered at once, and
+    it and the whole context are token for token what a fresh greedy decision gives (the place on
+    the target). Miss: another line (the pick grasped another cube) rolls the prediction back and
+    decides as usual, again exactly as a fresh decision."""
+    from tokenspeed_ros.context_policy import predicted_state, state_line
+    from tokenspeed_ros.params import AgentParams
+    from tokenspeed_ros.task import TASK_DONE_TOOL
+
+    def allowed(names):
+        return {"type": "allowed_tools", "allowed_tools": {
+            "mode": "required", "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
+
+    p = AgentParams()
+    goal = ("Put the red cube on the yellow target at x=0.53 y=0.11 (metres, robot base frame): "
+            "pick it, then place it there.")
+    empty, holding = allowed(p.tools_when_empty), allowed(p.tools_when_holding)
+    first = ("state", state_line("objects blue_cube=(0.59,0.21) green_cube=(0.36,-0.24) red_cube=(0.54,-0.12)",
+                                 None, goal, False), 1.0)
+    predicted = ("state", predicted_state("pick", {"object": "red_cube"}, None, goal)[0], 0.0)
+    changed = ("state", state_line("", "blue_cube", goal, False), 0.0)
+    woke = threading.Event()
+    worker = EngineWorker(model="", threads=1, system=p.system_prompt, tools=TOOLS + [TASK_DONE_TOOL],
+                          tool_choice="required", kv_budget=p.kv_budget_tokens, notify=woke.set,
+                          logger=get_logger("test"), repeat_slack=p.restate_slack_tokens)
+
+    def decide(decision_id, tool_choice, restate):
+        worker.decide(decision_id, time.monotonic() + 120.0, tool_choice, restate)
+        out = collect(worker, woke, lambda items: any(isinstance(i, ModelResult) for i in items), 180)
+        return next(i for i in out if isinstance(i, ModelResult))
+
+    def episode(ahead: bool, second):
+        """Pick, then (decided ahead on the predicted line or not) the decision on `second`:
+        (pick result, second result, the context's token ids)."""
+        worker.new_episode()
+        pick = decide(1, empty, first)
+        if ahead:
+            worker.decide_ahead(predicted, holding)
+            end = time.monotonic() + 180
+            while worker.decided_ahead is None and time.monotonic() < end:
+                time.sleep(0.05)
+            assert worker.decided_ahead is not None, worker.ahead_counts
+        result = decide(2, holding, second)
+        return pick, result, worker._session.tokens     # the engine thread is idle: safe to read
+
+    worker.start()
+    try:
+        assert collect(worker, woke, lambda _: worker.state != "loading", 180) == []
+        assert worker.state == "ready", worker.fault
+        pick, hit, hit_tokens = episode(True, predicted)
+        _, fresh, fresh_tokens = episode(False, predicted)
+        _, miss, miss_tokens = episode(True, changed)
+        _, fresh_changed, fresh_changed_tokens = episode(False, changed)
+    finally:
+        assert worker.close(timeout=60.0)
+    assert pick.tool_call == {"name": "pick", "arguments": {"object": "red_cube"}}
+    assert hit.trace["ahead"] == "hit" and fresh.trace["ahead"] == ""
+    assert hit.tool_call == fresh.tool_call == {"name": "place", "arguments": {"x": 0.53, "y": 0.11}}
+    assert hit_tokens == fresh_tokens
+    assert miss.trace["ahead"] == "miss" and miss.tool_call == fresh_changed.tool_call
+    assert miss_tokens == fresh_changed_tokens
+    assert worker.ahead_counts["hit"] == 1 and worker.ahead_counts["miss"] == 1
+
+
+def test_an_unanswered_state_line_is_replaced_by_the_next_one():
+    """replace_sources: a state line that is still the context's last observation, with no
+    decision after it (none was asked, or it missed its deadline and was rolled back), is rolled
+    back when the next state line comes: missed decisions leave no trail of stale states. After
+    another reading or an answered decision the next state line is appended."""
+    woke = threading.Event()
+    worker = EngineWorker(model="tiny-random", threads=0, system="You control a robot arm.", tools=TOOLS,
+                          tool_choice={"name": "hold"}, kv_budget=1024, notify=woke.set, logger=get_logger("test"),
+                          replace_sources=("state",))
+
+    def observed(source, text, stamp_s):
+        worker.observe(source, text, stamp_s)
+        return collect(worker, woke, lambda items: any(isinstance(i, Observed) for i in items), 120)[0].tokens
+
+    worker.start()
+    try:
+        assert collect(worker, woke, lambda _: worker.state != "loading", 120) == []
+        base = worker.context_tokens
+        observed("state", "objects red_cube=(0.50,0.10); gripper empty", 1.0)
+        b = observed("state", "objects red_cube=(0.51,0.10); gripper empty", 2.0)
+        assert worker.context_tokens == base + b                   # the first line was replaced
+        worker.decide(1, time.monotonic() - 1.0, restate=("state", "objects red_cube=(0.52,0.10); gripper empty", 3.0))
+        out = collect(worker, woke, lambda items: any(isinstance(i, ModelResult) for i in items), 120)
+        c = next(o.tokens for o in out if isinstance(o, Observed))
+        assert next(o for o in out if isinstance(o, ModelResult)).status == "deadline_missed"
+        assert worker.context_tokens == base + c                   # a missed decision answers nothing
+        r = observed("robot", "robot: hold done (decision 1)", 4.0)
+        d = observed("state", "objects red_cube=(0.53,0.10); gripper empty", 5.0)
+        assert worker.context_tokens == base + c + r + d           # after another reading: appended
+    finally:
+        assert worker.close(timeout=30.0)

@@ -188,6 +188,7 @@ def test_missed_deadline_publishes_hold_never_a_late_order(ros, tmp_path):
                                   for o in stale_outcomes)
     for o in outcomes:
         assert o["deadline"] == pytest.approx(o["tick_timestamp"] + budget, abs=1e-6)
+        assert 0 < o["feed_to_published_s"] == pytest.approx(o["published_at"] - o["feed_received_at"])
         if o["source"] == "model":             # in time, or it would not have been published
             assert o["met"] and o["published_at"] <= o["deadline"] + 0.005 and o["latency_s"] <= budget + 0.005
         else:
@@ -398,11 +399,11 @@ def test_an_exception_in_the_feed_thread_is_counted_and_reported(ros, tmp_path, 
     listener.create_subscription(DiagnosticArray, "/diagnostics", diags.append, 10)
     real_evaluate, calls = node._evaluate, []
 
-    def evaluate_once_broken(state):
+    def evaluate_once_broken(state, received_s):
         calls.append(state)
         if len(calls) == 1:
             raise RuntimeError("injected fault")
-        real_evaluate(state)
+        real_evaluate(state, received_s)
 
     monkeypatch.setattr(node, "_evaluate", evaluate_once_broken)
     pub = FeedPublisher(feed_ep)
