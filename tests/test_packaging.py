@@ -94,3 +94,30 @@ def test_tool_lists_and_parameter_files_ship_in_the_wheel(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in ("robot_tools.json", "trading_tools.json", "agent.yaml", "cobot_sim.yaml", "market_bridge.yaml"):
         assert f"tokenspeed_ros/config/{name}" in names, name
+
+
+def _ros_imports() -> set[str]:
+    """ROS packages (rclpy, *_msgs, *_srvs, *_interfaces) imported by tokenspeed_ros/ and sim/."""
+    names = {n for n in _third_party_imports() | {"tokenspeed_msgs"}
+             if n == "rclpy" or n.endswith(("_msgs", "_srvs", "_interfaces"))}
+    return names
+
+
+def test_package_xml_names_every_ros_import_and_nothing_unused():
+    """colcon/rosdep: every ROS package the nodes import is an exec_depend, and every
+    *_msgs / *_srvs / *_interfaces exec_depend is imported (no trajectory_msgs left over)."""
+    import xml.etree.ElementTree as ET
+    deps = {e.text for e in ET.parse(ROOT / "package.xml").getroot().iter("exec_depend")}
+    assert _ros_imports() <= deps, sorted(_ros_imports() - deps)
+    declared_ros = {d for d in deps if d == "rclpy" or d.endswith(("_msgs", "_srvs", "_interfaces"))}
+    assert declared_ros <= _ros_imports(), sorted(declared_ros - _ros_imports())
+
+
+def test_setup_cfg_installs_the_executables_where_ros2_run_finds_them():
+    """ament_python: colcon's `setup.py install/develop` writes the console scripts to
+    <prefix>/lib/tokenspeed_ros (ros2 run, launch_ros' Node(executable=...)), not <prefix>/bin."""
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert cfg["develop"]["script_dir"] == "$base/lib/tokenspeed_ros"
+    assert cfg["install"]["install_scripts"] == "$base/lib/tokenspeed_ros"
