@@ -81,19 +81,30 @@ def test_ros_extra_installs_every_import_of_the_nodes_and_the_demo():
 
 
 def test_tool_lists_and_parameter_files_ship_in_the_wheel(tmp_path):
-    """A real wheel (no dependencies, no build isolation: seconds) carries tokenspeed_ros/config,
-    and the code finds it through the package."""
+    """A real wheel (no dependencies, no build isolation: seconds) carries tokenspeed_ros/config
+    and the engine's tool sets (tokenspeed/data/tools), and the code finds them through the packages."""
     from importlib.resources import files
 
-    from tokenspeed_ros.launch_spec import config_dir
+    from tokenspeed.tools import TOOLS_DIR
+    from tokenspeed_ros.launch_spec import config_dir, tool_set_path
     assert config_dir() == Path(str(files("tokenspeed_ros") / "config"))
+    assert tool_set_path("robot_tools.json").resolve() == (TOOLS_DIR / "robot_tools.json").resolve()
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                         "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     (wheel,) = tmp_path.glob("tokenspeed_ros-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for name in ("robot_tools.json", "trading_tools.json", "agent.yaml", "cobot_sim.yaml", "market_bridge.yaml"):
+    for name in ("agent.yaml", "cobot_sim.yaml", "market_bridge.yaml"):
         assert f"tokenspeed_ros/config/{name}" in names, name
+    for name in ("robot_tools.json", "trading_tools.json"):
+        assert f"tokenspeed/data/tools/{name}" in names, name
+
+
+def test_the_engine_does_not_read_the_ros_package():
+    """The ROS-free engine: nothing in engine/ imports or reads tokenspeed_ros."""
+    hits = [str(p.relative_to(ROOT)) for p in (ROOT / "engine").rglob("*.py")
+            if "tokenspeed_ros" in p.read_text().replace("tokenspeed_ros[", "")]     # pip extras are names
+    assert hits == []
 
 
 def _ros_imports() -> set[str]:

@@ -53,10 +53,11 @@ def test_launch_arguments_are_declared_and_accepted_by_the_launcher():
     """launch_description declares every LAUNCH_ARGUMENTS entry (checked in its source: `launch`
     is not installable here), and tokenspeed_launch takes each as an option."""
     from tokenspeed_ros import launch_spec
-    assert {name for name, _, _ in LAUNCH_ARGUMENTS} == {"params_file", "model", "namespace", "use_sim_time",
-                                                         "log_level"}
+    assert {name for name, _, _ in LAUNCH_ARGUMENTS} == {"params_file", "model", "autostart", "namespace",
+                                                         "use_sim_time", "log_level"}
     source = inspect.getsource(launch_spec.launch_description)
     assert "DeclareLaunchArgument(name" in source and "LAUNCH_ARGUMENTS" in source
+    assert '"autostart": arg("autostart")' in source        # the managed node gets it as its parameter
     out = subprocess.run([str(BIN / "tokenspeed_launch"), "--help"], capture_output=True, text=True, check=True).stdout
     for name, _, _ in LAUNCH_ARGUMENTS:
         assert "--" + name.replace("_", "-") in out
