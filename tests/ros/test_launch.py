@@ -174,7 +174,7 @@ def test_market_launch_runs_the_bridge(probe, ros_env, tmp_path):
                  f"{node}.decision_endpoint=ipc://{tmp_path}/decisions"]
     launch_until_ready_then_ctrl_c(probe, ros_env, "market", overrides,
                                    lambda: diags and probe.node.count_publishers("market/tick") >= 1)
-    assert any(s.name == f"{node}: feed" for arr in diags for s in arr.status)
+    assert any(s.name == f"/{node}: feed" and s.hardware_id == f"/{node}" for arr in diags for s in arr.status)
 
 
 def test_a_node_failing_ends_the_launch_with_its_status(ros_env):
