@@ -35,15 +35,25 @@ sys.exit(main())
 '''
 
 
-def beats(probe, topic: str) -> list[float]:
-    """Receive times (time.monotonic(), s) of the heartbeats on `topic`."""
+def beats(probe, topic: str, stamps: list | None = None) -> list[float]:
+    """Receive times (time.monotonic(), s) of the heartbeats on `topic`; their own stamps (node
+    clock, s) go to `stamps` when given."""
     times = []
-    probe.node.create_subscription(Header, topic, lambda _: times.append(time.monotonic()), 10)
+
+    def heard(msg: Header) -> None:
+        times.append(time.monotonic())
+        if stamps is not None:
+            stamps.append((time.time(), msg.stamp.sec + msg.stamp.nanosec * 1e-9))
+    probe.node.create_subscription(Header, topic, heard, 10)
     return times
 
 
 def test_heartbeat_keeps_beating_during_a_3_s_decide(probe, start_agent):
-    heard = beats(probe, "agent/action/heartbeat")
+    """The gaps are those between the heartbeats' own stamps: the agent's beat. (The probe's
+    receive times add this test process's scheduling on a loaded 2-core machine; they are checked
+    against a looser bound.)"""
+    stamps = []
+    heard = beats(probe, "agent/action/heartbeat", stamps)
     SensorFeed(probe)
     agent = start_agent(code=STALLED_ENGINE, model="tiny-random", deadline_budget_s=3.0, decision_period_s=0.0,
                         decide_on_scene_change="false", decide_on_goal="false")
@@ -51,16 +61,18 @@ def test_heartbeat_keeps_beating_during_a_3_s_decide(probe, start_agent):
     assert probe.spin_until(client.service_is_ready, ENGINE_TIMEOUT), agent.log_path.read_text()
     assert probe.spin_until(lambda: len(heard) > 5, 10), agent.log_path.read_text()
     probe.spin_until(lambda: False, 1.0)        # sensors fresh
-    started = time.monotonic()
+    started, started_wall = time.monotonic(), time.time()
     future = client.call_async(Decide.Request())
     assert probe.spin_until(future.done, 30), agent.log_path.read_text()
-    ended = time.monotonic()
+    ended, ended_wall = time.monotonic(), time.time()
     r = future.result()
     assert not r.success and r.reason == "deadline_missed" and r.command.source == "fallback", r
     assert ended - started >= 2.5                 # the call really waited out the 3 s budget
+    sent = [stamp for received, stamp in stamps if started_wall - 0.5 <= received <= ended_wall]
+    gaps = [b - a for a, b in zip(sent, sent[1:])]
+    assert len(sent) > 20 and max(gaps) <= HEARTBEAT_GAP_S, f"heartbeat gaps during Decide: max {max(gaps):.3f} s"
     during = [t for t in heard if started - 0.5 <= t <= ended]
-    gaps = [b - a for a, b in zip(during, during[1:])]
-    assert during and max(gaps) <= HEARTBEAT_GAP_S, f"heartbeat gaps during Decide: max {max(gaps):.3f} s"
+    assert max(b - a for a, b in zip(during, during[1:])) <= 2 * HEARTBEAT_GAP_S    # as received
 
 
 def test_remapped_command_topic_carries_its_heartbeat(probe, start_agent):
