@@ -17,7 +17,6 @@ tier instead of growing the per-token cost.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading

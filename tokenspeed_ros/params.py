@@ -74,9 +74,9 @@ def _ros_type(field) -> int:
 
 
 def descriptor(name: str, field, read_only: bool = False) -> ParameterDescriptor:
-    """The ROS ParameterDescriptor of a field: fixed type, description (with the range), the
-    range as IntegerRange / FloatingPointRange (an open end is stored as its limit: the table
-    refuses the limit itself), read_only."""
+    """The ROS ParameterDescriptor of a field: fixed type, description, the range as
+    IntegerRange / FloatingPointRange and in additional_constraints (an open end is stored as its
+    limit: the table refuses the limit itself), read_only."""
     d = ParameterDescriptor(name=name, type=_ros_type(field), description=field.description or "",
                             read_only=read_only)
     low, _, high, _ = _bounds(field)
@@ -122,7 +122,8 @@ class NodeParams(BaseModel):
                         description="engine device: auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="engine weights and KV cache: auto (bfloat16 on CUDA, float32 on the CPU) or a dtype")
-    tools_file: str = Field("", description="OpenAI tool list (JSON); empty = the node's default in tokenspeed_ros/config")
+    tools_file: str = Field("", description="OpenAI tool list (JSON); empty = the node's default tool set "
+                                            "(tokenspeed/data/tools)")
     kv_budget_tokens: int = Field(
         1024, ge=64, le=1 << 20, description="hot KV cache of the session, tokens; older context is pruned by relevance")
 
