@@ -34,7 +34,7 @@ GGML_BEST  = $(if $(filter x86_64,$(shell uname -m)),$(_GGML_X86) -DGGML_AVX512=
 	-DGGML_AVX512_VNNI=$(call _cpu_has,avx512_vnni) -DGGML_AVX512_BF16=$(call _cpu_has,avx512_bf16),-DGGML_NATIVE=ON)
 GGML_AVX2  = $(_GGML_X86) -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF
 
-.PHONY: setup msgs demo test test-all clean peers peers-avx2 device-bundle
+.PHONY: setup msgs colcon demo test test-all clean peers peers-avx2 device-bundle
 
 setup: $(STAMP) $(MSGS_STAMP) $(MARKET_STAMP) $(KERNELS_STAMP)
 
@@ -54,6 +54,11 @@ $(MSGS_STAMP): msgs/CMakeLists.txt msgs/package.xml msgs/build.py $(wildcard msg
 	$(PY) msgs/build.py --build-dir build/msgs
 	rm -f $(VENV)/.msgs-*
 	touch $@
+
+# The repository as a colcon workspace in a temporary folder (colcon from PyPI, beside the venv):
+# colcon list, colcon build, then the installed tokenspeed_agent from install/ (~1-2 min; .ci/run runs it).
+colcon: setup
+	.ci/colcon $(VENV)
 
 $(MARKET_STAMP): | $(STAMP)
 	$(VENV)/bin/tokenspeed_market_data && touch $@ || echo "warning: market capture not fetched (registry unreachable?); replay tests will skip"

@@ -22,13 +22,14 @@ setup(
     packages=["tokenspeed", "tokenspeed.bench", "tokenspeed.draft", "tokenspeed.integrations", "tokenspeed.kernels",
               "tokenspeed_sim", "tokenspeed_ros"],
     package_dir={"tokenspeed": "engine", "tokenspeed_sim": "sim", "tokenspeed_ros": "tokenspeed_ros"},
-    package_data={"tokenspeed": ["data/*", "data/bfcl/*", "kernels/*.cpp", "kernels/*.h"], "tokenspeed_sim": ["data/*"],
+    package_data={"tokenspeed": ["data/*", "data/bfcl/*", "data/tools/*", "kernels/*.cpp", "kernels/*.h"],
+                  "tokenspeed_sim": ["data/*"],
                   "tokenspeed_ros": ["config/*"]},
     data_files=[
         ("share/ament_index/resource_index/packages", ["resource/tokenspeed_ros"]),
         ("share/tokenspeed_ros", ["package.xml"]),
         ("share/tokenspeed_ros/launch", _data("launch", "*.launch.py")),
-        ("share/tokenspeed_ros/config", _data("tokenspeed_ros/config", "*.yaml") + _data("tokenspeed_ros/config", "*.json")),
+        ("share/tokenspeed_ros/config", _data("tokenspeed_ros/config", "*.yaml")),
     ],
     install_requires=[
         # torch is installed first by the Makefile (pinned to the local CPU build here);
@@ -51,9 +52,10 @@ setup(
             "ros-std-msgs",
             "ros-sensor-msgs",
             "ros-geometry-msgs",
-            "ros-trajectory-msgs",
             "ros-diagnostic-msgs",
             "ros-std-srvs",
+            "ros-lifecycle-msgs",
+            "ros-rcl-interfaces",
             "pyyaml",
             "opencv-python-headless>=4.8",
             "pyzmq>=25",

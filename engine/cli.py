@@ -18,7 +18,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from .device import DTYPES
 
@@ -47,25 +46,16 @@ def _engine(args):
     return engine
 
 
-def _load_tools(path: str) -> list:
-    try:
-        tools = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise SystemExit(f"error: cannot read tools file {path}: {exc.strerror}")
-    except json.JSONDecodeError as exc:
-        raise SystemExit(f"error: tools file {path} is not valid JSON: {exc}")
-    return tools
-
-
 def cmd_call(args) -> int:
     """Answer one prompt with one schema-valid tool call; print it and the timings as JSON."""
     from . import ToolSchemaError
 
     from .grammar import normalize_tools
+    from .tools import ToolsFileError, load_tools
 
     try:
-        tools = normalize_tools(_load_tools(args.tools))  # before the model loads: a bad file fails at once
-    except ToolSchemaError as exc:
+        tools = normalize_tools(load_tools(args.tools))  # before the model loads: a bad file fails at once
+    except (ToolSchemaError, ToolsFileError) as exc:
         raise SystemExit(f"error: {exc}")
     names = [t["function"]["name"] for t in tools]
     if args.tool is not None and args.tool not in names:

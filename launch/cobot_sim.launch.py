@@ -3,7 +3,7 @@
 `ros2 launch tokenspeed_ros cobot_sim.launch.py` with a full ROS 2 installation; without one,
 `tokenspeed_launch cobot_sim` starts the same processes with the same parameter files. Both read
 the table in tokenspeed_ros/launch_spec.py.
-Arguments (`ros2 launch ... name:=value`): params_file, model, namespace, use_sim_time, log_level
+Arguments (`ros2 launch ... name:=value`): params_file, model, autostart, namespace, use_sim_time, log_level
 (launch_spec.LAUNCH_ARGUMENTS). When any node exits, the launch shuts down.
 """
 from tokenspeed_ros.launch_spec import launch_description

@@ -2,12 +2,16 @@
 Python rosbag2 library: no ros2 CLI needed).
 
 - `Recorder`: records TOPICS as they go over DDS (serialized CDR, unchanged) into a rosbag2 folder
-  that `ros2 bag play` / Foxglove read as well; `tokenspeed_demo --record DIR` uses it.
-- `tokenspeed_replay BAG`: starts the agent (`tokenspeed_launch agent`, with --model / --set to
-  try another model or setting), replays the bag's sensor inputs (INPUTS) into it as if live
-  (original timing, header stamps moved to now), records what it decides, and compares the
-  replayed run with the recorded one decision by decision. Open loop: the robot's feedback is
-  not replayed (it answered the recorded calls, not the new ones).
+  that `ros2 bag play` / Foxglove read as well, under their fully qualified names and with the
+  QoS profile of each topic (`offered_qos_profiles`: latched topics are transient local);
+  `tokenspeed_demo --record DIR` uses it.
+- `tokenspeed_replay BAG`: checks the bag first (every message decodes, receive times within
+  MAX_SPAN_S of each other: a corrupt message or an impossible stamp is a clean error, exit 2),
+  starts the agent (`tokenspeed_launch agent`, with --model / --set to try another model or
+  setting; the recorded goal topic is listened to), replays the bag's sensor inputs (INPUTS)
+  into it as if live (original timing and QoS, header stamps moved to now), records what it
+  decides, and compares the replayed run with the recorded one decision by decision. Open loop:
+  the robot's feedback is not replayed (it answered the recorded calls, not the new ones).
 
 Never imports `tokenspeed` internals; the agent is a separate process reached over DDS.
 """
@@ -47,6 +51,7 @@ TOPICS = {          # recorded topic (relative) -> ROS type
 INPUTS = ("joint_states", "camera/image_raw", "camera/camera_info", "camera/pose", "goal", "sim/scenario_status")
 LATCHED_TOPICS = ("camera/pose", "goal", "sim/scenario_status")
 LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
+MAX_SPAN_S = 7 * 24 * 3600.0     # receive times further apart than this are impossible in one recording (s)
 
 
 class BagError(RuntimeError):
@@ -74,8 +79,30 @@ def typestore():
     return store
 
 
-def _qos(topic: str):
-    return LATCHED if topic in LATCHED_TOPICS else 100
+def _qos(topic: str) -> QoSProfile:
+    """The profile a topic is recorded and replayed with (relative name)."""
+    return LATCHED if topic in LATCHED_TOPICS else QoSProfile(depth=100)
+
+
+def bag_qos(profile: QoSProfile):
+    """rclpy QoSProfile -> rosbags Qos (rosbag2's offered_qos_profiles entry)."""
+    from rosbags.interfaces import Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime
+
+    def span(d) -> QosTime:
+        sec, nsec = divmod(d.nanoseconds, 1_000_000_000)
+        return QosTime(sec, nsec)
+    return Qos(QosHistory(profile.history.value), profile.depth, QosReliability(profile.reliability.value),
+               QosDurability(profile.durability.value), span(profile.deadline), span(profile.lifespan),
+               QosLiveliness(profile.liveliness.value), span(profile.liveliness_lease_duration), False)
+
+
+def rclpy_qos(qos) -> QoSProfile:
+    """rosbags Qos -> rclpy QoSProfile (history, depth, reliability, durability)."""
+    from rclpy.qos import HistoryPolicy
+
+    return QoSProfile(history=HistoryPolicy(qos.history.value), depth=max(qos.depth, 1),
+                      reliability=ReliabilityPolicy(qos.reliability.value),
+                      durability=DurabilityPolicy(qos.durability.value))
 
 
 class Recorder:
@@ -93,11 +120,12 @@ class Recorder:
         self._writer = Writer(path, version=9, storage_plugin=StoragePlugin.MCAP)
         self._writer.open()
         store = typestore()
-        self._connections = {t: self._writer.add_connection(t, ros_type, typestore=store)
-                             for t, ros_type in TOPICS.items()}
         self._ctx = rclpy.Context()
         rclpy.init(context=self._ctx, signal_handler_options=SignalHandlerOptions.NO)
         self._node = rclpy.create_node("tokenspeed_bag_recorder", context=self._ctx)
+        self._connections = {t: self._writer.add_connection(self._node.resolve_topic_name(t), ros_type, typestore=store,
+                                                            offered_qos_profiles=[bag_qos(_qos(t))])
+                             for t, ros_type in TOPICS.items()}
         for topic, ros_type in TOPICS.items():
             self._node.create_subscription(message_class(ros_type), topic,
                                            lambda raw, t=topic: self._write(t, raw), _qos(topic), raw=True)
@@ -127,15 +155,48 @@ class Recorder:
 
 
 def read_bag(path: Path) -> list[tuple[int, str, bytes]]:
-    """(receive time ns, topic, CDR bytes) of every message of the bag, in time order.
+    """(receive time ns, topic, CDR bytes) of every message of the bag, in time order; topics
+    relative to the root namespace ("/joint_states" -> "joint_states", as TOPICS names them).
     Raises BagError when it cannot be read."""
     from rosbags.rosbag2 import Reader
 
     try:
         with Reader(path) as reader:
-            return [(t, conn.topic, bytes(raw)) for conn, t, raw in reader.messages()]
+            return [(t, conn.topic.lstrip("/"), bytes(raw)) for conn, t, raw in reader.messages()]
     except Exception as e:     # rosbags raises its own error types for a missing or broken bag
         raise BagError(f"cannot read bag {path}: {e}") from e
+
+
+def offered_qos(path: Path) -> dict[str, QoSProfile]:
+    """Relative topic -> the QoS profile the bag recorded for it (topics without one are left out).
+    Raises BagError when the bag cannot be read."""
+    from rosbags.rosbag2 import Reader
+
+    try:
+        with Reader(path) as reader:
+            return {c.topic.lstrip("/"): rclpy_qos(c.ext.offered_qos_profiles[0])
+                    for c in reader.connections if c.ext.offered_qos_profiles}
+    except Exception as e:
+        raise BagError(f"cannot read bag {path}: {e}") from e
+
+
+def check_messages(messages: list[tuple[int, str, bytes]]) -> None:
+    """Refuse a bag that cannot be replayed: a message of a known topic that does not decode,
+    or receive times more than MAX_SPAN_S apart (a stamp no recording can have). Raises BagError
+    naming the message (index, topic, receive time in ns)."""
+    if messages:
+        first = min(t for t, _, _ in messages)
+        for i, (t, topic, _) in enumerate(messages):
+            if (t - first) * 1e-9 > MAX_SPAN_S:
+                raise BagError(f"impossible receive time: message {i} on {topic} at {t} ns is "
+                               f"{(t - first) * 1e-9:.3g} s after the first (at most {MAX_SPAN_S:g} s)")
+    for i, (t, topic, raw) in enumerate(messages):
+        if topic in TOPICS:
+            try:
+                deserialize_message(raw, message_class(TOPICS[topic]))
+            except Exception as e:  # noqa: BLE001 - rclpy raises RMWError (and others) for bad CDR
+                raise BagError(f"corrupt message {i} on {topic} at {t} ns: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
 
 def compare(recorded: list, replayed: list, recorded_obs: list, replayed_obs: list) -> dict:
@@ -166,7 +227,7 @@ def compare(recorded: list, replayed: list, recorded_obs: list, replayed_obs: li
 class _Replayer:
     """Publishes INPUTS from a bag as if live and records the agent's outputs."""
 
-    def __init__(self, messages: list[tuple[int, str, bytes]]):
+    def __init__(self, messages: list[tuple[int, str, bytes]], qos: dict[str, QoSProfile]):
         self._ctx = rclpy.Context()
         rclpy.init(context=self._ctx, signal_handler_options=SignalHandlerOptions.NO)
         self.node = rclpy.create_node("tokenspeed_replay", context=self._ctx)
@@ -174,7 +235,8 @@ class _Replayer:
         self.executor.add_node(self.node)
         self.messages = [(t, topic, raw) for t, topic, raw in messages if topic in INPUTS]
         self._types = {topic: message_class(TOPICS[topic]) for topic in INPUTS}
-        self._pubs = {topic: self.node.create_publisher(self._types[topic], topic, _qos(topic)) for topic in INPUTS}
+        self._pubs = {topic: self.node.create_publisher(self._types[topic], topic, qos.get(topic, _qos(topic)))
+                      for topic in INPUTS}
         self.actions, self.observations = [], []
         self.node.create_subscription(message_class(TOPICS["agent/action"]), "agent/action", self.actions.append, 100)
         self.node.create_subscription(message_class(TOPICS["agent/observation"]), "agent/observation",
@@ -220,6 +282,7 @@ def replay(bag: Path, out_dir: Path, *, model: str = "", overrides: list[str] = 
     compare (see module docstring). Writes replay.json and launch.log into out_dir; returns the
     comparison. Raises BagError for an unreadable bag or an agent that does not come up."""
     messages = read_bag(bag)
+    check_messages(messages)
     by_topic = {}
     for _, topic, raw in messages:
         by_topic.setdefault(topic, []).append(raw)
@@ -229,9 +292,9 @@ def replay(bag: Path, out_dir: Path, *, model: str = "", overrides: list[str] = 
     out_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "tokenspeed_ros.launcher", "agent"]
     cmd += ["--model", model] if model else []
-    for o in overrides:
+    for o in ["tokenspeed_agent.goal_topic=goal", *overrides]:     # the recorded goal reaches the agent
         cmd += ["--set", o]
-    replayer = _Replayer(messages)
+    replayer = _Replayer(messages, offered_qos(bag))
     with open(out_dir / "launch.log", "w") as log:
         launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:

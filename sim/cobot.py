@@ -14,7 +14,7 @@ URDF's 20 N finger force limit, friction 1.5 on the fingers and 1.0 on the cubes
 both fingers touch it; no constraint glues the cube to the hand, so a cube can slip or drop as it
 would on a real gripper. A cube is "held" while both fingers touch it.
 
-Tools are the ones in `tokenspeed_ros/config/robot_tools.json` (OpenAI function format). Arguments are
+Tools are the ones in `tokenspeed/data/tools/robot_tools.json` (OpenAI function format). Arguments are
 validated against the tool's JSON schema; invalid commands raise `CommandRejected` and never
 change the robot's motion.
 """
@@ -24,13 +24,14 @@ import json
 import math
 import time
 from dataclasses import dataclass, field, replace
-from importlib.resources import files
 from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pybullet as p
 import pybullet_data
+
+from tokenspeed_ros.launch_spec import tool_set_path
 
 CUBES = {"red_cube": (0.85, 0.1, 0.1), "green_cube": (0.1, 0.7, 0.15), "blue_cube": (0.1, 0.2, 0.85)}
 """Cube names and RGB colours (0..1)."""
@@ -54,7 +55,7 @@ REACH_TOL = 0.01             # a move is done when the gripper is this close, me
 SETTLE_S = 1.0               # extra time a move may take to converge after its path ends, seconds
 GRIPPER_S = 0.4              # time given to open/close the fingers, seconds
 
-DEFAULT_TOOLS = Path(str(files("tokenspeed_ros") / "config" / "robot_tools.json"))   # package data
+DEFAULT_TOOLS = tool_set_path("robot_tools.json")   # the engine's robot tool set (found without importing it)
 
 
 class CommandRejected(ValueError):

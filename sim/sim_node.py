@@ -84,7 +84,7 @@ class CobotSimNode(Node):
             "seed": d.seed,
             "target_object": d.target_object,
             "success_tolerance": d.success_tolerance,
-            "tools_file": "",                         # empty: the bundled tokenspeed_ros/config/robot_tools.json
+            "tools_file": "",                         # empty: the engine's tokenspeed/data/tools/robot_tools.json
             "physics_rate_hz": 1.0 / d.time_step,
             "tick_rate_hz": 100.0,                    # how often physics catches up with wall time
             "max_catchup_s": 0.25,

@@ -62,7 +62,7 @@ from tokenspeed_sim.harness import LatencyHarness, percentiles, write_plot
 
 SPIN_CHUNK_S = 0.5        # the listener spins this long between ZeroMQ drains and process checks
 STOP_GRACE_S = 15.0       # the launchers' wait after SIGINT: an engine mid-forward on a loaded CPU ends late
-LOOPS = {"cobot": ("agent", "tokenspeed_agent"), "market": ("market", "tokenspeed_market_bridge")}
+LOOPS = {"cobot": ("agent", "/tokenspeed_agent"), "market": ("market", "/tokenspeed_market_bridge")}
 TASK_TIMEOUT_S = 120.0    # a cobot task not done by then fails, and the next one starts
 SILENCE_BOUND_S = 30.0    # the longest a loop may go without a decision: a few decision periods (cobot: 1 s,
                           # skipped while the arm executes a call; market: the 10 s timer trigger) plus a reset
@@ -73,7 +73,7 @@ class LoopTally:
     """What one decision loop published, as received over DDS. Times are wall-clock seconds."""
 
     topic_prefix: str                    # "agent" -> agent/action, agent/deadline_status
-    node: str                            # the node's name in /diagnostics ("<node>: decisions")
+    node: str                            # the node's fully qualified name in /diagnostics ("<node>: decisions")
     outcomes: dict[int, tuple[float, bool, bool, str, float]] = field(default_factory=dict)
     # decision id -> (received, met, fallback_used, reason, latency_s) of its first DeadlineStatus
     commands: dict[int, str] = field(default_factory=dict)     # decision id -> source

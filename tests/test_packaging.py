@@ -81,16 +81,54 @@ def test_ros_extra_installs_every_import_of_the_nodes_and_the_demo():
 
 
 def test_tool_lists_and_parameter_files_ship_in_the_wheel(tmp_path):
-    """A real wheel (no dependencies, no build isolation: seconds) carries tokenspeed_ros/config,
-    and the code finds it through the package."""
+    """A real wheel (no dependencies, no build isolation: seconds) carries tokenspeed_ros/config
+    and the engine's tool sets (tokenspeed/data/tools), and the code finds them through the packages."""
     from importlib.resources import files
 
-    from tokenspeed_ros.launch_spec import config_dir
+    from tokenspeed.tools import TOOLS_DIR
+    from tokenspeed_ros.launch_spec import config_dir, tool_set_path
     assert config_dir() == Path(str(files("tokenspeed_ros") / "config"))
+    assert tool_set_path("robot_tools.json").resolve() == (TOOLS_DIR / "robot_tools.json").resolve()
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                         "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     (wheel,) = tmp_path.glob("tokenspeed_ros-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for name in ("robot_tools.json", "trading_tools.json", "agent.yaml", "cobot_sim.yaml", "market_bridge.yaml"):
+    for name in ("agent.yaml", "cobot_sim.yaml", "market_bridge.yaml"):
         assert f"tokenspeed_ros/config/{name}" in names, name
+    for name in ("robot_tools.json", "trading_tools.json"):
+        assert f"tokenspeed/data/tools/{name}" in names, name
+
+
+def test_the_engine_does_not_read_the_ros_package():
+    """The ROS-free engine: nothing in engine/ imports or reads tokenspeed_ros."""
+    hits = [str(p.relative_to(ROOT)) for p in (ROOT / "engine").rglob("*.py")
+            if "tokenspeed_ros" in p.read_text().replace("tokenspeed_ros[", "")]     # pip extras are names
+    assert hits == []
+
+
+def _ros_imports() -> set[str]:
+    """ROS packages (rclpy, *_msgs, *_srvs, *_interfaces) imported by tokenspeed_ros/ and sim/."""
+    names = {n for n in _third_party_imports() | {"tokenspeed_msgs"}
+             if n == "rclpy" or n.endswith(("_msgs", "_srvs", "_interfaces"))}
+    return names
+
+
+def test_package_xml_names_every_ros_import_and_nothing_unused():
+    """colcon/rosdep: every ROS package the nodes import is an exec_depend, and every
+    *_msgs / *_srvs / *_interfaces exec_depend is imported (no trajectory_msgs left over)."""
+    import xml.etree.ElementTree as ET
+    deps = {e.text for e in ET.parse(ROOT / "package.xml").getroot().iter("exec_depend")}
+    assert _ros_imports() <= deps, sorted(_ros_imports() - deps)
+    declared_ros = {d for d in deps if d == "rclpy" or d.endswith(("_msgs", "_srvs", "_interfaces"))}
+    assert declared_ros <= _ros_imports(), sorted(declared_ros - _ros_imports())
+
+
+def test_setup_cfg_installs_the_executables_where_ros2_run_finds_them():
+    """ament_python: colcon's `setup.py install/develop` writes the console scripts to
+    <prefix>/lib/tokenspeed_ros (ros2 run, launch_ros' Node(executable=...)), not <prefix>/bin."""
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert cfg["develop"]["script_dir"] == "$base/lib/tokenspeed_ros"
+    assert cfg["install"]["install_scripts"] == "$base/lib/tokenspeed_ros"

@@ -29,6 +29,7 @@ Run: `tokenspeed_agent --ros-args --params-file tokenspeed_ros/config/agent.yaml
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 
@@ -48,7 +49,7 @@ from tokenspeed_ros.context_policy import GripperState, predicted_state, state_l
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
 from tokenspeed_ros.decision_trace import TraceStats, trace_record
 from tokenspeed_ros.decision_loop import DecisionLoop
-from tokenspeed_ros.engine_worker import EngineWorker, Observed, ToolsFileError, load_tools, run_engine_node
+from tokenspeed_ros.engine_worker import EngineWorker, Observed, run_engine_node
 from tokenspeed_ros.inputs import BadInput, InputHealth, check_stamp, image_to_rgb, joint_state_text
 from tokenspeed_ros.managed_node import ConfigureError, ManagedNode
 from tokenspeed_ros.params import AgentParams, AgentParamsError
@@ -80,7 +81,6 @@ class AgentNode(ManagedNode):
     a bad tool file or model fails configure; everything after that is handled without raising."""
 
     PARAMS = AgentParams
-    CONFIGURE_ERRORS = (ToolsFileError,)
 
     def __init__(self, **node_kwargs):
         self.worker: EngineWorker | None = None     # from configure to cleanup
@@ -92,9 +92,9 @@ class AgentNode(ManagedNode):
 
     def configure(self) -> None:
         """Topics, deadline monitor, timers; compiles the tools and loads the model (waits for
-        it). Raises ToolsFileError, AgentParamsError or ConfigureError (the model did not load)."""
+        it). Raises AgentParamsError (also for the tool file) or ConfigureError (the model did not load)."""
         p = self.p
-        tools = load_tools(p.resolved_tools_file())
+        tools = p.load_tools()
         if TASK_DONE not in [t["function"]["name"] for t in tools]:
             tools.append(TASK_DONE_TOOL)
         self._tool_names = [t["function"]["name"] for t in tools]
@@ -125,7 +125,8 @@ class AgentNode(ManagedNode):
         self.monitor = DeadlineMonitor(
             self, action_topic=p.action_topic, status_topic=p.deadline_status_topic,
             budget_s=p.deadline_budget_s, fallback=p.fallback, period_s=p.monitor_period_s,
-            qos_depth=p.command_qos_depth, qos_deadline_s=p.command_qos_deadline_s, on_outcome=self._on_outcome)
+            qos_depth=p.command_qos_depth, qos_deadline_s=p.command_qos_deadline_s, on_outcome=self._on_outcome,
+            active=lambda: self.active, frame_id=p.base_frame)
         self._obs_pub = self.create_publisher(Observation, p.observation_topic, 10)
         self._pose_pub = self.create_publisher(PoseStamped, p.target_pose_topic, 10)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
@@ -193,11 +194,12 @@ class AgentNode(ManagedNode):
 
     def apply_live(self, new: AgentParams, changed: set[str]) -> None:
         """Apply live parameters (AgentParams.LIVE) to the running node."""
-        if {"tools_when_empty", "tools_when_holding"} & changed:
+        if {"tools_when_empty", "tools_when_holding", "tool_choice"} & changed:
             new.check_tool_names(self._tool_names)
         if "deadline_budget_s" in changed:
             self.monitor.budget = Duration(seconds=new.deadline_budget_s)
         self.monitor.fallback = new.fallback
+        self.monitor.frame_id = new.base_frame
         self.loop.publish_margin_s = new.publish_margin_s
         self.worker.set_repeat_slack(new.restate_slack_tokens)
         if "threads" in changed:
@@ -313,8 +315,13 @@ class AgentNode(ManagedNode):
             self._trigger("scene")
 
     def _on_goal(self, msg: String) -> None:
-        """The goal topic, the thin way in: a new text starts a task (without feedback or result);
-        the same text again (a latched re-delivery) changes nothing."""
+        """The goal topic, the thin way in (off unless goal_topic is set): a new text starts a
+        task (without feedback or result); the same text again (a latched re-delivery) changes
+        nothing; it never preempts a running RunTask goal (ignored, with a warning)."""
+        if self.task is not None and self.task.running and id(self.task) in self._task_handles:
+            self.get_logger().warning(f"goal topic ignored: a RunTask goal is running ({self.task.text!r})",
+                                      throttle_duration_sec=5.0)
+            return
         text = msg.data.strip()
         if not text or len(text) > self.p.max_goal_chars:
             self.health.report(BadInput("goal_invalid", f"{len(text)} characters (1..{self.p.max_goal_chars})"),
@@ -398,13 +405,20 @@ class AgentNode(ManagedNode):
         elif self.p.tool_choice not in ("required", "auto"):
             return {"name": self.p.tool_choice}
         else:
-            names = self.p.tools_when_empty if holding is None else self.p.tools_when_holding
-            names = [n for n in names or self._tool_names if n != TASK_DONE]
-            wanted = tools or (self.task.tools if self.task is not None else [])
-            names = [n for n in names if n in wanted] if wanted else names
+            names = self._state_tools(tools or (self.task.tools if self.task is not None else []), holding)
         return {"type": "allowed_tools", "allowed_tools": {
             "mode": "required" if names == [TASK_DONE] else self.p.tool_choice,
             "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
+
+    def _state_tools(self, wanted: list[str], holding: str | None | bool = False) -> list[str]:
+        """The tools a decision may call in the gripper's state (tools_when_empty /
+        tools_when_holding, empty = every tool but the completion tool), within `wanted` when
+        given (a goal's or a request's tools); [] when none is left (nothing could decide).
+        holding: the gripper's state to choose for (False: the current one)."""
+        holding = self.gripper.holding if holding is False else holding
+        names = self.p.tools_when_empty if holding is None else self.p.tools_when_holding
+        names = [n for n in names or self._tool_names if n != TASK_DONE]
+        return [n for n in names if n in wanted] if wanted else names
 
     def _done_evidence(self, holding: str | None | bool = False) -> str | None:
         """Why the task counts as achieved now (the robot cell's status, or with no status topic
@@ -533,12 +547,16 @@ class AgentNode(ManagedNode):
 
     # ------------------------------------------------------------------ RunTask action, Decide service
     def _on_task_goal(self, goal: RunTask.Goal) -> GoalResponse:
-        """Accept a valid goal while configured (an inactive node starts deciding on activate)."""
+        """Accept a valid goal while active (as nav2 does: an inactive node rejects goals)."""
         text = goal.task.strip()
         unknown = [t for t in goal.tools if t not in self._tool_names]
-        if not self.configured or not text or len(text) > self.p.max_goal_chars or unknown or goal.timeout_s < 0:
-            self.get_logger().warning(f"RunTask goal rejected: configured {self.configured}, {len(text)} characters, "
-                                      f"unknown tools {unknown}, timeout_s {goal.timeout_s}")
+        idle = not unknown and self.p.tool_choice in ("required", "auto") and not self._state_tools(list(goal.tools))
+        if (not self.active or not text or len(text) > self.p.max_goal_chars or unknown or idle
+                or not math.isfinite(goal.timeout_s) or goal.timeout_s < 0):
+            self.get_logger().warning(
+                f"RunTask goal rejected: {'active' if self.active else 'inactive'}, {len(text)} characters, "
+                f"unknown tools {unknown}, timeout_s {goal.timeout_s}"
+                + (f"; none of its tools {list(goal.tools)} may be called with the {self.gripper.text()}" if idle else ""))
             return GoalResponse.REJECT
         return GoalResponse.ACCEPT
 
@@ -590,10 +608,13 @@ class AgentNode(ManagedNode):
     def _on_decide(self, request: Decide.Request, response: Decide.Response) -> Decide.Response:
         """One decision on demand, through the deadline monitor. Answers once its outcome is out
         (at most the deadline budget): the executor waits on the engine thread meanwhile, resolving
-        its output and the deadline itself."""
+        its output and the deadline itself (the heartbeat goes on from the monitor's thread)."""
         unknown = [t for t in request.tools if t not in self._tool_names]
-        if not self.active or self.loop.busy or unknown:
-            response.reason = (f"unknown tools {unknown}" if unknown else "inactive" if not self.active
+        idle = not unknown and self.p.tool_choice in ("required", "auto") and not self._state_tools(list(request.tools))
+        if not self.active or self.loop.busy or unknown or idle:
+            response.reason = (f"unknown tools {unknown}" if unknown else
+                               f"none of the tools {list(request.tools)} may be called with the {self.gripper.text()}"
+                               if idle else "inactive" if not self.active
                                else "engine_busy")     # a bad request is refused as such, busy or not
             return response
         self._decide_outcome = None
@@ -606,6 +627,7 @@ class AgentNode(ManagedNode):
             self.worker.wait_output(self.p.monitor_period_s)
             self.loop.on_engine_output()
             self.monitor.check()
+            self.monitor.deliver()      # a fallback at the deadline answers without the engine
         (status, cmd), self._decide_outcome = self._decide_outcome, None
         response.success, response.reason, response.command = status.met, status.reason, cmd
         return response
@@ -636,10 +658,13 @@ class AgentNode(ManagedNode):
 
     # ------------------------------------------------------------------ diagnostics
     def _publish_diagnostics(self) -> None:
+        """/diagnostics: decisions, inputs and engine, named "<fully qualified node name>: ..."
+        with that name as hardware_id, so that two agents are told apart."""
         now = self.get_clock().now()
+        fqn = self.get_fully_qualified_name()
         bad = sum(self.health.counts.values())
         inputs = DiagnosticStatus(
-            name="tokenspeed_agent: inputs", message=f"{bad} bad inputs",
+            name=f"{fqn}: inputs", message=f"{bad} bad inputs",
             level=DiagnosticStatus.WARN if bad > self._diag_seen_bad else DiagnosticStatus.OK,
             values=[KeyValue(key=f"bad_{k}", value=str(v)) for k, v in sorted(self.health.counts.items())]
             + [KeyValue(key=f"age_{s}_s", value=f"{(now - t).nanoseconds * 1e-9:.3f}")
@@ -648,7 +673,7 @@ class AgentNode(ManagedNode):
         self._diag_seen_bad = bad
         w = self.worker
         engine = DiagnosticStatus(
-            name="tokenspeed_agent: engine", message=w.fault or w.state,
+            name=f"{fqn}: engine", message=w.fault or w.state,
             level={"ready": DiagnosticStatus.OK, "loading": DiagnosticStatus.WARN}.get(w.state, DiagnosticStatus.ERROR),
             values=[KeyValue(key="state", value=w.state), KeyValue(key="weights", value=w.weights),
                     KeyValue(key="context_tokens", value=str(w.context_tokens)),
@@ -656,7 +681,9 @@ class AgentNode(ManagedNode):
                     KeyValue(key="triggers_skipped_executing", value=str(self._skipped_executing))]
             + [KeyValue(key=f"decided_ahead_{k}", value=str(v)) for k, v in w.ahead_counts.items()]
             + [KeyValue(key=k, value=v) for k, v in self.traces.key_values()])
-        msg = DiagnosticArray(status=[self.monitor.diagnostic_status("tokenspeed_agent: decisions"), inputs, engine])
+        msg = DiagnosticArray(status=[self.monitor.diagnostic_status(f"{fqn}: decisions"), inputs, engine])
+        for status in msg.status:
+            status.hardware_id = fqn
         msg.header.stamp = now.to_msg()
         self._diag_pub.publish(msg)
 

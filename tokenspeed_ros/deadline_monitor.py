@@ -14,9 +14,13 @@ the host (a huge image in perception, a sensor flood) does not hold them. A fall
 missed deadline goes out at most `FALLBACK_BOUND_S` after the deadline (one timer period plus
 scheduling; for a decision the host opened on a reading already older than the budget, counted
 as "opened_after_deadline", after it was opened); each one's lateness is measured and one
-beyond the bound is counted ("fallback_late"). The host also publishes a heartbeat (std_msgs/Header on
-`{action_topic}/heartbeat`, every `HEARTBEAT_PERIOD_S`) from its own executor: a robot-side
-command timeout (the simulator's `cmd_timeout_s`) stops the arm when the agent goes silent.
+beyond the bound is counted ("fallback_late"). The monitor's thread also publishes the heartbeat
+(std_msgs/Header, frame_id = the host's fully qualified name, every `HEARTBEAT_PERIOD_S`) on the
+host's resolved command topic + `/heartbeat` (a remapped command topic carries its own
+heartbeat), only while the host is active: a robot-side command timeout (ros2_control's
+`cmd_timeout`, the simulator's `cmd_timeout_s`) stops the arm when the agent is killed, hangs
+or is deactivated; a host callback that waits (a `Decide` call) does not silence it, since the
+monitor that publishes every fallback is the one still beating.
 
 A jump of the host's clock (`use_sim_time` with a /clock that jumps, CLOCK_JUMP_S or more
 forward or any step back) moves every open deadline with it, so each decision keeps the budget
@@ -98,19 +102,25 @@ class DeadlineMonitor:
     after every DeadlineStatus is published, as on_outcome(command, status) with the
     ActionCommand published for that decision, or None for a late result dropped after its
     fallback went out - always on the host's executor thread (an outcome of the deadline timer
-    is handed over through a guard condition), in order. The public methods are thread-safe;
+    is handed over through a guard condition, or `deliver()` from a host callback that waits),
+    in order; active: the heartbeat goes out while it returns True (called on the monitor's
+    thread; a plain flag read); frame_id: header.frame_id of every command (the frame its
+    arguments are in, e.g. the robot base frame; `frame_id` may be changed later). The public
+    methods are thread-safe;
     call `close()` before destroying the host node. Raises ValueError for an unknown fallback.
     """
 
     def __init__(self, node, *, action_topic: str, status_topic: str, budget_s: float, fallback: str,
                  period_s: float, qos_depth: int = 10, qos_deadline_s: float = 0.0,
-                 on_outcome: Callable[[ActionCommand | None, DeadlineStatus], None] | None = None):
+                 on_outcome: Callable[[ActionCommand | None, DeadlineStatus], None] | None = None,
+                 active: Callable[[], bool] = lambda: True, frame_id: str = ""):
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback {fallback!r} is not one of {FALLBACKS}")
         self._node = node
         self._clock = node.get_clock()
         self.budget = Duration(seconds=budget_s)
         self.fallback = fallback
+        self.frame_id = frame_id
         self._on_outcome = on_outcome
         self._lock = threading.RLock()
         self._outcomes: deque = deque()         # (command, status) waiting for the host thread
@@ -139,6 +149,11 @@ class DeadlineMonitor:
                                                     incompatible_qos=self._on_incompatible_qos))
         self._status_pub = self._own.create_publisher(DeadlineStatus, node.resolve_topic_name(status_topic), 10)
         self._own.create_timer(period_s, self.check)
+        self._active = active
+        self._beat_frame = node.get_fully_qualified_name()
+        self.heartbeat_topic = node.resolve_topic_name(action_topic) + HEARTBEAT_SUFFIX
+        self._heartbeat_pub = self._own.create_publisher(Header, self.heartbeat_topic, 10)
+        self._own.create_timer(HEARTBEAT_PERIOD_S, self._heartbeat)
         self._executor = SingleThreadedExecutor(context=node.context)
         self._executor.add_node(self._own)
         self._stop = threading.Event()
@@ -149,10 +164,8 @@ class DeadlineMonitor:
             min_forward=Duration(seconds=CLOCK_JUMP_S), min_backward=Duration(nanoseconds=-1), on_clock_change=False),
             post_callback=self._on_clock_jump)
 
-        # On the host's executor: outcomes of the timer, and the heartbeat (the host is alive).
-        self._wake_host = node.create_guard_condition(self._deliver)
-        self._heartbeat_pub = node.create_publisher(Header, action_topic + HEARTBEAT_SUFFIX, 10)
-        node.create_timer(HEARTBEAT_PERIOD_S, self._heartbeat)
+        # On the host's executor: outcomes of the timer.
+        self._wake_host = node.create_guard_condition(self.deliver)
 
     def _spin(self) -> None:
         while not self._stop.is_set() and self._own.context.ok():
@@ -208,7 +221,7 @@ class DeadlineMonitor:
         with self._lock:
             d = self.open(observation_stamp)
             self._fall_back(self._pending.pop(d.decision_id), reason)
-        self._deliver()
+        self.deliver()
 
     def check(self) -> None:
         """Timer callback (monitor thread): every open decision past its deadline gets the
@@ -226,7 +239,7 @@ class DeadlineMonitor:
         or None when the fallback was published or the result was dropped as late."""
         with self._lock:
             cmd = self._resolve(result)
-        self._deliver()
+        self.deliver()
         return cmd
 
     def _resolve(self, result: ModelResult) -> ActionCommand | None:
@@ -276,6 +289,7 @@ class DeadlineMonitor:
         cmd = ActionCommand(decision_id=d.decision_id, tool_name=tool, arguments_json=args_json,
                             source=source, observation_stamp=d.observation_stamp.to_msg(), ttft_s=ttft_s)
         cmd.header.stamp = now.to_msg()
+        cmd.header.frame_id = self.frame_id
         cmd.decision_latency_s = (now - d.observation_stamp).nanoseconds * 1e-9
         self._action_pub.publish(cmd)
         self.counts["decisions"] += 1
@@ -293,7 +307,7 @@ class DeadlineMonitor:
         self._status_pub.publish(msg)
         self._outcomes.append((cmd, msg))
 
-    def _deliver(self) -> None:
+    def deliver(self) -> None:
         """Host thread: run on_outcome for every outcome published so far, in order."""
         while self._outcomes:
             cmd, status = self._outcomes.popleft()
@@ -301,9 +315,11 @@ class DeadlineMonitor:
                 self._on_outcome(cmd, status)
 
     def _heartbeat(self) -> None:
-        msg = Header(frame_id=self._node.get_name())
-        msg.stamp = self._clock.now().to_msg()
-        self._heartbeat_pub.publish(msg)
+        """Monitor thread: one heartbeat while the host is active."""
+        if self._active():
+            msg = Header(frame_id=self._beat_frame)
+            msg.stamp = self._clock.now().to_msg()
+            self._heartbeat_pub.publish(msg)
 
     def _on_qos_deadline(self, event) -> None:
         self.counts["qos_deadline_missed"] = event.total_count

@@ -25,7 +25,6 @@ Each result carries a `DecisionTrace` of its stages.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -44,10 +43,7 @@ from tokenspeed_ros.spin import SPIN_TIMEOUT_S, spin_once
 
 GIL_SWITCH_INTERVAL_S = 0.001     # CPython's thread switch interval in the node processes (s)
 AHEAD_BUDGET_S = 10.0             # a decision decided ahead may take this long (no robot waits on it) (s)
-
-
-class ToolsFileError(ValueError):
-    """A tool file is missing or is not a JSON list of OpenAI function tools; the message names it."""
+THREAD_DIED = "engine thread died"
 
 
 @dataclass
@@ -128,20 +124,6 @@ class CallChecker:
         return None
 
 
-def load_tools(path) -> list[dict]:
-    """Read an OpenAI tool list (JSON array of {"type": "function", "function": {...}}).
-
-    Raises ToolsFileError naming the file when it is missing or malformed.
-    """
-    try:
-        tools = json.loads(open(path).read())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ToolsFileError(f"tools_file {path}: {e}") from None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) and "function" in t for t in tools):
-        raise ToolsFileError(f"tools_file {path}: expected a JSON list of OpenAI function tools")
-    return tools
-
-
 class EngineWorker:
     """A daemon thread that loads the engine, prefills observations and runs decisions.
 
@@ -156,7 +138,10 @@ class EngineWorker:
     context's last observation and no decision answered it (the session rolls back to before it:
     e.g. state lines, so that missed decisions do not leave a trail of stale states);
     notify: called from the engine thread whenever `drain()` has something new; logger: rclpy
-    logger. `state` is "loading", "ready" or "fault" (then `fault` says why).
+    logger. `state` is "loading", "ready" or "fault" (then `fault` says why): an exception that
+    ends the thread after the load (e.g. torch refusing a thread count) is a fault too - the
+    decision in flight is answered "engine_fault" and every later one falls back at once, so
+    /diagnostics shows the engine as an error, never `ready`.
     """
 
     def __init__(self, *, model: str, threads: int, system: str, tools: list[dict], tool_choice,
@@ -268,6 +253,9 @@ class EngineWorker:
         Raises RuntimeError if a request is still queued (callers keep one outstanding).
         """
         with self._cv:
+            if self.fault.startswith(THREAD_DIED):     # nobody would answer it
+                self._emit(ModelResult(decision_id, "engine_fault", reason=self.fault))
+                return
             if self._request is not None:
                 raise RuntimeError("a decision request is already queued")
             self._request = (decision_id, deadline_at, self._tool_choice if tool_choice is None else tool_choice,
@@ -309,6 +297,18 @@ class EngineWorker:
                 self._notify()
 
     def _run(self) -> None:
+        in_flight: list[int] = []       # the decision id taken from the queue and not yet answered
+        try:
+            self._serve(in_flight)
+        except Exception as e:  # noqa: BLE001 - the thread must not die silently
+            self.state, self.fault = "fault", f"{THREAD_DIED}: {type(e).__name__}: {e}"
+            self._log.error(self.fault)
+            with self._cv:
+                queued, self._request = self._request, None
+            for decision_id in in_flight + ([queued[0]] if queued is not None else []):
+                self._emit(ModelResult(decision_id, "engine_fault", reason=self.fault))
+
+    def _serve(self, in_flight: list[int]) -> None:
         import torch
 
         default_threads = torch.get_num_threads()
@@ -339,6 +339,7 @@ class EngineWorker:
                 elif not self._obs:                 # readings first: the prediction follows them
                     ahead_job, self._ahead_request = self._ahead_request, None
                 request, self._request = self._request, None
+                in_flight[:] = [] if request is None else [request[0]]
                 if request is not None and request[3] is not None:     # the state line stands for the queue
                     source, text, stamp_s = request[3]
                     self._obs.pop(source, None)
@@ -371,6 +372,7 @@ class EngineWorker:
                 trace.ahead = self._missed
                 self._missed = ""
                 self._emit(self._decide(*request))
+                in_flight.clear()
 
     def _prefill_one(self, source: str, text: str, kind: str, stamp_s: float) -> None:
         t0 = time.monotonic()
@@ -558,8 +560,9 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
     `node.close()` (returns False while the engine thread is inside a load or forward) and
     destroy it.
 
-    Returns 0 on a clean shutdown, 2 when the ROS arguments do not parse or make_node() raises
-    one of `errors` (printed on stderr as "<name>: <error>"); with -h/--help before `--ros-args`
+    Returns 0 on a clean shutdown, 2 when the ROS arguments do not parse or make_node() or a
+    callback (the autostart configure) raises one of `errors` (printed on stderr as "<name>:
+    <error>"); with -h/--help before `--ros-args`
     it prints `help_text` and returns 0 without starting ROS. When the engine thread is still
     busy (Ctrl-C during start-up, or a forward in flight at shutdown), the process ends with
     status 0 at once: interpreter finalization would wait on it.
@@ -587,11 +590,15 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
         _exit_now()
     executor = SingleThreadedExecutor()
     executor.add_node(node)
+    status = 0
     try:
         while rclpy.ok():
             spin_once(executor, SPIN_TIMEOUT_S, node.get_logger())
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
+    except errors as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        status = 2
     except Exception:
         if rclpy.ok():
             raise       # else a take raced with the signal handler's shutdown of the context
@@ -600,13 +607,13 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
         node.destroy_node()
         rclpy.try_shutdown()
     if not stopped:    # the engine thread is mid-forward: skip interpreter finalization
-        _exit_now()
-    return 0
+        _exit_now(status)
+    return status
 
 
-def _exit_now() -> None:
-    """End the process with status 0 without interpreter finalization (which would wait for an
+def _exit_now(status: int = 0) -> None:
+    """End the process with `status` without interpreter finalization (which would wait for an
     engine thread inside a load or a forward), after flushing stdout and stderr."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)

@@ -10,6 +10,7 @@ every parameter in them is declared by the node).
 """
 from __future__ import annotations
 
+import importlib.util
 import sys
 from dataclasses import dataclass
 from importlib.resources import files
@@ -46,6 +47,8 @@ LAUNCHES: dict[str, tuple[NodeSpec, ...]] = {
 LAUNCH_ARGUMENTS: tuple[tuple[str, str, str], ...] = (
     ("params_file", "", "parameter file of the managed node (agent / market bridge); '' = the packaged one"),
     ("model", "", "model of the managed node (.gguf, HF folder, tiny-random); '' = the parameter file's"),
+    ("autostart", "true", "the managed node configures and activates itself at start-up; false: it waits "
+                          "unconfigured for lifecycle transitions (a lifecycle manager)"),
     ("namespace", "", "ROS namespace of every node of the launch (one robot cell per namespace)"),
     ("use_sim_time", "false", "every node follows /clock"),
     ("log_level", "info", "log level of every node (debug, info, warn, error, fatal)"),
@@ -57,8 +60,9 @@ def launch_description(launch: str):
     full ROS 2 installation (imports `launch` and `launch_ros`, which are not installable here):
     the LAUNCH_ARGUMENTS declared, every node in the `namespace`, with `log_level` and
     `use_sim_time`, the managed node with `params_file` (default: its packaged file) and `model`
-    (when given); when any node exits, the launch shuts down. Managed nodes autostart here (no
-    lifecycle manager); `tokenspeed_launch` drives their transitions instead."""
+    (when given) and `autostart`; when any node exits, the launch shuts down. With autostart true
+    (default) the managed node brings itself up; `tokenspeed_launch` drives the transitions itself
+    instead."""
     from launch import LaunchDescription
     from launch.actions import DeclareLaunchArgument, Shutdown
     from launch.conditions import IfCondition
@@ -77,10 +81,11 @@ def launch_description(launch: str):
             continue
         params = PythonExpression(["'", arg("params_file"), "' or '", str(params_path(spec)), "'"])
         given = PythonExpression(["'", arg("model"), "' != ''"])
+        launched = {"use_sim_time": arg("use_sim_time"), "autostart": arg("autostart")}
         nodes.append(Node(**common, condition=IfCondition(given),
-                          parameters=[params, {"use_sim_time": arg("use_sim_time"), "model": arg("model")}]))
+                          parameters=[params, {**launched, "model": arg("model")}]))
         nodes.append(Node(**common, condition=IfCondition(PythonExpression(["not ", given])),
-                          parameters=[params, {"use_sim_time": arg("use_sim_time")}]))
+                          parameters=[params, launched]))
     return LaunchDescription(declared + nodes)
 
 
@@ -88,6 +93,12 @@ def config_dir() -> Path:
     """The parameter files and tool lists: package data of tokenspeed_ros (`tokenspeed_ros/config`),
     found through the package in a source checkout and in an installed wheel alike."""
     return Path(str(files(PACKAGE) / "config"))
+
+
+def tool_set_path(name: str) -> Path:
+    """A tool list shipped with the engine (`tokenspeed/data/tools/<name>`, e.g. "robot_tools.json"),
+    found without importing the engine (and torch): the nodes' default `tools_file`, the simulator's."""
+    return Path(importlib.util.find_spec("tokenspeed").origin).parent / "data" / "tools" / name
 
 
 def params_path(spec: NodeSpec) -> Path:

@@ -1,12 +1,13 @@
 """`tokenspeed_launch`: start a launch's processes without `ros2 launch` (not installable here).
 
 Reads the same table as launch/*.launch.py (`launch_spec.LAUNCHES`) and accepts the same launch
-arguments (`launch_spec.LAUNCH_ARGUMENTS`: --params-file, --model, --namespace, --use-sim-time,
---log-level). Runs each executable as `<exe> --ros-args -r __node:=<name> [-r __ns:=/<namespace>]
+arguments (`launch_spec.LAUNCH_ARGUMENTS`: --params-file, --model, --autostart, --namespace,
+--use-sim-time, --log-level). Runs each executable as `<exe> --ros-args -r __node:=<name> [-r __ns:=/<namespace>]
 --params-file <file> --log-level <level> -p use_sim_time:=<bool> [-p name:=value ...]`; each
 child runs in its own process group. Managed (lifecycle) nodes start with autostart false and
 the launcher drives them, like a lifecycle manager: configure (the model loads), activate; at the
-end deactivate (their safe fallback goes out) before they are stopped. The launch ends when any
+end deactivate (their safe fallback goes out) before they are stopped. With `--autostart false`
+it leaves them unconfigured for another lifecycle manager. The launch ends when any
 child exits or a configure fails, after `--duration` seconds, or on Ctrl-C / SIGTERM; then every
 child's group gets SIGINT, and after `--grace` seconds SIGTERM, then SIGKILL, so no process is
 left behind.
@@ -54,6 +55,7 @@ class LaunchArgs:
 
     params_file: str = ""
     model: str = ""
+    autostart: str = "true"
     namespace: str = ""
     use_sim_time: str = "false"
     log_level: str = "info"
@@ -190,7 +192,7 @@ def run(launch: str, *, duration_s: float | None = None, overrides: list[str] = 
             procs.append(subprocess.Popen(cmd, start_new_session=True))
             print(f"[tokenspeed_launch] {spec.name} (pid {procs[-1].pid}): {' '.join(cmd)}", flush=True)
         end = None if duration_s is None else time.monotonic() + duration_s
-        for node in managed:
+        for node in managed if args.autostart == "true" else []:
             for label in ("configure", "activate"):
                 why = driver.transition(node, label, CONFIGURE_TIMEOUT_S, abort)
                 if why:
@@ -240,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the command lines and exit")
     args = parser.parse_args(argv)
     launch_args = LaunchArgs(**{name: getattr(args, name) for name, _, _ in LAUNCH_ARGUMENTS})
-    if launch_args.use_sim_time not in ("true", "false"):
-        parser.error("--use-sim-time must be true or false")
+    for name in ("use_sim_time", "autostart"):
+        if getattr(launch_args, name) not in ("true", "false"):
+            parser.error(f"--{name.replace('_', '-')} must be true or false")
     try:
         specs = LAUNCHES[args.launch]
         per_node = parse_overrides(args.set, specs)

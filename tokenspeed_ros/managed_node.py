@@ -11,12 +11,15 @@
 Parameters: while the node is unconfigured any valid value is taken (it applies at the next
 configure); once configured, the table's LIVE parameters apply at once (the subclass's
 `apply_live`) and every other change is refused with a reason; bad values are always refused.
-With `autostart` (default) the node configures and activates itself at start-up, as a plain node
-(a failed start-up configure then ends the process with status 2); `tokenspeed_launch` starts it
-with autostart false and drives the transitions.
+With `autostart` (default) the node configures and activates itself once its executor spins (a
+one-shot timer, not the constructor), as a plain node; a failed start-up configure then raises
+ConfigureError out of the executor (the entry point ends the process with status 2). The launch
+files pass their `autostart` launch argument; `tokenspeed_launch` starts the node with autostart
+false and drives the transitions (or leaves them to a lifecycle manager with `--autostart false`).
 """
 from __future__ import annotations
 
+import sys
 from typing import ClassVar
 
 from rcl_interfaces.msg import SetParametersResult
@@ -37,8 +40,8 @@ class ManagedNode(LifecycleNode):
     ConfigureError) and implement `configure`, `activate`, `deactivate`, `cleanup` and
     `apply_live`. `self.p` holds the validated parameters; `active` is True between activate and
     deactivate. Raises AgentParamsError at construction on bad parameters, and with autostart
-    ConfigureError when the start-up configure fails (a plain node's start-up error: the entry
-    point exits 2)."""
+    ConfigureError from the executor's first step when the start-up configure fails (a plain
+    node's start-up error: the entry point exits 2)."""
 
     PARAMS: ClassVar[type[NodeParams]]
     CONFIGURE_ERRORS: ClassVar[tuple[type[Exception], ...]] = ()
@@ -51,10 +54,20 @@ class ManagedNode(LifecycleNode):
         self.configure_error = ""
         self._baseline = {kind: set(getattr(self, kind)) for kind in KINDS}
         self.add_on_set_parameters_callback(self._on_set_parameters)
-        if self.p.autostart:
-            if self.trigger_configure() != TransitionCallbackReturn.SUCCESS:
-                raise ConfigureError(f"configure failed: {self.configure_error}")
-            self.trigger_activate()
+        self._autostart_timer = self.create_timer(0.0, self._autostart) if self.p.autostart else None
+
+    def _autostart(self) -> None:
+        """One-shot timer of autostart: configure, then activate. Raises ConfigureError."""
+        self.destroy_timer(self._autostart_timer)
+        self._autostart_timer = None
+        try:
+            configured = self.trigger_configure() == TransitionCallbackReturn.SUCCESS
+        except KeyboardInterrupt:   # Ctrl-C while the model loads: one line, the entry point ends cleanly
+            print(f"{self.get_name()}: interrupted during start-up", file=sys.stderr, flush=True)
+            raise
+        if not configured:
+            raise ConfigureError(f"configure failed: {self.configure_error}")
+        self.trigger_activate()
 
     # ------------------------------------------------------------------ subclass hooks
     def configure(self) -> None:

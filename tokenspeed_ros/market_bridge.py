@@ -10,8 +10,11 @@ Three threads, none waiting on another:
   summaries and hands triggers (price move, trade burst, timer) to the executor; a newer trigger
   replaces one not yet taken (`triggers_coalesced`). Silence longer than `feed_gap_s` after the
   first message raises the feed-gap alarm (counted as "feed_gap", cleared by the next message).
-  While the engine has nothing to do, the symbol's state is streamed into the session every
-  `stream_period_s` (streaming prefill), so a decision prefills only its trigger line.
+  It also hands each batch's newest state per symbol to the executor, which streams it into the
+  session every `stream_period_s` while the engine has nothing to do (streaming prefill), so a
+  decision prefills only its trigger line. The two hand-overs (`_slot_lock`) are the only state
+  the feed thread shares with the executor; the decision loop and the streaming state are the
+  executor's alone.
 - executor (main) thread: opens one decision per trigger in the shared `DeadlineMonitor`, whose
   deadline is the triggering tick's exchange timestamp + `deadline_budget_s`; sends it to the
   engine when the engine is free (a trigger waiting behind a busy engine is answered "superseded"
@@ -50,10 +53,10 @@ from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, MarketTick
 
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, Decision, ModelResult
 from tokenspeed_ros.decision_loop import DecisionLoop
-from tokenspeed_ros.engine_worker import EngineWorker, Observed, ToolsFileError, load_tools, run_engine_node
+from tokenspeed_ros.engine_worker import EngineWorker, Observed, run_engine_node
 from tokenspeed_ros.managed_node import ConfigureError, ManagedNode
 from tokenspeed_ros.market_feed import INTERNAL_ERROR, FeedLimits, MarketFeed, SymbolState
-from tokenspeed_ros.params import AgentParamsError, NodeParams
+from tokenspeed_ros.params import MIN_PERIOD_S, AgentParamsError, NodeParams
 
 DEFAULT_SYSTEM_PROMPT = (
     "You trade one crypto pair. Each observation summarises its order book and recent trades "
@@ -76,9 +79,9 @@ class MarketBridgeParams(NodeParams):
     feed_endpoint: str = Field("tcp://127.0.0.1:5555", description="market-data SUB endpoint")
     feed_bind: bool = Field(True, description="bind the SUB socket (cryptofeed: publishers connect)")
     subscribe: list[str] = Field([""], description="topic prefixes to subscribe to ('' = all)")
-    rcvhwm: int = Field(100_000, ge=1, description="SUB receive high-water mark, messages")
-    max_batch: int = Field(2000, ge=1, description="messages drained per feed-loop iteration")
-    poll_period_s: float = Field(0.05, gt=0.0, description="feed-loop poll timeout (s)")
+    rcvhwm: int = Field(100_000, ge=1, le=100_000_000, description="SUB receive high-water mark, messages")
+    max_batch: int = Field(2000, ge=1, le=1_000_000, description="messages drained per feed-loop iteration")
+    poll_period_s: float = Field(0.05, ge=0.001, le=10.0, description="feed-loop poll timeout (s)")
     decision_endpoint: str = Field("tcp://127.0.0.1:5556", description="decision PUB endpoint")
     decision_bind: bool = Field(True, description="bind the decision PUB socket")
 
@@ -86,33 +89,36 @@ class MarketBridgeParams(NodeParams):
     action_topic: str = Field("market/action", description="tokenspeed_msgs/ActionCommand output")
     deadline_status_topic: str = Field("market/deadline_status", description="tokenspeed_msgs/DeadlineStatus output")
     tick_topic: str = Field("market/tick", description="tokenspeed_msgs/MarketTick summaries")
-    tick_period_s: float = Field(0.2, ge=0.0, description="MarketTick period per symbol (s of feed time)")
-    status_period_s: float = Field(1.0, gt=0.0, description="/diagnostics and ZeroMQ status period (s)")
+    tick_period_s: float = Field(0.2, ge=0.0, le=3600.0, description="MarketTick period per symbol (s of feed time)")
+    status_period_s: float = Field(1.0, ge=MIN_PERIOD_S, le=3600.0, description="/diagnostics and ZeroMQ status period (s)")
 
     # input checks
-    price_band: float = Field(0.25, gt=0.0, description="|price/reference - 1| above this is absurd")
-    max_size: float = Field(1000.0, gt=0.0, description="level/trade sizes above this are absurd")
-    max_crossed_msgs: int = Field(100, ge=1, description="a book crossed this long is resynced")
-    feed_gap_s: float = Field(5.0, gt=0.0, description="silence that raises the feed-gap alarm (s)")
+    price_band: float = Field(0.25, gt=0.0, le=100.0, description="|price/reference - 1| above this is absurd")
+    max_size: float = Field(1000.0, gt=0.0, le=1e15, description="level/trade sizes above this are absurd")
+    max_crossed_msgs: int = Field(100, ge=1, le=1_000_000, description="a book crossed this long is resynced")
+    feed_gap_s: float = Field(5.0, gt=0.0, le=3600.0, description="silence that raises the feed-gap alarm (s)")
 
     # observations and triggers
     recent_trades: int = Field(3, ge=0, le=50, description="trades listed in each observation")
-    move_bps: float = Field(5.0, gt=0.0, description="mid move since the last trigger that triggers (bp)")
-    burst_trades: int = Field(5, ge=1, description="trades within burst_window_s that trigger")
-    burst_window_s: float = Field(1.0, gt=0.0, description="trade-burst window (s)")
-    timer_s: float = Field(10.0, ge=0.0, description="trigger when nothing else did for this long (s); 0 = off")
+    move_bps: float = Field(5.0, gt=0.0, le=100_000.0, description="mid move since the last trigger that triggers (bp)")
+    burst_trades: int = Field(5, ge=1, le=1_000_000, description="trades within burst_window_s that trigger")
+    burst_window_s: float = Field(1.0, gt=0.0, le=3600.0, description="trade-burst window (s)")
+    timer_s: float = Field(10.0, ge=0.0, le=86400.0, description="trigger when nothing else did for this long (s); 0 = off")
     stream_period_s: float = Field(
-        2.0, ge=0.0, description="prefill the market state this often while the engine is idle (s); 0 = off")
+        2.0, ge=0.0, le=3600.0, description="prefill the market state this often while the engine is idle (s); 0 = off")
 
     # decisions and the deadline monitor
-    deadline_budget_s: float = Field(2.0, gt=0.0, description="tick timestamp -> action deadline (s)")
-    publish_margin_s: float = Field(0.02, ge=0.0, description="the engine stops this long before the deadline (s)")
-    monitor_period_s: float = Field(0.01, gt=0.0, description="deadline monitor timer period (s)")
+    deadline_budget_s: float = Field(2.0, gt=0.0, le=600.0, description="tick timestamp -> action deadline (s)")
+    publish_margin_s: float = Field(0.02, ge=0.0, le=10.0, description="the engine stops this long before the deadline (s)")
+    monitor_period_s: float = Field(0.01, ge=0.001, le=1.0, description="deadline monitor timer period (s)")
 
     # engine
     agent: bool = Field(True, description="run the trading agent; false = feed summaries only")
     system_prompt: str = Field(DEFAULT_SYSTEM_PROMPT, description="system message of the session")
     # model, threads, tools_file, kv_budget_tokens: see NodeParams
+
+
+STREAM_OFFERS = 4       # a symbol's state is offered for streaming this often per stream_period_s
 
 
 @dataclass
@@ -136,7 +142,7 @@ class _Rules:
     last_t: float
     last_trade_t: float = 0.0
     last_tick_t: float = -math.inf
-    last_stream_t: float = -math.inf
+    last_offer_t: float = -math.inf     # the state last handed to the executor for streaming
 
 
 def state_text(f: dict) -> str:
@@ -174,7 +180,7 @@ class MarketBridgeNode(ManagedNode):
     """
 
     PARAMS = MarketBridgeParams
-    CONFIGURE_ERRORS = (ToolsFileError, zmq.ZMQError)
+    CONFIGURE_ERRORS = (zmq.ZMQError,)
 
     def __init__(self, **node_kwargs):
         self.worker: EngineWorker | None = None      # from configure to cleanup (None: agent off)
@@ -186,7 +192,7 @@ class MarketBridgeNode(ManagedNode):
 
     def configure(self) -> None:
         """Sockets, feed thread, deadline monitor, topics; compiles the tools and loads the model
-        (waits for it). Raises ToolsFileError, zmq.ZMQError or ConfigureError."""
+        (waits for it). Raises AgentParamsError (also for the tool file), zmq.ZMQError or ConfigureError."""
         p = self.p
         self.feed = MarketFeed(FeedLimits(price_band=p.price_band, max_size=p.max_size,
                                           max_crossed_msgs=p.max_crossed_msgs))
@@ -196,11 +202,13 @@ class MarketBridgeNode(ManagedNode):
         self._rules: dict[tuple[str, str], _Rules] = {}
         self._open: dict[int, Trigger] = {}          # decision id -> trigger, until its outcome
         self._slot: Trigger | None = None            # feed thread -> executor, newest wins
+        self._states: dict[tuple[str, str], dict] = {}  # feed thread -> executor: newest features per symbol
         self._slot_lock = threading.Lock()
-        self._streaming = False                      # a streamed state is waiting or being prefilled
+        self._streaming = False                      # executor: a streamed state is waiting or being prefilled
+        self._streamed_at: dict[tuple[str, str], float] = {}  # executor: feed time of each symbol's last streamed state
         self._stop = threading.Event()
 
-        tools = load_tools(p.resolved_tools_file()) if p.agent else None
+        tools = p.load_tools() if p.agent else None
         self._zmq = zmq.Context()
         self._pub = self._zmq.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 500)
@@ -214,7 +222,7 @@ class MarketBridgeNode(ManagedNode):
 
         self.monitor = DeadlineMonitor(self, action_topic=p.action_topic, status_topic=p.deadline_status_topic,
                                        budget_s=p.deadline_budget_s, fallback="hold", period_s=p.monitor_period_s,
-                                       on_outcome=self._on_outcome)
+                                       on_outcome=self._on_outcome, active=lambda: self.active)
         self._tick_pub = self.create_publisher(MarketTick, p.tick_topic, 10)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._wake_trigger = self.create_guard_condition(self._on_trigger)
@@ -342,7 +350,12 @@ class MarketBridgeNode(ManagedNode):
             rules.last_tick_t = t
             self._publish_tick(f)
         if reason is None:
-            self._stream(rules, f)
+            # the executor streams it if the engine is idle; offered STREAM_OFFERS times per period
+            if p.stream_period_s > 0 and t - rules.last_offer_t >= p.stream_period_s / STREAM_OFFERS:
+                rules.last_offer_t = t
+                with self._slot_lock:
+                    self._states[(f["exchange"], f["symbol"])] = f
+                self._wake_trigger.trigger()
             return
         f["move_bps"] = move_bps
         rules.mid_ref, rules.last_t = f["mid"], t
@@ -351,22 +364,8 @@ class MarketBridgeNode(ManagedNode):
         with self._slot_lock:
             if self._slot is not None:
                 self.counts["triggers_coalesced"] += 1
-            self._slot = Trigger(reason, t, f, streamed=t - rules.last_stream_t <= p.stream_period_s,
-                                 received_s=received_s)
+            self._slot = Trigger(reason, t, f, received_s=received_s)
         self._wake_trigger.trigger()
-
-    def _stream(self, rules: _Rules, f: dict) -> None:
-        """Streaming prefill: hand the state to the engine every stream_period_s while it has no
-        decision and no other state to prefill, so a decision only prefills its trigger line."""
-        p = self.p
-        if (p.stream_period_s <= 0 or self.worker is None or self.worker.state != "ready"
-                or f["timestamp"] - rules.last_stream_t < p.stream_period_s
-                or self.loop.busy or self._streaming):
-            return
-        rules.last_stream_t = f["timestamp"]
-        self._streaming = True            # cleared when the engine reports it prefilled
-        self.counts["states_streamed"] += 1
-        self.worker.observe(f"market:{f['symbol']}", state_text(f), f["timestamp"])
 
     def _publish_tick(self, f: dict) -> None:
         msg = MarketTick(exchange=f["exchange"], symbol=f["symbol"], bid=f["bid"], ask=f["ask"], mid=f["mid"],
@@ -384,10 +383,32 @@ class MarketBridgeNode(ManagedNode):
             self._wake_engine.trigger()
 
     def _on_trigger(self) -> None:
+        """Guard condition of the feed thread: decide on the newest trigger, then stream the
+        newest states."""
         with self._slot_lock:
-            trig, self._slot = self._slot, None
-        if trig is None:
+            (trig, self._slot), (states, self._states) = (self._slot, None), (self._states, {})
+        if trig is not None:
+            self._decide_on(trig)
+        for f in states.values():
+            self._stream(f)
+
+    def _stream(self, f: dict) -> None:
+        """Streaming prefill: hand the state to the engine every stream_period_s while it has no
+        decision and no other state to prefill, so a decision only prefills its trigger line."""
+        key = (f["exchange"], f["symbol"])
+        if (self.p.stream_period_s <= 0 or self.worker is None or self.worker.state != "ready"
+                or f["timestamp"] - self._streamed_at.get(key, -math.inf) < self.p.stream_period_s
+                or self.loop.busy or self._streaming):
             return
+        self._streamed_at[key] = f["timestamp"]
+        self._streaming = True            # cleared when the engine reports it prefilled
+        self.counts["states_streamed"] += 1
+        self.worker.observe(f"market:{f['symbol']}", state_text(f), f["timestamp"])
+
+    def _decide_on(self, trig: Trigger) -> None:
+        f = trig.features
+        trig.streamed = trig.stamp_s - self._streamed_at.get((f["exchange"], f["symbol"]), -math.inf) \
+            <= self.p.stream_period_s
         if not self.active:
             self.counts["triggers_inactive"] += 1
             return
@@ -458,9 +479,12 @@ class MarketBridgeNode(ManagedNode):
         self._pub.send(b"status " + json.dumps(status).encode())
         level, message = status["feed_health"]
         feed = DiagnosticStatus(
-            name="tokenspeed_market_bridge: feed", level=getattr(DiagnosticStatus, level), message=message,
+            name=f"{self.get_fully_qualified_name()}: feed", level=getattr(DiagnosticStatus, level), message=message,
             values=[KeyValue(key=k, value=str(v)) for k, v in sorted({**status["feed"], **status["bridge"]}.items())])
-        msg = DiagnosticArray(status=[self.monitor.diagnostic_status("tokenspeed_market_bridge: decisions"), feed])
+        msg = DiagnosticArray(status=[self.monitor.diagnostic_status(f"{self.get_fully_qualified_name()}: decisions"),
+                                      feed])
+        for s in msg.status:       # two bridges are told apart by their fully qualified names
+            s.hardware_id = self.get_fully_qualified_name()
         msg.header.stamp = self.get_clock().now().to_msg()
         self._diag_pub.publish(msg)
 

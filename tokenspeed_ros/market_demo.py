@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     replay = None
     code = 0
     try:
-        while node.worker.state == "loading":
+        while not node.active:      # autostart: configure (the model load) and activate on the first step
             executor.spin_once(timeout_sec=0.1)
         print(f"engine {node.worker.state}; replaying {args.duration:.0f} s of Bitstamp BTC/USD at "
               f"{args.speed}x", flush=True)

@@ -1,6 +1,6 @@
 """The Agent Action Latency (AAL) workload: one agent turn of tool calls over a growing context.
 
-An agent holds robot-arm tools (`tokenspeed_ros/config/robot_tools.json`), a few trading tools (defined
+An agent holds robot-arm tools (`tokenspeed/data/tools/robot_tools.json`), a few trading tools (defined
 here) and real, externally written functions from the Berkeley Function Calling Leaderboard
 (BFCL v4 simple_python, `tokenspeed/data/bfcl/`). It performs `n_calls` decisions; before each one, new
 observations (sensor readings, camera detections, market ticks, the previous call's tool result,
@@ -17,10 +17,10 @@ import json
 import os
 import random
 from dataclasses import asdict, dataclass
-from importlib.resources import files
 from pathlib import Path
 
 from ..bfcl import bfcl_dir as find_bfcl_dir
+from ..tools import tool_set
 
 __all__ = ["Observation", "Turn", "Workload", "build_workload", "bfcl_tool", "TRADING_TOOLS"]
 
@@ -183,7 +183,7 @@ def _bfcl_entries(folder: Path, rng: random.Random, count: int, exclude=frozense
 
 
 def _robot_tools() -> list[dict]:
-    return json.loads((files("tokenspeed_ros") / "config" / "robot_tools.json").read_text())
+    return tool_set("robot")
 
 
 def _joint_states(rng: random.Random, t: float) -> Observation:

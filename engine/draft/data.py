@@ -1,7 +1,7 @@
 """`tokenspeed draft build-data`: agent action sequences answered by the target (self-distillation).
 
-Tasks come from three tool sets: the robot arm (`tokenspeed_ros/config/robot_tools.json`), the trading
-agent (`tokenspeed_ros/config/trading_tools.json`), each with seeded observation templates in the
+Tasks come from three tool sets: the robot arm (`tokenspeed/data/tools/robot_tools.json`), the trading
+agent (`tokenspeed/data/tools/trading_tools.json`), each with seeded observation templates in the
 formats the ROS nodes send, and the BFCL simple_python functions with their own questions.
 Every task is split deterministically: robot/trading task index % 5 == 0 and BFCL id number
 % 5 == 0 are held out (never trained on).
@@ -25,20 +25,20 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import asdict, dataclass
-from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from tokenspeed.tools import TOOLS_DIR, load_tools
+
 if TYPE_CHECKING:
     from tokenspeed.bench.workload import Workload
 
 __all__ = ["Task", "robot_tasks", "trading_tasks", "bfcl_tasks", "agent_workloads", "build_data", "read_data",
-           "forced_mask", "CONFIG", "FORMAT"]
+           "forced_mask", "FORMAT"]
 
 FORMAT = "tokenspeed-draft-data/1"
-CONFIG = Path(str(files("tokenspeed_ros") / "config"))   # tool lists ship as tokenspeed_ros package data
 ROBOT_SYSTEM = ("You control a Franka Panda robot arm above a table with a red, a green and a blue cube. "
                 "Observations give joint angles (radians) and cube positions (x forward, y left, metres, "
                 "robot base frame). Reply with exactly one tool call that moves the task forward.")
@@ -68,15 +68,9 @@ def _split(i: int) -> str:
     return "heldout" if i % 5 == 0 else "train"
 
 
-def _load_tools(path: Path) -> list:
-    if not path.is_file():
-        raise FileNotFoundError(f"tool set {path} does not exist")
-    return json.loads(path.read_text())
-
-
-def robot_tasks(n: int, seed: int = 0, tools_path: Path = CONFIG / "robot_tools.json") -> list[Task]:
+def robot_tasks(n: int, seed: int = 0, tools_path: Path = TOOLS_DIR / "robot_tools.json") -> list[Task]:
     """n seeded robot-arm decisions: joint states, cube positions and an instruction."""
-    tools = _load_tools(tools_path)
+    tools = load_tools(tools_path)
     rng = random.Random(seed)
     cubes = ["red_cube", "green_cube", "blue_cube"]
     out = []
@@ -102,9 +96,9 @@ def robot_tasks(n: int, seed: int = 0, tools_path: Path = CONFIG / "robot_tools.
     return out
 
 
-def trading_tasks(n: int, seed: int = 0, tools_path: Path = CONFIG / "trading_tools.json") -> list[Task]:
+def trading_tasks(n: int, seed: int = 0, tools_path: Path = TOOLS_DIR / "trading_tools.json") -> list[Task]:
     """n seeded market observations in the market bridge's observation format."""
-    tools = _load_tools(tools_path)
+    tools = load_tools(tools_path)
     rng = random.Random(seed + 1)
     out = []
     for i in range(n):

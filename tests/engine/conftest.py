@@ -33,8 +33,8 @@ def tiny_engine():
 
 @pytest.fixture(scope="session")
 def robot_tools():
-    """The robot-arm tool set from tokenspeed_ros/config/robot_tools.json."""
-    return json.loads((ROOT / "tokenspeed_ros" / "config" / "robot_tools.json").read_text())
+    """The robot-arm tool set from engine/data/tools/robot_tools.json."""
+    return json.loads((ROOT / "engine" / "data" / "tools" / "robot_tools.json").read_text())
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import torch
 from tokenspeed.kv import KVConfig
 from tokenspeed.model import rope_tables
 
-TOOLS = json.loads((Path(__file__).resolve().parents[2] / "tokenspeed_ros/config/robot_tools.json").read_text())
+TOOLS = json.loads((Path(__file__).resolve().parents[2] / "engine/data/tools/robot_tools.json").read_text())
 
 
 def _session(tiny_engine, **kw):

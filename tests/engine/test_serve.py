@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOLS = json.loads((ROOT / "tokenspeed_ros" / "config" / "robot_tools.json").read_text())
+TOOLS = json.loads((ROOT / "engine" / "data" / "tools" / "robot_tools.json").read_text())
 SYSTEM = {"role": "system", "content": "You control a robot arm."}
 PICK = [SYSTEM, {"role": "user", "content": "Pick up the red cube."}]
 

@@ -22,7 +22,7 @@ from tokenspeed.speculation import (AdaptiveLength, DraftModel, ForcedText, Mess
                                     Speculator, copy_source)
 
 ROOT = Path(__file__).resolve().parents[2]
-ROBOT_TOOLS = json.loads((ROOT / "tokenspeed_ros/config/robot_tools.json").read_text())
+ROBOT_TOOLS = json.loads((ROOT / "engine/data/tools/robot_tools.json").read_text())
 SYSTEM = ("You control a Franka Panda robot arm above a table with a red, a green and a blue cube. "
           "Reply with exactly one tool call that moves the task forward.")
 ROBOT_PROMPTS = [

@@ -27,7 +27,7 @@ def test_model_decisions_with_the_real_engine(probe, start_agent):
     goal = probe.node.create_publisher(String, "goal", LATCHED)
     goal.publish(String(data="Hold the arm still."))
     SensorFeed(probe)
-    agent = start_agent(model="tiny-random", tool_choice="hold", deadline_budget_s=30.0, decision_period_s=0.5,
+    agent = start_agent(goal_topic="goal", model="tiny-random", tool_choice="hold", deadline_budget_s=30.0, decision_period_s=0.5,
                         joint_states_in_context="true", restate_before_decisions="false")
     assert probe.spin_until(lambda: any(a.source == "model" for a in actions), ENGINE_TIMEOUT), agent.log_path.read_text()
     model = next(a for a in actions if a.source == "model")
@@ -40,11 +40,11 @@ def test_model_decisions_with_the_real_engine(probe, start_agent):
     assert seen["camera"].text == "objects blue_cube=(0.40,-0.10) red_cube=(0.50,0.10)"
     assert seen["camera"].tokens > 0 and seen["goal"].text == "goal: Hold the arm still."
     assert seen["joint_states"].text.startswith("joints q=[0.00,-0.79,")
-    assert probe.spin_until(lambda: diags and int(diagnostics(diags[-1])["tokenspeed_agent: decisions"].get("met", 0)) > 0, 5)
+    assert probe.spin_until(lambda: diags and int(diagnostics(diags[-1])["/tokenspeed_agent: decisions"].get("met", 0)) > 0, 5)
     values = diagnostics(diags[-1])
-    assert "latency_p50_ms" in values["tokenspeed_agent: decisions"]
-    assert values["tokenspeed_agent: engine"]["state"] == "ready"
-    assert {"decided_ahead_hit", "decided_ahead_miss", "trace_ttft_p50_ms"} <= set(values["tokenspeed_agent: engine"])
+    assert "latency_p50_ms" in values["/tokenspeed_agent: decisions"]
+    assert values["/tokenspeed_agent: engine"]["state"] == "ready"
+    assert {"decided_ahead_hit", "decided_ahead_miss", "trace_ttft_p50_ms"} <= set(values["/tokenspeed_agent: engine"])
     # every stage of the model's decision, from the sensor stamp to the publish, in order
     assert probe.spin_until(lambda: any(json.loads(t.data)["decision_id"] == model.decision_id for t in traces), 5)
     trace = next(json.loads(t.data) for t in traces if json.loads(t.data)["decision_id"] == model.decision_id)
@@ -75,17 +75,33 @@ def test_impossible_budget_gives_the_configured_fallback(probe, start_agent):
     assert agent.poll() is None
 
 
+# The one injected fault: every decide() raises inside the engine. A user can no longer cause it
+# (a tool_choice naming no tool, which did, is refused at configure and live).
+FAULTY_DECIDE = r'''
+import sys
+import tokenspeed.session as s
+def decide(self, *a, **k):
+    raise RuntimeError("injected fault inside decide()")
+s.Session.decide = decide
+from tokenspeed_ros.agent_node import main
+sys.exit(main())
+'''
+
+
 def test_engine_faults_keep_the_node_publishing_fallbacks(probe, start_agent):
-    """Every decide() raises (a tool_choice naming no tool): fallbacks with reason engine_fault.
-    (A model that does not load fails configure instead: test_lifecycle.py.)"""
+    """Every decide() raises: fallbacks with reason engine_fault. (A model that does not load
+    fails configure instead: test_lifecycle.py; so does a tool_choice naming no tool.)"""
+    refused = start_agent(model="tiny-random", tool_choice="no_such_tool")
+    assert refused.wait(ENGINE_TIMEOUT) == 2
+    assert "tool_choice='no_such_tool' refused: one of required, auto, pick" in refused.log_path.read_text()
     actions, statuses, _, diags = listen_all(probe)
     SensorFeed(probe)
-    agent = start_agent(decision_period_s=0.2, model="tiny-random", tool_choice="no_such_tool")
+    agent = start_agent(code=FAULTY_DECIDE, decision_period_s=0.2, model="tiny-random")
     assert probe.spin_until(lambda: sum(s.reason == "engine_fault" for s in statuses) >= 2, ENGINE_TIMEOUT), \
         agent.log_path.read_text()
     assert probe.spin_until(lambda: any(a.source == "fallback" and a.tool_name == "hold" for a in actions), 5)
     assert all(a.source == "fallback" for a in actions)
-    assert probe.spin_until(lambda: diags and diagnostics(diags[-1])["tokenspeed_agent: engine"]["state"] == "ready", 5)
+    assert probe.spin_until(lambda: diags and diagnostics(diags[-1])["/tokenspeed_agent: engine"]["state"] == "ready", 5)
     assert agent.poll() is None
 
 
@@ -99,7 +115,7 @@ def test_bad_input_is_counted_and_never_crashes_the_node(probe, start_agent):
     images = node.create_publisher(Image, "camera/image_raw", 10)
     infos = node.create_publisher(CameraInfo, "camera/camera_info", 10)
     goals = node.create_publisher(String, "goal", LATCHED)
-    agent = start_agent(model="tiny-random", decision_period_s=0.2, stale_after_s=0.5)
+    agent = start_agent(goal_topic="goal", model="tiny-random", decision_period_s=0.2, stale_after_s=0.5)
     assert probe.spin_until(lambda: node.count_subscribers("joint_states") >= 1
                             and node.count_subscribers("camera/image_raw") >= 1
                             and node.count_subscribers("goal") >= 1, 30), agent.log_path.read_text()
@@ -133,7 +149,7 @@ def test_bad_input_is_counted_and_never_crashes_the_node(probe, start_agent):
     def counts():
         if not diags:
             return {}
-        inputs = diagnostics(diags[-1])["tokenspeed_agent: inputs"]
+        inputs = diagnostics(diags[-1])["/tokenspeed_agent: inputs"]
         return {k.removeprefix("bad_"): int(v) for k, v in inputs.items() if k.startswith("bad_")}
 
     def all_counted():
@@ -168,7 +184,7 @@ def test_robot_executing_a_call_pauses_rate_decisions_until_its_feedback(probe, 
         agent.log_path.read_text()
 
     def skipped():
-        return int(diagnostics(diags[-1])["tokenspeed_agent: engine"]["triggers_skipped_executing"]) if diags else 0
+        return int(diagnostics(diags[-1])["/tokenspeed_agent: engine"]["triggers_skipped_executing"]) if diags else 0
 
     executing = actions[-1].decision_id
     feedback.publish(ActionFeedback(decision_id=executing, tool_name="pick", state="applied"))

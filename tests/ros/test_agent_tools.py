@@ -46,7 +46,7 @@ def test_allowed_tools_follow_the_gripper_state(probe, start_agent):
     feedback = probe.node.create_publisher(ActionFeedback, "sim/action_feedback", 10)
     probe.node.create_publisher(String, "goal", LATCHED).publish(String(data=GOAL))
     SensorFeed(probe)
-    agent = start_agent(model="tiny-random", deadline_budget_s=30.0, decision_period_s=0.2,
+    agent = start_agent(goal_topic="goal", model="tiny-random", deadline_budget_s=30.0, decision_period_s=0.2,
                         tools_when_empty="[pick]", tools_when_holding="[place]")
 
     def model_after(first_id):
@@ -95,7 +95,7 @@ def test_a_call_just_sent_is_not_preempted_before_the_robot_answers(probe, start
     actions = probe.listen(ActionCommand, "agent/action")
     probe.node.create_publisher(String, "goal", LATCHED).publish(String(data=GOAL))
     SensorFeed(probe)
-    agent = start_agent(model="tiny-random", deadline_budget_s=30.0, decision_period_s=0.1,
+    agent = start_agent(goal_topic="goal", model="tiny-random", deadline_budget_s=30.0, decision_period_s=0.1,
                         tools_when_empty="[pick]")
 
     def published_s():       # publish times of the model's calls, seconds

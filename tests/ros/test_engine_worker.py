@@ -11,7 +11,7 @@ from support import ROOT
 from tokenspeed_ros.deadline_monitor import ModelResult
 from tokenspeed_ros.engine_worker import EngineWorker, Observed
 
-TOOLS = json.loads((ROOT / "tokenspeed_ros" / "config" / "robot_tools.json").read_text())
+TOOLS = json.loads((ROOT / "engine" / "data" / "tools" / "robot_tools.json").read_text())
 
 
 def make_worker(model: str, woke: threading.Event) -> EngineWorker:
@@ -227,3 +227,29 @@ def test_an_unanswered_state_line_is_replaced_by_the_next_one():
         assert worker.context_tokens == base + c + r + d           # after another reading: appended
     finally:
         assert worker.close(timeout=30.0)
+
+
+def test_a_dead_engine_thread_is_a_fault_never_ready(monkeypatch):
+    """The engine thread dies after the load (injected: torch refusing a thread count, which the
+    parameter ranges no longer let a user cause): the queued decision is answered engine_fault,
+    and the worker says "fault" with the reason - /diagnostics reports it as an error."""
+    import torch
+
+    woke = threading.Event()
+    worker = make_worker("tiny-random", woke)
+    worker.start()
+    try:
+        collect(worker, woke, lambda _: worker.state != "loading", 120)
+        assert worker.state == "ready", worker.fault
+
+        def refuse(n):
+            raise RuntimeError(f"cannot use {n} threads")
+        monkeypatch.setattr(torch, "set_num_threads", refuse)
+        worker.set_threads(3)
+        worker.decide(9, time.monotonic() + 60.0)
+        out = collect(worker, woke, lambda items: any(isinstance(i, ModelResult) for i in items), 30)
+    finally:
+        worker.close(timeout=30.0)
+    result = next(o for o in out if isinstance(o, ModelResult))
+    assert (result.decision_id, result.status) == (9, "engine_fault") and "thread died" in result.reason
+    assert worker.state == "fault" and "cannot use 3 threads" in worker.fault

@@ -53,10 +53,11 @@ def test_launch_arguments_are_declared_and_accepted_by_the_launcher():
     """launch_description declares every LAUNCH_ARGUMENTS entry (checked in its source: `launch`
     is not installable here), and tokenspeed_launch takes each as an option."""
     from tokenspeed_ros import launch_spec
-    assert {name for name, _, _ in LAUNCH_ARGUMENTS} == {"params_file", "model", "namespace", "use_sim_time",
-                                                         "log_level"}
+    assert {name for name, _, _ in LAUNCH_ARGUMENTS} == {"params_file", "model", "autostart", "namespace",
+                                                         "use_sim_time", "log_level"}
     source = inspect.getsource(launch_spec.launch_description)
     assert "DeclareLaunchArgument(name" in source and "LAUNCH_ARGUMENTS" in source
+    assert '"autostart": arg("autostart")' in source        # the managed node gets it as its parameter
     out = subprocess.run([str(BIN / "tokenspeed_launch"), "--help"], capture_output=True, text=True, check=True).stdout
     for name, _, _ in LAUNCH_ARGUMENTS:
         assert "--" + name.replace("_", "-") in out
@@ -173,7 +174,7 @@ def test_market_launch_runs_the_bridge(probe, ros_env, tmp_path):
                  f"{node}.decision_endpoint=ipc://{tmp_path}/decisions"]
     launch_until_ready_then_ctrl_c(probe, ros_env, "market", overrides,
                                    lambda: diags and probe.node.count_publishers("market/tick") >= 1)
-    assert any(s.name == f"{node}: feed" for arr in diags for s in arr.status)
+    assert any(s.name == f"/{node}: feed" and s.hardware_id == f"/{node}" for arr in diags for s in arr.status)
 
 
 def test_a_node_failing_ends_the_launch_with_its_status(ros_env):

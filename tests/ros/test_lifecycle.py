@@ -79,7 +79,7 @@ def test_failed_configure_is_a_clean_transition_failure(probe, start_agent, tmp_
     assert not life.change(Transition.TRANSITION_CONFIGURE, ENGINE_TIMEOUT)
     assert life.state() == "unconfigured"
     time.sleep(0.5)
-    assert f"configure failed: tools_file {bad_tools}" in agent.log_path.read_text()
+    assert f"configure failed: tools_file refused: tools file {bad_tools} is not valid JSON" in agent.log_path.read_text()
 
     # fixed while unconfigured: configure now succeeds
     assert set_parameter(probe, "tools_file", "").successful

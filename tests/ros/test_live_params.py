@@ -1,6 +1,8 @@
 """Live parameters over DDS (the nodes' set_parameters services, from a parameter client node):
 on a configured node every parameter either applies at once - checked on the running node - or
 is refused with a reason; bad values are refused; nothing is accepted and ignored."""
+import math
+
 import pytest
 import rclpy
 from rclpy.duration import Duration
@@ -61,12 +63,15 @@ def setter(ros, node_name: str):
 
 def check_every_parameter(node, params, set_one, took_effect) -> None:
     """Set each parameter of the node's table `params` to another valid value: a LIVE one applies
-    (node.p changes and `took_effect(name, value)` holds), any other is refused as read at
-    configure and node.p keeps its value."""
+    (node.p changes and `took_effect(name, value)` holds), a READ_ONLY one is refused by its
+    descriptor, any other is refused as read at configure and node.p keeps its value."""
     for name, field in params.model_fields.items():
         value, before = other_value(name, field.default), getattr(node.p, name)
         result = set_one(name, value)
-        if name in params.LIVE:
+        if name in params.READ_ONLY:
+            assert not result.successful and "read-only" in result.reason and name in result.reason, name
+            assert getattr(node.p, name) == before, name
+        elif name in params.LIVE:
             assert result.successful, (name, result.reason)
             assert getattr(node.p, name) == value, name
             assert took_effect(name, value), name
@@ -94,7 +99,8 @@ def test_agent_parameters_apply_live_or_are_refused(ros):
     node = AgentNode(parameter_overrides=[Parameter("model", value="tiny-random")])
     nodes.append(node)
     executor.add_node(node)
-    assert node.active and node.worker.state == "ready"
+    assert spin_until(executor, lambda: node.active, 120)      # autostart: on the executor's first step
+    assert node.worker.state == "ready"
     set_one = setter(ros, "tokenspeed_agent")
     check_every_parameter(node, AgentParams, set_one,
                           lambda name, v: name not in AGENT_EFFECTS or
@@ -104,6 +110,33 @@ def test_agent_parameters_apply_live_or_are_refused(ros):
     assert not bad.successful and "fallback" in bad.reason and node.monitor.fallback == "stop"
     unknown = set_one("tools_when_holding", ["fly"])
     assert not unknown.successful and "fly" in unknown.reason
+
+
+# The probes of issue 25 that crashed or silently disabled the agent: each is refused with one
+# line naming the parameter and its range, and the node keeps its value.
+PROBES = [("deadline_budget_s", math.inf), ("deadline_budget_s", 1e300), ("decision_period_s", math.inf),
+          ("decision_period_s", 1e300), ("diagnostics_period_s", math.inf), ("diagnostics_period_s", 1e300),
+          ("threads", 2 ** 62), ("threads", 100_000), ("tool_choice", "no_such_tool"), ("tool_choice", "none"),
+          ("decision_period_s", 1e-9), ("deadline_budget_s", math.nan), ("deadline_budget_s", 1),
+          ("threads", -1), ("fallback", "explode"), ("tools_when_empty", ["task_done", "fly"])]
+
+
+def test_agent_refuses_the_hostile_probes(ros):
+    executor, nodes = ros
+    node = AgentNode(parameter_overrides=[Parameter("model", value="tiny-random")])
+    nodes.append(node)
+    executor.add_node(node)
+    assert spin_until(executor, lambda: node.active, 120)
+    set_one = setter(ros, "tokenspeed_agent")
+    before = node.p
+    for name, value in PROBES:
+        result = set_one(name, value)
+        assert not result.successful, (name, value)
+        assert "\n" not in result.reason, result.reason
+        # a value of another type is refused by rclpy's fixed-type check, whose reason does not name
+        # the parameter (the set_parameters answer is per parameter); every other reason names it
+        assert name in result.reason or "Wrong parameter type" in result.reason, result.reason
+    assert node.p == before and node.worker.state == "ready"
 
 
 def test_bridge_parameters_apply_live_or_are_refused(ros, tmp_path):

@@ -55,6 +55,7 @@ def start_bridge(ros, tmp_path, **params) -> tuple[MarketBridgeNode, str, str]:
     node = MarketBridgeNode(parameter_overrides=[Parameter(k, value=v) for k, v in values.items()])
     nodes.append(node)
     executor.add_node(node)
+    assert spin_until(executor, lambda: node.active, 300)      # autostart: on the executor's first step
     return node, feed, decisions
 
 
@@ -247,7 +248,7 @@ def test_bridge_keeps_up_with_the_whole_capture_at_10x(ros, tmp_path):
 @pytest.mark.slow
 def test_embedded_model_answers_ticks_with_bounded_trading_calls(ros, tmp_path):
     """The embedded SmolLM2 with a generous budget: model decisions come back as valid calls of
-    tokenspeed_ros/config/trading_tools.json (enums and bounds respected)."""
+    engine/data/tools/trading_tools.json (enums and bounds respected)."""
     executor, _ = ros
     node, feed_ep, _ = start_bridge(ros, tmp_path, agent=True, deadline_budget_s=60.0, timer_s=1.0,
                                     move_bps=1000.0, burst_trades=1000)
@@ -300,7 +301,7 @@ def test_bridge_process_with_its_params_file(probe, ros_env, tmp_path):
         def feed_status():
             for arr in reversed(diags):
                 for s in arr.status:
-                    if s.name == "tokenspeed_market_bridge: feed":
+                    if s.name == "/tokenspeed_market_bridge: feed":
                         return s
             return None
 
@@ -331,8 +332,8 @@ def test_default_trading_tools():
 def test_bad_parameters_are_refused_by_name(ros, tmp_path):
     from tokenspeed_ros.params import AgentParamsError
 
-    node, _, _ = start_bridge(ros, tmp_path, timer_s=5, deadline_budget_s=1)   # ints for floats are fine
-    assert (node.p.timer_s, node.p.deadline_budget_s) == (5.0, 1.0)
+    with pytest.raises(AgentParamsError, match="timer_s refused: .*INTEGER.*DOUBLE.*; range \\[0, 86400\\]"):
+        MarketBridgeNode(parameter_overrides=[Parameter("timer_s", value=5)])       # fixed types: 5.0, not 5
     with pytest.raises(AgentParamsError, match="deadline_budget_s"):
         MarketBridgeNode(parameter_overrides=[Parameter("deadline_budget_s", value=True)])
     with pytest.raises(AgentParamsError, match="price_band"):

@@ -8,7 +8,60 @@ import sys
 import pytest
 
 from support import BIN, ROOT
-from tokenspeed_sim.bag import INPUTS, BagError, read_bag
+from tokenspeed_sim.bag import INPUTS, BagError, Recorder, offered_qos, read_bag, typestore
+
+
+def write_bag(path, messages):
+    """A rosbag2 (MCAP) folder of `messages`: (receive time ns, relative topic, ROS type, CDR bytes)."""
+    from rosbags.rosbag2 import StoragePlugin, Writer
+
+    with Writer(path, version=9, storage_plugin=StoragePlugin.MCAP) as writer:
+        store, conns = typestore(), {}
+        for t, topic, ros_type, raw in messages:
+            if topic not in conns:
+                conns[topic] = writer.add_connection("/" + topic, ros_type, typestore=store)
+            writer.write(conns[topic], t, raw)
+
+
+def joint_state_cdr() -> bytes:
+    from rclpy.serialization import serialize_message
+    from sensor_msgs.msg import JointState
+
+    msg = JointState(name=["a", "b"], position=[0.1, 0.2])
+    msg.header.stamp.sec = 1_700_000_000
+    return serialize_message(msg)
+
+
+@pytest.mark.parametrize("case", ["corrupt_message", "impossible_receive_time"])
+def test_replay_refuses_a_damaged_bag_with_its_clean_exit_code(case, tmp_path):
+    """A bag with one truncated message, or one receive time 1e18 ns (31 years) after the others:
+    `tokenspeed_replay` says which message and exits 2, before any agent starts (it used to end
+    with an RMWError traceback, or to wait for 31 years)."""
+    t0, good = 1_700_000_000 * 10 ** 9, joint_state_cdr()
+    bad = (good[:12], t0 + 10 ** 8) if case == "corrupt_message" else (good, t0 + 10 ** 18)
+    write_bag(tmp_path / "bag", [(t0, "joint_states", "sensor_msgs/msg/JointState", good),
+                                 (bad[1], "joint_states", "sensor_msgs/msg/JointState", bad[0]),
+                                 (t0 + 2 * 10 ** 8, "joint_states", "sensor_msgs/msg/JointState", good)])
+    out = subprocess.run([str(BIN / "tokenspeed_replay"), str(tmp_path / "bag"), "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert ("corrupt message 1 on joint_states" if case == "corrupt_message"
+            else "impossible receive time: message 2 on joint_states") in out.stderr, out.stderr
+
+
+def test_recorded_bag_names_topics_fully_and_keeps_their_qos(ros_env, tmp_path):
+    """The recorder writes fully qualified topic names and each topic's QoS profile, which the
+    replay publishes with again (a latched topic stays transient local)."""
+    from rclpy.qos import DurabilityPolicy
+    from rosbags.rosbag2 import Reader
+
+    Recorder(tmp_path / "bag").close()
+    with Reader(tmp_path / "bag") as reader:
+        topics = {c.topic for c in reader.connections}
+    assert "/camera/pose" in topics and "/joint_states" in topics and all(t.startswith("/") for t in topics)
+    qos = offered_qos(tmp_path / "bag")
+    assert qos["camera/pose"].durability == DurabilityPolicy.TRANSIENT_LOCAL and qos["camera/pose"].depth == 1
+    assert qos["joint_states"].durability == DurabilityPolicy.VOLATILE and qos["joint_states"].depth == 100
 
 
 def test_unreadable_bag_is_a_clear_error(tmp_path):
