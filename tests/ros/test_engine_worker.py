@@ -134,7 +134,7 @@ def test_a_call_decided_ahead_is_the_fresh_greedy_decision_and_a_changed_state_d
     """The embedded model (SmolLM2-135M), the demo's tools, system prompt and state lines. While
     the robot executes pick(red_cube), the next call is decided ahead on the state line pick's
     success leads to. Hit: the real line is that line, so the stored call is answered at once, and
-    it and the whole context are token for token what a fresh greedy decision gives (the place on
+    it and the whole context (cached plus pending ids) are exactly what a fresh greedy decision gives (the place on
     the target). Miss: another line (the pick grasped another cube) rolls the prediction back and
     decides as usual, again exactly as a fresh decision."""
     from tokenspeed_ros.context_policy import predicted_state, state_line
@@ -175,7 +175,11 @@ def test_a_call_decided_ahead_is_the_fresh_greedy_decision_and_a_changed_state_d
                 time.sleep(0.05)
             assert worker.decided_ahead is not None, worker.ahead_counts
         result = decide(2, holding, second)
-        return pick, result, worker._session.tokens     # the engine thread is idle: safe to read
+        # The engine thread is idle: safe to read. The context is the cached ids plus the pending
+        # ones: speculation's adaptive chain length (timing-dependent) decides whether a call's
+        # last grammar-forced (jump-forward) ids entered the KV cache in its last forward or wait
+        # for the next prefill.
+        return pick, result, worker._session.tokens + worker._session.pending
 
     worker.start()
     try:
