@@ -354,6 +354,21 @@ class ChatEngine:
             tools = normalize_tools(request.get("tools"))
         except ToolSchemaError as exc:
             raise ChatError(str(exc), "tools") from None
+        # counted before any grammar is compiled: an over-length request costs only its tokenization
+        system = messages[0]["role"] in ("system", "developer")
+        stop = request.get("stop")
+        job = {"system": message_text(messages[0]) if system else None, "messages": messages[system:], "tools": tools}
+        prompt = self._prompt_tokens(job)
+        asked = request.get("max_completion_tokens") or request.get("max_tokens")
+        param = "max_completion_tokens" if request.get("max_completion_tokens") else "max_tokens"
+        if prompt >= self.context:  # counting stopped there: a lower bound
+            raise ChatError(f"This model's maximum context length is {self.context} tokens. However, your messages "
+                            f"resulted in at least {prompt} tokens. Please reduce the length of the messages.",
+                            "messages", "context_length_exceeded")
+        if asked and prompt + asked > self.context:
+            raise ChatError(f"This model's maximum context length is {self.context} tokens. However, you requested "
+                            f"{prompt + asked} tokens ({prompt} in the messages, {asked} in the completion). Please "
+                            f"reduce the length of the messages or {param}.", param, "context_length_exceeded")
         schema = _response_schema(request.get("response_format"))
         if schema is not None:
             try:
@@ -370,20 +385,6 @@ class ChatEngine:
                 self.engine.grammar(tools, choice, parallel)
             except ToolSchemaError as exc:
                 raise ChatError(str(exc), "tool_choice") from None
-        system = messages[0]["role"] in ("system", "developer")
-        stop = request.get("stop")
-        job = {"system": message_text(messages[0]) if system else None, "messages": messages[system:], "tools": tools}
-        prompt = self._prompt_tokens(job)
-        asked = request.get("max_completion_tokens") or request.get("max_tokens")
-        param = "max_completion_tokens" if request.get("max_completion_tokens") else "max_tokens"
-        if prompt >= self.context:  # counting stopped there: a lower bound
-            raise ChatError(f"This model's maximum context length is {self.context} tokens. However, your messages "
-                            f"resulted in at least {prompt} tokens. Please reduce the length of the messages.",
-                            "messages", "context_length_exceeded")
-        if asked and prompt + asked > self.context:
-            raise ChatError(f"This model's maximum context length is {self.context} tokens. However, you requested "
-                            f"{prompt + asked} tokens ({prompt} in the messages, {asked} in the completion). Please "
-                            f"reduce the length of the messages or {param}.", param, "context_length_exceeded")
         return {**job, "choice": choice, "parallel": parallel, "schema": schema, "prompt_tokens": prompt,
                 "stops": [stop] if isinstance(stop, str) else list(stop or []),
                 "max_tokens": asked or min(256, self.context - prompt),

@@ -37,6 +37,7 @@ from .engine import Engine
 
 log = logging.getLogger("tokenspeed.serve")
 ADMISSION_SAFETY = 0.5  # a deadline is refused at admission when this share of the estimated time is too late
+PREPARE_QUEUE = 64  # requests that may be read and prepared at once (beyond: 429)
 
 __all__ = ["ChatCompletionRequest", "Server", "Ticket", "create_app", "listen", "serve"]
 
@@ -383,8 +384,10 @@ def create_app(server: Server):
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrived = time.monotonic()
-        if server.depth >= server.queue_size + 1:  # the running one and queue_size waiting: refused before reading
+        if len(server.tickets) >= server.queue_size + 1:  # the running one and queue_size waiting: refused at once
             return full_queue(f"the engine queue is full ({server.queue_size} waiting); retry later")
+        if server.admitting >= PREPARE_QUEUE:
+            return full_queue(f"{PREPARE_QUEUE} requests are being read and prepared; retry later")
         loop = asyncio.get_running_loop()
         server.admitting += 1
         try:
@@ -410,7 +413,7 @@ def create_app(server: Server):
         if deadline_at is not None and time.monotonic() + ADMISSION_SAFETY * server.ahead_s() + prefill > deadline_at:
             return full_queue(f"deadline_ms={req.deadline_ms:g} cannot be met behind the {len(server.tickets)} "
                               f"requests ahead (about {server.ahead_s() * 1e3:.0f} ms of work); retry later")
-        if server.depth >= server.queue_size + 1:  # filled while this one was prepared
+        if len(server.tickets) >= server.queue_size + 1:  # filled while this one was prepared
             return full_queue(f"the engine queue is full ({server.queue_size} waiting); retry later")
         ticket = Ticket(deadline_at, cost)
         server.tickets.add(ticket)
