@@ -265,8 +265,9 @@ class Engine:
             ToolSchemaError: a tool definition is invalid (the message names it), or an unknown tool_prompt.
             SessionArgumentError: system not a string or None (or not valid Unicode), capacity not
                 None or an integer in [1, max_seq_len], kv_budget not None, a positive integer or a
-                KVConfig, or the KV cache (`capacity` tokens, default max_seq_len; the hot tier's
-                budget with kv_budget) needs more memory than the device has available.
+                KVConfig, a capacity that cannot hold the system prompt and tools, or the KV cache
+                (`capacity` tokens, default max_seq_len; the hot tier's budget with kv_budget)
+                needs more memory than the device has available.
             ValueError: the KV budget is invalid.
         """
         return Session(self, system=system, tools=normalize_tools(tools), capacity=capacity, kv_budget=kv_budget,

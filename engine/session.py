@@ -155,6 +155,9 @@ class Session:
         self._system_text = tools_system_prompt(system, tools, tool_prompt, engine.call_format)
         system_ids = self.tok.encode_chat([{"role": "system", "content": self._system_text}], [])
         if kv_budget is None:
+            if len(system_ids) >= (capacity or self.model.args.max_seq_len):
+                raise SessionArgumentError(f"capacity={capacity or self.model.args.max_seq_len} tokens cannot hold "
+                                           f"the system prompt and tools ({len(system_ids)} tokens)")
             cache, window = self.model.new_cache(capacity), None
         else:
             kv = kv_budget if isinstance(kv_budget, KVConfig) else KVConfig(budget=kv_budget)  # validates it
