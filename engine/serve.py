@@ -136,10 +136,9 @@ class Ticket:
 class Server:
     """The HTTP side's state: the `ChatEngine`, its engine and preparation threads, admission and metrics.
 
-    Admission estimates each request's engine time from rates measured on this machine (a
-    calibration at start-up, then a moving average of the answers): prompt tokens not in a warm
-    session times the prefill time per token, plus the expected answer length times the time
-    per answer token.
+    Admission estimates each request's engine time from rates measured on this machine (moving
+    averages over the answers, none before the first): prompt tokens not in a warm session times
+    the prefill time per token, plus the expected answer length times the time per answer token.
 
     Args:
         engine: the resident `Engine`.
@@ -162,7 +161,10 @@ class Server:
         self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenspeed-prepare")
         self.tickets: set[Ticket] = set()  # admitted and not finished on the engine; event loop only
         self.admitting = 0  # requests read or prepared, not yet admitted; event loop only
-        self.prefill_s, self.decode_s, self.answer_tokens = self._calibrate(engine)
+        # measured rates (`_learn`): none yet, so no request is refused on a guess; until then
+        # deadlines are kept by dropping and stopping requests, which needs no estimate
+        self.prefill_s = self.decode_s = 0.0
+        self.answer_tokens = 16.0
         self.registry = r = CollectorRegistry()
         self.m_requests = Counter("tokenspeed_requests", "chat completion requests by finish reason",
                                   ["finish_reason"], registry=r)
@@ -189,21 +191,6 @@ class Server:
                 ("tokenspeed_decode_seconds_per_token", "measured time per answer token (admission estimate)",
                  lambda: self.decode_s)]:
             Gauge(name, doc, registry=r).set_function(value)
-
-    @staticmethod
-    def _calibrate(engine: Engine) -> tuple[float, float, float]:
-        # (prefill s per token, decode s per answer token, expected answer tokens) from one short
-        # conversation, the fastest of three runs (the first warms up; a busy machine slows some)
-        prefill, decode = [], []
-        for _ in range(3):
-            session = engine.session(capacity=min(512, engine.args.max_seq_len))
-            t0 = time.perf_counter()
-            n = session.observe("The red cube is at x=0.42 y=-0.10 on the table. " * 8)
-            t1 = time.perf_counter()
-            d = session.decide(tool_choice="none", max_tokens=8)
-            prefill.append((t1 - t0) / n)
-            decode.append((time.perf_counter() - t1) / max(1, d.generated_tokens + d.forced_tokens))
-        return min(prefill), min(decode), 16.0
 
     @property
     def depth(self) -> int:
@@ -264,11 +251,13 @@ class Server:
     def _learn(self, result: ChatResult) -> None:
         # moving averages of the measured rates (engine thread; floats: the event loop reads them whole)
         t, a = result.timings, 0.3
-        if t["prefill_tokens"] >= 16:
-            self.prefill_s += a * (t["prefill_ms"] / 1e3 / t["prefill_tokens"] - self.prefill_s)
+        if t["prefill_tokens"] >= 128:  # shorter ones are mostly fixed costs (a new session, a first forward)
+            rate = t["prefill_ms"] / 1e3 / t["prefill_tokens"]
+            self.prefill_s = rate if not self.prefill_s else self.prefill_s + a * (rate - self.prefill_s)
         n = result.usage["completion_tokens"]
         if n:
-            self.decode_s += a * ((t["total_ms"] - t["prefill_ms"]) / 1e3 / n - self.decode_s)
+            rate = (t["total_ms"] - t["prefill_ms"]) / 1e3 / n
+            self.decode_s = rate if not self.decode_s else self.decode_s + a * (rate - self.decode_s)
             self.answer_tokens += a * (n - self.answer_tokens)
 
 
