@@ -394,11 +394,11 @@ def create_app(server: Server):
         # refused by estimates only when half of what they predict is already too late
         prefill = ADMISSION_SAFETY * max(0.0, cost - min(job["max_tokens"], server.answer_tokens) * server.decode_s)
         if deadline_at is not None and time.monotonic() + prefill > deadline_at:
-            # not even the prompt's prefill fits: the deadline reason at once, no engine time spent
-            result = server.chat.stopped(job, time.monotonic(), f"cannot be met: its prefill alone takes about "
-                                         f"{prefill / ADMISSION_SAFETY * 1e3:.0f} ms on this machine")
+            # passed already, or not even the prompt's prefill fits: the deadline reason at once, no engine time
+            why = "the deadline passed while the request was read and prepared" if time.monotonic() >= deadline_at \
+                else f"cannot be met: its prefill alone takes about {prefill / ADMISSION_SAFETY * 1e3:.0f} ms here"
             server.m_dropped.labels("admission").inc()
-            return completion(base, result)
+            return completion(base, server.chat.stopped(job, time.monotonic(), why))
         if deadline_at is not None and time.monotonic() + ADMISSION_SAFETY * server.ahead_s() + prefill > deadline_at:
             return full_queue(f"deadline_ms={req.deadline_ms:g} cannot be met behind the {len(server.tickets)} "
                               f"requests ahead (about {server.ahead_s() * 1e3:.0f} ms of work); retry later")

@@ -340,3 +340,20 @@ def test_stream_that_fails_ends_with_an_error_event_then_done(faulty_app):
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=faulty_app, max_retries=0)
     with pytest.raises(openai.APIError, match="internal error"):  # the client raises the error, not a protocol error
         list(client.chat.completions.create(model="tokenspeed", messages=U, max_tokens=2, stream=True))
+
+
+@pytest.mark.parametrize("status, reason, tokens, expect", [
+    ("ok", "", 5, ("tool_calls", "tool_calls")),
+    ("text", "", 5, ("stop", "stop")),
+    ("text", "max_tokens", 8, ("length", "max_tokens")),
+    ("invalid", "no complete call within max_tokens=8", 8, ("length", "max_tokens")),
+    ("deadline_missed", "deadline passed after 3 tokens", 3, ("length", "deadline")),
+    ("invalid", "non-finite logits", 2, ("content_filter", "invalid")),
+])
+def test_finish_reasons_are_openais_with_ours_beside(status, reason, tokens, expect):
+    from tokenspeed import Decision
+    from tokenspeed.chat import FINISH_REASONS, finish
+
+    finish_reason, detail = finish(Decision(status=status, reason=reason), tokens, 8)
+    assert finish_reason in FINISH_REASONS and (finish_reason, detail["reason"]) == expect
+    assert detail["detail"] == reason
