@@ -437,7 +437,10 @@ def create_app(server: Server):
                 ticket.gone.set()
                 work.cancel()
                 return Response(status_code=204)
-            return completion(base, work.result())
+            try:
+                return completion(base, work.result())
+            except ChatError as exc:  # found only on the engine (a template that renders differently there)
+                return _error(400, str(exc), exc.param, code=exc.code)
 
         def chunk(delta: dict, finish=None, usage=None, detail=None) -> str:
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
