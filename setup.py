@@ -44,6 +44,7 @@ setup(
         "platformdirs>=4",
         "tqdm>=4.66",
         "ninja>=1.11",  # torch.utils.cpp_extension builds the fused CPU decode step with it
+        "psutil>=5.9",  # the host memory a session's KV cache may take (tokenspeed.session.check_kv_capacity)
     ],
     extras_require={
         "ros": [

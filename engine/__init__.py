@@ -11,11 +11,12 @@ Quick start::
 """
 from .grammar import ToolSchemaError
 from .model import ModelArgs, Transformer
-from .engine import Engine, LoadStages
-from .session import Checkpoint, Decision, Segment, Session, SessionArgumentError
+from .engine import Engine, EngineArgumentError, LoadStages
+from .session import Checkpoint, Decision, Segment, Session, SessionAborted, SessionArgumentError
 from .speculation import SpecConfig
 from .device import DeviceError
 from .weights import ModelLoadError
 
 __all__ = ["Engine", "LoadStages", "Session", "Decision", "Checkpoint", "Segment", "ModelArgs", "Transformer",
-           "SpecConfig", "ToolSchemaError", "ModelLoadError", "DeviceError", "SessionArgumentError"]
+           "SpecConfig", "ToolSchemaError", "ModelLoadError", "DeviceError", "SessionArgumentError", "SessionAborted",
+           "EngineArgumentError"]

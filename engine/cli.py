@@ -90,8 +90,8 @@ def cmd_generate(args) -> int:
 
 def cmd_serve(args) -> int:
     """Load the engine and serve the OpenAI-compatible API until interrupted."""
-    if args.queue_size < 0 or args.context < 64 or args.cache_budget_mb <= 0:
-        raise SystemExit("error: --queue-size must be >= 0, --context >= 64 and --cache-budget-mb > 0")
+    if args.queue_size < 0 or args.context < 64 or args.cache_budget_mb <= 0 or args.max_body_mb <= 0:
+        raise SystemExit("error: --queue-size must be >= 0, --context >= 64, --cache-budget-mb and --max-body-mb > 0")
     try:
         from .serve import listen, serve
     except ImportError as exc:
@@ -101,7 +101,7 @@ def cmd_serve(args) -> int:
     except OSError as exc:
         raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
     serve(_engine(args), sock, args.served_model_name, args.queue_size, int(args.cache_budget_mb * (1 << 20)),
-          args.context)
+          args.context, int(args.max_body_mb * (1 << 20)))
     return 0
 
 
@@ -165,19 +165,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=4096, help="KV capacity per conversation, tokens")
     p.add_argument("--cache-budget-mb", type=float, default=1024.0,
                    help="KV memory the warm conversations may hold, MiB (least recently used evicted beyond)")
+    p.add_argument("--max-body-mb", type=float, default=8.0,
+                   help="largest request body, MiB (default 8; larger: 413)")
     p.set_defaults(func=cmd_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tokenspeed` console script."""
-    from . import DeviceError, ModelLoadError
+    from . import DeviceError, EngineArgumentError, ModelLoadError, SessionArgumentError
     from .kernels.cpu_decode import CpuVariantError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ModelLoadError, CpuVariantError, DeviceError) as exc:
+    except (ModelLoadError, CpuVariantError, DeviceError, EngineArgumentError, SessionArgumentError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

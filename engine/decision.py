@@ -162,6 +162,8 @@ class Checkpoint:
     last_segment_end: int
     kv: object = None  # tokenspeed.kv.KVSnapshot for pruned sessions
     session_id: int = 0  # the session it belongs to: another session's checkpoint is refused
+    branch: int = 0  # the branch of the context it was taken on (a rollback starts a new one)
+    serial: int = 0  # taken order within the session: on an abandoned branch, later ones are invalid
 
 
 def settle(d: Decision, matcher, is_text: bool, n_out: int, max_tokens: int, deadline_at: float | None,

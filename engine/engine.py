@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import torch
@@ -18,7 +19,14 @@ from .speculation import SpecConfig
 from .tokenizer import Tokenizer
 from .weights import ModelLoadError, load_model_files, load_quantized, resolve_model, save_quantized
 
-__all__ = ["Engine", "LoadStages"]
+__all__ = ["Engine", "EngineArgumentError", "LoadStages"]
+
+
+class EngineArgumentError(ValueError, TypeError):
+    """An argument of `Engine.load` is invalid (the message names it and what is accepted).
+
+    A ValueError and a TypeError, so callers that caught either before keep working.
+    """
 
 # Probe prompts for quantize="auto": a format's greedy tokens after each must equal fp32's.
 _AUTO_PROBES = ("The red cube is at x=0.42 y=-0.10 on the table. Pick it up and",
@@ -175,12 +183,24 @@ class Engine:
                 runs on a worker thread): True, False, or None (auto: on CUDA only; see
                 `tokenspeed.device.resolve_pipeline`).
         Raises:
-            ModelLoadError: bad path or unsupported file.
+            EngineArgumentError: model not None, a string or a path; threads not None or a positive
+                integer; an unknown quantize mode; pipeline not None or a bool; stages not a LoadStages.
+            ModelLoadError: bad path, unsupported file, or a configuration (config.json,
+                tokenizer_config.json) this engine cannot run as written (the message names the key).
             DeviceError: a malformed device or dtype, or a CUDA device this machine does not have.
-            ValueError: unknown quantize mode, or an unknown or unrunnable `$TOKENSPEED_CPU_ISA`.
+            ValueError: an unknown or unrunnable `$TOKENSPEED_CPU_ISA`.
         """
-        if quantize not in (None, "auto", *MODES):
-            raise ValueError(f"unknown quantization {quantize!r}; choose one of {('auto', *MODES)} or None")
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise EngineArgumentError(f"model must be None, a path or 'tiny-random', got {type(model).__name__}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise EngineArgumentError(f"threads must be None or a positive integer, got {threads!r:.40}")
+        if not isinstance(quantize, (str, type(None))) or quantize not in (None, "auto", *MODES):
+            raise EngineArgumentError(f"unknown quantization {quantize!r:.40}; choose one of {('auto', *MODES)} or None")
+        if pipeline is not None and not isinstance(pipeline, bool):
+            raise EngineArgumentError(f"pipeline must be None, True or False, got {pipeline!r:.40}")
+        if stages is not None and not isinstance(stages, LoadStages):
+            raise EngineArgumentError(f"stages must be None or a LoadStages, got {type(stages).__name__}")
+        model = os.fspath(model) if model is not None else None
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         if threads:
@@ -243,6 +263,11 @@ class Engine:
             tool_prompt: how the tools are listed in the system prompt (`tokenspeed.grammar.TOOL_PROMPTS`).
         Raises:
             ToolSchemaError: a tool definition is invalid (the message names it), or an unknown tool_prompt.
+            SessionArgumentError: system not a string or None (or not valid Unicode), capacity not
+                None or an integer in [1, max_seq_len], kv_budget not None, a positive integer or a
+                KVConfig, a capacity that cannot hold the system prompt and tools, or the KV cache
+                (`capacity` tokens, default max_seq_len; the hot tier's budget with kv_budget)
+                needs more memory than the device has available.
             ValueError: the KV budget is invalid.
         """
         return Session(self, system=system, tools=normalize_tools(tools), capacity=capacity, kv_budget=kv_budget,

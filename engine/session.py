@@ -25,10 +25,103 @@ from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .speculation import Speculator
 
-__all__ = ["Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError"]
+__all__ = ["Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError", "SessionAborted", "render_turn",
+           "kv_bytes", "check_kv_capacity"]
 
 _ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,31}$")  # chat roles are template text: no markup in them
 _SESSION_IDS = itertools.count(1)
+ABORT_CHUNK = 128  # prefill tokens per forward when an `abort` check runs between forwards
+
+
+class SessionAborted(RuntimeError):
+    """`observe()` or `decide()` stopped between two forwards because its `abort` callable said so
+    (e.g. the client that asked has gone, or its deadline passed while prefilling); the session
+    was rolled back to its state before the call."""
+
+
+def render_turn(tok, system_text: str, messages: list[dict], first: bool) -> list[int]:
+    """Token ids of chat `messages` as a session appends them after its system message.
+
+    Rendered on their own after the system message, keeping only their tokens (chat templates are
+    prefix-stable: O(message), not O(history)); contents are tokenized as text only, so no
+    special token can be forged from them. A template that writes the system message with the
+    last user message (Mistral, `Tokenizer.system_moves`) gets it once, with the first message
+    after it (`first`): re-writing it at every turn would repeat it, moving it would change
+    cached tokens.
+
+    Args:
+        tok: the `tokenspeed.tokenizer.Tokenizer`.
+        system_text: the system message (system prompt and tools, `tools_system_prompt`).
+        messages: [{"role": str, "content": str}].
+        first: these are the first messages after the system message.
+    """
+    head = [{"role": "system", "content": system_text}] if first or not tok.system_moves else []
+    return tok.encode_chat(messages, head)
+
+
+def kv_bytes(args, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of a KV cache of `tokens` slots for a model of `args` (`ModelArgs`): keys and values of
+    every layer, [tokens, n_kv_heads, head_dim] each, in `dtype`."""
+    return 2 * args.n_layers * tokens * args.n_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def _available_memory(device: torch.device) -> int:
+    # bytes free for a new allocation on `device`: the CUDA device's free memory, else the host's available memory
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def check_kv_capacity(engine, capacity, kv_budget=None) -> None:
+    """Check a session's KV size before anything is allocated.
+
+    Args:
+        engine: the `tokenspeed.engine.Engine`.
+        capacity: None (the model's max_seq_len) or tokens in [1, max_seq_len].
+        kv_budget: None, a positive int of tokens or a `KVConfig` (then its hot tier's budget counts).
+    Raises:
+        SessionArgumentError: a wrong type or range, or the KV cache needs more memory than the
+            device has available (the message gives both in GiB).
+    """
+    most = engine.model.args.max_seq_len
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                 or not 1 <= capacity <= most):
+        raise SessionArgumentError(f"capacity must be None or an integer in [1, {most}] (the model's "
+                                   f"max_position_embeddings) tokens, got {capacity!r:.40}")
+    if kv_budget is not None and not isinstance(kv_budget, KVConfig) and (
+            isinstance(kv_budget, bool) or not isinstance(kv_budget, int) or kv_budget < 1):
+        raise SessionArgumentError(f"kv_budget must be None, a positive integer of tokens or a KVConfig, "
+                                   f"got {kv_budget!r:.40}")
+    w = engine.model.tok_embeddings.weight
+    tokens = (kv_budget.budget if isinstance(kv_budget, KVConfig) else kv_budget) if kv_budget is not None \
+        else capacity or most
+    need, free = kv_bytes(engine.model.args, tokens, w.dtype), _available_memory(w.device)
+    if need > free:
+        what = "kv_budget" if kv_budget is not None else "capacity" if capacity is not None else \
+            "capacity (default: max_position_embeddings)"
+        raise SessionArgumentError(f"{what}={tokens} tokens needs {need / 2**30:.2f} GiB of KV cache, more than the "
+                                   f"{free / 2**30:.2f} GiB available on {w.device}: pass a smaller capacity or a "
+                                   f"kv_budget")
+
+
+def _seed_arg(seed) -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64):
+        raise SessionArgumentError(f"seed must be None or an integer in [0, 2**64), got {seed!r:.40}")
+
+
+def _callback_arg(fn, name: str) -> None:
+    if fn is not None and not callable(fn):
+        raise SessionArgumentError(f"{name} must be a callable or None, got {type(fn).__name__}")
+
+
+def _text_arg(text: str, name: str) -> None:
+    # text the tokenizer can take: valid Unicode (a lone surrogate such as "\ud800" is not)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise SessionArgumentError(f"{name} is not valid Unicode: {exc.reason} at index {exc.start}") from None
 
 
 class Session:
@@ -47,14 +140,24 @@ class Session:
 
     def __init__(self, engine, system: str | None, tools: list[dict], capacity: int | None,
                  kv_budget: "int | KVConfig | None" = None, tool_prompt: str = DEFAULT_TOOL_PROMPT):
+        check_kv_capacity(engine, capacity, kv_budget)
+        if system is not None:
+            if not isinstance(system, str):
+                raise SessionArgumentError(f"system must be a string or None, got {type(system).__name__}")
+            _text_arg(system, "system")
         self.engine = engine
         self.id = next(_SESSION_IDS)
+        self._branches = [[0, None]]  # [branch id, last valid checkpoint serial]: root .. current (None: open)
+        self._serials = itertools.count(1)
         self.model = engine.model
         self.tok = engine.tokenizer
         self.tools = tools
         self._system_text = tools_system_prompt(system, tools, tool_prompt, engine.call_format)
         system_ids = self.tok.encode_chat([{"role": "system", "content": self._system_text}], [])
         if kv_budget is None:
+            if len(system_ids) >= (capacity or self.model.args.max_seq_len):
+                raise SessionArgumentError(f"capacity={capacity or self.model.args.max_seq_len} tokens cannot hold "
+                                           f"the system prompt and tools ({len(system_ids)} tokens)")
             cache, window = self.model.new_cache(capacity), None
         else:
             kv = kv_budget if isinstance(kv_budget, KVConfig) else KVConfig(budget=kv_budget)  # validates it
@@ -94,16 +197,10 @@ class Session:
         return len(self.target.tokens) + len(self.pending)
 
     def _render(self, messages: list[dict]) -> list[int]:
-        # Render messages on their own, after the system message, and keep only their tokens
-        # (chat templates are prefix-stable; this is O(message), not O(history)). Contents are
-        # tokenized as text only: no special token can be forged from them.
-        # A template that writes the system message with the last user message (Mistral,
-        # `Tokenizer.system_moves`) gets it once, with the first message after it: re-writing it
-        # at every turn would repeat it, moving it would change cached tokens.
-        head = [{"role": "system", "content": self._system_text}] if self.segments else []
-        if self.tok.system_moves and len(self.segments) > 1:
-            head = []
-        return self.tok.encode_chat(messages, head)
+        # the messages' tokens after the system message (`render_turn`)
+        if not self.segments:
+            return self.tok.encode_chat(messages, [])
+        return render_turn(self.tok, self._system_text, messages, first=len(self.segments) == 1)
 
     def _append(self, ids: list[int], kind: str, source: str = "", pinned: bool = False) -> None:
         start = self.num_tokens
@@ -115,18 +212,24 @@ class Session:
         # Prefill/decode `ids` at the next positions; returns logits [1, V] for the last one.
         return self.target.forward(ids, logits_for)
 
-    def _flush(self) -> None:
+    def _flush(self, abort=None) -> None:
         # A family whose answer has no header (Mistral: the assistant prefix is empty) has no
         # trigger tokens: the context's last token stays pending, so that the next decision's
-        # first forward has a row to read the logits from.
+        # first forward has a row to read the logits from. With `abort`, the prefill runs in
+        # forwards of ABORT_CHUNK tokens and stops between two when abort() is true.
         keep = 0 if self.tok.assistant_prefix else 1
         if len(self.pending) > keep:
             ids, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
-            self._forward(ids, "none")
+            step = ABORT_CHUNK if abort is not None else max(len(ids), 1)
+            for i in range(0, len(ids), step):
+                if abort is not None and abort():
+                    raise SessionAborted(f"aborted after {i} of {len(ids)} prefill tokens")
+                self._forward(ids[i:i + step], "none")
             self.cache.trim()  # back to the KV budget between decisions
             self.speculator.observe(self.target.context())  # the draft model's KV follows, off the decision path
 
-    def observe(self, content, role: str = "user", kind: str = "text", source: str = "", pin: bool = False) -> int:
+    def observe(self, content, role: str = "user", kind: str = "text", source: str = "", pin: bool = False,
+                abort=None) -> int:
         """Append an observation to the context and prefill it now (streaming prefill).
 
         Content is tokenized as text only: special tokens written in it (`<|im_end|>`) never
@@ -141,12 +244,17 @@ class Session:
             pin: keep this observation in the hot tier for good (pruned sessions); with a
                 `source`, only until a newer pinned observation of the same source arrives (a
                 new goal supersedes the last one, which may then be evicted first).
+            abort: a callable () -> bool checked between prefill forwards (of `ABORT_CHUNK`
+                tokens), or None (one prefill, never stopped).
         Returns:
             tokens appended to the context.
         Raises:
             SessionArgumentError: content is neither str nor a list of {"role": str, "content":
-            str} messages, a role is not a plain name, or `kind` is neither "text" nor "sensor".
+            str} messages, a role is not a plain name, a text is not valid Unicode (a lone
+            surrogate), or `kind` is neither "text" nor "sensor".
+            SessionAborted: abort() said so before the prefill ended.
             ValueError: context full.
+        On an error the session is left as it was before the call.
         """
         if kind not in ("text", "sensor"):
             raise SessionArgumentError(f'observe(): kind must be "text" or "sensor", got {kind!r}')
@@ -156,29 +264,51 @@ class Session:
                 and _ROLE.match(m.get("role", "user")) for m in messages):
             raise SessionArgumentError("observe() takes a string or a list of {'role': name, 'content': str} "
                                        "messages (role: letters, digits, '_' or '-')")
+        _callback_arg(abort, "abort")
         messages = [{"role": m.get("role", "user"), "content": m["content"]} for m in messages]
+        for i, m in enumerate(messages):
+            _text_arg(m["content"], f"observe() message {i} content")
         ids = self._render(messages)
-        self._append(ids, kind, source, pinned=pin)
-        self._flush()
+        cp = self.checkpoint()
+        try:
+            self._append(ids, kind, source, pinned=pin)
+            self._flush(abort)
+        except BaseException:
+            self.rollback(cp)  # the KV cache is full, or aborted: the context is left as before the call
+            raise
         return len(ids)
 
     def checkpoint(self) -> Checkpoint:
         """Capture the context (O(1): the KV prefix is immutable until rollback)."""
         last_end = self.segments[-1].end if self.segments else 0
         return Checkpoint(len(self.target.tokens), tuple(self.pending), len(self.segments), last_end, self.cache.snapshot(),
-                          self.id)
+                          self.id, self._branches[-1][0], next(self._serials))
+
+    def _on_branch(self, cp: Checkpoint) -> int | None:
+        # index in self._branches of cp's branch when cp is a state of the current context's history, else None
+        for i, (branch, last) in enumerate(self._branches):
+            if branch == cp.branch:
+                return i if last is None or cp.serial <= last else None
+        return None
 
     def rollback(self, cp: Checkpoint) -> None:
         """Restore the context exactly as it was at `cp` (later tokens and KV are discarded).
 
+        Every rollback starts a new branch of the context: a checkpoint stays valid while it is a
+        state of the current context's history (taken on this branch, or on an earlier one before
+        the point this branch left it); one of an abandoned branch is refused.
+
         Raises:
-            SessionArgumentError: `cp` is not a Checkpoint of this session.
-            ValueError: `cp` is from a longer context than the current one's cached prefix.
+            SessionArgumentError: `cp` is not a Checkpoint of this session, or it was taken on a
+                branch that a rollback abandoned (its context is no longer this one's history).
         """
         if not isinstance(cp, Checkpoint) or cp.session_id != self.id:
             raise SessionArgumentError("rollback() takes a Checkpoint taken from this same session")
-        if cp.n_tokens > len(self.target.tokens) or cp.n_segments > len(self.segments):
-            raise ValueError("checkpoint is not a prefix of this session's context")
+        at = self._on_branch(cp)
+        if at is None or cp.n_tokens > len(self.target.tokens) or cp.n_segments > len(self.segments):
+            raise SessionArgumentError("rollback(): the checkpoint belongs to a branch of this session's context that "
+                                       "an earlier rollback abandoned")
+        self._branches[at:] = [[cp.branch, cp.serial], [next(self._serials), None]]
         self.cache.restore(cp.n_tokens, cp.kv)  # a pruned cache also undoes evictions and recalls since cp
         del self.target.tokens[cp.n_tokens:]
         self.pending = list(cp.pending)
@@ -191,7 +321,7 @@ class Session:
     def decide(self, tool_choice="required", deadline: float | None = None, deadline_at: float | None = None,
                max_tokens: int = 256, jump_forward: bool = True, parallel: bool = False,
                response_format: dict | None = None, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int | None = None, on_text=None) -> Decision:
+               seed: int | None = None, on_text=None, abort=None) -> Decision:
         """Produce schema-valid tool call(s), before a deadline or say why not; or a text answer.
 
         Greedy decoding (by default) under the tool-call grammar; jump-forward appends
@@ -216,6 +346,9 @@ class Session:
             temperature, top_p, seed: sampling (temperature 0: greedy), as in `generate()`.
             on_text: callback(str) receiving each new piece of a text answer as it is generated
                 (never pieces of a call); returning True stops the answer there (stop sequences).
+            abort: a callable () -> bool checked before the first forward and between decode
+                steps, or None: when it returns True the decision stops there, the session is
+                rolled back and `SessionAborted` is raised.
         Returns:
             a `Decision`. On "ok" and "text" the answer stays in the context as the assistant
             turn; otherwise the session is rolled back to its state before the call.
@@ -224,7 +357,9 @@ class Session:
                 format's schema is invalid.
             SessionArgumentError: deadline or deadline_at not a finite number (NaN would disable
                 the deadline), max_tokens not a positive integer, temperature negative or not
-                finite, top_p outside (0, 1].
+                finite, top_p outside (0, 1], seed not None or an integer in [0, 2**64), on_text
+                or abort not callable.
+            SessionAborted: abort() said so; the session is left as it was before the call.
             ValueError: the KV cache is full; the session is left as it was before the call.
         """
         t0 = time.perf_counter()
@@ -232,6 +367,9 @@ class Session:
         deadline_at = finite_arg(deadline_at, "deadline_at", " (time.monotonic() seconds) or None")
         positive_int_arg(max_tokens, "max_tokens")
         sampling_args(temperature, top_p)
+        _seed_arg(seed)
+        _callback_arg(on_text, "on_text")
+        _callback_arg(abort, "abort")
         if deadline is not None:
             deadline_at = time.monotonic() + deadline
         if response_format is not None:
@@ -248,12 +386,20 @@ class Session:
         gen = torch.Generator(self.engine.device).manual_seed(seed) if seed is not None else None
         stream = None if grammar is not None and grammar.mode == "required" else \
             self._text_stream(on_text, calls=grammar is not None and grammar.mode == "auto")
+        on_step = stream
+        if abort is not None:
+            def on_step(out: list[int]) -> bool:  # between two decode steps: stop here when aborted
+                return bool(abort()) or (stream is not None and stream(out))
         try:
+            if abort is not None and abort():
+                raise SessionAborted("aborted before the first forward")
             with self.cache.decision():  # a pruned cache recalls before the first forward only
                 out, feed, stats = decode(self.target, self.speculator, prefill, tok=self.tok, matcher=matcher,
                                           jump_forward=jump_forward, max_tokens=max_tokens, deadline_at=deadline_at,
                                           t0=t0, temperature=temperature, top_p=top_p, generator=gen,
-                                          on_token=stream)
+                                          on_token=on_step)
+            if abort is not None and abort():
+                raise SessionAborted(f"aborted after {len(out)} answer tokens")
         except NonFiniteLogitsError as exc:  # never "ok" on garbage: the monitor's fallback applies
             out, feed = [], []
             d = Decision(status="invalid", reason=str(exc))
@@ -322,16 +468,21 @@ class Session:
             the generated text (the reply stays in the context). With speculation, greedy output
             is identical and sampled output has the same distribution (rejection sampling).
         Raises:
-            SessionArgumentError: prompt not a string or None, max_tokens not a positive integer,
-                temperature negative or not finite, top_p outside (0, 1].
+            SessionArgumentError: prompt not a string or None (or not valid Unicode), max_tokens
+                not a positive integer, temperature negative or not finite, top_p outside (0, 1],
+                seed not None or an integer in [0, 2**64), on_token not callable.
             NonFiniteLogitsError: a forward produced NaN/inf logits (corrupt weights in memory).
             ValueError: the KV cache is full (the prompt or the reply does not fit).
         On an error the session is left as it was before the call (the prompt is not added).
         """
         if prompt is not None and not isinstance(prompt, str):
             raise SessionArgumentError(f"prompt must be a string or None, got {type(prompt).__name__}")
+        if prompt is not None:
+            _text_arg(prompt, "prompt")
         positive_int_arg(max_tokens, "max_tokens")
         sampling_args(temperature, top_p)
+        _seed_arg(seed)
+        _callback_arg(on_token, "on_token")
         cp = self.checkpoint()
         try:
             if prompt is not None:

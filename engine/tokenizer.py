@@ -78,28 +78,50 @@ class Tokenizer:
     """
 
     def __init__(self, folder: Path):
+        """Load `folder`'s tokenizer.json and tokenizer_config.json.
+
+        Raises:
+            ModelLoadError (`tokenspeed.weights`): a file is missing or unreadable, or a
+                tokenizer_config.json key has the wrong type or value: chat_template not a string
+                (or a list of {"name", "template"} with a "default"), a template that does not
+                compile or render a conversation, bos_token/eos_token not a token of the vocabulary
+                (the message names the file and the key).
+        """
         from tokenizers import Tokenizer as HFTokenizer
 
-        self.json = (folder / "tokenizer.json").read_text()
-        self._tok = HFTokenizer.from_str(self.json)
-        self._tok.no_padding()
-        self._tok.no_truncation()
-        # The same model with special tokens never parsed: for text that comes from outside.
-        self._text_tok = HFTokenizer.from_str(self.json)
-        self._text_tok.no_padding()
-        self._text_tok.no_truncation()
+        from .weights import ModelLoadError
+
+        try:
+            self.json = (folder / "tokenizer.json").read_text()
+            self._tok = HFTokenizer.from_str(self.json)
+            # The same model with special tokens never parsed: for text that comes from outside.
+            self._text_tok = HFTokenizer.from_str(self.json)
+        except Exception as exc:  # OSError, or the tokenizers library's own errors for a malformed file
+            raise ModelLoadError(f"cannot read {folder / 'tokenizer.json'}: {exc}") from exc
+        for t in (self._tok, self._text_tok):
+            t.no_padding()
+            t.no_truncation()
         self._text_tok.encode_special_tokens = True
         cfg_path = folder / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        where = str(cfg_path)
+        try:
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read {where}: {exc}") from exc
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{where}: not a JSON object")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.chat_template = cfg.get("chat_template")
+        self.chat_template = _chat_template(cfg.get("chat_template"), where)
         self.add_bos = bool(cfg.get("add_bos_token", False))
-        self.bos_id = self._special_id(cfg.get("bos_token"))
-        self.eos_id = self._special_id(cfg.get("eos_token"))
+        self.bos_id = self._special_id(cfg.get("bos_token"), f"{where}: bos_token")
+        self.eos_id = self._special_id(cfg.get("eos_token"), f"{where}: eos_token")
         self._eos_text = self._tok.id_to_token(self.eos_id) if self.eos_id is not None else ""
         self._template = None
-        self.assistant_prefix, self.assistant_suffix = self._assistant_affixes()
-        self.system_moves = self._system_moves()
+        try:
+            self.assistant_prefix, self.assistant_suffix = self._assistant_affixes()
+            self.system_moves = self._system_moves()
+        except ValueError as exc:  # the template does not compile, or does not render a plain conversation
+            raise ModelLoadError(f"{where}: chat_template: {exc}") from exc
         # The template's end-of-turn token (e.g. ChatML's <|im_end|>, Llama 3's <|eot_id|>) ends a turn too.
         end_turn = [i for i in self._tok.encode(self.assistant_suffix, add_special_tokens=False).ids
                     if self._tok.decode([i], skip_special_tokens=True) == ""][:1]
@@ -124,10 +146,17 @@ class Tokenizer:
                                  {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}])
         return _MARK in text and text.index(_MARK) > text.find("u1") >= 0
 
-    def _special_id(self, token) -> int | None:
+    def _special_id(self, token, where: str) -> int | None:
+        from .weights import ModelLoadError
+
         if isinstance(token, dict):  # AddedToken serialised as a dict
             token = token.get("content")
-        return self._tok.token_to_id(token) if token else None
+        if not token:
+            return None
+        i = self._tok.token_to_id(token) if isinstance(token, str) else None
+        if i is None:
+            raise ModelLoadError(f"{where}={token!r:.40} is not a token of tokenizer.json")
+        return i
 
     def encode(self, text: str) -> list[int]:
         """Token ids of trusted template text: special tokens written literally (`<|im_end|>`)
@@ -174,20 +203,43 @@ class Tokenizer:
 
         Raises:
             ValueError: the template refuses the conversation (its `raise_exception`, e.g.
-                Mistral's "roles must alternate"); the message is the template's.
+                Mistral's "roles must alternate"; the message is the template's), does not compile,
+                or fails while rendering it (the message names jinja2's error).
         """
-        if self._template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        import jinja2
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            # raise_exception as transformers' apply_chat_template defines it (Mistral's templates
-            # call it on a bad role order). strftime_now is left undefined on purpose: Llama 3.2's
-            # template then writes its fixed default date, so a rendering never changes at midnight
-            # (the session relies on a message rendering the same way every time).
-            env.globals["raise_exception"] = _raise_template_error
-            self._template = env.from_string(self.chat_template or _CHATML)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token="", eos_token=self._eos_text)
+        try:
+            if self._template is None:
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                # raise_exception as transformers' apply_chat_template defines it (Mistral's templates
+                # call it on a bad role order). strftime_now is left undefined on purpose: Llama 3.2's
+                # template then writes its fixed default date, so a rendering never changes at midnight
+                # (the session relies on a message rendering the same way every time).
+                env.globals["raise_exception"] = _raise_template_error
+                self._template = env.from_string(self.chat_template or _CHATML)
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token="", eos_token=self._eos_text)
+        except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, ZeroDivisionError,
+                OverflowError, RecursionError) as exc:
+            # what a template's own code can raise (a ValueError from raise_exception passes as it is)
+            raise ValueError(f"chat template: {type(exc).__name__}: {exc}") from None
+
+
+def _chat_template(value, where: str) -> str | None:
+    # tokenizer_config.json's chat_template: a string, or transformers' list of named templates
+    # (the "default" one is the chat template), or absent
+    from .weights import ModelLoadError
+
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+        if value is None:
+            raise ModelLoadError(f"{where}: chat_template is a list without a template named 'default'")
+    if value is not None and not isinstance(value, str):
+        raise ModelLoadError(f"{where}: chat_template must be a string, got {type(value).__name__}")
+    return value
 
 
 def _raise_template_error(message: str):

@@ -114,10 +114,17 @@ _CONFIG_INTS = {
 def model_args(cfg, folder: Path) -> ModelArgs:
     """`ModelArgs` of a Hugging Face `config.json` dict, every value checked first.
 
+    Features this engine does not implement are refused rather than run as something else: an
+    activation other than SiLU (`hidden_act`), a rotary scaling other than none or Llama 3.1's
+    ("llama3"), MLP biases, a model_type outside the Llama family (llama, mistral, qwen2).
+
     Raises:
         ModelLoadError: a missing or non-integer size, a value out of range (sizes in
             [1, bound], max_position_embeddings up to 2**20 tokens), a non-finite or non-positive
-            rms_norm_eps/rope_theta, heads that do not divide, a rope_scaling that is not an object.
+            rms_norm_eps/rope_theta, heads that do not divide, a rope_scaling that is not an
+            object or lacks what its type needs, a flag (tie_word_embeddings, attention_bias,
+            mlp_bias) that is not a boolean, or an unsupported feature (above). The message
+            names the file and the key.
     """
     where = f"{folder / 'config.json'}"
     if not isinstance(cfg, dict):
@@ -137,12 +144,51 @@ def model_args(cfg, folder: Path) -> ModelArgs:
     for key in ("rope_scaling", "rope_parameters"):
         if cfg.get(key) is not None and not isinstance(cfg[key], dict):
             raise ModelLoadError(f"{where}: {key} must be an object or null")
+        _check_rope(cfg.get(key) or {}, f"{where}: {key}")
+    for key in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            raise ModelLoadError(f"{where}: {key}={cfg[key]!r:.40} must be true or false")
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{where}: mlp_bias=true is not supported (Llama-family MLPs have no biases)")
+    for key in ("hidden_act", "hidden_activation"):
+        if cfg.get(key) is not None and cfg[key] not in _ACTIVATIONS:
+            raise ModelLoadError(f"{where}: {key}={cfg[key]!r:.40} is not supported (only {' or '.join(_ACTIVATIONS)})")
+    if cfg.get("model_type") is not None and cfg["model_type"] not in _MODEL_TYPES:
+        raise ModelLoadError(f"{where}: model_type={cfg['model_type']!r:.40} is not supported "
+                             f"(one of {', '.join(_MODEL_TYPES)})")
     if cfg["num_attention_heads"] % (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]):
         raise ModelLoadError(f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
     try:
         return ModelArgs.from_hf_config(cfg)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ModelLoadError(f"{where}: {exc!r}") from exc
+
+
+_ACTIVATIONS = ("silu", "swish")  # the same function: SwiGLU MLPs
+_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_ROPE_TYPES = ("default", "llama3")
+
+
+def _check_rope(rope: dict, where: str) -> None:
+    # a rotary-embedding object the model runs as written (`tokenspeed.model.rope_tables`)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in _ROPE_TYPES:
+        raise ModelLoadError(f"{where}.rope_type={kind!r:.40} is not supported (one of {', '.join(_ROPE_TYPES)})")
+
+    def number(key: str, default=None, required: bool = False) -> float | None:
+        value = rope.get(key, default)
+        if value is None and not required:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ModelLoadError(f"{where}.{key}={value!r:.40} must be a positive finite number")
+        return value
+
+    number("rope_theta")
+    if kind == "llama3":
+        number("factor", required=True)
+        number("original_max_position_embeddings", 8192)
+        if not number("low_freq_factor", 1.0) < number("high_freq_factor", 4.0):
+            raise ModelLoadError(f"{where}: low_freq_factor must be below high_freq_factor")
 
 
 def load_model_files(files: ModelFiles) -> dict[str, torch.Tensor]:

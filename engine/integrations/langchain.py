@@ -60,7 +60,8 @@ class ChatTokenSpeed(BaseChatModel):
         max_tokens: most tokens per answer.
         temperature, top_p, seed: sampling (temperature 0: greedy).
         stop: stop sequences (the answer ends before the first one).
-        deadline: seconds per answer; a late answer has finish_reason "deadline" and no call.
+        deadline: seconds per answer; a late answer has finish_reason "length" and no call
+            (response_metadata "tokenspeed_finish": {"reason": "deadline", "detail": why}).
         context: KV capacity per conversation, tokens.
         cache_budget_mb: KV memory the warm conversations may hold, MiB.
         streaming: `invoke` streams through `_stream` (LangChain's flag).
@@ -180,7 +181,7 @@ class ChatTokenSpeed(BaseChatModel):
                               total_tokens=u["total_tokens"],
                               input_token_details={"cache_read": u["prompt_tokens_details"]["cached_tokens"]})
         meta = {"finish_reason": result.finish_reason, "model_name": self.model_name,
-                "model_provider": "tokenspeed", "tokenspeed": result.timings}
+                "model_provider": "tokenspeed", "tokenspeed": result.timings, "tokenspeed_finish": result.detail}
         return {"content": msg.get("content") or "", "tool_calls": tool_calls}, usage, meta
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,

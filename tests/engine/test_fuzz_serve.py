@@ -1,8 +1,10 @@
 """Hypothesis fuzzing of `tokenspeed serve`'s POST /v1/chat/completions through a real server
 process (tiny-random model): bytes that are not JSON, JSON of any shape, and request objects with
-every field given random JSON values. Every answer is a 2xx or an OpenAI-shaped 4xx error whose
-`param` names a field of the body (or nothing), never a 5xx; the server stays up throughout.
-Seeded and bounded here; the slow suite runs more examples."""
+every field given random JSON values (lone surrogates, schemas nested past the limit and texts
+over the context among them). Every answer is a 2xx or an OpenAI-shaped 4xx error whose `param`
+names a field of the body (or nothing), never a 5xx; a finish reason is OpenAI's; a stream ends
+with `[DONE]`; the server stays up throughout. Seeded and bounded here; the slow suite runs more
+examples."""
 import json
 
 import pytest
@@ -23,8 +25,20 @@ REQUEST_FIELDS = ("model", "messages", "tools", "tool_choice", "parallel_tool_ca
 TOOL = {"type": "function", "function": {"name": "move", "description": "Move the arm.", "parameters": {
     "type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}}}
 
+OPENAI_FINISH = {"stop", "length", "tool_calls", "content_filter"}
+hostile_text = st.sampled_from(["lone \ud800 surrogate", "\udfff", "word " * 3000])  # bad Unicode; over the context
+
+
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "number"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-2, 10 ** 20), st.floats(allow_nan=False),
-                    st.text(max_size=20))
+                    st.text(max_size=20), hostile_text)
+deep_schemas = st.integers(1, 120).map(_nested)
 json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                             st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                            max_leaves=12)
@@ -36,7 +50,10 @@ messages = st.lists(st.fixed_dictionaries({"role": roles}, optional={
     "name": json_values, "tool_calls": json_values, "tool_call_id": json_values}), max_size=3)
 field_values = {
     "messages": st.one_of(messages, json_values),
-    "tools": st.one_of(st.just([TOOL]), st.lists(json_values, max_size=2), json_values),
+    "tools": st.one_of(st.just([TOOL]), st.lists(json_values, max_size=2), json_values,
+                       deep_schemas.map(lambda p: [{"type": "function", "function": {"name": "f", "parameters": p}}])),
+    "response_format": st.one_of(json_values, deep_schemas.map(
+        lambda p: {"type": "json_schema", "json_schema": {"name": "r", "schema": p}})),
     "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "move"}},
                                               {"type": "function", "function": {"name": "fly"}}]), json_values),
     "max_tokens": st.one_of(st.integers(1, 6), json_values),
@@ -78,8 +95,11 @@ def check_answer(server, body: bytes) -> None:
         for e in events[:-1]:
             chunk = json.loads(e)
             assert "choices" in chunk or set(chunk.get("error", {})) >= {"message", "type", "param"}, e
+            for choice in chunk.get("choices", ()):
+                assert choice["finish_reason"] in OPENAI_FINISH | {None}, e
     else:
         assert r.json()["object"] == "chat.completion", r.text
+        assert r.json()["choices"][0]["finish_reason"] in OPENAI_FINISH, r.text
 
 
 def test_non_json_body_names_no_field(server):

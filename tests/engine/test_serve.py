@@ -152,9 +152,12 @@ def test_warm_session_reuses_the_conversation(client, base_url):
 
 
 def test_deadline_gives_a_clear_finish_reason_and_no_call(client):
+    """A missed deadline is OpenAI's "length" (the budget ran out) with TokenSpeed's reason beside it."""
     r = client.chat.completions.create(model="tokenspeed", messages=PICK, tools=TOOLS, tool_choice="required",
                                        extra_body={"deadline_ms": 1})
-    assert r.choices[0].finish_reason == "deadline"
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].model_extra["tokenspeed_finish"]["reason"] == "deadline"
+    assert r.choices[0].model_extra["tokenspeed_finish"]["detail"]
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content is None
 
 
