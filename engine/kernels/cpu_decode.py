@@ -37,7 +37,7 @@ FUSED_PREFILL_ROWS = 128
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / "cpu_decode.cpp", _HERE / "cpu_kernels.cpp")  # compiled into the extension
 _HEADERS = (_HERE / "cpu_kernels.h", _HERE / "cpu_isa.h")
-_FLAGS = ["-O3", "-fno-math-errno"]
+_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's threads
 ISA_ENV = "TOKENSPEED_CPU_ISA"
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def _load(cache: Path, name: str, verbose: bool):
         lock.unlink(missing_ok=True)
     try:
         return load_ext(name=module_name, sources=[str(s) for s in SOURCES], extra_cflags=flags,
-                        build_directory=str(build), verbose=verbose)
+                        extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=verbose)
     except Exception as exc:  # compiler missing, build error: the Python path still works
         log.warning("fused CPU decode (%s) unavailable (%s: %s); using the Python decode path (build log: python -c "
                     "'from tokenspeed.quant import fused_ext; fused_ext(verbose=True)')", name, type(exc).__name__,
