@@ -41,7 +41,8 @@ def _cmd_prefill(args) -> int:
 
     try:
         report = run_prefill(Path(args.out), quick=args.quick, threads=[int(t) for t in args.threads.split(",")],
-                             variants=args.variants.split(",") if args.variants else None, repeats=args.repeats)
+                             variants=args.variants.split(",") if args.variants else None, repeats=args.repeats,
+                             kv_budget=args.kv_budget or None)
     except (RuntimeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -102,6 +103,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     pf.add_argument("--variants", default=None, help="comma-separated CPU kernel variants for TokenSpeed "
                                                      "(default: this CPU's best, and avx2 where it differs)")
     pf.add_argument("--repeats", type=int, default=None, help="timed repeats per cell, median (default 3; quick 1)")
+    pf.add_argument("--kv-budget", type=int, default=1024, help="also TokenSpeed with a pruned KV cache of this "
+                                                                "budget (default 1024, the agent's; 0: not)")
     pf.add_argument("--out", default="bench-out/prefill", help="output folder (default bench-out/prefill)")
     pf.set_defaults(func=_cmd_prefill)
     g = sub.add_parser("gpu", help="the device check: kernels, parity vs CPU fp32, decode vs the HBM floor, agent "

@@ -38,6 +38,7 @@ def _time_cells(prefill, cut, ids: list[int], prefixes, news, repeats: int) -> l
         cut(0)
         if p:
             prefill(ids[:p], 0)
+            cut(p)  # a pruned cache: trimmed to its budget here, and this state kept for the cuts below
         for n in news:
             times = []
             for _ in range(repeats):
@@ -50,24 +51,41 @@ def _time_cells(prefill, cut, ids: list[int], prefixes, news, repeats: int) -> l
     return cells
 
 
-def _worker_tokenspeed(job: dict) -> dict:
+def _worker_tokenspeed(job: dict, kv_budget: int | None) -> dict:
     import torch
 
     from tokenspeed import Engine
     from tokenspeed.kernels.cpu_decode import selected_variant
+    from tokenspeed.kv import KVConfig, TieredKVCache
 
     engine = Engine.load(threads=job["threads"])
     model = engine.model
-    cache = model.new_cache(max(job["prefixes"]) + max(job["new"]) + 8)
     dev = model.tok_embeddings.weight.device
+    if kv_budget is None:
+        cache = model.new_cache(max(job["prefixes"]) + max(job["new"]) + 8)
+        cut = cache.truncate
+    else:  # the pruned hot set, as a session with kv_budget keeps it: trimmed to the budget after each prefill
+        cache = TieredKVCache(model.args, KVConfig(budget=kv_budget), device=dev)
+        marks = {}
+
+        def cut(n):
+            if n == 0:
+                cache.restore(0, cache.snapshot())
+                cache.truncate(0)
+            elif n in marks:
+                cache.restore(n, marks[n])
+            else:
+                cache.trim()
+                marks[n] = cache.snapshot()
 
     def prefill(ids, pos):
-        model(torch.tensor(ids, dtype=torch.long, device=dev), pos, cache, "last")
+        for i in range(0, len(ids), 512):
+            model(torch.tensor(ids[i:i + 512], dtype=torch.long, device=dev), pos + i, cache, "last")
 
     prefill(job["ids"][:8], 0)  # warm-up (extension load, first-touch of the weights)
-    cells = _time_cells(prefill, cache.truncate, job["ids"], job["prefixes"], job["new"], job["repeats"])
+    cells = _time_cells(prefill, cut, job["ids"], job["prefixes"], job["new"], job["repeats"])
     return {"engine": "tokenspeed", "weights": engine.weights, "cpu_kernels": selected_variant(),
-            "fused": model.fused_decode() is not None, "cells": cells}
+            "kv_budget": kv_budget, "fused": model.fused_decode() is not None, "cells": cells}
 
 
 def _worker_llamacpp(job: dict) -> dict:
@@ -95,9 +113,11 @@ def _worker_llamacpp(job: dict) -> dict:
 
 
 def worker(engine: str, job_path: str, out_path: str) -> None:
-    """One engine's process: time its cells and write them to `out_path` (JSON)."""
+    """One engine's process: time its cells and write them to `out_path` (JSON). `engine`:
+    "llama.cpp", "tokenspeed" or "tokenspeed:kv=B" (a pruned cache of budget B tokens)."""
     job = json.loads(Path(job_path).read_text())
-    run = _worker_llamacpp(job) if engine == "llama.cpp" else _worker_tokenspeed(job)
+    run = _worker_llamacpp(job) if engine == "llama.cpp" else _worker_tokenspeed(
+        job, int(engine.split("=")[1]) if "=" in engine else None)
     Path(out_path).write_text(json.dumps(run))
 
 
@@ -135,7 +155,8 @@ def _timed(f) -> float:
 
 
 def run_prefill(out_dir: Path, quick: bool = False, threads: list[int] | None = None,
-                variants: list[str] | None = None, repeats: int | None = None, timeout_s: float = 1800) -> dict:
+                variants: list[str] | None = None, repeats: int | None = None, kv_budget: int | None = 1024,
+                timeout_s: float = 1800) -> dict:
     """Run every engine, write `report.json` in `out_dir` and return the report.
 
     Args:
@@ -144,6 +165,9 @@ def run_prefill(out_dir: Path, quick: bool = False, threads: list[int] | None = 
         threads: thread counts (default [1, 2]). variants: CPU kernel variants of TokenSpeed
             (default: this CPU's best and, where it differs, "avx2").
         repeats: timed repeats per cell (default 3; quick 1).
+        kv_budget: also run TokenSpeed (first variant) with a pruned cache of this hot-set budget
+            (the agent's default, 1024), trimmed after the prefix as a session trims after observe();
+            None: not.
     Raises:
         RuntimeError: an engine process failed (its stderr tail is in the message), or
             llama-cpp-python is missing in a full run.
@@ -187,9 +211,10 @@ def run_prefill(out_dir: Path, quick: bool = False, threads: list[int] | None = 
                "model_gguf": str(default_model_path())}
         job_path = out_dir / f"job-{th}.json"
         job_path.write_text(json.dumps(job))
-        engines = [("tokenspeed", v) for v in variants] + ([("llama.cpp", None)] if have_llama else [])
+        engines = ([("tokenspeed", v) for v in variants] + [(f"tokenspeed:kv={kv_budget}", variants[0])] * bool(kv_budget)
+                   + [("llama.cpp", None)] * have_llama)
         for name, variant in engines:
-            out = out_dir / f"run-{name}-{variant or 'peer'}-{th}.json"
+            out = out_dir / f"run-{name.replace(':', '-')}-{variant or 'peer'}-{th}.json"
             env = dict(env0, OMP_NUM_THREADS=str(th), **({ISA_ENV: variant} if variant else {}))
             print(f"# {name} {variant or ''} threads {th} ...", file=sys.stderr, flush=True)
             proc = subprocess.run([sys.executable, __file__, "worker", name, str(job_path), str(out)], env=env,
@@ -204,7 +229,7 @@ def run_prefill(out_dir: Path, quick: bool = False, threads: list[int] | None = 
     return report
 
 
-def make_report(runs: list[dict], peaks: dict[int, float], args, notes: list[str], quick: bool) -> dict:
+def make_report(runs: list[dict], peaks: dict[int, dict[str, float]], args, notes: list[str], quick: bool) -> dict:
     """Rows per (engine, variant, threads) with each cell's floor, ratio to llama.cpp (same threads)
     and growth (ms/token after the longest prefix over after none, per N), and the goals."""
     peer = {(r["threads"], c["prefix"], c["new"]): c["ms_per_token"] for r in runs if r["engine"] == "llama.cpp"
@@ -253,7 +278,8 @@ def print_table(report: dict) -> None:
         t.add_column(f"P={p} N={n}", justify="right")
     t.add_column("growth", justify="right")
     for r in rows:
-        name = r["engine"] + (f" {r['weights']} {r['cpu_kernels']}" if r["engine"] == "tokenspeed" else "")
+        name = r["engine"] + (f" {r['weights']} {r['cpu_kernels']}" if r["engine"] == "tokenspeed" else "") \
+            + (f" kv_budget={r['kv_budget']}" if r.get("kv_budget") else "")
         cells = [f"{c['ms_per_token']:.2f}" + (f" ({c['vs_llama_cpp']:.2f}x)" if c["vs_llama_cpp"] else "")
                  + f" [{c['floor_ms_per_token']:.2f}]" for c in r["cells"]]
         t.add_row(name, str(r["threads"]), *cells, " ".join(f"{g:.2f}" for g in r["growth"].values()))
