@@ -7,7 +7,7 @@ implementation so logits match it for the same weights.
 
 Every projection is an `nn.Linear` that quantized linears replace (`tokenspeed.quant`). On the
 CPU, a forward of at most `FUSED_PREFILL_ROWS` new tokens (decode, draft verification, forced runs,
-short observations) runs all layers in C++ calls of up to `FUSED_ROWS` tokens each when the
+observations, prefill chunks) runs all layers in C++ calls of up to `FUSED_ROWS` tokens each when the
 extension is built (`tokenspeed.kernels.cpu_decode`, same math); `use_fused = False` turns it off.
 Attention that reports per-slot mass (relevance scoring) comes from `tokenspeed.kernels.attention`
 (on CUDA, the Triton kernel for decode and verification); the norms and residual adds from

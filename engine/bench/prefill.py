@@ -32,7 +32,8 @@ PEER_BOUND = 0.5    # goal: TokenSpeed ms/token <= this x llama.cpp's, every cel
 
 
 def _time_cells(prefill, cut, ids: list[int], prefixes, news, repeats: int) -> list[dict]:
-    """Median ms of prefill(ids[P:P + N], P) after prefill of ids[:P], per (P, N)."""
+    """Median wall ms (and process CPU ms per token: all threads, which other processes on a shared
+    machine do not inflate) of prefill(ids[P:P + N], P) after prefill of ids[:P], per (P, N)."""
     cells = []
     for p in prefixes:
         cut(0)
@@ -40,14 +41,16 @@ def _time_cells(prefill, cut, ids: list[int], prefixes, news, repeats: int) -> l
             prefill(ids[:p], 0)
             cut(p)  # a pruned cache: trimmed to its budget here, and this state kept for the cuts below
         for n in news:
-            times = []
+            times, cpu = [], []
             for _ in range(repeats):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 prefill(ids[p:p + n], p)
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
                 cut(p)
             ms = statistics.median(times) * 1e3
-            cells.append({"prefix": p, "new": n, "ms": ms, "ms_per_token": ms / n})
+            cells.append({"prefix": p, "new": n, "ms": ms, "ms_per_token": ms / n,
+                          "cpu_ms_per_token": statistics.median(cpu) * 1e3 / n})
     return cells
 
 

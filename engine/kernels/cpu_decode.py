@@ -29,11 +29,12 @@ __all__ = ["load", "FusedDecode", "FUSED_ROWS", "FUSED_PREFILL_ROWS", "VARIANTS"
            "native_variant", "selected_variant", "ISA_ENV", "SOURCES"]
 
 # Forwards of at most FUSED_PREFILL_ROWS new tokens take the fused path (decode, draft verification
-# chains with their forced runs, observations such as the agent's state line), in calls of at most
-# FUSED_ROWS rows; longer ones (prefill chunks) take the Python path and its SDPA attention, whose
-# GEMMs win there (`tokenspeed bench profile` measures both).
+# chains with their forced runs, observations, prefill chunks of `tokenspeed.decode.PREFILL_CHUNK`),
+# in calls of at most FUSED_ROWS rows; a call of a prefill burst (>= 16 rows) splits its matmuls and
+# attention over torch's threads. Longer forwards (direct model calls) take the Python path.
+# `tokenspeed bench prefill` measures the fused path against llama.cpp.
 FUSED_ROWS = 64
-FUSED_PREFILL_ROWS = 128
+FUSED_PREFILL_ROWS = 512
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / "cpu_decode.cpp", _HERE / "cpu_kernels.cpp")  # compiled into the extension
 _HEADERS = (_HERE / "cpu_kernels.h", _HERE / "cpu_isa.h")
