@@ -42,7 +42,8 @@ def _cmd_prefill(args) -> int:
     try:
         report = run_prefill(Path(args.out), quick=args.quick, threads=[int(t) for t in args.threads.split(",")],
                              variants=args.variants.split(",") if args.variants else None, repeats=args.repeats,
-                             kv_budget=args.kv_budget or None)
+                             kv_budget=args.kv_budget or None,
+                             llama_cpp_avx2=Path(args.llama_cpp_avx2) if args.llama_cpp_avx2 else None)
     except (RuntimeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -105,6 +106,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     pf.add_argument("--repeats", type=int, default=None, help="timed repeats per cell, median (default 3; quick 1)")
     pf.add_argument("--kv-budget", type=int, default=1024, help="also TokenSpeed with a pruned KV cache of this "
                                                                 "budget (default 1024, the agent's; 0: not)")
+    pf.add_argument("--llama-cpp-avx2", default=None, help="folder of an AVX2 llama-cpp-python build (make peers-avx2: "
+                                                           "build/llama-cpp-avx2): TokenSpeed's avx2 rows compare with it")
     pf.add_argument("--out", default="bench-out/prefill", help="output folder (default bench-out/prefill)")
     pf.set_defaults(func=_cmd_prefill)
     g = sub.add_parser("gpu", help="the device check: kernels, parity vs CPU fp32, decode vs the HBM floor, agent "

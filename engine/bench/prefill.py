@@ -112,7 +112,8 @@ def _worker_llamacpp(job: dict) -> dict:
     prefill(job["ids"][:8], 0)
     cells = _time_cells(prefill, cut, job["ids"], job["prefixes"], job["new"], job["repeats"])
     return {"engine": "llama.cpp", "weights": "GGUF (Q4_1)", "version": llama_cpp.__version__,
-            "build": str(Path(llama_cpp.__file__).parent), "n_batch": n_batch, "cells": cells}
+            "build": str(Path(llama_cpp.__file__).parent), "cpu_kernels": job.get("llama_kernels", "native"),
+            "n_batch": n_batch, "cells": cells}
 
 
 def worker(engine: str, job_path: str, out_path: str) -> None:
@@ -159,7 +160,7 @@ def _timed(f) -> float:
 
 def run_prefill(out_dir: Path, quick: bool = False, threads: list[int] | None = None,
                 variants: list[str] | None = None, repeats: int | None = None, kv_budget: int | None = 1024,
-                timeout_s: float = 1800) -> dict:
+                llama_cpp_avx2: Path | None = None, timeout_s: float = 1800) -> dict:
     """Run every engine, write `report.json` in `out_dir` and return the report.
 
     Args:
@@ -171,6 +172,8 @@ def run_prefill(out_dir: Path, quick: bool = False, threads: list[int] | None = 
         kv_budget: also run TokenSpeed (first variant) with a pruned cache of this hot-set budget
             (the agent's default, 1024), trimmed after the prefix as a session trims after observe();
             None: not.
+        llama_cpp_avx2: a `pip install --target` folder holding an AVX2 build of llama-cpp-python
+            (`make peers-avx2`): also run it, and compare TokenSpeed's AVX2 variants with it.
     Raises:
         RuntimeError: an engine process failed (its stderr tail is in the message), or
             llama-cpp-python is missing in a full run.
@@ -215,12 +218,18 @@ def run_prefill(out_dir: Path, quick: bool = False, threads: list[int] | None = 
         job_path = out_dir / f"job-{th}.json"
         job_path.write_text(json.dumps(job))
         engines = ([("tokenspeed", v) for v in variants] + [(f"tokenspeed:kv={kv_budget}", variants[0])] * bool(kv_budget)
-                   + [("llama.cpp", None)] * have_llama)
+                   + [("llama.cpp", None)] * have_llama + [("llama.cpp", "avx2")] * bool(llama_cpp_avx2))
         for name, variant in engines:
-            out = out_dir / f"run-{name.replace(':', '-')}-{variant or 'peer'}-{th}.json"
-            env = dict(env0, OMP_NUM_THREADS=str(th), **({ISA_ENV: variant} if variant else {}))
+            out = out_dir / f"run-{name.replace(':', '-')}-{variant or 'native'}-{th}.json"
+            env, run_job = dict(env0, OMP_NUM_THREADS=str(th)), job_path
+            if name == "llama.cpp" and variant:
+                env["TOKENSPEED_LLAMA_CPP"] = str(llama_cpp_avx2)
+                run_job = out_dir / f"job-{th}-avx2.json"
+                run_job.write_text(json.dumps(job | {"llama_kernels": "avx2"}))
+            elif variant:
+                env[ISA_ENV] = variant
             print(f"# {name} {variant or ''} threads {th} ...", file=sys.stderr, flush=True)
-            proc = subprocess.run([sys.executable, __file__, "worker", name, str(job_path), str(out)], env=env,
+            proc = subprocess.run([sys.executable, __file__, "worker", name, str(run_job), str(out)], env=env,
                                   capture_output=True, text=True, timeout=timeout_s)
             if proc.returncode != 0:
                 raise RuntimeError(f"{name} {variant or ''} (threads {th}) failed (exit {proc.returncode}):\n"
@@ -233,10 +242,10 @@ def run_prefill(out_dir: Path, quick: bool = False, threads: list[int] | None = 
 
 
 def make_report(runs: list[dict], peaks: dict[int, dict[str, float]], args, notes: list[str], quick: bool) -> dict:
-    """Rows per (engine, variant, threads) with each cell's floor, ratio to llama.cpp (same threads)
-    and growth (ms/token after the longest prefix over after none, per N), and the goals."""
-    peer = {(r["threads"], c["prefix"], c["new"]): c["ms_per_token"] for r in runs if r["engine"] == "llama.cpp"
-            for c in r["cells"]}
+    """Rows per (engine, variant, threads) with each cell's floor, ratio to llama.cpp (same threads;
+    TokenSpeed's avx2 variants against llama.cpp's AVX2 build when it ran) and growth (ms/token after the longest prefix over after none, per N), and the goals."""
+    peer = {(r["threads"], r["cpu_kernels"], c["prefix"], c["new"]): c["ms_per_token"] for r in runs
+            if r["engine"] == "llama.cpp" for c in r["cells"]}
     rows = []
     for r in runs:
         cells = []
@@ -244,7 +253,8 @@ def make_report(runs: list[dict], peaks: dict[int, dict[str, float]], args, note
             mm, att = forward_flops(args, c["prefix"], c["new"])
             peak = peaks[r["threads"]]
             floor = (mm / peak["int8"] + att / peak["fp32"]) / 1e9 * 1e3 / c["new"]
-            theirs = peer.get((r["threads"], c["prefix"], c["new"]))
+            family = "avx2" if r.get("cpu_kernels", "").startswith("avx2") else "native"
+            theirs = peer.get((r["threads"], family, c["prefix"], c["new"]), peer.get((r["threads"], "native", c["prefix"], c["new"])))
             cells.append(c | {"floor_ms_per_token": floor,
                               "vs_llama_cpp": c["ms_per_token"] / theirs if theirs and r["engine"] != "llama.cpp" else None})
         by = {(c["prefix"], c["new"]): c["ms_per_token"] for c in cells}
@@ -281,7 +291,8 @@ def print_table(report: dict) -> None:
         t.add_column(f"P={p} N={n}", justify="right")
     t.add_column("growth", justify="right")
     for r in rows:
-        name = r["engine"] + (f" {r['weights']} {r['cpu_kernels']}" if r["engine"] == "tokenspeed" else "") \
+        name = r["engine"] + (f" {r['weights']} {r['cpu_kernels']}" if r["engine"] == "tokenspeed" else
+                              f" ({r['cpu_kernels']} build)") \
             + (f" kv_budget={r['kv_budget']}" if r.get("kv_budget") else "")
         cells = [f"{c['ms_per_token']:.2f}" + (f" ({c['vs_llama_cpp']:.2f}x)" if c["vs_llama_cpp"] else "")
                  + f" [{c['floor_ms_per_token']:.2f}]" for c in r["cells"]]
