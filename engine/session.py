@@ -23,6 +23,7 @@ from .decode import NonFiniteLogitsError, Target, decode
 from .device import DecodeGraphs
 from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
+from .prefix_cache import prefill_system
 from .speculation import Speculator
 
 __all__ = ["Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError", "SessionAborted", "render_turn",
@@ -136,6 +137,8 @@ class Session:
         target: the `tokenspeed.decode.Target` (model, KV cache, cached token ids) the decode loop uses;
             on CUDA its decode and verification forwards run as CUDA graphs (`tokenspeed.device.DecodeGraphs`).
         speculator: the `tokenspeed.speculation.Speculator` (drafting state of this session).
+        system_from_disk: whether the system prompt's KV was read from the disk cache instead of
+            prefilled (`tokenspeed.prefix_cache`).
     """
 
     def __init__(self, engine, system: str | None, tools: list[dict], capacity: int | None,
@@ -173,7 +176,7 @@ class Session:
         # In a pruned session the draft attends over the last `budget` tokens only: its cost stays flat.
         self.speculator = Speculator(engine.speculation, self.model.args.max_seq_len, window)
         self._append(system_ids, "system", pinned=True)
-        self._flush()
+        self.system_from_disk = prefill_system(self)
 
     # ---------------------------------------------------------------- context
 

@@ -3,6 +3,7 @@ and `tokenspeed bench gpu` (the same decode path on CUDA against the HBM floor).
 
     tokenspeed bench aal --quick            # small workload, a minute or two on 2 cores
     tokenspeed bench aal --threads 2        # the full 10-call, ~4K-token run with all peers
+    tokenspeed bench prefill                # prefill ms/token vs the cached prefix, TokenSpeed vs llama.cpp, per ISA variant
     tokenspeed bench gpu --out DIR          # the device check (CUDA): kernels, parity, decode vs floor, agent figures, profile
     tokenspeed bench profile                # torch.profiler table of one int4 decode step
     tokenspeed bench kv needle|agreement|cost   # pruned KV cache accuracy and cost (tokenspeed.bench.kv)
@@ -35,6 +36,22 @@ def _cmd_aal(args) -> int:
     return 0
 
 
+def _cmd_prefill(args) -> int:
+    from .prefill import print_table, run_prefill
+
+    try:
+        report = run_prefill(Path(args.out), quick=args.quick, threads=[int(t) for t in args.threads.split(",")],
+                             variants=args.variants.split(",") if args.variants else None, repeats=args.repeats,
+                             kv_budget=args.kv_budget or None,
+                             llama_cpp_avx2=Path(args.llama_cpp_avx2) if args.llama_cpp_avx2 else None)
+    except (RuntimeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_table(report)
+    print(f"# wrote {Path(args.out) / 'report.json'}", file=sys.stderr)
+    return 0
+
+
 def _cmd_gpu(args) -> int:
     from .gpu import run_gpu
 
@@ -64,8 +81,8 @@ def _cmd_profile(args) -> int:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `bench` (with `aal`, `gpu`, `profile`, `kv` and `auto`) on an argparse subparsers object; returns it."""
-    p = subparsers.add_parser("bench", help="benchmarks: aal (agent action latency), gpu, profile, kv (pruned KV cache), auto")
+    """Register `bench` (with `aal`, `prefill`, `gpu`, `profile`, `kv` and `auto`) on an argparse subparsers object; returns it."""
+    p = subparsers.add_parser("bench", help="benchmarks: aal (agent action latency), prefill, gpu, profile, kv (pruned KV cache), auto")
     sub = p.add_subparsers(dest="bench", required=True)
     a = sub.add_parser("aal", help="Agent Action Latency: TokenSpeed vs llama.cpp vs transformers, one run")
     a.add_argument("--quick", action="store_true", help="small workload (2 calls, ~1.4K tokens); skips a missing llama.cpp")
@@ -79,6 +96,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--bfcl", default=None, help="BFCL data folder (default: $TOKENSPEED_BFCL, then the copy shipped with tokenspeed)")
     a.add_argument("--out", default="bench-out/aal", help="output folder (default bench-out/aal)")
     a.set_defaults(func=_cmd_aal)
+    pf = sub.add_parser("prefill", help="prefill ms/token after prefixes of 0, 600 and 2,000 tokens: TokenSpeed (per "
+                                        "CPU kernel variant) vs llama.cpp, same ids and threads, with the compute floor")
+    pf.add_argument("--quick", action="store_true", help="short prefixes, few tokens, one repeat (plumbing check); "
+                                                         "skips a missing llama.cpp")
+    pf.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    pf.add_argument("--variants", default=None, help="comma-separated CPU kernel variants for TokenSpeed "
+                                                     "(default: this CPU's best, and avx2 where it differs)")
+    pf.add_argument("--repeats", type=int, default=None, help="timed repeats per cell, median (default 3; quick 1)")
+    pf.add_argument("--kv-budget", type=int, default=1024, help="also TokenSpeed with a pruned KV cache of this "
+                                                                "budget (default 1024, the agent's; 0: not)")
+    pf.add_argument("--llama-cpp-avx2", default=None, help="folder of an AVX2 llama-cpp-python build (make peers-avx2: "
+                                                           "build/llama-cpp-avx2): TokenSpeed's avx2 rows compare with it")
+    pf.add_argument("--out", default="bench-out/prefill", help="output folder (default bench-out/prefill)")
+    pf.set_defaults(func=_cmd_prefill)
     g = sub.add_parser("gpu", help="the device check: kernels, parity vs CPU fp32, decode vs the HBM floor, agent "
                                    "figures vs the brief, the idle gaps between a decision's kernels (CUDA; CPU with "
                                    "small shapes); exit 1 if a section failed")

@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -20,6 +21,12 @@
 namespace {
 
 enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2 };
+constexpr int64_t kAttendRows = 64;  // query rows per parallel attention work item
+constexpr int64_t kBurstRows = 16;   // calls of at least this many rows (prefill bursts) use every torch thread
+
+// at::parallel_for's grain over n items: `grain` for a burst of T rows, n (one thread, no fork)
+// for fewer rows: a decode step stays on the calling thread, free of barrier waits.
+inline int64_t grain_for(int64_t T, int64_t n, int64_t grain) { return T >= kBurstRows ? grain : std::max<int64_t>(n, 1); }
 
 }  // namespace
 
@@ -36,7 +43,7 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor w, at::Tensor scales) {
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 256, [&](int64_t lo, int64_t hi) { ts_int8_rows(xp, T, K, wp, sp, yp, N, lo, hi); });
+  at::parallel_for(0, N, grain_for(T, N, 256), [&](int64_t lo, int64_t hi) { ts_int8_rows(xp, T, K, wp, sp, yp, N, lo, hi); });
   return y;
 }
 
@@ -57,7 +64,7 @@ at::Tensor int4_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales) {
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, NB, 4, [&](int64_t nb0, int64_t nb1) {
+  at::parallel_for(0, NB, grain_for(T, NB, 4), [&](int64_t nb0, int64_t nb1) {
     ts_int4_rows(q.data(), sx.data(), xs.data(), T, K, cp, sp, yp, N, nb0, nb1);
   });
   return y;
@@ -170,16 +177,16 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
     float* sc = scores.data_ptr<float>();
     float* cx = ctx.data_ptr<float>();
     float* ap = att.data_ptr<float>();
-    at::parallel_for(0, Hkv, 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const float* qg = qh + g * R * D;
-        const float* kg = kc + g * cap * D;
-        const float* vg = vc + g * cap * D;
-        float* sg = sc + g * R * end;
-        float* og = cx + g * R * D;
+    // work items: (KV head, tile of kAttendRows rows), so that a prefill burst splits over every thread
+    const int64_t tiles = (R + kAttendRows - 1) / kAttendRows;
+    at::parallel_for(0, Hkv * tiles, grain_for(T, Hkv * tiles, 1), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t g = i / tiles, r0 = (i % tiles) * kAttendRows, r1 = std::min(R, r0 + kAttendRows);
         float* lg = track ? lse.data_ptr<float>() + (l * H + g * G) * T : nullptr;  // [G, T] = rows r
-        ts_attend(qg, R, T, start, kg, vg, D, scale, sg, og, lg);
-        for (int64_t r = 0; r < R; ++r)  // to token-major [T, H * D]
+        float* og = cx + g * R * D;
+        ts_attend_rows(qh + g * R * D, T, start, kc + g * cap * D, vc + g * cap * D, D, scale, sc + g * R * end, og,
+                       lg, r0, r1);
+        for (int64_t r = r0; r < r1; ++r)  // to token-major [T, H * D]
           std::memcpy(ap + (r % T) * H * D + (g * G + r / T) * D, og + r * D, D * sizeof(float));
       }
     });

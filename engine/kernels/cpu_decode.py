@@ -29,15 +29,16 @@ __all__ = ["load", "FusedDecode", "FUSED_ROWS", "FUSED_PREFILL_ROWS", "VARIANTS"
            "native_variant", "selected_variant", "ISA_ENV", "SOURCES"]
 
 # Forwards of at most FUSED_PREFILL_ROWS new tokens take the fused path (decode, draft verification
-# chains with their forced runs, observations such as the agent's state line), in calls of at most
-# FUSED_ROWS rows; longer ones (prefill chunks) take the Python path and its SDPA attention, whose
-# GEMMs win there (`tokenspeed bench profile` measures both).
+# chains with their forced runs, observations, prefill chunks of `tokenspeed.decode.PREFILL_CHUNK`),
+# in calls of at most FUSED_ROWS rows; a call of a prefill burst (>= 16 rows) splits its matmuls and
+# attention over torch's threads. Longer forwards (direct model calls) take the Python path.
+# `tokenspeed bench prefill` measures the fused path against llama.cpp.
 FUSED_ROWS = 64
-FUSED_PREFILL_ROWS = 128
+FUSED_PREFILL_ROWS = 512
 _HERE = Path(__file__).parent
 SOURCES = (_HERE / "cpu_decode.cpp", _HERE / "cpu_kernels.cpp")  # compiled into the extension
 _HEADERS = (_HERE / "cpu_kernels.h", _HERE / "cpu_isa.h")
-_FLAGS = ["-O3", "-fno-math-errno"]
+_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's threads
 ISA_ENV = "TOKENSPEED_CPU_ISA"
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ def _load(cache: Path, name: str, verbose: bool):
         lock.unlink(missing_ok=True)
     try:
         return load_ext(name=module_name, sources=[str(s) for s in SOURCES], extra_cflags=flags,
-                        build_directory=str(build), verbose=verbose)
+                        extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=verbose)
     except Exception as exc:  # compiler missing, build error: the Python path still works
         log.warning("fused CPU decode (%s) unavailable (%s: %s); using the Python decode path (build log: python -c "
                     "'from tokenspeed.quant import fused_ext; fused_ext(verbose=True)')", name, type(exc).__name__,

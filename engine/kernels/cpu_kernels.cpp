@@ -15,6 +15,7 @@ namespace {
 using namespace isa;
 
 constexpr int64_t kQGroup = 32;
+constexpr int64_t kAttendTile = 32;  // query rows per attention tile (ts_attend_rows)
 
 // Calls f(std::integral_constant<int, n>) for 1 <= n <= M: runtime row counts to the
 // compile-time ones the register-blocked kernels take.
@@ -38,24 +39,47 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return acc;
 }
 
+// Register blocks of the attention kernels (rows x vectors of accumulators that fit the registers).
+constexpr int kScoreRows = std::clamp((kRegs - 4) / 5, 1, 4);  // query rows per block of 4 keys
+constexpr int kSumRows = 4;                                    // probability rows per block of values
+constexpr int kSumVecs = kRegs >= 32 ? 4 : 2;                  // value vectors per block (of a row's C)
+
+// s[r, j .. j + 4) = q_r . k_{j .. j + 4) for RB rows q [RB, kW C] (row stride kW C) and 4 keys k
+// [4, kW C]: lane-wise fused multiply-adds over the C vectors, then one lane of `hsum4` per key,
+// so a row's scores do not depend on the rows beside it.
+template <int C, int RB>
+inline void scores_block(const float* q, const float* k, float* s, int64_t ld) {
+  constexpr int64_t D = kW * C;
+  vf p[RB][4];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < 4; ++i) p[r][i] = zero();
+  for (int c = 0; c < C; ++c) {
+    vf qc[RB];
+    for (int r = 0; r < RB; ++r) qc[r] = load(q + r * D + kW * c);
+    for (int i = 0; i < 4; ++i) {
+      const vf kc = load(k + i * D + kW * c);
+      for (int r = 0; r < RB; ++r) p[r][i] = fmadd(qc[r], kc, p[r][i]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) hsum4(p[r][0], p[r][1], p[r][2], p[r][3], s + r * ld);
+}
+
 // s[r, j] = q_r . k_j for R query rows q [R, kW C] and the n keys k [n, kW C]; row r of s starts
-// at s + r * ld. Blocks of 4 keys (L1-resident while all rows use them), every score one lane of
-// `hsum4` wherever it falls, so a row's scores do not depend on R or n.
+// at s + r * ld. Each block of 4 keys is read once for all R rows (L1-resident meanwhile); every
+// score is one lane of `hsum4` wherever it falls, so a row's scores depend neither on R nor on n.
 template <int C>
 void scores_rows(const float* q, int64_t R, const float* k, float* s, int64_t ld, int64_t n) {
   constexpr int64_t D = kW * C;
+  constexpr int RB = kScoreRows;
   const vf z = zero();
   int64_t j = 0;
-  for (; j + 4 <= n; j += 4)
-    for (int64_t r = 0; r < R; ++r) {
-      const float* qr = q + r * D;
-      vf p[4] = {z, z, z, z};
-      for (int c = 0; c < C; ++c) {
-        const vf qc = load(qr + kW * c);
-        for (int i = 0; i < 4; ++i) p[i] = fmadd(qc, load(k + (j + i) * D + kW * c), p[i]);
-      }
-      hsum4(p[0], p[1], p[2], p[3], s + r * ld + j);
-    }
+  for (; j + 4 <= n; j += 4) {
+    int64_t r = 0;
+    for (; r + RB <= R; r += RB) scores_block<C, RB>(q + r * D, k + j * D, s + r * ld + j, ld);
+    if (r < R)
+      with_rows<RB>(static_cast<int>(R - r),
+                    [&](auto rr) { scores_block<C, decltype(rr)::value>(q + r * D, k + j * D, s + r * ld + j, ld); });
+  }
   for (; j < n; ++j)
     for (int64_t r = 0; r < R; ++r) {
       vf p = z;
@@ -66,33 +90,53 @@ void scores_rows(const float* q, int64_t R, const float* k, float* s, int64_t ld
     }
 }
 
-// o[r] = sum_j p[r, j] v_j for RR rows of weights p (row stride ld) over n values v [n, kW C]:
-// each value is loaded once for all rows, accumulators in registers, j in ascending order.
-template <int C, int RR>
-void weighted_block(const float* p, int64_t ld, const float* v, float* o, int64_t n) {
-  vf acc[RR][C];
-  for (int r = 0; r < RR; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = zero();
-  for (int64_t j = 0; j < n; ++j) {
-    vf pj[RR];
-    for (int r = 0; r < RR; ++r) pj[r] = set1(p[r * ld + j]);
-    for (int c = 0; c < C; ++c) {
-      const vf vj = load(v + (j * C + c) * kW);
-      for (int r = 0; r < RR; ++r) acc[r][c] = fmadd(pj[r], vj, acc[r][c]);
+// o[r, vectors c0 .. c0 + CC) (+)= sum_{j0 <= j < j1} p[r, j] v_j for RB rows of weights p (row
+// stride ld) and values v [n, kW C] (row stride kW C); first: start from zero instead of o. Each
+// value vector is loaded once for the RB rows; j ascends, so the sum is the same whatever the
+// blocking: one chain of fused multiply-adds per output lane, from j = 0 up.
+template <int C, int RB, int CC>
+void weighted_block(const float* p, int64_t ld, const float* v, float* o, int64_t j0, int64_t j1, int c0, bool first) {
+  constexpr int64_t D = kW * C;
+  vf acc[RB][CC];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < CC; ++c) acc[r][c] = first ? zero() : load(o + r * D + (c0 + c) * kW);
+  for (int64_t j = j0; j < j1; ++j) {
+    vf pj[RB];
+    for (int r = 0; r < RB; ++r) pj[r] = set1(p[r * ld + j]);
+    for (int c = 0; c < CC; ++c) {
+      const vf vj = load(v + j * D + (c0 + c) * kW);
+      for (int r = 0; r < RB; ++r) acc[r][c] = fmadd(pj[r], vj, acc[r][c]);
     }
   }
-  for (int r = 0; r < RR; ++r)
-    for (int c = 0; c < C; ++c) store(o + (r * C + c) * kW, acc[r][c]);
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < CC; ++c) store(o + r * D + (c0 + c) * kW, acc[r][c]);
 }
 
+// o [R, kW C] = p [R, ld] v over the first n values v [n, kW C], in tiles of keys whose values
+// (~16 KB) stay in L1 while every row block and value-vector block of the R rows uses them: the
+// values are read from memory once per call, however many rows. Results as `weighted_block`'s.
 template <int C>
 void weighted_rows(const float* p, int64_t R, int64_t ld, const float* v, float* o, int64_t n) {
   constexpr int64_t D = kW * C;
-  constexpr int RB = std::clamp((kRegs - 2) / (C + 1), 1, 4);  // accumulator rows that fit the registers
-  int64_t r = 0;
-  for (; r + RB <= R; r += RB) weighted_block<C, RB>(p + r * ld, ld, v, o + r * D, n);
-  if (r < R)
-    with_rows<RB>(static_cast<int>(R - r), [&](auto rr) { weighted_block<C, decltype(rr)::value>(p + r * ld, ld, v, o + r * D, n); });
+  constexpr int RB = kSumRows, CC = std::min(C, kSumVecs);
+  static_assert(C % CC == 0, "value vectors per block must divide the row");
+  constexpr int64_t JT = std::max<int64_t>(16, 4096 / D);  // keys per tile
+  if (n <= 0) {
+    std::fill(o, o + R * D, 0.f);
+    return;
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += JT) {
+    const int64_t j1 = std::min(n, j0 + JT);
+    const bool first = j0 == 0;
+    int64_t r = 0;
+    for (; r + RB <= R; r += RB)
+      for (int c0 = 0; c0 < C; c0 += CC) weighted_block<C, RB, CC>(p + r * ld, ld, v, o + r * D, j0, j1, c0, first);
+    if (r < R)
+      with_rows<RB>(static_cast<int>(R - r), [&](auto rr) {
+        for (int c0 = 0; c0 < C; c0 += CC)
+          weighted_block<C, decltype(rr)::value, CC>(p + r * ld, ld, v, o + r * D, j0, j1, c0, first);
+      });
+  }
 }
 
 // s [R, ld] = q [R, D] k^T over the first n keys k [n, D].
@@ -264,20 +308,31 @@ void ts_int8_rows(const float* x, int64_t T, int64_t K, const int8_t* w, const f
     ts::with_rows<4>(static_cast<int>(T - t0), [&](auto tt) { ts::int8_block<decltype(tt)::value>(x, t0, K, w, scales, y, N, j0, j1); });
 }
 
+void ts_attend_rows(const float* q, int64_t T, int64_t start, const float* k, const float* v, int64_t D, float scale,
+                    float* scores, float* out, float* lse, int64_t r0, int64_t r1) {
+  const int64_t end = start + T;
+  // Tiles of ts::kAttendTile rows: each key and value is read once per tile (scores and
+  // probabilities of the tile stay in L2), and only up to the tile's last visible slot; a row's
+  // result depends neither on the tile nor on R (see scores_rows and weighted_rows).
+  for (int64_t a = r0; a < r1; a += ts::kAttendTile) {
+    const int64_t b = std::min(r1, a + ts::kAttendTile);
+    int64_t n = 0;
+    for (int64_t r = a; r < b; ++r) n = std::max(n, start + r % T + 1);
+    ts::scores_of(q + a * D, b - a, k, scores + a * end, end, n, D);
+    for (int64_t r = a; r < b; ++r) {
+      const int64_t visible = start + r % T + 1;
+      float* srow = scores + r * end;
+      const float row_lse = ts::softmax_row(srow, visible, scale);
+      std::fill(srow + visible, srow + end, 0.f);
+      if (lse != nullptr) lse[r] = row_lse;
+    }
+    ts::weighted_sum_of(scores + a * end, b - a, end, v, out + a * D, n, D);
+  }
+}
+
 void ts_attend(const float* q, int64_t R, int64_t T, int64_t start, const float* k, const float* v, int64_t D,
                float scale, float* scores, float* out, float* lse) {
-  const int64_t end = start + T;
-  // Each row scores every slot (the softmax keeps its visible ones, the rest weigh 0), each key
-  // and value is read once for all rows, and a row's result does not depend on R.
-  ts::scores_of(q, R, k, scores, end, end, D);
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t visible = start + r % T + 1;
-    float* srow = scores + r * end;
-    const float row_lse = ts::softmax_row(srow, visible, scale);
-    std::fill(srow + visible, srow + end, 0.f);
-    if (lse != nullptr) lse[r] = row_lse;
-  }
-  ts::weighted_sum_of(scores, R, end, v, out, end, D);
+  ts_attend_rows(q, T, start, k, v, D, scale, scores, out, lse, 0, R);
 }
 
 }  // extern "C"

@@ -33,9 +33,15 @@ void ts_int8_rows(const float* x, int64_t T, int64_t K, const int8_t* w, const f
 // row r sees slots [0, start + r % T] (the cached prefix, then causal among T new tokens; r =
 // head-in-group * T + token). scores [R, start + T] receives the softmax probabilities (0 past a
 // row's visible slots), out [R, D] the weighted values, lse [R] (may be NULL) the log-sum-exp of
-// the scaled scores.
+// the scaled scores. Rows go in tiles of 32: each key and value is read once per tile, and only up
+// to the tile's last visible slot; a row's result does not depend on R.
 void ts_attend(const float* q, int64_t R, int64_t T, int64_t start, const float* k, const float* v, int64_t D,
                float scale, float* scores, float* out, float* lse);
+
+// ts_attend for rows [r0, r1) only (the arrays as there, indexed from row 0): calls over disjoint
+// row ranges may run in parallel, and give the same results as one call over all rows.
+void ts_attend_rows(const float* q, int64_t T, int64_t start, const float* k, const float* v, int64_t D, float scale,
+                    float* scores, float* out, float* lse, int64_t r0, int64_t r1);
 
 #ifdef __cplusplus
 }

@@ -245,3 +245,26 @@ def test_bench_auto_reports_call_and_text_rates_per_tool_prompt(tmp_path):
         assert 0 <= r["call_when_applies"] <= 1 and 0 <= r["text_when_none"] <= 1 and 0 <= r["p_call_applies"] <= 1
     with pytest.raises(ToolSchemaError, match="unknown tool prompt style"):
         run_auto(["nope"], 2, model="tiny-random")
+
+
+def test_quick_prefill_bench_reports_every_cell_against_llama_cpp(tmp_path, capsys):
+    # the plumbing of `tokenspeed bench prefill` (timings are not asserted): TokenSpeed with the
+    # full and with a pruned KV cache, llama.cpp where installed, floors, ratios and growth per cell
+    from tokenspeed.kernels.cpu_decode import native_variant
+
+    assert bench_main(["prefill", "--quick", "--threads", "1", "--variants", native_variant(), "--kv-budget", "96",
+                       "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    llama_cpp = importlib.util.find_spec("llama_cpp") is not None
+    names = [(r["engine"], r.get("kv_budget")) for r in report["rows"]]
+    assert names == [("tokenspeed", None), ("tokenspeed", 96)] + [("llama.cpp", None)] * llama_cpp
+    for r in report["rows"]:
+        assert [(c["prefix"], c["new"]) for c in r["cells"]] == [(0, 8), (0, 24), (40, 8), (40, 24)]
+        assert all(c["ms_per_token"] > 0 and c["floor_ms_per_token"] > 0 for c in r["cells"])
+        assert set(r["growth"]) == {"8", "24"}  # per N (JSON keys)
+        if r["engine"] == "tokenspeed":
+            assert r["cpu_kernels"] == native_variant() and r["fused"]
+            assert all((c["vs_llama_cpp"] is not None) == llama_cpp for c in r["cells"])
+    assert not llama_cpp or not report["notes"]
+    out = capsys.readouterr().out
+    assert "prefill ms/token" in out and "goal <= 0.5x llama.cpp everywhere" in out

@@ -64,7 +64,7 @@ def test_short_prefill_runs_in_fused_blocks_like_python_path(ext, quant):
     # per group, so a 1-ulp attention difference can flip one rounding and move that row's logits by
     # ~1e-2 (see test_fused_real_model_decisions_identical): there at most 1 row in 50 may differ more.
     model = tokenspeed.Engine.load("tiny-random", quantize=quant).model
-    new = [FUSED_PREFILL_ROWS - 3]
+    new = [2 * FUSED_ROWS - 3]
     (ref,), ref_cache = _run(model, False, 37, new)
     (out,), cache = _run(model, True, 37, new)
     off = int(((ref - out).abs().amax(-1) > 1e-4).sum())

@@ -85,13 +85,18 @@ def test_harness_kernels_match_reference(harnesses, variant):
     torch.testing.assert_close(h.int8_gemv(x, lin8.qweight, lin8.scales), ref, rtol=1e-5, atol=1e-4)
     # attention: decode (1 row per query head of a group of 3), a verification chain (T = 4), head
     # sizes of every specialised width and one that is not (40: the plain loops)
-    for D, T, start in ((64, 1, 37), (64, 4, 30), (32, 5, 3), (128, 2, 9), (16, 3, 6), (40, 2, 7)):
+    # and prefill bursts (rows in several tiles of 32, causal bounds per tile, key tiles plus a tail)
+    for D, T, start in ((64, 1, 37), (64, 4, 30), (32, 5, 3), (128, 2, 9), (16, 3, 6), (40, 2, 7), (64, 45, 70),
+                        (32, 40, 0)):
         q, k, v = torch.randn(3 * T, D), torch.randn(start + T, D), torch.randn(start + T, D)
         p, out, lse = h.attend(q, T, start, k, v, D ** -0.5)
         rp, rout, rlse = _attention_reference(q, T, start, k, v, D ** -0.5)
         torch.testing.assert_close(p.double(), rp, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(out.double(), rout, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse.double(), rlse, rtol=1e-5, atol=1e-5)
+        # a row's result does not depend on the rows beside it (decode == verification, bit for bit)
+        alone = h.attend(q[:T], T, start, k, v, D ** -0.5)
+        assert all(torch.equal(a, b[:T]) for a, b in zip(alone, (p, out, lse)))
 
 
 def test_variant_selection(monkeypatch):

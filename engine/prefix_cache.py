@@ -1,0 +1,168 @@
+"""System prompt KV on disk: a session's prefilled system prompt and tools, kept in the engine's
+cache folder (`<cache>/prefix`, or the folder `$TOKENSPEED_PREFIX_CACHE` names; "off" turns it
+off) so that a warm start reads them instead of prefilling them.
+
+An entry is keyed by everything its keys and values depend on: the system prompt's token ids
+(prompt, tools, tool prompt and chat template), a fingerprint of the loaded weights (the model
+and its weights format), the engine's numerics (the source of the model, kernel and quantization
+code, torch's version, the CPU kernel variant, fused or Python path, thread count) and the device
+and dtype. So a restored session holds the same KV, bit for bit, as one prefilled here, and any
+change misses. Entries are safetensors files (no pickle), written atomically; the newest
+`KEEP` stay. An unreadable or mismatched entry is treated as a miss (and overwritten).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .paths import cache_dir
+
+__all__ = ["prefill_system", "entry_path", "folder", "KEEP", "PREFIX_ENV"]
+
+PREFIX_ENV = "TOKENSPEED_PREFIX_CACHE"
+KEEP = 8  # entries kept (each ~46 KB per token for SmolLM2-135M)
+_HERE = Path(__file__).parent
+# The code whose changes change the numbers of a prefill (an "engine version" finer than the release).
+_NUMERICS = ("model.py", "quant.py", "kernels/cpu_kernels.cpp", "kernels/cpu_kernels.h", "kernels/cpu_isa.h",
+             "kernels/cpu_decode.cpp", "kernels/cpu_decode.py", "kernels/attention.py", "kernels/norm.py",
+             "prefix_cache.py")
+log = logging.getLogger(__name__)
+_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> weights fingerprint
+
+
+@functools.cache
+def _code_digest() -> str:
+    h = hashlib.sha256(torch.__version__.encode())
+    for name in _NUMERICS:
+        h.update(name.encode() + b"\0" + (_HERE / name).read_bytes())
+    return h.hexdigest()
+
+
+def _weights_fingerprint(model) -> str:
+    """sha256 of every weight's name, dtype and shape and of a strided sample of its bytes (cheap:
+    a few KB per tensor), so that another model or weights format gives another digest."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        flat = t.detach().reshape(-1)
+        step = max(1, flat.numel() // 2048)
+        sample = flat[::step][:2048].to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(sample.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _key(session, ids: list[int]) -> str:
+    model, engine = session.model, session.engine
+    if model not in _FINGERPRINTS:  # once per loaded model (a session never changes its weights)
+        _FINGERPRINTS[model] = _weights_fingerprint(model)
+    fused = model.use_fused and model.fused_decode() is not None
+    variant = ""
+    if fused:
+        from .kernels.cpu_decode import selected_variant
+
+        variant = selected_variant()
+    parts = {"ids": hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest(),
+             "weights": _FINGERPRINTS[model], "format": engine.weights, "code": _code_digest(),
+             "device": str(engine.device), "dtype": str(model.tok_embeddings.weight.dtype),
+             "fused": fused, "variant": variant, "threads": torch.get_num_threads(),
+             "cache": type(session.cache).__name__}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def folder() -> Path | None:
+    """Where entries live: `$TOKENSPEED_PREFIX_CACHE`, else `<cache>/prefix`; None when the
+    variable is "off" (or "0")."""
+    env = os.environ.get(PREFIX_ENV, "").strip()
+    if env.lower() in ("off", "0"):
+        return None
+    return Path(env) if env else cache_dir() / "prefix"
+
+
+def entry_path(session, ids: list[int]) -> Path | None:
+    """The file that holds (or would hold) the KV of `ids` prefilled as `session`'s system prompt
+    (None: the disk cache is off)."""
+    root = folder()
+    return None if root is None else root / f"{_key(session, ids)}.safetensors"
+
+
+def _state(cache, n: int, ids: list[int]) -> dict[str, torch.Tensor]:
+    state = {"k": cache.k[:, :, :, :n], "v": cache.v[:, :, :, :n], "pos": cache.pos[:n],
+             "ids": torch.tensor(ids, dtype=torch.long)}
+    if cache.tracks_attention:
+        state["score"] = cache.score[:n]
+    return {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
+
+
+def _save(path: Path, cache, ids: list[int]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    save_file(_state(cache, len(ids), ids), str(tmp))
+    os.replace(tmp, path)
+    entries = sorted(path.parent.glob("*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in entries[KEEP:]:
+        old.unlink(missing_ok=True)
+
+
+def _load(path: Path, cache, ids: list[int]) -> bool:
+    """Write the entry's KV into the empty `cache`; False (cache untouched) when it does not fit."""
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - whatever a damaged file raises (SafetensorError, OSError): a miss
+        log.warning("system prompt KV cache entry %s unreadable (%s): prefilling", path, exc)
+        return False
+    n = len(ids)
+    shape = (*cache.k.shape[:3], n, cache.k.shape[4])
+    if (not torch.equal(state.get("ids", torch.empty(0)), torch.tensor(ids, dtype=torch.long))
+            or tuple(state["k"].shape) != shape or tuple(state["v"].shape) != shape
+            or (cache.tracks_attention and "score" not in state) or cache.n or n > cache.capacity):
+        return False
+    cache.k[:, :, :, :n] = state["k"].to(cache.k.device)
+    cache.v[:, :, :, :n] = state["v"].to(cache.v.device)
+    cache.pos[:n] = state["pos"].to(cache.pos.device)
+    if cache.tracks_attention:
+        cache.score[:n] = state["score"].to(cache.score.device)
+    cache.advance(n, int(state["pos"][-1]) + 1 if n else 0)
+    return True
+
+
+def prefill_system(session) -> bool:
+    """Prefill `session`'s pending system prompt (its only context so far), from the disk cache
+    when an entry matches, else by a forward whose KV is then stored. Leaves the session as its
+    own prefill does (`Session._flush`). Returns whether the KV came from disk.
+
+    Disk errors while storing are logged, never raised: the session is ready either way.
+    """
+    keep = 0 if session.tok.assistant_prefix else 1
+    ids = session.pending[:len(session.pending) - keep]
+    if not ids or len(session.target.tokens):
+        session._flush()
+        return False
+    path = entry_path(session, ids)
+    if path is None:
+        session._flush()
+        return False
+    if path.is_file() and _load(path, session.cache, ids):
+        session.target.tokens.extend(ids)
+        session.pending = session.pending[len(ids):]
+        session.cache.trim()
+        session.speculator.observe(session.target.context())
+        os.utime(path)  # most recently used
+        return True
+    session._flush()
+    try:
+        _save(path, session.cache, ids)
+    except OSError as exc:
+        log.warning("cannot store the system prompt KV in %s (%s)", path, exc)
+    return False

@@ -1,0 +1,67 @@
+"""System prompt KV on disk (tokenspeed.prefix_cache): a warm session reads the prefilled system
+prompt and tools instead of prefilling them, and equals a freshly prefilled one; any change of
+prompt, tools or model misses."""
+import pytest
+import torch
+
+from tokenspeed.prefix_cache import PREFIX_ENV
+
+SYSTEM = "You control a robot arm on a table. Act with one tool call."
+
+
+@pytest.fixture
+def prefix_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(PREFIX_ENV, str(tmp_path))
+    return tmp_path
+
+
+def _next_logits(session, text):
+    ids = session._render([{"role": "user", "content": text}]) + session.tok.encode(session.tok.assistant_prefix)
+    return session.target.forward(session.pending + ids, "last")
+
+
+@pytest.mark.parametrize("kv_budget", [None, 512])
+def test_restored_session_equals_freshly_prefilled_one(engine, robot_tools, prefix_dir, kv_budget):
+    fresh = engine.session(system=SYSTEM, tools=robot_tools[:2], kv_budget=kv_budget)
+    assert not fresh.system_from_disk and len(list(prefix_dir.glob("*.safetensors"))) == 1
+    warm = engine.session(system=SYSTEM, tools=robot_tools[:2], kv_budget=kv_budget)
+    assert warm.system_from_disk
+    assert warm.tokens == fresh.tokens and warm.pending == fresh.pending and warm.num_tokens == fresh.num_tokens
+    n = fresh.cache.n
+    assert warm.cache.n == n and warm.cache.next_position() == fresh.cache.next_position()
+    for name in ("k", "v"):
+        assert torch.equal(getattr(warm.cache, name)[:, :, :, :n], getattr(fresh.cache, name)[:, :, :, :n])
+    assert torch.equal(warm.cache.pos[:n], fresh.cache.pos[:n])
+    if kv_budget:
+        assert torch.equal(warm.cache.score[:n], fresh.cache.score[:n])
+    assert torch.equal(_next_logits(warm, "Pick up the red cube."), _next_logits(fresh, "Pick up the red cube."))
+    texts = []
+    for s in (fresh, warm):
+        s.observe("The blue cylinder is at x=0.30 y=0.25. Place the cube next to it.")
+        texts.append(s.decide().text)
+    assert texts[0] == texts[1]
+
+
+def test_changed_prompt_tools_or_model_misses(engine, tiny_engine, robot_tools, prefix_dir):
+    assert not engine.session(system=SYSTEM, tools=robot_tools[:2]).system_from_disk
+    assert engine.session(system=SYSTEM, tools=robot_tools[:2]).system_from_disk
+    assert not engine.session(system=SYSTEM + " Be brief.", tools=robot_tools[:2]).system_from_disk
+    assert not engine.session(system=SYSTEM, tools=robot_tools[:1]).system_from_disk
+    assert not tiny_engine.session(system=SYSTEM, tools=robot_tools[:2]).system_from_disk  # another model
+    assert len(list(prefix_dir.glob("*.safetensors"))) == 4
+
+
+def test_corrupt_entry_is_a_miss_and_is_replaced(engine, robot_tools, prefix_dir):
+    engine.session(system=SYSTEM, tools=robot_tools[:2])
+    (entry,) = prefix_dir.glob("*.safetensors")
+    entry.write_bytes(b"not a safetensors file")
+    s = engine.session(system=SYSTEM, tools=robot_tools[:2])
+    assert not s.system_from_disk
+    assert engine.session(system=SYSTEM, tools=robot_tools[:2]).system_from_disk
+
+
+def test_off_writes_nothing(tiny_engine, prefix_dir, monkeypatch):
+    monkeypatch.setenv(PREFIX_ENV, "off")
+    assert not tiny_engine.session(system=SYSTEM).system_from_disk
+    assert not tiny_engine.session(system=SYSTEM).system_from_disk
+    assert not list(prefix_dir.iterdir())
