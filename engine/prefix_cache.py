@@ -95,7 +95,7 @@ def entry_path(session, ids: list[int]) -> Path | None:
 
 def _state(cache, n: int, ids: list[int]) -> dict[str, torch.Tensor]:
     state = {"k": cache.k[:, :, :, :n], "v": cache.v[:, :, :, :n], "pos": cache.pos[:n],
-             "ids": torch.tensor(ids, dtype=torch.long)}
+             "ids": torch.tensor(ids, dtype=torch.long, device="cpu")}
     if cache.tracks_attention:
         state["score"] = cache.score[:n]
     return {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
@@ -124,7 +124,8 @@ def _load(path: Path, cache, ids: list[int]) -> bool:
         return False
     n = len(ids)
     shape = (*cache.k.shape[:3], n, cache.k.shape[4])
-    if (not torch.equal(state.get("ids", torch.empty(0)), torch.tensor(ids, dtype=torch.long))
+    ids_t = torch.tensor(ids, dtype=torch.long, device="cpu")
+    if (not torch.equal(state.get("ids", torch.empty(0, device="cpu")), ids_t)
             or tuple(state["k"].shape) != shape or tuple(state["v"].shape) != shape
             or (cache.tracks_attention and "score" not in state) or cache.n or n > cache.capacity):
         return False
@@ -149,7 +150,8 @@ def prefill_system(session) -> bool:
     if not ids or len(session.target.tokens):
         session._flush()
         return False
-    path = entry_path(session, ids)
+    # meta tensors (shape-only runs) hold no KV to store
+    path = None if session.cache.k.is_meta else entry_path(session, ids)
     if path is None:
         session._flush()
         return False
