@@ -160,7 +160,10 @@ def prefill_system(session) -> bool:
         session.pending = session.pending[len(ids):]
         session.cache.trim()
         session.speculator.observe(session.target.context())
-        os.utime(path)  # most recently used
+        try:
+            os.utime(path)  # most recently used
+        except OSError:     # another process's session evicted it meanwhile: the KV is loaded already
+            pass
         return True
     session._flush()
     try:
