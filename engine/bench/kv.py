@@ -69,7 +69,7 @@ def _stream(session, rng: random.Random, tokens: int) -> float:
 
 
 def _session(engine, kv: KVConfig | None):
-    return engine.session(system=SYSTEM, tools=TOOLS, kv_budget=kv, capacity=None if kv else 16384)
+    return engine.session(system=SYSTEM, tools=TOOLS, kv_budget=kv)    # full: the model's max_position_embeddings
 
 
 def needle(engine, configs: dict[str, KVConfig | None], streams=(3000,) * 20, facts: int = 1,
