@@ -1,11 +1,13 @@
 """Input checks and encoders: ROS sensor messages -> validated arrays and compact text.
 
 Every check raises `BadInput(kind, detail)`; the node counts each kind in `InputHealth`, logs
-the first occurrence of each kind, drops the message and keeps running.
+the first occurrence of each kind, drops the message and keeps running. `SensorGate` knows when
+each sensor last gave a valid reading and which is the newest (the stamp a decision answers).
 """
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 
 import numpy as np
@@ -44,6 +46,45 @@ class InputHealth:
         if self.counts[err.kind] == 1:
             self._logger.warning(f"bad input on {topic}: {err} (counted in /diagnostics; "
                                  f"further '{err.kind}' reports are not logged)")
+
+
+class SensorGate:
+    """The sensors a decision needs (`sources`), when each last gave a valid reading, and the
+    newest reading's stamp. Times `now_s` are seconds of the node's clock; stamps are the node's
+    rclpy Time (only compared and kept here). Not thread-safe: the executor thread.
+
+    `latest_stamp`: the newest valid sensor stamp (None before the first);
+    `latest_times`: (received, perceived) wall-clock seconds of its message.
+    """
+
+    def __init__(self, health: InputHealth, sources: tuple[str, ...], started_s: float):
+        self.health = health
+        self.sources = sources
+        self._started_s = started_s
+        self.last_rx: dict[str, float] = {}     # source -> node time of its last valid reading
+        self.latest_stamp = None
+        self.latest_times = (0.0, 0.0)
+
+    def received(self, source: str, stamp, now_s: float, received: float) -> None:
+        """A valid reading stamped `stamp`, whose message arrived at `received` (wall clock, s),
+        is processed (perception done)."""
+        self.last_rx[source] = now_s
+        if self.latest_stamp is None or stamp > self.latest_stamp:
+            self.latest_stamp = stamp
+            self.latest_times = (received, time.time())
+
+    def missing(self, now_s: float, stale_after_s: float) -> list[str]:
+        """The sources with no valid reading within `stale_after_s` seconds (each silent one is
+        counted in `health` as "missing_<source>")."""
+        missing = []
+        for source in self.sources:
+            last = self.last_rx.get(source)
+            silent_s = now_s - (self._started_s if last is None else last)
+            if silent_s > stale_after_s:
+                self.health.report(BadInput(f"missing_{source}", f"no valid data for {silent_s:.1f} s"), source)
+            if last is None or silent_s > stale_after_s:
+                missing.append(source)
+        return missing
 
 
 def stamp_seconds(stamp) -> float:

@@ -16,6 +16,10 @@ one-shot timer, not the constructor), as a plain node; a failed start-up configu
 ConfigureError out of the executor (the entry point ends the process with status 2). The launch
 files pass their `autostart` launch argument; `tokenspeed_launch` starts the node with autostart
 false and drives the transitions (or leaves them to a lifecycle manager with `--autostart false`).
+
+`EngineNode` is the one set-up of a node that decides with the engine (the agent, the market
+bridge): its deadline monitor, engine thread and the decision loop between them, their cleanup,
+and the live parameters they share.
 """
 from __future__ import annotations
 
@@ -23,8 +27,12 @@ import sys
 from typing import ClassVar
 
 from rcl_interfaces.msg import SetParametersResult
+from rclpy.duration import Duration
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 
+from tokenspeed_ros.deadline_monitor import DeadlineMonitor
+from tokenspeed_ros.decision_loop import DecisionLoop
+from tokenspeed_ros.engine_worker import EngineWorker
 from tokenspeed_ros.params import AgentParamsError, NodeParams
 
 KINDS = ("publishers", "subscriptions", "timers", "guards", "clients", "services")
@@ -175,3 +183,65 @@ class ManagedNode(LifecycleNode):
             return SetParametersResult(successful=False, reason=str(e))
         self.p = new
         return SetParametersResult(successful=True)
+
+
+class EngineNode(ManagedNode):
+    """Base of a managed node that decides with the engine (the agent, the market bridge).
+
+    The subclass's `configure` makes `self.monitor` (its DeadlineMonitor) and then calls
+    `start_engine`, which makes `self.worker` (the EngineWorker, from the NodeParams engine
+    fields) and `self.loop` (the DecisionLoop between them) and waits for the model. `cleanup`
+    stops the monitor and the engine thread; `apply_live` applies the live parameters both nodes
+    have (deadline_budget_s, publish_margin_s, threads), and `replace_timer` remakes a periodic
+    timer whose period is live. A subclass extends `cleanup` and `apply_live` and calls them.
+    """
+
+    def __init__(self, name: str, **node_kwargs):
+        self.worker: EngineWorker | None = None     # from configure to cleanup (None: no agent)
+        self.monitor: DeadlineMonitor | None = None  # made at configure, closed at cleanup
+        self.loop: DecisionLoop | None = None
+        super().__init__(name, **node_kwargs)
+
+    def start_engine(self, tools: list[dict] | None, *, on_observed=None, check_result=None,
+                     on_resolved=None, **worker_options) -> None:
+        """Make the engine thread for `tools` (an OpenAI tool list; None = no agent: every
+        decision falls back "no_agent"; a call is required unless a decision says otherwise) with
+        `worker_options` (EngineWorker's repeat_slack, replace_sources), and the DecisionLoop between it and `self.monitor` (the
+        callbacks: see DecisionLoop); then load the model and wait for it. Raises ConfigureError
+        when the model did not load."""
+        p = self.p
+        if tools is not None:
+            wake = self.create_guard_condition(lambda: self.loop.on_engine_output())
+            self.worker = EngineWorker(model=p.model, threads=p.threads, quantize=p.quantize, device=p.device,
+                                       dtype=p.dtype, system=p.system_prompt, tools=tools, tool_choice="required",
+                                       kv_budget=p.kv_budget_tokens, notify=wake.trigger, logger=self.get_logger(),
+                                       **worker_options)
+        self.loop = DecisionLoop(self.monitor, self.worker, self.get_clock(), publish_margin_s=p.publish_margin_s,
+                                 on_observed=on_observed, check_result=check_result, on_resolved=on_resolved)
+        if self.worker is not None:
+            self.worker.start()
+            if self.worker.wait_loaded() != "ready":
+                raise ConfigureError(f"the model did not load: {self.worker.fault}")
+
+    def cleanup(self, timeout_s: float = 1.0) -> bool:
+        """Stop the deadline monitor's thread and the engine thread (see ManagedNode.cleanup)."""
+        if self.monitor is not None:
+            self.monitor.close()
+        worker, self.worker = self.worker, None
+        return worker.close(timeout_s) if worker is not None else True
+
+    def apply_live(self, new: NodeParams, changed: set[str]) -> None:
+        """Apply the live parameters every engine node has: deadline_budget_s, publish_margin_s,
+        threads (see ManagedNode.apply_live)."""
+        if "deadline_budget_s" in changed:
+            self.monitor.budget = Duration(seconds=new.deadline_budget_s)
+        self.loop.publish_margin_s = new.publish_margin_s
+        if "threads" in changed and self.worker is not None:
+            self.worker.set_threads(new.threads)
+
+    def replace_timer(self, timer, period_s: float, callback):
+        """Destroy `timer` (or None) and return a new one of `period_s` seconds calling
+        `callback`, or None when period_s <= 0 (off)."""
+        if timer is not None:
+            self.destroy_timer(timer)
+        return self.create_timer(period_s, callback) if period_s > 0 else None

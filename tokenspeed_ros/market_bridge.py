@@ -12,8 +12,10 @@ Three threads, none waiting on another:
   first message raises the feed-gap alarm (counted as "feed_gap", cleared by the next message).
   It also hands each batch's newest state per symbol to the executor, which streams it into the
   session every `stream_period_s` while the engine has nothing to do (streaming prefill), so a
-  decision prefills only its trigger line. The two hand-overs (`_slot_lock`) are the only state
-  the feed thread shares with the executor; the decision loop and the streaming state are the
+  decision prefills only its trigger line. One lock (`_lock`) guards everything the feed thread
+  shares with the executor: the two hand-overs, the feed's books and counters, `counts` and the
+  feed-gap alarm (the feed thread writes them under it and reads its own writes without it; the
+  executor reads and writes them under it); the decision loop and the streaming state are the
   executor's alone.
 - executor (main) thread: opens one decision per trigger in the shared `DeadlineMonitor`, whose
   deadline is the triggering tick's exchange timestamp + `deadline_budget_s`; sends it to the
@@ -47,14 +49,12 @@ from typing import ClassVar
 import zmq
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from pydantic import Field
-from rclpy.duration import Duration
 from rclpy.time import Time
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, MarketTick
 
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, Decision, ModelResult
-from tokenspeed_ros.decision_loop import DecisionLoop
-from tokenspeed_ros.engine_worker import EngineWorker, Observed, run_engine_node
-from tokenspeed_ros.managed_node import ConfigureError, ManagedNode
+from tokenspeed_ros.engine_worker import Observed, run_engine_node
+from tokenspeed_ros.managed_node import ConfigureError, EngineNode
 from tokenspeed_ros.market_feed import INTERNAL_ERROR, FeedLimits, MarketFeed, SymbolState
 from tokenspeed_ros.params import MIN_PERIOD_S, AgentParamsError, NodeParams
 
@@ -168,23 +168,22 @@ def trigger_text(trigger: Trigger) -> str:
     return line if trigger.streamed else f"{state_text(f)}\n{line}"
 
 
-class MarketBridgeNode(ManagedNode):
+class MarketBridgeNode(EngineNode):
     """The bridge node, a managed (lifecycle) node: see `ManagedNode` for the transitions and
     `MarketBridgeParams` for the parameters. Raises AgentParamsError at construction on bad
     parameters; a bad tool file, model or endpoint (zmq.ZMQError) fails configure.
 
-    Attributes read by tests and the demo (executor thread): `feed.counters` (feed records,
-    bad input, "feed_gap"), `counts` (triggers, coalescing, decisions), `outcomes` (recent
-    decision JSON dicts), `loop.engine_turn_s` (seconds from handing a decision to the engine to its
-    result, late ones included), `feed_alarm` (True while the feed is silent).
+    Attributes read by tests and the demo (executor thread; `status()` is their consistent
+    snapshot): `feed.counters` (feed records, bad input, "feed_gap"), `counts` (triggers,
+    coalescing, decisions), `outcomes` (recent decision JSON dicts), `loop.engine_turn_s` (seconds
+    from handing a decision to the engine to its result, late ones included), `feed_alarm` (True
+    while the feed is silent).
     """
 
     PARAMS = MarketBridgeParams
     CONFIGURE_ERRORS = (zmq.ZMQError,)
 
     def __init__(self, **node_kwargs):
-        self.worker: EngineWorker | None = None      # from configure to cleanup (None: agent off)
-        self.monitor: DeadlineMonitor | None = None  # made at configure, closed at cleanup
         self._zmq: zmq.Context | None = None
         self._feed_thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -203,7 +202,7 @@ class MarketBridgeNode(ManagedNode):
         self._open: dict[int, Trigger] = {}          # decision id -> trigger, until its outcome
         self._slot: Trigger | None = None            # feed thread -> executor, newest wins
         self._states: dict[tuple[str, str], dict] = {}  # feed thread -> executor: newest features per symbol
-        self._slot_lock = threading.Lock()
+        self._lock = threading.Lock()                # guards what the feed thread shares (module docstring)
         self._streaming = False                      # executor: a streamed state is waiting or being prefilled
         self._streamed_at: dict[tuple[str, str], float] = {}  # executor: feed time of each symbol's last streamed state
         self._stop = threading.Event()
@@ -226,19 +225,8 @@ class MarketBridgeNode(ManagedNode):
         self._tick_pub = self.create_publisher(MarketTick, p.tick_topic, 10)
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._wake_trigger = self.create_guard_condition(self._on_trigger)
-        if p.agent:
-            self._wake_engine = self.create_guard_condition(lambda: self.loop.on_engine_output())
-            self.worker = EngineWorker(model=p.model, threads=p.threads, quantize=p.quantize,
-                                       device=p.device, dtype=p.dtype, system=p.system_prompt, tools=tools,
-                                       tool_choice="required", kv_budget=p.kv_budget_tokens,
-                                       notify=self._notify_engine_output, logger=self.get_logger())
-        self.loop = DecisionLoop(self.monitor, self.worker, self.get_clock(), publish_margin_s=p.publish_margin_s,
-                                 on_observed=self._on_observed)
         self._status_timer = self.create_timer(p.status_period_s, self._publish_status)
-        if self.worker is not None:
-            self.worker.start()
-            if self.worker.wait_loaded() != "ready":
-                raise ConfigureError(f"the model did not load: {self.worker.fault}")
+        self.start_engine(tools, on_observed=self._on_observed)
         self._feed_thread = threading.Thread(target=self._feed_loop, name="market-feed", daemon=True)
         self._feed_thread.start()
         self.get_logger().info(f"tokenspeed_market_bridge configured: feed {p.feed_endpoint}, decisions "
@@ -250,16 +238,13 @@ class MarketBridgeNode(ManagedNode):
         self.loop.stop(self.get_clock().now(), "deactivated")
 
     def cleanup(self, timeout_s: float = 1.0) -> bool:
-        """Stop the feed, monitor and engine threads and close the sockets, removing the ipc://
-        files it bound (see ManagedNode.cleanup)."""
-        self._stop.set()  # also silences the engine thread's notifications from now on
+        """Stop the feed thread, then the monitor and engine threads (EngineNode), and close the
+        sockets, removing the ipc:// files it bound (see ManagedNode.cleanup)."""
+        self._stop.set()
         if self._feed_thread is not None:
             self._feed_thread.join(5.0)
             self._feed_thread = None
-        if self.monitor is not None:
-            self.monitor.close()
-        worker, self.worker = self.worker, None
-        stopped = worker.close(timeout_s) if worker is not None else True
+        stopped = super().cleanup(timeout_s)
         if self._zmq is not None:
             self._sub.close()
             self._pub.close()
@@ -273,15 +258,10 @@ class MarketBridgeNode(ManagedNode):
 
     def apply_live(self, new: MarketBridgeParams, changed: set[str]) -> None:
         """Apply live parameters (MarketBridgeParams.LIVE): the feed thread and the triggers read
-        `self.p` as they go; the rest is pushed here."""
-        if "deadline_budget_s" in changed:
-            self.monitor.budget = Duration(seconds=new.deadline_budget_s)
-        self.loop.publish_margin_s = new.publish_margin_s
-        if "threads" in changed and self.worker is not None:
-            self.worker.set_threads(new.threads)
+        `self.p` as they go; the rest is pushed here (and in EngineNode.apply_live)."""
+        super().apply_live(new, changed)
         if "status_period_s" in changed:
-            self.destroy_timer(self._status_timer)
-            self._status_timer = self.create_timer(new.status_period_s, self._publish_status)
+            self._status_timer = self.replace_timer(self._status_timer, new.status_period_s, self._publish_status)
 
     # ------------------------------------------------------------------ feed thread
     def _feed_loop(self) -> None:
@@ -293,7 +273,8 @@ class MarketBridgeNode(ManagedNode):
             try:
                 last_rx = self._feed_batch(last_rx)
             except Exception as err:  # noqa: BLE001 - one bad batch must not stop trading
-                self.counts[INTERNAL_ERROR] += 1
+                with self._lock:
+                    self.counts[INTERNAL_ERROR] += 1
                 self.get_logger().error(f"feed thread: {err!r} (counted, batch dropped)",
                                         throttle_duration_sec=5.0)
 
@@ -303,8 +284,9 @@ class MarketBridgeNode(ManagedNode):
         p = self.p     # live parameters apply from the next batch
         if not self._sub.poll(int(p.poll_period_s * 1000)):
             if not self.feed_alarm and last_rx is not None and time.monotonic() - last_rx > p.feed_gap_s:
-                self.feed_alarm = True
-                self.feed.counters["feed_gap"] += 1
+                with self._lock:
+                    self.feed_alarm = True
+                    self.feed.counters["feed_gap"] += 1
                 self.get_logger().warning(f"feed-gap alarm: no market data for {p.feed_gap_s} s")
             return last_rx
         touched: dict[int, SymbolState] = {}
@@ -316,16 +298,18 @@ class MarketBridgeNode(ManagedNode):
             except zmq.Again:
                 break
             n += 1
-            state = self.feed.handle(frames)
+            with self._lock:
+                state = self.feed.handle(frames)
             if state is not None:
                 touched[id(state)] = state
         last_rx = time.monotonic()
         if self.feed_alarm:
-            self.feed_alarm = False
             self.get_logger().info("feed resumed")
-        self.counts["messages"] += n
-        self.counts["coalesced"] += n - len(touched)
-        self.counts["max_batch_seen"] = max(self.counts["max_batch_seen"], n)
+        with self._lock:
+            self.feed_alarm = False
+            self.counts["messages"] += n
+            self.counts["coalesced"] += n - len(touched)
+            self.counts["max_batch_seen"] = max(self.counts["max_batch_seen"], n)
         for state in touched.values():
             self._evaluate(state, received_s)
         return last_rx
@@ -353,15 +337,15 @@ class MarketBridgeNode(ManagedNode):
             # the executor streams it if the engine is idle; offered STREAM_OFFERS times per period
             if p.stream_period_s > 0 and t - rules.last_offer_t >= p.stream_period_s / STREAM_OFFERS:
                 rules.last_offer_t = t
-                with self._slot_lock:
+                with self._lock:
                     self._states[(f["exchange"], f["symbol"])] = f
                 self._wake_trigger.trigger()
             return
         f["move_bps"] = move_bps
         rules.mid_ref, rules.last_t = f["mid"], t
         rules.last_trade_t = state.last_trade.timestamp if state.last_trade else 0.0
-        self.counts[f"trigger_{reason}"] += 1
-        with self._slot_lock:
+        with self._lock:
+            self.counts[f"trigger_{reason}"] += 1
             if self._slot is not None:
                 self.counts["triggers_coalesced"] += 1
             self._slot = Trigger(reason, t, f, received_s=received_s)
@@ -376,16 +360,15 @@ class MarketBridgeNode(ManagedNode):
         self._tick_pub.publish(msg)
 
     # ------------------------------------------------------------------ executor thread
-    def _notify_engine_output(self) -> None:
-        """Called on the engine thread; a decide() still running at close() must not touch the
-        guard condition of a destroyed node."""
-        if not self._stop.is_set():
-            self._wake_engine.trigger()
+    def _count(self, key: str) -> None:
+        """Count one `key` event in `counts` (executor thread)."""
+        with self._lock:
+            self.counts[key] += 1
 
     def _on_trigger(self) -> None:
         """Guard condition of the feed thread: decide on the newest trigger, then stream the
         newest states."""
-        with self._slot_lock:
+        with self._lock:
             (trig, self._slot), (states, self._states) = (self._slot, None), (self._states, {})
         if trig is not None:
             self._decide_on(trig)
@@ -402,7 +385,7 @@ class MarketBridgeNode(ManagedNode):
             return
         self._streamed_at[key] = f["timestamp"]
         self._streaming = True            # cleared when the engine reports it prefilled
-        self.counts["states_streamed"] += 1
+        self._count("states_streamed")
         self.worker.observe(f"market:{f['symbol']}", state_text(f), f["timestamp"])
 
     def _decide_on(self, trig: Trigger) -> None:
@@ -410,11 +393,11 @@ class MarketBridgeNode(ManagedNode):
         trig.streamed = trig.stamp_s - self._streamed_at.get((f["exchange"], f["symbol"]), -math.inf) \
             <= self.p.stream_period_s
         if not self.active:
-            self.counts["triggers_inactive"] += 1
+            self._count("triggers_inactive")
             return
         d = self.loop.open(Time(nanoseconds=int(trig.stamp_s * 1e9), clock_type=self.get_clock().clock_type))
         self._open[d.decision_id] = trig
-        self.counts["decisions_opened"] += 1
+        self._count("decisions_opened")
         prefill = (f"trigger:{trig.features['symbol']}", trigger_text(trig), trig.stamp_s)
         if not self.loop.busy:
             self.loop.dispatch(d, prefill=prefill)
@@ -432,7 +415,7 @@ class MarketBridgeNode(ManagedNode):
     def _on_outcome(self, cmd: ActionCommand | None, status: DeadlineStatus) -> None:
         """DeadlineMonitor hook, every decision outcome: count it and publish the decision JSON
         on ZeroMQ."""
-        self.counts[f"outcome_{status.reason}"] += 1
+        self._count(f"outcome_{status.reason}")
         if cmd is None:
             return  # a late model result, dropped: its fallback went out at the deadline
         trig = self._open.pop(status.decision_id, None)
@@ -453,7 +436,12 @@ class MarketBridgeNode(ManagedNode):
 
     def status(self) -> dict:
         """Feed counters, bridge counts and decision counts as one JSON-able dict; `feed_health`
-        is [level name ("OK", "WARN", "ERROR"), message] of the feed, see `_feed_health`."""
+        is [level name ("OK", "WARN", "ERROR"), message] of the feed, see `_feed_health`.
+        A consistent snapshot (taken under the feed thread's lock)."""
+        with self._lock:
+            return self._status()
+
+    def _status(self) -> dict:
         return {"feed": dict(self.feed.counters), "bridge": dict(self.counts),
                 "decisions": dict(self.monitor.counts), "feed_alarm": self.feed_alarm,
                 "feed_health": self._feed_health(),

@@ -5,14 +5,17 @@ calling the completion tool `task_done`, which the agent only offers once the ro
 status reports the goal achieved (action masking by precondition, as for pick/place) and checks
 again when the call comes back; then the agent stops acting (the arm holds) until the next task.
 A task also ends "failed" when its time or decision budget runs out, and "cancelled" on request.
+No ROS here (the context policy uses it; the action server is `task_action`).
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from rclpy.time import Time
+if TYPE_CHECKING:
+    from rclpy.time import Time
 
 TASK_DONE = "task_done"
 TASK_DONE_TOOL = {"type": "function", "function": {
@@ -77,3 +80,4 @@ def parse_status(text: str) -> dict | None:
     except json.JSONDecodeError:
         return None
     return status if isinstance(status, dict) else None
+

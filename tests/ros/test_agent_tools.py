@@ -90,7 +90,7 @@ def test_a_call_just_sent_is_not_preempted_before_the_robot_answers(probe, start
     """The robot's feedback topic is on, but this robot never answers: after each model call the
     agent waits APPLY_WAIT_S for the robot to take it up before a rate trigger (every 0.1 s) may
     decide again, so the next call cannot preempt one the robot has not even applied yet."""
-    from tokenspeed_ros.agent_node import APPLY_WAIT_S
+    from tokenspeed_ros.context_policy import APPLY_WAIT_S
 
     actions = probe.listen(ActionCommand, "agent/action")
     probe.node.create_publisher(String, "goal", LATCHED).publish(String(data=GOAL))

@@ -89,8 +89,8 @@ AGENT_EFFECTS = {
     "restate_slack_tokens": lambda n, v: n.worker._repeat_slack == v,
     "diagnostics_period_s": lambda n, v: n._diag_timer.timer_period_ns == round(v * 1e9),
     "tools_when_empty": lambda n, v: [t["function"]["name"] for t in
-                                      n._tool_choice()["allowed_tools"]["tools"]] == v,
-    "tool_choice": lambda n, v: n._tool_choice()["allowed_tools"]["mode"] == v,
+                                      n.ctx.tool_choice(n.p)["allowed_tools"]["tools"]] == v,
+    "tool_choice": lambda n, v: n.ctx.tool_choice(n.p)["allowed_tools"]["mode"] == v,
 }
 
 
