@@ -24,14 +24,13 @@ import json
 import math
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pybullet as p
 import pybullet_data
 
-from tokenspeed_ros.launch_spec import tool_set_path
+from tokenspeed.tools import TOOLS_DIR, load_tools
 
 CUBES = {"red_cube": (0.85, 0.1, 0.1), "green_cube": (0.1, 0.7, 0.15), "blue_cube": (0.1, 0.2, 0.85)}
 """Cube names and RGB colours (0..1)."""
@@ -55,7 +54,7 @@ REACH_TOL = 0.01             # a move is done when the gripper is this close, me
 SETTLE_S = 1.0               # extra time a move may take to converge after its path ends, seconds
 GRIPPER_S = 0.4              # time given to open/close the fingers, seconds
 
-DEFAULT_TOOLS = tool_set_path("robot_tools.json")   # the engine's robot tool set (found without importing it)
+DEFAULT_TOOLS = TOOLS_DIR / "robot_tools.json"      # the engine's robot tool set (tokenspeed.tools: no torch)
 
 
 class CommandRejected(ValueError):
@@ -101,18 +100,6 @@ class _Motion:
     log: list[str] = field(default_factory=list)
 
 
-def load_tools(path: str | Path) -> dict[str, dict]:
-    """Read an OpenAI-format tool list (JSON) and return {name: parameters JSON schema}.
-
-    Raises FileNotFoundError or ValueError (bad JSON / missing fields) naming the file.
-    """
-    try:
-        tools = json.loads(Path(path).read_text())
-        return {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in tools}
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not an OpenAI tool list: {e}") from e
-
-
 def _quat_from_matrix(r: np.ndarray) -> tuple[float, float, float, float]:
     """Rotation matrix [3, 3] -> unit quaternion (x, y, z, w)."""
     w = math.sqrt(max(0.0, 1.0 + r[0, 0] + r[1, 1] + r[2, 2])) / 2
@@ -135,7 +122,8 @@ class CobotScene:
             raise ValueError(f"target_object {cfg.target_object!r} is not one of {sorted(CUBES)}")
         if cfg.image_width < 16 or cfg.image_height < 16:
             raise ValueError(f"image size {cfg.image_width}x{cfg.image_height} too small (min 16x16)")
-        self.tools = load_tools(cfg.tools_file)
+        self.tools = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"})
+                      for t in load_tools(cfg.tools_file)}     # name -> arguments' JSON schema
         self._validators = {n: jsonschema.Draft202012Validator(s) for n, s in self.tools.items()}
         self._c = p.connect(p.DIRECT)
         self.sim_time = 0.0

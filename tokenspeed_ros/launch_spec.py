@@ -10,7 +10,6 @@ every parameter in them is declared by the node).
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
 from dataclasses import dataclass
 from importlib.resources import files
@@ -93,12 +92,6 @@ def config_dir() -> Path:
     """The parameter files and tool lists: package data of tokenspeed_ros (`tokenspeed_ros/config`),
     found through the package in a source checkout and in an installed wheel alike."""
     return Path(str(files(PACKAGE) / "config"))
-
-
-def tool_set_path(name: str) -> Path:
-    """A tool list shipped with the engine (`tokenspeed/data/tools/<name>`, e.g. "robot_tools.json"),
-    found without importing the engine (and torch): the nodes' default `tools_file`, the simulator's."""
-    return Path(importlib.util.find_spec("tokenspeed").origin).parent / "data" / "tools" / name
 
 
 def params_path(spec: NodeSpec) -> Path:

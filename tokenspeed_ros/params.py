@@ -19,7 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
 from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
 
-from tokenspeed_ros.launch_spec import config_dir, tool_set_path
+from tokenspeed.tools import TOOLS_DIR, ToolsFileError, load_tools
+
+from tokenspeed_ros.launch_spec import config_dir
 
 DEFAULT_SYSTEM_PROMPT = (
     "You control a Franka Panda robot arm above a table with a red, a green and a blue cube. "
@@ -186,14 +188,11 @@ class NodeParams(BaseModel):
 
     def resolved_tools_file(self) -> Path:
         """The tool list to load: the `tools_file` field, or the engine's DEFAULT_TOOLS set."""
-        return Path(self.tools_file) if self.tools_file else tool_set_path(self.DEFAULT_TOOLS)
+        return Path(self.tools_file) if self.tools_file else TOOLS_DIR / self.DEFAULT_TOOLS
 
     def load_tools(self) -> list[dict]:
-        """The node's OpenAI tool list (`resolved_tools_file`), read with the engine's reader
-        (imported here, at configure: the engine loads next anyway). Raises AgentParamsError
-        naming tools_file and why."""
-        from tokenspeed.tools import ToolsFileError, load_tools
-
+        """The node's OpenAI tool list (`resolved_tools_file`), read with the engine's reader.
+        Raises AgentParamsError naming tools_file and why."""
         try:
             return load_tools(self.resolved_tools_file())
         except ToolsFileError as e:

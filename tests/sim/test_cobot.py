@@ -2,6 +2,8 @@
 robot tools with IK, checks the scenario, and rejects bad commands without moving."""
 import json
 import math
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -176,3 +178,13 @@ def test_camera_process_renders_what_the_scene_shows(scene):
         camera.request(scene.snapshot())          # closing with a frame in flight must not hang
         t0 = time.monotonic()
     assert time.monotonic() - t0 < 5.0 and not camera._proc.is_alive()
+
+
+def test_the_simulator_reads_the_engines_tool_files_without_importing_torch():
+    """One tool-file reader (`tokenspeed.tools`) for the engine, the nodes and the simulator, and
+    importing the simulator's scene module does not import torch."""
+    code = ("import sys, tokenspeed.tools, tokenspeed_sim.cobot as c; "
+            "assert c.load_tools is tokenspeed.tools.load_tools; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
