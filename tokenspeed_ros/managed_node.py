@@ -12,7 +12,9 @@ Parameters: while the node is unconfigured any valid value is taken (it applies 
 configure); once configured, the table's LIVE parameters apply at once (the subclass's
 `apply_live`) and every other change is refused with a reason; bad values are always refused.
 With `autostart` (default) the node configures and activates itself once its executor spins (a
-one-shot timer, not the constructor), as a plain node; a failed start-up configure then raises
+one-shot timer, not the constructor), as a plain node. While configure waits for the model (on
+the executor), the node still answers the lifecycle queries (`get_state` says "configuring":
+`answer_lifecycle_queries`); a transition requested meanwhile waits until configure ends. a failed start-up configure then raises
 ConfigureError out of the executor (the entry point ends the process with status 2). The launch
 files pass their `autostart` launch argument; `tokenspeed_launch` starts the node with autostart
 false and drives the transitions (or leaves them to a lifecycle manager with `--autostart false`).
@@ -24,6 +26,7 @@ and the live parameters they share.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import ClassVar
 
 from rcl_interfaces.msg import SetParametersResult
@@ -36,6 +39,7 @@ from tokenspeed_ros.engine_worker import EngineWorker
 from tokenspeed_ros.params import AgentParamsError, NodeParams
 
 KINDS = ("publishers", "subscriptions", "timers", "guards", "clients", "services")
+QUERY_POLL_S = 0.05     # while configure waits, lifecycle queries are answered within this (s)
 
 
 class ConfigureError(RuntimeError):
@@ -76,6 +80,21 @@ class ManagedNode(LifecycleNode):
         if not configured:
             raise ConfigureError(f"configure failed: {self.configure_error}")
         self.trigger_activate()
+
+    def answer_lifecycle_queries(self, done: Callable[[float], bool]) -> None:
+        """Wait on the executor thread until `done(timeout_s)` (which itself waits up to timeout_s
+        seconds) is True, answering the read-only lifecycle services (get_state,
+        get_available_states, get_available_transitions, get_transition_graph) every QUERY_POLL_S
+        meanwhile: a lifecycle manager sees "configuring" during a model load instead of a service
+        that does not answer. Other callbacks (a change_state request included) wait."""
+        queries = (self._service_get_state, self._service_get_available_states,
+                   self._service_get_available_transitions, self._service_get_transition_graph)
+        while not done(QUERY_POLL_S):
+            for srv in queries:
+                with srv.handle:
+                    request, header = srv.handle.service_take_request(srv.srv_type.Request)
+                if header is not None:
+                    srv.send_response(srv.callback(request, srv.srv_type.Response()), header)
 
     # ------------------------------------------------------------------ subclass hooks
     def configure(self) -> None:
@@ -206,9 +225,10 @@ class EngineNode(ManagedNode):
                      on_resolved=None, **worker_options) -> None:
         """Make the engine thread for `tools` (an OpenAI tool list; None = no agent: every
         decision falls back "no_agent"; a call is required unless a decision says otherwise) with
-        `worker_options` (EngineWorker's repeat_slack, replace_sources), and the DecisionLoop between it and `self.monitor` (the
-        callbacks: see DecisionLoop); then load the model and wait for it. Raises ConfigureError
-        when the model did not load."""
+        `worker_options` (EngineWorker's repeat_slack, replace_sources), and the DecisionLoop
+        between it and `self.monitor` (the callbacks: see DecisionLoop); then load the model and
+        wait for it, answering the lifecycle queries (`answer_lifecycle_queries`). Raises
+        ConfigureError when the model did not load."""
         p = self.p
         if tools is not None:
             wake = self.create_guard_condition(lambda: self.loop.on_engine_output())
@@ -220,7 +240,8 @@ class EngineNode(ManagedNode):
                                  on_observed=on_observed, check_result=check_result, on_resolved=on_resolved)
         if self.worker is not None:
             self.worker.start()
-            if self.worker.wait_loaded() != "ready":
+            self.answer_lifecycle_queries(lambda timeout_s: self.worker.wait_loaded(timeout_s) != "loading")
+            if self.worker.state != "ready":
                 raise ConfigureError(f"the model did not load: {self.worker.fault}")
 
     def cleanup(self, timeout_s: float = 1.0) -> bool:
