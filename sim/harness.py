@@ -52,6 +52,7 @@ from tokenspeed_sim import ros_spin
 
 STAGES = ("capture_to_context_s", "ttft_s", "capture_to_published_s", "published_to_applied_s", "end_to_end_s")
 MAX_REMEMBERED_OBSERVATIONS = 5000
+RESEND_S = 0.2                  # a RunTask goal the agent rejected (not yet active) is sent again after this (s)
 ECHO_MATCH_NS = 1_000_000   # slack when comparing echo stamps with observation stamps (agents may round-trip float seconds)
 
 
@@ -143,15 +144,21 @@ class LatencyHarness(Node):
 
     def send_task(self) -> bool:
         """Send the simulator's goal to the agent as a RunTask action goal (once the agent's
-        action server and the goal are known); returns whether it was sent. Its feedback and
-        result are recorded in `run_task`."""
-        if self.run_task is not None or not self.goal_text or not self._task_client.server_is_ready():
+        action server and the goal are known) until the agent accepts it: its engine reports
+        ready on /diagnostics before a lifecycle manager activates it, and an inactive agent
+        rejects goals (as nav2 does), so a rejected goal is sent again RESEND_S later. Returns
+        whether it was accepted. Its feedback and result are recorded in `run_task` ("sent_s":
+        the accepted send; "rejected": sends refused before it)."""
+        run = self.run_task
+        if run is not None and (run["accepted"] is not False or time.time() - self.started - run["sent_s"] < RESEND_S):
+            return bool(run["accepted"])
+        if not self.goal_text or not self._task_client.server_is_ready():
             return False
         self.run_task = {"task": self.goal_text, "sent_s": time.time() - self.started, "feedback": 0,
-                         "accepted": None, "outcome": None}
+                         "accepted": None, "outcome": None, "rejected": 0 if run is None else run["rejected"] + 1}
         sent = self._task_client.send_goal_async(RunTask.Goal(task=self.goal_text), feedback_callback=self._on_task_feedback)
         sent.add_done_callback(self._on_task_accepted)
-        return True
+        return False
 
     def _on_task_feedback(self, _msg) -> None:
         self.run_task["feedback"] += 1
@@ -447,7 +454,9 @@ def print_table(report: dict) -> None:
                              else f"; task time (engine ready -> achieved) {report['task_time_s']:.1f} s"))
     run = report.get("run_task")
     if run is not None:
-        console.print(f"RunTask action: sent {run['sent_s']:.1f} s into the run, {run['feedback']} feedback messages, "
+        console.print(f"RunTask action: sent {run['sent_s']:.1f} s into the run"
+                      + (f" (after {run['rejected']} rejected sends)" if run.get("rejected") else "")
+                      + f", {run['feedback']} feedback messages, "
                       f"outcome {run['outcome'] or 'none yet'}"
                       + (f" after {run['decisions']} decisions: {run['evidence']}" if run["outcome"] else ""))
 
