@@ -52,6 +52,7 @@ from tokenspeed_sim import ros_spin
 
 STAGES = ("capture_to_context_s", "ttft_s", "capture_to_published_s", "published_to_applied_s", "end_to_end_s")
 MAX_REMEMBERED_OBSERVATIONS = 5000
+TASK_RESEND_S = 0.2         # a RunTask goal the agent rejected (not yet active) is sent again after this (s)
 ECHO_MATCH_NS = 1_000_000   # slack when comparing echo stamps with observation stamps (agents may round-trip float seconds)
 
 
@@ -143,22 +144,29 @@ class LatencyHarness(Node):
 
     def send_task(self) -> bool:
         """Send the simulator's goal to the agent as a RunTask action goal (once the agent's
-        action server and the goal are known); returns whether it was sent. Its feedback and
-        result are recorded in `run_task`."""
-        if self.run_task is not None or not self.goal_text or not self._task_client.server_is_ready():
+        action server and the goal are known), again every TASK_RESEND_S while the agent rejects
+        it (its action server exists once the model is loaded, but it accepts goals only once it
+        is active, a moment later); returns whether the agent accepted it. Its feedback and
+        result are recorded in `run_task` ("rejected": goals rejected before)."""
+        run = self.run_task
+        if run is not None and run["accepted"]:
+            return True
+        if run is not None and (run["accepted"] is None or time.time() - self.started - run["sent_s"] < TASK_RESEND_S):
+            return False
+        if not self.goal_text or not self._task_client.server_is_ready():
             return False
         self.run_task = {"task": self.goal_text, "sent_s": time.time() - self.started, "feedback": 0,
-                         "accepted": None, "outcome": None}
+                         "accepted": None, "outcome": None, "rejected": 0 if run is None else run["rejected"] + 1}
         sent = self._task_client.send_goal_async(RunTask.Goal(task=self.goal_text), feedback_callback=self._on_task_feedback)
         sent.add_done_callback(self._on_task_accepted)
-        return True
+        return False
 
     def _on_task_feedback(self, _msg) -> None:
         self.run_task["feedback"] += 1
 
     def _on_task_accepted(self, future) -> None:
         handle = future.result()
-        self.run_task["accepted"] = handle.accepted
+        self.run_task["accepted"] = bool(handle.accepted)
         if handle.accepted:
             handle.get_result_async().add_done_callback(self._on_task_result)
 
@@ -447,7 +455,10 @@ def print_table(report: dict) -> None:
                              else f"; task time (engine ready -> achieved) {report['task_time_s']:.1f} s"))
     run = report.get("run_task")
     if run is not None:
-        console.print(f"RunTask action: sent {run['sent_s']:.1f} s into the run, {run['feedback']} feedback messages, "
+        console.print(f"RunTask action: sent {run['sent_s']:.1f} s into the run"
+                      + (f" (after {run['rejected']} rejected while the agent was not yet active)"
+                         if run.get("rejected") else "")
+                      + f", {run['feedback']} feedback messages, "
                       f"outcome {run['outcome'] or 'none yet'}"
                       + (f" after {run['decisions']} decisions: {run['evidence']}" if run["outcome"] else ""))
 
@@ -470,7 +481,7 @@ def listen(duration_s: float, out_dir: Path, stop=None, live: bool = False, wait
     on /diagnostics; the measured window of duration_s seconds starts then (or at the timeout).
     Ends early when `stop()` returns True or on SIGINT, reporting what was seen. live: print each
     decision as it arrives. task: when the window starts, send the simulator's goal to the agent as
-    a RunTask action goal (waiting up to 30 s for its action server) and report its outcome.
+    a RunTask action goal (for up to 30 s until the agent accepts it) and report its outcome.
     """
     ros_spin.init()
     harness = LatencyHarness(live=live)
