@@ -266,7 +266,8 @@ class LatencyHarness(Node):
         everything = list(self.decisions.values())
         decisions = [d for d in everything if d.received >= self.window_start]
         early = [d for d in everything if d.received < self.window_start]
-        done_stamps = sorted(stamp for fb in self._feedback.values() for state, stamp, _ in fb if state == "done")
+        done_stamps = sorted(stamp for i, fb in self._feedback.items() for state, stamp, _ in fb
+                             if state == "done" and i in self.decisions and self.decisions[i].source == "model")
         for d in everything:   # echoes, commands and feedback come from different writers, in any order
             d.in_context = self._echo_time(d.capture_ns, before=d.received)
             d.trace = self._traces.get(d.decision_id)
@@ -317,6 +318,10 @@ class LatencyHarness(Node):
             "task_time_s": None if self.first_success_at is None or self.engine_ready_at is None
             else self.first_success_at - self.engine_ready_at,
             "run_task": self.run_task,
+            # RunTask goal sent (the accepted one) -> the agent's first model command for it
+            "task_to_first_command_s": None if self.run_task is None else min(
+                (d.published - self.started - self.run_task["sent_s"] for d in model
+                 if d.published >= self.started + self.run_task["sent_s"]), default=None),
             "task": None if self.scenario is None else {
                 **self.scenario, "first_success_s": None if self.first_success_at is None
                 else self.first_success_at - self.started},
@@ -330,7 +335,8 @@ def trace_summary(decisions: list[Decision], done_stamps: list[float]) -> dict:
     robot's "applied" added as `published_to_applied`; over every decision the engine took (a
     model call, or a fallback whose result came late): tokens that entered the context per
     decision, decided-ahead hits and misses; for hits the latency from the robot's last "done"
-    before the command to the command's publish time (`done_stamps`: sorted "done" stamps, s)."""
+    of a model call before the command to the command's publish time (`done_stamps`: those sorted
+    "done" stamps, s; a task's first call, decided ahead on a camera frame, has none before it)."""
     engine = [d for d in decisions if d.trace is not None and d.trace["times"].get("queued")]
     traced = [d for d in decisions if d.trace is not None and d.source == "model"]
     stages: dict[str, list[float]] = {}
@@ -458,6 +464,8 @@ def print_table(report: dict) -> None:
         console.print(f"RunTask action: sent {run['sent_s']:.1f} s into the run"
                       + (f" (after {run['rejected']} rejected while the agent was not yet active)"
                          if run.get("rejected") else "")
+                      + ("" if report.get("task_to_first_command_s") is None
+                         else f", first command {report['task_to_first_command_s'] * 1e3:.0f} ms after it")
                       + f", {run['feedback']} feedback messages, "
                       f"outcome {run['outcome'] or 'none yet'}"
                       + (f" after {run['decisions']} decisions: {run['evidence']}" if run["outcome"] else ""))

@@ -112,6 +112,8 @@ class AgentNode(ManagedNode):
         self._texts: dict[str, str] = {}            # source -> newest text (sent to the engine, or held)
         self._held: dict[str, tuple[Time, str]] = {}  # source -> (stamp, kind) of a reading held back
         self._state_queued = ""                     # the last state line given to the engine
+        self._first_call = False                    # the task's first call is not yet decided (see _decide_first_ahead)
+        self._ahead_line: str | None = None         # the state line it was decided ahead on
         self._executing: tuple[int, Time] | None = None    # robot's current model call: (id, applied at)
         self._sent: tuple[int, Time] | None = None         # newest moving model call, until the robot answers it
         self._skipped_busy = 0
@@ -313,6 +315,8 @@ class AgentNode(ManagedNode):
         self._received("camera", stamp, received)
         if self._submit("camera", objects_text(objects), stamp) and self.p.decide_on_scene_change:
             self._trigger("scene")
+        elif self._ahead_line == self._state_text() and self.worker.decided_ahead is not None:   # a hit
+            self._trigger("frame")
 
     def _on_goal(self, msg: String) -> None:
         """The goal topic, the thin way in (off unless goal_topic is set): a new text starts a
@@ -342,6 +346,7 @@ class AgentNode(ManagedNode):
         self.worker.new_episode()
         self._texts.pop("goal", None)
         self._state_queued = None
+        self._first_call, self._ahead_line = True, None
         now = self.get_clock().now()
         submitted = self._submit("goal", f"goal: {task.text}", now, kind="text")
         for source in SENSORS:
@@ -460,8 +465,9 @@ class AgentNode(ManagedNode):
         return missing
 
     def _trigger(self, why: str) -> None:
-        """Start a decision now if the engine is free. `why`: "rate", "scene", "goal",
-        or "feedback"; one that finds the engine busy runs when it is free, as what it was. Only
+        """Start a decision now if the engine is free. `why`: "rate", "scene", "goal", "frame"
+        (an unchanged camera frame for a task's first call decided ahead: `_decide_first_ahead`) or
+        "feedback"; one that finds the engine busy runs when it is free, as what it was. Only
         a goal decides while the robot executes a model call. Rate triggers also keep safe
         actions flowing while the engine is stuck past a deadline. Nothing decides while the
         node is not active."""
@@ -489,10 +495,30 @@ class AgentNode(ManagedNode):
         if self._missing_sensors():
             self.monitor.fail_now(stamp, "no_sensor_data")
             return
+        if self._first_call and why != "frame":
+            if self._ahead_line is None and self._decide_first_ahead():
+                return
+            if why == "rate" and self._ahead_line is not None and self.worker.ahead_pending:
+                return      # the frame after it decides
         self._decide(stamp)
+
+    def _decide_first_ahead(self) -> bool:
+        """A task's first call is decided ahead on the newest camera frame's state line (the
+        engine prefills it and decides while nothing is published) and goes out on the next
+        frame whose state line is token for token the same ("frame" trigger): that is the
+        decision on that frame, exactly (same context, greedy decoding), so only that frame's
+        perception and the hit lie between its capture and the command. A frame that changes the
+        line, or a failed decision ahead (then the rate trigger), decides afresh (a miss).
+        Returns False (decide now) when deciding ahead is off or there is no frame yet."""
+        if not (self.p.decide_ahead and self.p.restate_before_decisions and "camera" in self._texts):
+            return False
+        self._state_queued = self._ahead_line = self._state_text()
+        self.worker.decide_ahead(("state", self._ahead_line, 0.0), self._tool_choice())
+        return True
 
     def _decide(self, stamp: Time, tools: list[str] | None = None) -> None:
         """Open a decision on the observation stamped `stamp` and hand it to the (free) engine."""
+        self._first_call, self._ahead_line = False, None
         d = self.loop.open(stamp)
         received, perceived = self._latest_times if stamp == self._latest_stamp else (0.0, 0.0)
         self._traced[d.decision_id] = {"capture": stamp.nanoseconds * 1e-9, "received": received,

@@ -167,6 +167,7 @@ class EngineWorker:
         self._prefill = [0, 0, 0.0]     # observations, tokens, seconds prefilled since the last decision
         self._missed = ""                          # "miss" when the next decision's ahead one was dropped
         self._ahead_request: tuple | None = None   # (restate, tool_choice) to decide ahead when idle
+        self._ahead_running = False                # the engine thread is deciding ahead now
         self._ahead: _Ahead | None = None          # the decision decided ahead, until used or dropped
         self.ahead_counts = {"hit": 0, "miss": 0, "redone": 0, "dropped": 0, "failed": 0}
         self._repeat_slack = repeat_slack
@@ -272,6 +273,11 @@ class EngineWorker:
             self._cv.notify()
 
     @property
+    def ahead_pending(self) -> bool:
+        """A decide_ahead() request is waiting for the engine or being decided now."""
+        return self._ahead_request is not None or self._ahead_running
+
+    @property
     def decided_ahead(self) -> dict | None:
         """The call decided ahead and not yet used or dropped ({"name", "arguments"}), or None."""
         ahead = self._ahead
@@ -338,6 +344,7 @@ class EngineWorker:
                     self._ahead_request = None      # too late to decide ahead
                 elif not self._obs:                 # readings first: the prediction follows them
                     ahead_job, self._ahead_request = self._ahead_request, None
+                    self._ahead_running = ahead_job is not None
                 request, self._request = self._request, None
                 in_flight[:] = [] if request is None else [request[0]]
                 if request is not None and request[3] is not None:     # the state line stands for the queue
@@ -350,7 +357,10 @@ class EngineWorker:
                     source = next(iter(self._obs))
                     batch = [(source, self._obs.pop(source))]
             if ahead_job is not None:
-                self._decide_ahead(*ahead_job)
+                try:
+                    self._decide_ahead(*ahead_job)
+                finally:
+                    self._ahead_running = False
                 continue
             if request is not None and self._ahead is not None and request[3] is not None and \
                     (request[3][0], request[3][1], request[2]) == (self._ahead.source, self._ahead.text,
