@@ -509,9 +509,13 @@ class AgentNode(ManagedNode):
         decision on that frame, exactly (same context, greedy decoding), so only that frame's
         perception and the hit lie between its capture and the command. A frame that changes the
         line, or a failed decision ahead (then the rate trigger), decides afresh (a miss).
-        Returns False (decide now) when deciding ahead is off or there is no frame yet."""
-        if not (self.p.decide_ahead and self.p.restate_before_decisions and "camera" in self._texts):
+        Returns False (decide now) when deciding ahead is off; True without deciding while no
+        camera frame came yet (the first one decides ahead; none within stale_after_s: the
+        no_sensor_data fallback)."""
+        if not (self.p.decide_ahead and self.p.restate_before_decisions):
             return False
+        if "camera" not in self._texts:
+            return True
         self._state_queued = self._ahead_line = self._state_text()
         self.worker.decide_ahead(("state", self._ahead_line, 0.0), self._tool_choice())
         return True
