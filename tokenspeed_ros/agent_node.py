@@ -496,7 +496,9 @@ class AgentNode(ManagedNode):
             self.monitor.fail_now(stamp, "no_sensor_data")
             return
         if self._first_call and why != "frame":
-            if self._ahead_line is None and self._decide_first_ahead():
+            # the first frame decides ahead; a changed frame while that is not done yet, again
+            redo = why == "scene" and self._ahead_line is not None and self.worker.ahead_pending
+            if (self._ahead_line is None or redo) and self._decide_first_ahead():
                 return
             if why == "rate" and self._ahead_line is not None and self.worker.ahead_pending:
                 return      # the frame after it decides
@@ -508,7 +510,9 @@ class AgentNode(ManagedNode):
         frame whose state line is token for token the same ("frame" trigger): that is the
         decision on that frame, exactly (same context, greedy decoding), so only that frame's
         perception and the hit lie between its capture and the command. A frame that changes the
-        line, or a failed decision ahead (then the rate trigger), decides afresh (a miss).
+        line while the decision ahead is not yet made replaces it (decided ahead again); once it
+        is made, a changed line, or a failed decision ahead (then the rate trigger), decides
+        afresh (a miss), so a scene that keeps changing still gets its call.
         Returns False (decide now) when deciding ahead is off; True without deciding while no
         camera frame came yet (the first one decides ahead; none within stale_after_s: the
         no_sensor_data fallback)."""
