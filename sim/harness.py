@@ -351,6 +351,7 @@ def trace_summary(decisions: list[Decision], done_stamps: list[float]) -> dict:
         if d.trace.get("ahead") == "hit" and i:
             feedback_to_command.append(d.published - done_stamps[i - 1])
     tokens = [d.trace["tokens_in"] for d in engine]
+    after = [d.trace["times"].get("request_tokens", 0) for d in engine]
     return {
         "decisions": len(traced),
         "engine_decisions": len(engine),
@@ -358,6 +359,8 @@ def trace_summary(decisions: list[Decision], done_stamps: list[float]) -> dict:
         "tokens_per_decision": tokens,
         "tokens_per_decision_p50": float(np.median(tokens)) if tokens else None,
         "tokens_per_decision_mean": float(np.mean(tokens)) if tokens else None,
+        "tokens_after_reading": after,      # prefilled between the decision's request and its call
+        "tokens_after_reading_p50": float(np.median(after)) if after else None,
         "decided_ahead": dict(Counter(d.trace.get("ahead") or "none" for d in engine)),
         "feedback_to_command_s": percentiles(feedback_to_command),
     }
@@ -433,7 +436,9 @@ def print_table(report: dict) -> None:
         console.print(stages)
         fc = tr["feedback_to_command_s"]
         console.print(f"tokens into the context per engine decision: {tr['tokens_per_decision']} (p50 "
-                      f"{tr['tokens_per_decision_p50']:.0f}); decided ahead: {tr['decided_ahead']}; robot done -> "
+                      f"{tr['tokens_per_decision_p50']:.0f}), of them prefilled after the decision's reading: "
+                      f"{tr['tokens_after_reading']} (p50 {tr['tokens_after_reading_p50']:.0f}); "
+                      f"decided ahead: {tr['decided_ahead']}; robot done -> "
                       f"command published for decided-ahead calls: p50 {ms(fc['p50'])} ms (n {fc['n']})")
     dl = report["deadline"]
     hit = "-" if dl["hit_rate"] is None else f"{dl['hit_rate']:.1%}"

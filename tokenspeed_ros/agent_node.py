@@ -113,6 +113,7 @@ class AgentNode(ManagedNode):
         self._held: dict[str, tuple[Time, str]] = {}  # source -> (stamp, kind) of a reading held back
         self._state_queued = ""                     # the last state line given to the engine
         self._first_call = False                    # the task's first call is not yet decided (see _decide_first_ahead)
+        self._superseded: int | None = None         # the decision in flight when the current task started
         self._ahead_line: str | None = None         # the state line it was decided ahead on
         self._executing: tuple[int, Time] | None = None    # robot's current model call: (id, applied at)
         self._sent: tuple[int, Time] | None = None         # newest moving model call, until the robot answers it
@@ -343,6 +344,7 @@ class AgentNode(ManagedNode):
         self.get_logger().info(f"task: {task.text}")
         # the context starts again from the system prompt and tools, then the goal (even the same
         # text as the last task's) and the current readings
+        self._superseded = self.loop.outstanding
         self.worker.new_episode()
         self._texts.pop("goal", None)
         self._state_queued = None
@@ -545,10 +547,15 @@ class AgentNode(ManagedNode):
         self.task.finish(outcome, evidence)
 
     def _check_result(self, result: ModelResult) -> ModelResult:
-        """A completion call never reaches the robot: when the robot still reports the task
+        """A decision in flight when the current task started never reaches the robot (it answered
+        no task or the last one; the monitor publishes the safe fallback, reason "superseded",
+        and the engine stops it at its next forward: `EngineWorker.new_episode`). A completion call never reaches the robot: when the robot still reports the task
         achieved, the task is done once its outcome is out (the monitor publishes the safe
         fallback with reason "task_done": the arm holds; see _on_resolved); otherwise the call is refused ("task_not_done") and the model
         is told."""
+        if result.decision_id == self._superseded:
+            return ModelResult(result.decision_id, "superseded", reason="decided before the current task started",
+                               ttft_s=result.ttft_s, total_s=result.total_s, trace=result.trace)
         if result.status != "ok" or result.tool_call is None or result.tool_call["name"] != TASK_DONE:
             return result
         evidence = self._done_evidence()

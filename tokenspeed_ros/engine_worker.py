@@ -67,7 +67,9 @@ class DecisionTrace:
     are when the stored call was taken, and ahead_* say how it was made. Tokens: prefill_tokens
     before the decision on its path; tokens_in: every token that entered the context for this
     decision since the last one (observations, the state line, decide()'s trigger tokens; not the
-    answer); context_tokens: the context when it decided.
+    answer); request_tokens: the tokens prefilled between the request (the reading it answers)
+    and the call (its state line where not yet in the context, decide()'s trigger tokens; 0 for a
+    call decided ahead); context_tokens: the context when it decided.
     """
 
     queued: float
@@ -78,6 +80,7 @@ class DecisionTrace:
     first_token: float = 0.0
     end: float = 0.0
     tokens_in: int = 0
+    request_tokens: int = 0
     context_tokens: int = 0
     ahead: str = ""                 # "hit", "miss" or "" (none was decided ahead)
     ahead_prefill_ms: float = 0.0
@@ -233,7 +236,8 @@ class EngineWorker:
             self._cv.notify()
 
     def new_episode(self) -> None:
-        """Start a new episode (e.g. a new task): queued observations are dropped, and before
+        """Start a new episode (e.g. a new task): queued observations are dropped, a decision in
+        progress stops at its next forward (answered "superseded"), and before
         anything observed or requested after this call, the session rolls back to its system
         prompt and tools (`Session.rollback`), so nothing of the last episode - its readings, its
         calls - stays in the context for the next decisions to copy."""
@@ -532,12 +536,15 @@ class EngineWorker:
                 trace: DecisionTrace) -> ModelResult:
         if self._session is None:
             return ModelResult(decision_id, "engine_fault", reason=self.fault or "engine not loaded")
+        from tokenspeed import SessionAborted   # loaded with the engine (the module stays torch-free)
+
         started = time.monotonic()
         trace.decide_start = time.time()
         trace.context_tokens = self._session.num_tokens
         try:
             before = self._session.checkpoint()
-            d = self._session.decide(tool_choice=tool_choice, deadline_at=deadline_at)
+            d = self._session.decide(tool_choice=tool_choice, deadline_at=deadline_at,
+                                     abort=lambda: self._new_episode)
             status, call, reason = d.status, d.tool_call, d.reason or ""
             problem = self._checker.problem(call) if status == "ok" else None
             if problem is not None:     # never executed, and not left in the context as if it were
@@ -545,6 +552,9 @@ class EngineWorker:
                 status, call, reason = "invalid", None, problem
             if status in ("ok", "text"):    # the answer stays in the context: the last observation is answered
                 self._unanswered = None
+        except SessionAborted:     # the session is as before decide()
+            self._log.info(f"decision {decision_id}: superseded by a new episode")
+            return ModelResult(decision_id, "superseded", reason="a new episode began", trace=trace.as_dict())
         except Exception as e:
             self._log.error(f"engine fault in decide(): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
             return ModelResult(decision_id, "engine_fault", reason=f"{type(e).__name__}: {e}")
@@ -553,6 +563,7 @@ class EngineWorker:
         self._prefill = [0, 0, 0.0]
         trace.first_token, trace.end = trace.decide_start + (d.ttft_s or 0.0), time.time()
         trace.tokens_in = n_tok + d.prefill_tokens
+        trace.request_tokens = trace.prefill_tokens + d.prefill_tokens
         self._log.info(
             f"decision {decision_id}: {status} {call['name'] if call else reason}; queued -> decide "
             f"{(started - queued_at) * 1e3:.0f} ms, budget left {(deadline_at - started) * 1e3:.0f} ms; since the last "
