@@ -18,7 +18,8 @@ state (`tools_when_empty` / `tools_when_holding`, OpenAI allowed_tools). Right b
 decision it streams a lean state line into the context (`context_policy`: "objects ...; gripper
 empty; task: ..." or "gripper holding red_cube; task: ..."), so a small model reads the state and
 the task last; while the robot executes a call, the next call is decided ahead on the state the
-call's success leads to (`EngineWorker.decide_ahead`). Every decision's stages go out as JSON on
+call's success leads to (`EngineWorker.decide_ahead`), and a task's first call is decided ahead on
+the newest camera frame and published on the next frame with the same state line. Every decision's stages go out as JSON on
 `<action_topic>/trace` (`decision_trace`). The `DeadlineMonitor` publishes
 each valid, timely tool call as an `ActionCommand` (plus a `PoseStamped` target for calls with a
 position) and the safe fallback otherwise. Bad input is counted and dropped; missing sensors or a
@@ -498,12 +499,17 @@ class AgentNode(ManagedNode):
             self.monitor.fail_now(stamp, "no_sensor_data")
             return
         if self._first_call and why != "frame":
-            # the first frame decides ahead; a changed frame while that is not done yet, again
-            redo = why == "scene" and self._ahead_line is not None and self.worker.ahead_pending
-            if (self._ahead_line is None or redo) and self._decide_first_ahead():
+            # the first frame decides ahead; a changed frame while that is not done yet, again;
+            # other triggers meanwhile wait for the frame after it
+            pending = self._ahead_line is not None and self.worker.ahead_pending
+            if self._ahead_line is None or (pending and why == "scene"):
+                if self._decide_first_ahead():
+                    return
+            elif pending:
                 return
-            if why == "rate" and self._ahead_line is not None and self.worker.ahead_pending:
-                return      # the frame after it decides
+            else:
+                self.get_logger().info(f"task's first call decided afresh on a {why} trigger (decided ahead: "
+                                       f"{'none' if self.worker.decided_ahead is None else 'another state line'})")
         self._decide(stamp)
 
     def _decide_first_ahead(self) -> bool:
@@ -547,12 +553,14 @@ class AgentNode(ManagedNode):
         self.task.finish(outcome, evidence)
 
     def _check_result(self, result: ModelResult) -> ModelResult:
-        """A decision in flight when the current task started never reaches the robot (it answered
-        no task or the last one; the monitor publishes the safe fallback, reason "superseded",
-        and the engine stops it at its next forward: `EngineWorker.new_episode`). A completion call never reaches the robot: when the robot still reports the task
+        """A decision in flight when the current task started never reaches the robot: it answered
+        no task or the last one (the monitor publishes the safe fallback, reason "superseded"; the
+        engine stops it at its next forward, `EngineWorker.new_episode`).
+
+        A completion call never reaches the robot: when the robot still reports the task
         achieved, the task is done once its outcome is out (the monitor publishes the safe
-        fallback with reason "task_done": the arm holds; see _on_resolved); otherwise the call is refused ("task_not_done") and the model
-        is told."""
+        fallback with reason "task_done": the arm holds; see _on_resolved); otherwise the call is
+        refused ("task_not_done") and the model is told."""
         if result.decision_id == self._superseded:
             return ModelResult(result.decision_id, "superseded", reason="decided before the current task started",
                                ttft_s=result.ttft_s, total_s=result.total_s, trace=result.trace)

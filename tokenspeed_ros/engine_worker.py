@@ -442,6 +442,7 @@ class EngineWorker:
             return
         self._previous.clear()              # nothing observed so far is in the context any more
         self._unanswered = None
+        self._prefill = [0, 0, 0.0]
         self.context_tokens = self._session.num_tokens
         self._log.info(f"new episode: {dropped} tokens of the last one dropped, context {self.context_tokens} tokens")
 

@@ -107,6 +107,39 @@ def test_a_decisions_state_line_jumps_the_queue_and_is_not_prefilled_twice():
     assert order[-2:] == [("state", False), 2]
 
 
+def test_a_new_episode_stops_the_decision_in_progress():
+    """A new episode (the node's new task) that begins while a decision is in progress stops it
+    before its next forward: answered "superseded" (never a call for the new task), the context
+    back at the system prompt and tools; the next decision runs as usual."""
+    woke = threading.Event()
+    armed = []
+
+    def notify():      # on the engine thread: the decision's state line is in, its decide() is next
+        woke.set()
+        if armed and worker.context_tokens > armed[0]:
+            armed.clear()
+            worker.new_episode()
+
+    worker = EngineWorker(model="tiny-random", threads=0, system="You control a robot arm.", tools=TOOLS,
+                          tool_choice={"name": "hold"}, kv_budget=1024, notify=notify, logger=get_logger("test"))
+    worker.start()
+    try:
+        assert collect(worker, woke, lambda _: worker.state != "loading", 120) == []
+        base = worker.context_tokens
+        armed.append(base)
+        worker.decide(1, time.monotonic() + 60.0, restate=("state", "gripper empty; task: hold still", 1.0))
+        first = collect(worker, woke, lambda items: any(isinstance(i, ModelResult) for i in items), 120)
+        worker.decide(2, time.monotonic() + 60.0, restate=("state", "gripper empty; task: hold still", 2.0))
+        second = collect(worker, woke, lambda items: any(isinstance(i, ModelResult) for i in items), 120)
+    finally:
+        assert worker.close(timeout=30.0)
+    stopped = next(i for i in first if isinstance(i, ModelResult))
+    assert stopped.status == "superseded" and stopped.tool_call is None
+    result = next(i for i in second if isinstance(i, ModelResult))
+    assert result.status == "ok" and result.tool_call["name"] == "hold"
+    assert result.trace["context_tokens"] == base + result.trace["prefill_tokens"]     # a fresh episode
+
+
 def test_a_new_episode_starts_again_from_the_system_prompt_and_tools():
     """new_episode(): the last episode's readings and calls leave the context, and a reading
     identical to one of the last episode is prefilled again."""
