@@ -236,13 +236,14 @@ class EngineWorker:
             self._cv.notify()
 
     def new_episode(self) -> None:
-        """Start a new episode (e.g. a new task): queued observations are dropped, a decision in
-        progress stops at its next forward (answered "superseded"), and before
-        anything observed or requested after this call, the session rolls back to its system
-        prompt and tools (`Session.rollback`), so nothing of the last episode - its readings, its
-        calls - stays in the context for the next decisions to copy."""
+        """Start a new episode (e.g. a new task): queued observations and decide_ahead() requests
+        are dropped, a decision in progress stops at its next forward (answered "superseded"), and
+        before anything observed or requested after this call, the session rolls back to its
+        system prompt and tools (`Session.rollback`), so nothing of the last episode - its
+        readings, its calls - stays in the context for the next decisions to copy."""
         with self._cv:
             self._obs.clear()
+            self._ahead_request = None      # here, not on the engine thread: one made after this call stays
             self._new_episode = True
             self._cv.notify()
 
@@ -332,7 +333,6 @@ class EngineWorker:
                     return
                 if self._new_episode:       # under the lock: what is observed next joins the new episode
                     self._new_episode = False
-                    self._ahead_request = None
                     self._drop_ahead("dropped")
                     self._begin_episode()
                     continue
