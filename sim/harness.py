@@ -52,7 +52,7 @@ from tokenspeed_sim import ros_spin
 
 STAGES = ("capture_to_context_s", "ttft_s", "capture_to_published_s", "published_to_applied_s", "end_to_end_s")
 MAX_REMEMBERED_OBSERVATIONS = 5000
-RESEND_S = 0.2                  # a RunTask goal the agent rejected (not yet active) is sent again after this (s)
+TASK_RESEND_S = 0.2         # a RunTask goal the agent rejected (not yet active) is sent again after this (s)
 ECHO_MATCH_NS = 1_000_000   # slack when comparing echo stamps with observation stamps (agents may round-trip float seconds)
 
 
@@ -144,14 +144,15 @@ class LatencyHarness(Node):
 
     def send_task(self) -> bool:
         """Send the simulator's goal to the agent as a RunTask action goal (once the agent's
-        action server and the goal are known) until the agent accepts it: its engine reports
-        ready on /diagnostics before a lifecycle manager activates it, and an inactive agent
-        rejects goals (as nav2 does), so a rejected goal is sent again RESEND_S later. Returns
-        whether it was accepted. Its feedback and result are recorded in `run_task` ("sent_s":
-        the accepted send; "rejected": sends refused before it)."""
+        action server and the goal are known), again every TASK_RESEND_S while the agent rejects
+        it (its action server exists once the model is loaded, but it accepts goals only once it
+        is active, a moment later); returns whether the agent accepted it. Its feedback and
+        result are recorded in `run_task` ("rejected": goals rejected before)."""
         run = self.run_task
-        if run is not None and (run["accepted"] is not False or time.time() - self.started - run["sent_s"] < RESEND_S):
-            return bool(run["accepted"])
+        if run is not None and run["accepted"]:
+            return True
+        if run is not None and (run["accepted"] is None or time.time() - self.started - run["sent_s"] < TASK_RESEND_S):
+            return False
         if not self.goal_text or not self._task_client.server_is_ready():
             return False
         self.run_task = {"task": self.goal_text, "sent_s": time.time() - self.started, "feedback": 0,
@@ -165,7 +166,7 @@ class LatencyHarness(Node):
 
     def _on_task_accepted(self, future) -> None:
         handle = future.result()
-        self.run_task["accepted"] = handle.accepted
+        self.run_task["accepted"] = bool(handle.accepted)
         if handle.accepted:
             handle.get_result_async().add_done_callback(self._on_task_result)
 
@@ -265,7 +266,8 @@ class LatencyHarness(Node):
         everything = list(self.decisions.values())
         decisions = [d for d in everything if d.received >= self.window_start]
         early = [d for d in everything if d.received < self.window_start]
-        done_stamps = sorted(stamp for fb in self._feedback.values() for state, stamp, _ in fb if state == "done")
+        done_stamps = sorted(stamp for i, fb in self._feedback.items() for state, stamp, _ in fb
+                             if state == "done" and i in self.decisions and self.decisions[i].source == "model")
         for d in everything:   # echoes, commands and feedback come from different writers, in any order
             d.in_context = self._echo_time(d.capture_ns, before=d.received)
             d.trace = self._traces.get(d.decision_id)
@@ -316,6 +318,10 @@ class LatencyHarness(Node):
             "task_time_s": None if self.first_success_at is None or self.engine_ready_at is None
             else self.first_success_at - self.engine_ready_at,
             "run_task": self.run_task,
+            # RunTask goal sent (the accepted one) -> the agent's first model command for it
+            "task_to_first_command_s": None if self.run_task is None else min(
+                (d.published - self.started - self.run_task["sent_s"] for d in model
+                 if d.published >= self.started + self.run_task["sent_s"]), default=None),
             "task": None if self.scenario is None else {
                 **self.scenario, "first_success_s": None if self.first_success_at is None
                 else self.first_success_at - self.started},
@@ -329,7 +335,8 @@ def trace_summary(decisions: list[Decision], done_stamps: list[float]) -> dict:
     robot's "applied" added as `published_to_applied`; over every decision the engine took (a
     model call, or a fallback whose result came late): tokens that entered the context per
     decision, decided-ahead hits and misses; for hits the latency from the robot's last "done"
-    before the command to the command's publish time (`done_stamps`: sorted "done" stamps, s)."""
+    of a model call before the command to the command's publish time (`done_stamps`: those sorted
+    "done" stamps, s; a task's first call, decided ahead on a camera frame, has none before it)."""
     engine = [d for d in decisions if d.trace is not None and d.trace["times"].get("queued")]
     traced = [d for d in decisions if d.trace is not None and d.source == "model"]
     stages: dict[str, list[float]] = {}
@@ -344,6 +351,7 @@ def trace_summary(decisions: list[Decision], done_stamps: list[float]) -> dict:
         if d.trace.get("ahead") == "hit" and i:
             feedback_to_command.append(d.published - done_stamps[i - 1])
     tokens = [d.trace["tokens_in"] for d in engine]
+    after = [d.trace["times"].get("request_tokens", 0) for d in engine]
     return {
         "decisions": len(traced),
         "engine_decisions": len(engine),
@@ -351,6 +359,8 @@ def trace_summary(decisions: list[Decision], done_stamps: list[float]) -> dict:
         "tokens_per_decision": tokens,
         "tokens_per_decision_p50": float(np.median(tokens)) if tokens else None,
         "tokens_per_decision_mean": float(np.mean(tokens)) if tokens else None,
+        "tokens_after_reading": after,      # prefilled between the decision's request and its call
+        "tokens_after_reading_p50": float(np.median(after)) if after else None,
         "decided_ahead": dict(Counter(d.trace.get("ahead") or "none" for d in engine)),
         "feedback_to_command_s": percentiles(feedback_to_command),
     }
@@ -426,7 +436,9 @@ def print_table(report: dict) -> None:
         console.print(stages)
         fc = tr["feedback_to_command_s"]
         console.print(f"tokens into the context per engine decision: {tr['tokens_per_decision']} (p50 "
-                      f"{tr['tokens_per_decision_p50']:.0f}); decided ahead: {tr['decided_ahead']}; robot done -> "
+                      f"{tr['tokens_per_decision_p50']:.0f}), of them prefilled after the decision's reading: "
+                      f"{tr['tokens_after_reading']} (p50 {tr['tokens_after_reading_p50']:.0f}); "
+                      f"decided ahead: {tr['decided_ahead']}; robot done -> "
                       f"command published for decided-ahead calls: p50 {ms(fc['p50'])} ms (n {fc['n']})")
     dl = report["deadline"]
     hit = "-" if dl["hit_rate"] is None else f"{dl['hit_rate']:.1%}"
@@ -455,7 +467,10 @@ def print_table(report: dict) -> None:
     run = report.get("run_task")
     if run is not None:
         console.print(f"RunTask action: sent {run['sent_s']:.1f} s into the run"
-                      + (f" (after {run['rejected']} rejected sends)" if run.get("rejected") else "")
+                      + (f" (after {run['rejected']} rejected while the agent was not yet active)"
+                         if run.get("rejected") else "")
+                      + ("" if report.get("task_to_first_command_s") is None
+                         else f", first command {report['task_to_first_command_s'] * 1e3:.0f} ms after it")
                       + f", {run['feedback']} feedback messages, "
                       f"outcome {run['outcome'] or 'none yet'}"
                       + (f" after {run['decisions']} decisions: {run['evidence']}" if run["outcome"] else ""))
@@ -479,7 +494,7 @@ def listen(duration_s: float, out_dir: Path, stop=None, live: bool = False, wait
     on /diagnostics; the measured window of duration_s seconds starts then (or at the timeout).
     Ends early when `stop()` returns True or on SIGINT, reporting what was seen. live: print each
     decision as it arrives. task: when the window starts, send the simulator's goal to the agent as
-    a RunTask action goal (waiting up to 30 s for its action server) and report its outcome.
+    a RunTask action goal (for up to 30 s until the agent accepts it) and report its outcome.
     """
     ros_spin.init()
     harness = LatencyHarness(live=live)

@@ -12,8 +12,10 @@ model, activate starts decisions, deactivate publishes the safe fallback. Tasks 
 `RunTask` action goals (`task_action`) or on the goal topic and end when the model calls the
 completion tool `task_done` (`task`); `Decide` makes one decision on demand. What enters the
 context, the tools each decision may call (by what the gripper holds) and the robot's execution
-are the ROS-free `context_policy.ContextPolicy`; this node gates the inputs, triggers decisions
-and wires ROS to it. The `DeadlineMonitor` publishes each valid, timely tool call as an
+are the ROS-free `context_policy.ContextPolicy` (which also decides calls ahead: the next call on
+the state a running call leads to, a task's first call on the newest camera frame, published on
+the next frame with the same state line); this node gates the inputs, triggers decisions and
+wires ROS to it. The `DeadlineMonitor` publishes each valid, timely tool call as an
 `ActionCommand` (plus a `PoseStamped` target for calls with a position) and the safe fallback
 otherwise; every decision's stages go out as JSON on `<action_topic>/trace` (`decision_trace`).
 Bad input is counted and dropped; missing sensors or engine give fallbacks; counts and latency
@@ -102,6 +104,7 @@ class AgentNode(EngineNode):
         self._camera: CameraModel | None = None     # built when both of the above are valid
         self._traced: dict[int, dict] = {}          # decision id -> node times of its reading, until resolved
         self.traces = TraceStats()
+        self._superseded: int | None = None         # the decision in flight when the current task started
         self._skipped_busy = 0
         self._skipped_executing = 0
         self._diag_seen_bad = 0
@@ -228,6 +231,8 @@ class AgentNode(EngineNode):
         self.inputs.received("camera", stamp, self._now_s(), received)
         if self._submit("camera", objects_text(objects), stamp) and self.p.decide_on_scene_change:
             self._trigger("scene")
+        elif self.ctx.first_ahead_hit(self.p):
+            self._trigger("frame")
 
     def _on_goal(self, msg: String) -> None:
         """The goal topic, the thin way in (off unless goal_topic is set): a new text starts a
@@ -251,6 +256,7 @@ class AgentNode(EngineNode):
         if self.task is not None:
             self.task.finish(CANCELLED, "replaced by a new task")
         self.get_logger().info(f"task: {task.text}")
+        self._superseded = self.loop.outstanding
         if self.ctx.start_task(self.p, task, self._now_s()) and self.p.decide_on_goal:
             self._trigger("goal")
 
@@ -275,8 +281,9 @@ class AgentNode(EngineNode):
 
     # ------------------------------------------------------------------ decisions
     def _trigger(self, why: str) -> None:
-        """Start a decision now if the engine is free. `why`: "rate", "scene", "goal",
-        or "feedback"; one that finds the engine busy runs when it is free, as what it was. Only
+        """Start a decision now if the engine is free. `why`: "rate", "scene", "goal", "frame"
+        (an unchanged camera frame for a task's first call decided ahead: `ContextPolicy.decide_first_ahead`) or
+        "feedback"; one that finds the engine busy runs when it is free, as what it was. Only
         a goal decides while the robot executes a model call. Rate triggers also keep safe
         actions flowing while the engine is stuck past a deadline. Nothing decides while the
         node is not active."""
@@ -304,6 +311,18 @@ class AgentNode(EngineNode):
         if self.inputs.missing(self._now_s(), self.p.stale_after_s):
             self.monitor.fail_now(stamp, "no_sensor_data")
             return
+        if self.ctx.first_call and why != "frame":
+            # the first frame decides ahead; a changed frame while that is not done yet, again;
+            # other triggers meanwhile wait for the frame after it
+            pending = self.ctx.ahead_line is not None and self.worker.ahead_pending
+            if self.ctx.ahead_line is None or (pending and why == "scene"):
+                if self.ctx.decide_first_ahead(self.p):
+                    return
+            elif pending:
+                return
+            else:
+                self.get_logger().info(f"task's first call decided afresh on a {why} trigger (decided ahead: "
+                                       f"{'none' if self.worker.decided_ahead is None else 'another state line'})")
         self._decide(stamp)
 
     def _decide(self, stamp: Time, tools: list[str] | None = None) -> None:
@@ -324,10 +343,17 @@ class AgentNode(EngineNode):
         self.task.finish(outcome, evidence)
 
     def _check_result(self, result: ModelResult) -> ModelResult:
-        """A completion call never reaches the robot: when the robot still reports the task
+        """A decision in flight when the current task started never reaches the robot: it answered
+        no task or the last one (the monitor publishes the safe fallback, reason "superseded"; the
+        engine stops it at its next forward, `EngineWorker.new_episode`).
+
+        A completion call never reaches the robot: when the robot still reports the task
         achieved, the task is done once its outcome is out (the monitor publishes the safe
-        fallback with reason "task_done": the arm holds; see _on_resolved); otherwise the call is refused ("task_not_done") and the model
-        is told."""
+        fallback with reason "task_done": the arm holds; see _on_resolved); otherwise the call is
+        refused ("task_not_done") and the model is told."""
+        if result.decision_id == self._superseded:
+            return ModelResult(result.decision_id, "superseded", reason="decided before the current task started",
+                               ttft_s=result.ttft_s, total_s=result.total_s, trace=result.trace)
         if result.status != "ok" or result.tool_call is None or result.tool_call["name"] != TASK_DONE:
             return result
         evidence = self.ctx.done_evidence(self.p)

@@ -147,6 +147,8 @@ class ContextPolicy:
         self._state_queued: str | None = ""             # the last state line given to the engine
         self._executing: tuple[int, float] | None = None  # robot's current model call: (id, applied at)
         self._sent: tuple[int, float] | None = None       # newest moving model call, until the robot answers it
+        self.first_call = False                         # the task's first call is not yet decided (`decide_first_ahead`)
+        self.ahead_line: str | None = None              # the state line the first call was decided ahead on
 
     # ------------------------------------------------------------------ the context
     def submit(self, p, source: str, text: str, stamp_s: float, now_s: float, kind: str = "sensor") -> bool:
@@ -188,7 +190,31 @@ class ContextPolicy:
         readings wait behind it, and it is not prefilled again while it is the context's last
         message. Call `release_held` once the decision is requested."""
         self._state_queued = self.state_text(p)
+        self.first_call, self.ahead_line = False, None
         return ("state", self._state_queued, stamp_s) if p.restate_before_decisions else None
+
+    def decide_first_ahead(self, p) -> bool:
+        """A task's first call is decided ahead on the newest camera frame's state line (the
+        engine prefills it and decides while nothing is published) and goes out on the next
+        frame whose state line is token for token the same (`first_ahead_hit`): that is the
+        decision on that frame, exactly (same context, greedy decoding), so only that frame's
+        perception and the hit lie between its capture and the command. A frame that changes the
+        line while the decision ahead is not yet made replaces it (decided ahead again); once it
+        is made, a changed line, or a failed decision ahead, decides afresh (a miss), so a scene
+        that keeps changing still gets its call.
+        Returns False (decide now) when deciding ahead is off; True without deciding while no
+        camera frame came yet (the first one decides ahead)."""
+        if not (p.decide_ahead and p.restate_before_decisions):
+            return False
+        if "camera" not in self.texts:
+            return True
+        self._state_queued = self.ahead_line = self.state_text(p)
+        self.worker.decide_ahead(("state", self.ahead_line, 0.0), self.tool_choice(p))
+        return True
+
+    def first_ahead_hit(self, p) -> bool:
+        """The task's first call was decided ahead on exactly the current state line."""
+        return self.first_call and self.ahead_line == self.state_text(p) and self.worker.decided_ahead is not None
 
     def release_held(self, p) -> None:
         """Queue the newest held-back readings (the engine prefills them after a pending decision)."""
@@ -203,6 +229,7 @@ class ContextPolicy:
         went in (a decision may follow)."""
         self.task = task
         self.worker.new_episode()
+        self.first_call, self.ahead_line = True, None
         self.texts.pop("goal", None)
         self._state_queued = None
         submitted = self.submit(p, "goal", f"goal: {task.text}", now_s, now_s, kind="text")

@@ -67,7 +67,9 @@ class DecisionTrace:
     are when the stored call was taken, and ahead_* say how it was made. Tokens: prefill_tokens
     before the decision on its path; tokens_in: every token that entered the context for this
     decision since the last one (observations, the state line, decide()'s trigger tokens; not the
-    answer); context_tokens: the context when it decided.
+    answer); request_tokens: the tokens prefilled between the request (the reading it answers)
+    and the call (its state line where not yet in the context, decide()'s trigger tokens; 0 for a
+    call decided ahead); context_tokens: the context when it decided.
     """
 
     queued: float
@@ -78,6 +80,7 @@ class DecisionTrace:
     first_token: float = 0.0
     end: float = 0.0
     tokens_in: int = 0
+    request_tokens: int = 0
     context_tokens: int = 0
     ahead: str = ""                 # "hit", "miss" or "" (none was decided ahead)
     ahead_prefill_ms: float = 0.0
@@ -167,6 +170,7 @@ class EngineWorker:
         self._prefill = [0, 0, 0.0]     # observations, tokens, seconds prefilled since the last decision
         self._missed = ""                          # "miss" when the next decision's ahead one was dropped
         self._ahead_request: tuple | None = None   # (restate, tool_choice) to decide ahead when idle
+        self._ahead_running = False                # the engine thread is deciding ahead now
         self._ahead: _Ahead | None = None          # the decision decided ahead, until used or dropped
         self.ahead_counts = {"hit": 0, "miss": 0, "redone": 0, "dropped": 0, "failed": 0}
         self._repeat_slack = repeat_slack
@@ -232,12 +236,14 @@ class EngineWorker:
             self._cv.notify()
 
     def new_episode(self) -> None:
-        """Start a new episode (e.g. a new task): queued observations are dropped, and before
-        anything observed or requested after this call, the session rolls back to its system
-        prompt and tools (`Session.rollback`), so nothing of the last episode - its readings, its
-        calls - stays in the context for the next decisions to copy."""
+        """Start a new episode (e.g. a new task): queued observations and decide_ahead() requests
+        are dropped, a decision in progress stops at its next forward (answered "superseded"), and
+        before anything observed or requested after this call, the session rolls back to its
+        system prompt and tools (`Session.rollback`), so nothing of the last episode - its
+        readings, its calls - stays in the context for the next decisions to copy."""
         with self._cv:
             self._obs.clear()
+            self._ahead_request = None      # here, not on the engine thread: one made after this call stays
             self._new_episode = True
             self._cv.notify()
 
@@ -270,6 +276,11 @@ class EngineWorker:
         with self._cv:
             self._ahead_request = (restate, tool_choice)
             self._cv.notify()
+
+    @property
+    def ahead_pending(self) -> bool:
+        """A decide_ahead() request is waiting for the engine or being decided now."""
+        return self._ahead_request is not None or self._ahead_running
 
     @property
     def decided_ahead(self) -> dict | None:
@@ -322,7 +333,6 @@ class EngineWorker:
                     return
                 if self._new_episode:       # under the lock: what is observed next joins the new episode
                     self._new_episode = False
-                    self._ahead_request = None
                     self._drop_ahead("dropped")
                     self._begin_episode()
                     continue
@@ -338,6 +348,7 @@ class EngineWorker:
                     self._ahead_request = None      # too late to decide ahead
                 elif not self._obs:                 # readings first: the prediction follows them
                     ahead_job, self._ahead_request = self._ahead_request, None
+                    self._ahead_running = ahead_job is not None
                 request, self._request = self._request, None
                 in_flight[:] = [] if request is None else [request[0]]
                 if request is not None and request[3] is not None:     # the state line stands for the queue
@@ -350,7 +361,10 @@ class EngineWorker:
                     source = next(iter(self._obs))
                     batch = [(source, self._obs.pop(source))]
             if ahead_job is not None:
-                self._decide_ahead(*ahead_job)
+                try:
+                    self._decide_ahead(*ahead_job)
+                finally:
+                    self._ahead_running = False
                 continue
             if request is not None and self._ahead is not None and request[3] is not None and \
                     (request[3][0], request[3][1], request[2]) == (self._ahead.source, self._ahead.text,
@@ -428,6 +442,7 @@ class EngineWorker:
             return
         self._previous.clear()              # nothing observed so far is in the context any more
         self._unanswered = None
+        self._prefill = [0, 0, 0.0]
         self.context_tokens = self._session.num_tokens
         self._log.info(f"new episode: {dropped} tokens of the last one dropped, context {self.context_tokens} tokens")
 
@@ -522,12 +537,15 @@ class EngineWorker:
                 trace: DecisionTrace) -> ModelResult:
         if self._session is None:
             return ModelResult(decision_id, "engine_fault", reason=self.fault or "engine not loaded")
+        from tokenspeed import SessionAborted   # loaded with the engine (the module stays torch-free)
+
         started = time.monotonic()
         trace.decide_start = time.time()
         trace.context_tokens = self._session.num_tokens
         try:
             before = self._session.checkpoint()
-            d = self._session.decide(tool_choice=tool_choice, deadline_at=deadline_at)
+            d = self._session.decide(tool_choice=tool_choice, deadline_at=deadline_at,
+                                     abort=lambda: self._new_episode)
             status, call, reason = d.status, d.tool_call, d.reason or ""
             problem = self._checker.problem(call) if status == "ok" else None
             if problem is not None:     # never executed, and not left in the context as if it were
@@ -535,6 +553,9 @@ class EngineWorker:
                 status, call, reason = "invalid", None, problem
             if status in ("ok", "text"):    # the answer stays in the context: the last observation is answered
                 self._unanswered = None
+        except SessionAborted:     # the session is as before decide()
+            self._log.info(f"decision {decision_id}: superseded by a new episode")
+            return ModelResult(decision_id, "superseded", reason="a new episode began", trace=trace.as_dict())
         except Exception as e:
             self._log.error(f"engine fault in decide(): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
             return ModelResult(decision_id, "engine_fault", reason=f"{type(e).__name__}: {e}")
@@ -543,6 +564,7 @@ class EngineWorker:
         self._prefill = [0, 0, 0.0]
         trace.first_token, trace.end = trace.decide_start + (d.ttft_s or 0.0), time.time()
         trace.tokens_in = n_tok + d.prefill_tokens
+        trace.request_tokens = trace.prefill_tokens + d.prefill_tokens
         self._log.info(
             f"decision {decision_id}: {status} {call['name'] if call else reason}; queued -> decide "
             f"{(started - queued_at) * 1e3:.0f} ms, budget left {(deadline_at - started) * 1e3:.0f} ms; since the last "

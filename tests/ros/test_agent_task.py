@@ -60,6 +60,24 @@ def test_task_runs_with_feedback_until_the_model_calls_task_done(probe, start_ag
     assert "task done: decision" in agent.log_path.read_text()
 
 
+def test_a_tasks_first_call_is_decided_ahead_and_goes_out_on_the_next_unchanged_frame(probe, start_agent):
+    """The task's first call is decided ahead on the newest frame's state line (nothing goes out
+    meanwhile) and is published on the next camera frame whose line is the same: a hit, with
+    nothing prefilled after that frame."""
+    agent, client, actions, _, _ = start(probe, start_agent)
+    traces = probe.listen(String, "agent/action/trace")
+    before = max(a.decision_id for a in actions) + 1        # one may still be in flight
+    handle, feedback = send(probe, client, RunTask.Goal(task=TASK, tools=["move_to", "hold", "stop"]))
+    assert probe.spin_until(lambda: any(f.source == "model" and f.decision_id > before for f in feedback), 60), \
+        agent.log_path.read_text()
+    first = next(f for f in feedback if f.source == "model" and f.decision_id > before)
+    assert probe.spin_until(lambda: any(json.loads(t.data)["decision_id"] == first.decision_id for t in traces), 5)
+    trace = next(json.loads(t.data) for t in traces if json.loads(t.data)["decision_id"] == first.decision_id)
+    assert trace["ahead"] == "hit" and trace["prefill_tokens"] == 0, trace
+    assert trace["times"]["ahead_decide_ms"] > 0 and trace["tokens_in"] > 0
+    assert "decided ahead: " in agent.log_path.read_text()
+
+
 def test_cancel_mid_task_leaves_the_arm_holding(probe, start_agent):
     agent, client, actions, statuses, _ = start(probe, start_agent)
     handle, feedback = send(probe, client, RunTask.Goal(task=TASK, tools=["stop", "hold"], max_decisions=1000))

@@ -107,6 +107,39 @@ def test_a_decisions_state_line_jumps_the_queue_and_is_not_prefilled_twice():
     assert order[-2:] == [("state", False), 2]
 
 
+def test_a_new_episode_stops_the_decision_in_progress():
+    """A new episode (the node's new task) that begins while a decision is in progress stops it
+    before its next forward: answered "superseded" (never a call for the new task), the context
+    back at the system prompt and tools; the next decision runs as usual."""
+    woke = threading.Event()
+    armed = []
+
+    def notify():      # on the engine thread: the decision's state line is in, its decide() is next
+        woke.set()
+        if armed and worker.context_tokens > armed[0]:
+            armed.clear()
+            worker.new_episode()
+
+    worker = EngineWorker(model="tiny-random", threads=0, system="You control a robot arm.", tools=TOOLS,
+                          tool_choice={"name": "hold"}, kv_budget=1024, notify=notify, logger=get_logger("test"))
+    worker.start()
+    try:
+        assert collect(worker, woke, lambda _: worker.state != "loading", 120) == []
+        base = worker.context_tokens
+        armed.append(base)
+        worker.decide(1, time.monotonic() + 60.0, restate=("state", "gripper empty; task: hold still", 1.0))
+        first = collect(worker, woke, lambda items: any(isinstance(i, ModelResult) for i in items), 120)
+        worker.decide(2, time.monotonic() + 60.0, restate=("state", "gripper empty; task: hold still", 2.0))
+        second = collect(worker, woke, lambda items: any(isinstance(i, ModelResult) for i in items), 120)
+    finally:
+        assert worker.close(timeout=30.0)
+    stopped = next(i for i in first if isinstance(i, ModelResult))
+    assert stopped.status == "superseded" and stopped.tool_call is None
+    result = next(i for i in second if isinstance(i, ModelResult))
+    assert result.status == "ok" and result.tool_call["name"] == "hold"
+    assert result.trace["context_tokens"] == base + result.trace["prefill_tokens"]     # a fresh episode
+
+
 def test_a_new_episode_starts_again_from_the_system_prompt_and_tools():
     """new_episode(): the last episode's readings and calls leave the context, and a reading
     identical to one of the last episode is prefilled again."""
@@ -136,7 +169,10 @@ def test_a_call_decided_ahead_is_the_fresh_greedy_decision_and_a_changed_state_d
     success leads to. Hit: the real line is that line, so the stored call is answered at once, and
     it and the whole context (cached plus pending ids) are exactly what a fresh greedy decision gives (the place on
     the target). Miss: another line (the pick grasped another cube) rolls the prediction back and
-    decides as usual, again exactly as a fresh decision."""
+    decides as usual, again exactly as a fresh decision. The same for a task's first call, decided
+    ahead on the newest frame's state line right after the goal (as the node does): the next
+    frame's identical line is a hit equal to the fresh decision; moved cubes are a miss, decided
+    afresh exactly as a fresh decision on them."""
     from tokenspeed_ros.context_policy import predicted_state, state_line
     from tokenspeed_ros.params import AgentParams
     from tokenspeed_ros.task import TASK_DONE_TOOL
@@ -153,10 +189,12 @@ def test_a_call_decided_ahead_is_the_fresh_greedy_decision_and_a_changed_state_d
                                  None, goal, False), 1.0)
     predicted = ("state", predicted_state("pick", {"object": "red_cube"}, None, goal)[0], 0.0)
     changed = ("state", state_line("", "blue_cube", goal, False), 0.0)
+    moved = ("state", state_line("objects blue_cube=(0.59,0.21) green_cube=(0.36,-0.24) red_cube=(0.50,-0.12)",
+                                 None, goal, False), 2.0)
     woke = threading.Event()
     worker = EngineWorker(model="", threads=1, system=p.system_prompt, tools=TOOLS + [TASK_DONE_TOOL],
                           tool_choice="required", kv_budget=p.kv_budget_tokens, notify=woke.set,
-                          logger=get_logger("test"), repeat_slack=p.restate_slack_tokens)
+                          logger=get_logger("test"), repeat_slack=p.restate_slack_tokens, replace_sources=("state",))
 
     def decide(decision_id, tool_choice, restate):
         worker.decide(decision_id, time.monotonic() + 120.0, tool_choice, restate)
@@ -170,10 +208,7 @@ def test_a_call_decided_ahead_is_the_fresh_greedy_decision_and_a_changed_state_d
         pick = decide(1, empty, first)
         if ahead:
             worker.decide_ahead(predicted, holding)
-            end = time.monotonic() + 180
-            while worker.decided_ahead is None and time.monotonic() < end:
-                time.sleep(0.05)
-            assert worker.decided_ahead is not None, worker.ahead_counts
+            wait_ahead()
         result = decide(2, holding, second)
         # The engine thread is idle: safe to read. The context is the cached ids plus the pending
         # ones: speculation's adaptive chain length (timing-dependent) decides whether a call's
@@ -181,10 +216,32 @@ def test_a_call_decided_ahead_is_the_fresh_greedy_decision_and_a_changed_state_d
         # for the next prefill.
         return pick, result, worker._session.tokens + worker._session.pending
 
+    def wait_ahead():
+        end = time.monotonic() + 180
+        while worker.decided_ahead is None and time.monotonic() < end:
+            time.sleep(0.05)
+        assert worker.decided_ahead is not None, worker.ahead_counts
+
+    def first_call(ahead: bool, line):
+        """A new episode whose first frame's state line is streamed in (the node's _queue_state),
+        decided ahead on it or not, then the decision on the next frame's `line`."""
+        worker.new_episode()
+        worker.observe(*first)
+        collect(worker, woke, lambda items: any(isinstance(i, Observed) for i in items), 180)
+        if ahead:
+            worker.decide_ahead(first, empty)
+            wait_ahead()
+        result = decide(3, empty, line)
+        return result, worker._session.tokens + worker._session.pending
+
     worker.start()
     try:
         assert collect(worker, woke, lambda _: worker.state != "loading", 180) == []
         assert worker.state == "ready", worker.fault
+        first_hit, first_hit_tokens = first_call(True, first)
+        first_fresh, first_fresh_tokens = first_call(False, first)
+        first_miss, first_miss_tokens = first_call(True, moved)
+        first_fresh_moved, first_fresh_moved_tokens = first_call(False, moved)
         pick, hit, hit_tokens = episode(True, predicted)
         _, fresh, fresh_tokens = episode(False, predicted)
         _, miss, miss_tokens = episode(True, changed)
@@ -197,7 +254,12 @@ def test_a_call_decided_ahead_is_the_fresh_greedy_decision_and_a_changed_state_d
     assert hit_tokens == fresh_tokens
     assert miss.trace["ahead"] == "miss" and miss.tool_call == fresh_changed.tool_call
     assert miss_tokens == fresh_changed_tokens
-    assert worker.ahead_counts["hit"] == 1 and worker.ahead_counts["miss"] == 1
+    assert first_hit.trace["ahead"] == "hit" and first_hit.trace["prefill_tokens"] == 0
+    assert first_hit.tool_call == first_fresh.tool_call == {"name": "pick", "arguments": {"object": "red_cube"}}
+    assert first_hit_tokens == first_fresh_tokens
+    assert first_miss.trace["ahead"] == "miss" and first_miss.tool_call == first_fresh_moved.tool_call
+    assert first_miss_tokens == first_fresh_moved_tokens
+    assert worker.ahead_counts["hit"] == 2 and worker.ahead_counts["miss"] == 2
 
 
 def test_an_unanswered_state_line_is_replaced_by_the_next_one():
