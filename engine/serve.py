@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -38,6 +39,9 @@ from .engine import Engine
 log = logging.getLogger("tokenspeed.serve")
 ADMISSION_SAFETY = 0.5  # a deadline is refused at admission when this share of the estimated time is too late
 PREPARE_QUEUE = 64  # requests that may be read and prepared at once (beyond: 429)
+# The engine thread holds the GIL between its C calls; the event loop, woken by a socket, waits up
+# to this long for it (Python's default: 5 ms, several times per request): set by `serve`
+SWITCH_INTERVAL_S = 0.001
 
 __all__ = ["ChatCompletionRequest", "Server", "Ticket", "create_app", "listen", "serve"]
 
@@ -305,6 +309,39 @@ async def _read_body(request, limit: int) -> bytes:
     return bytes(body)
 
 
+async def _warm(app, server: Server) -> None:
+    # Pays before serving the one-time costs a first request would otherwise pay on the event
+    # loop, stalling every other client meanwhile (40-110 ms measured on a loaded machine): the
+    # executors start their threads on their first job (`Thread.start` waits until the new thread
+    # runs), FastAPI reads each endpoint's source on its first call, and the first stream's
+    # response imports anyio's asyncio backend. One call per route; the chat route's empty body is
+    # refused by `Server.prepare` (400) and reaches no engine.
+    import anyio
+
+    anyio.Event()
+    loop = asyncio.get_running_loop()
+    await asyncio.gather(loop.run_in_executor(server.executor, int), loop.run_in_executor(server.prep, int))
+
+    async def ignore(message) -> None:
+        pass
+
+    for route in app.routes:
+        for method in sorted(getattr(route, "methods", None) or ()):
+            if method == "HEAD":
+                continue
+            body = [{"type": "http.request", "body": b"{}", "more_body": False}]
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+                     "scheme": "http", "path": route.path, "raw_path": route.path.encode(), "root_path": "",
+                     "query_string": b"", "headers": [(b"content-type", b"application/json")],
+                     "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+            await app(scope, lambda: _next(body), ignore)
+
+
+async def _next(messages: list) -> dict:
+    # an ASGI receive() over a list of messages; then the client has gone
+    return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+
 async def _until_disconnected(receive) -> None:
     # returns when the client has gone (after the body was read, the next message is the disconnect)
     while (await receive())["type"] != "http.disconnect":
@@ -338,12 +375,19 @@ class _Guard:
 
 def create_app(server: Server):
     """The FastAPI application: GET /v1/models, POST /v1/chat/completions, GET /metrics, GET /health."""
+    from contextlib import asynccontextmanager
+
     from fastapi import FastAPI, Request
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from fastapi.responses import Response
     from sse_starlette.sse import EventSourceResponse
 
-    app = FastAPI(title="TokenSpeed", docs_url=None, redoc_url=None)
+    @asynccontextmanager
+    async def lifespan(app):
+        await _warm(app, server)
+        yield
+
+    app = FastAPI(title="TokenSpeed", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(_Guard)
 
     @app.exception_handler(StarletteHTTPException)
@@ -521,4 +565,5 @@ def serve(engine: Engine, sock: socket.socket, model_name: str = "tokenspeed", q
                 print(f"# tokenspeed serve: model {engine.source} serving on http://{host}:{port}/v1", flush=True)
 
     server = Server(engine, model_name, queue_size, cache_budget_bytes, context, max_body_bytes)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # the process is the server's
     _Announced(uvicorn.Config(create_app(server), log_level="warning")).run(sockets=[sock])
