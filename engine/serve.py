@@ -348,6 +348,28 @@ async def _until_disconnected(receive) -> None:
         pass
 
 
+def _chunk(base: dict, delta: dict, finish=None, usage=None, detail=None) -> str:
+    # one chat.completion.chunk of a stream (`base`: id, created, model...); with `usage`, the
+    # usage chunk (no choices)
+    choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    if detail is not None:
+        choice["tokenspeed_finish"] = detail
+    body = {**base, "object": "chat.completion.chunk", "choices": [choice]}
+    if usage is not None:
+        body["choices"], body["usage"] = [], usage
+    return json.dumps(body)
+
+
+def _last_chunks(base: dict, result: ChatResult, req: ChatCompletionRequest) -> list[str]:
+    # the chunks that end a streamed answer after its text: its tool calls, its finish, the usage if asked
+    out = [_chunk(base, {"tool_calls": [dict(call, index=i)]}) for i, call in
+           enumerate(result.message.get("tool_calls") or ())]
+    out.append(_chunk(base, {}, result.finish_reason, detail=result.detail))
+    if req.stream_options is not None and req.stream_options.include_usage:
+        out.append(_chunk(base, {}, usage=result.usage))
+    return out
+
+
 class _Guard:
     """ASGI middleware: an exception that escapes the app becomes an OpenAI-shaped 500 (when no
     response has started) and is logged with its traceback; never a plain-text 500."""
@@ -442,7 +464,16 @@ def create_app(server: Server):
             why = "the deadline passed while the request was read and prepared" if time.monotonic() >= deadline_at \
                 else f"cannot be met: its prefill alone takes about {prefill / ADMISSION_SAFETY * 1e3:.0f} ms here"
             server.m_dropped.labels("admission").inc()
-            return completion(base, server.chat.stopped(job, time.monotonic(), why))
+            stopped = server.chat.stopped(job, time.monotonic(), why)
+            if not req.stream:
+                return completion(base, stopped)
+
+            async def stopped_stream():  # a stream all the same: the role, the finish, [DONE]
+                for data in [_chunk(base, {"role": "assistant", "content": ""}), *_last_chunks(base, stopped, req),
+                             "[DONE]"]:
+                    yield {"data": data}
+
+            return EventSourceResponse(stopped_stream(), ping=600)
         if deadline_at is not None and time.monotonic() + ADMISSION_SAFETY * server.ahead_s() + prefill > deadline_at:
             return full_queue(f"deadline_ms={req.deadline_ms:g} cannot be met behind the {len(server.tickets)} "
                               f"requests ahead (about {server.ahead_s() * 1e3:.0f} ms of work); retry later")
@@ -486,22 +517,13 @@ def create_app(server: Server):
             except ChatError as exc:  # found only on the engine (a template that renders differently there)
                 return _error(400, str(exc), exc.param, code=exc.code)
 
-        def chunk(delta: dict, finish=None, usage=None, detail=None) -> str:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            if detail is not None:
-                choice["tokenspeed_finish"] = detail
-            body = {**base, "object": "chat.completion.chunk", "choices": [choice]}
-            if usage is not None:
-                body["choices"], body["usage"] = [], usage
-            return json.dumps(body)
-
         async def stream():
             work = asyncio.ensure_future(answer())
             work.add_done_callback(lambda _: events.put_nowait(("done", None)))
             try:
-                yield {"data": chunk({"role": "assistant", "content": ""})}
+                yield {"data": _chunk(base, {"role": "assistant", "content": ""})}
                 while (event := await events.get())[0] == "text":
-                    yield {"data": chunk({"content": event[1]})}
+                    yield {"data": _chunk(base, {"content": event[1]})}
                 try:
                     result = work.result()
                 except Exception as exc:
@@ -509,11 +531,8 @@ def create_app(server: Server):
                         log.error("unexpected error answering %s", rid, exc_info=exc)
                     yield {"data": _error_event(exc)}
                 else:
-                    for i, call in enumerate(result.message.get("tool_calls") or ()):
-                        yield {"data": chunk({"tool_calls": [dict(call, index=i)]})}
-                    yield {"data": chunk({}, result.finish_reason, detail=result.detail)}
-                    if req.stream_options is not None and req.stream_options.include_usage:
-                        yield {"data": chunk({}, usage=result.usage)}
+                    for data in _last_chunks(base, result, req):
+                        yield {"data": data}
                 yield {"data": "[DONE]"}
             finally:  # the client has gone (the generator is closed) or the stream ended
                 ticket.gone.set()

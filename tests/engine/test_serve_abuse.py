@@ -214,12 +214,20 @@ def test_max_tokens_inside_a_call_is_length(client):
     assert choice.model_extra["tokenspeed_finish"]["reason"] == "max_tokens"
 
 
-def test_deadline_that_cannot_be_met_never_reaches_the_engine(client, url):
+@pytest.mark.parametrize("stream", [False, True])
+def test_deadline_that_cannot_be_met_never_reaches_the_engine(client, url, stream):
     before = engine_work(url)
     cold = [{"role": "user", "content": " ".join(f"reading {j}: x={j * 0.01:.2f}" for j in range(120))}]
-    r = client.chat.completions.create(model="tokenspeed", messages=cold, max_tokens=5, extra_body={"deadline_ms": 1})
-    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content is None
-    assert r.choices[0].model_extra["tokenspeed_finish"]["reason"] == "deadline"
+    r = client.chat.completions.create(model="tokenspeed", messages=cold, max_tokens=5, stream=stream,
+                                       extra_body={"deadline_ms": 1})
+    if stream:  # a stream all the same: the role, then the finish
+        chunks = list(r)
+        assert all(not c.choices[0].delta.content for c in chunks)
+        choice = chunks[-1].choices[0]
+    else:
+        choice = r.choices[0]
+        assert choice.message.content is None
+    assert choice.finish_reason == "length" and choice.model_extra["tokenspeed_finish"]["reason"] == "deadline"
     assert engine_work(url) == before
 
 
