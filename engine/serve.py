@@ -12,8 +12,11 @@ are refused with OpenAI-shaped 400s); at most `queue_size` wait behind the runni
 next is answered 429 at once with Retry-After; a request whose `deadline_ms` cannot be met given
 the work ahead of it is refused at once too. A request whose client disconnects, or whose
 deadline passes, is dropped from the queue, or stopped between two forwards on the engine
-(`ChatEngine.complete`). Every error is OpenAI-shaped JSON (an unexpected one: 500, logged with
-its traceback); a stream that fails ends with an error event, then `[DONE]`.
+(`ChatEngine.complete`). The event loop keeps answering (/health, admission) while the engine
+runs: nothing holds the GIL for long (tokenizing releases it, a first request's one-time costs
+are paid before serving, the GIL changes hands every millisecond). Every error is OpenAI-shaped
+JSON (an unexpected one: 500, logged with its traceback); a stream that fails ends with an error
+event, then `[DONE]`.
 
 Source: OpenAI Chat Completions API reference (request, response, chunk and error objects);
 RFC 9110 section 10.2.3 (Retry-After).
