@@ -14,6 +14,7 @@ from test_serve import PICK, TOOLS
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its own copy, not a download at import
 litellm = pytest.importorskip("litellm")
+litellm.suppress_debug_info = True  # no "Provider List" banner when it cannot price the model "tokenspeed"
 
 
 @pytest.fixture()
