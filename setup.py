@@ -85,7 +85,8 @@ setup(
         # triton: the decode-attention kernel runs on CUDA and is tested on CPU (TRITON_INTERPRET=1)
         "test": ["pytest>=8", "pytest-timeout", "transformers>=4.45", "triton>=3.0; platform_system == \"Linux\"", "accelerate",
                  "rich>=13", "hypothesis>=6", "openai>=1.40", "langchain-tests>=0.3", "pytest-asyncio",
-                 "crewai>=1.0"],  # the CrewAI agent test against `tokenspeed serve`
+                 "crewai>=1.0",  # the CrewAI agent test against `tokenspeed serve`
+                 "litellm>=1.50"],  # the LiteLLM test against `tokenspeed serve`
         # `tokenspeed bench aal` (report, chart, call validation); llama-cpp-python builds from
         # source (CMAKE_ARGS="-DGGML_NATIVE=ON"), so the test extra leaves it out.
         "bench": ["llama-cpp-python[server]", "transformers>=4.45", "rich>=13", "matplotlib>=3.8", "jsonschema>=4"],

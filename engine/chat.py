@@ -489,7 +489,7 @@ class ChatEngine:
             checkpoints = [session.checkpoint()]
         try:
             for m in job["messages"][len(checkpoints) - 1:]:  # one at a time: a checkpoint after each
-                session.observe([_context_message(m, self.engine.call_format)], abort=abort)
+                session.observe([_context_message(m, self.engine.call_format)], abort=abort, deadline_at=deadline_at)
                 checkpoints.append(session.checkpoint())
         except SessionAborted as exc:  # rolled back to the last complete message: kept warm
             self.cache.put(prefix, keys[:len(checkpoints) - 1], checkpoints, session)

@@ -12,8 +12,11 @@ are refused with OpenAI-shaped 400s); at most `queue_size` wait behind the runni
 next is answered 429 at once with Retry-After; a request whose `deadline_ms` cannot be met given
 the work ahead of it is refused at once too. A request whose client disconnects, or whose
 deadline passes, is dropped from the queue, or stopped between two forwards on the engine
-(`ChatEngine.complete`). Every error is OpenAI-shaped JSON (an unexpected one: 500, logged with
-its traceback); a stream that fails ends with an error event, then `[DONE]`.
+(`ChatEngine.complete`). The event loop keeps answering (/health, admission) while the engine
+runs: nothing holds the GIL for long (tokenizing releases it, a first request's one-time costs
+are paid before serving, the GIL changes hands every millisecond). Every error is OpenAI-shaped
+JSON (an unexpected one: 500, logged with its traceback); a stream that fails ends with an error
+event, then `[DONE]`.
 
 Source: OpenAI Chat Completions API reference (request, response, chunk and error objects);
 RFC 9110 section 10.2.3 (Retry-After).
@@ -23,6 +26,7 @@ import json
 import logging
 import math
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -38,6 +42,9 @@ from .engine import Engine
 log = logging.getLogger("tokenspeed.serve")
 ADMISSION_SAFETY = 0.5  # a deadline is refused at admission when this share of the estimated time is too late
 PREPARE_QUEUE = 64  # requests that may be read and prepared at once (beyond: 429)
+# The engine thread holds the GIL between its C calls; the event loop, woken by a socket, waits up
+# to this long for it (Python's default: 5 ms, several times per request): set by `serve`
+SWITCH_INTERVAL_S = 0.001
 
 __all__ = ["ChatCompletionRequest", "Server", "Ticket", "create_app", "listen", "serve"]
 
@@ -305,10 +312,65 @@ async def _read_body(request, limit: int) -> bytes:
     return bytes(body)
 
 
+async def _warm(app, server: Server) -> None:
+    # Pays before serving the one-time costs a first request would otherwise pay on the event
+    # loop, stalling every other client meanwhile (40-110 ms measured on a loaded machine): the
+    # executors start their threads on their first job (`Thread.start` waits until the new thread
+    # runs), FastAPI reads each endpoint's source on its first call, and the first stream's
+    # response imports anyio's asyncio backend. One call per route; the chat route's empty body is
+    # refused by `Server.prepare` (400) and reaches no engine.
+    import anyio
+
+    anyio.Event()
+    loop = asyncio.get_running_loop()
+    await asyncio.gather(loop.run_in_executor(server.executor, int), loop.run_in_executor(server.prep, int))
+
+    async def ignore(message) -> None:
+        pass
+
+    for route in app.routes:
+        for method in sorted(getattr(route, "methods", None) or ()):
+            if method == "HEAD":
+                continue
+            body = [{"type": "http.request", "body": b"{}", "more_body": False}]
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+                     "scheme": "http", "path": route.path, "raw_path": route.path.encode(), "root_path": "",
+                     "query_string": b"", "headers": [(b"content-type", b"application/json")],
+                     "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+            await app(scope, lambda: _next(body), ignore)
+
+
+async def _next(messages: list) -> dict:
+    # an ASGI receive() over a list of messages; then the client has gone
+    return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+
 async def _until_disconnected(receive) -> None:
     # returns when the client has gone (after the body was read, the next message is the disconnect)
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def _chunk(base: dict, delta: dict, finish=None, usage=None, detail=None) -> str:
+    # one chat.completion.chunk of a stream (`base`: id, created, model...); with `usage`, the
+    # usage chunk (no choices)
+    choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    if detail is not None:
+        choice["tokenspeed_finish"] = detail
+    body = {**base, "object": "chat.completion.chunk", "choices": [choice]}
+    if usage is not None:
+        body["choices"], body["usage"] = [], usage
+    return json.dumps(body)
+
+
+def _last_chunks(base: dict, result: ChatResult, req: ChatCompletionRequest) -> list[str]:
+    # the chunks that end a streamed answer after its text: its tool calls, its finish, the usage if asked
+    out = [_chunk(base, {"tool_calls": [dict(call, index=i)]}) for i, call in
+           enumerate(result.message.get("tool_calls") or ())]
+    out.append(_chunk(base, {}, result.finish_reason, detail=result.detail))
+    if req.stream_options is not None and req.stream_options.include_usage:
+        out.append(_chunk(base, {}, usage=result.usage))
+    return out
 
 
 class _Guard:
@@ -338,12 +400,19 @@ class _Guard:
 
 def create_app(server: Server):
     """The FastAPI application: GET /v1/models, POST /v1/chat/completions, GET /metrics, GET /health."""
+    from contextlib import asynccontextmanager
+
     from fastapi import FastAPI, Request
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from fastapi.responses import Response
     from sse_starlette.sse import EventSourceResponse
 
-    app = FastAPI(title="TokenSpeed", docs_url=None, redoc_url=None)
+    @asynccontextmanager
+    async def lifespan(app):
+        await _warm(app, server)
+        yield
+
+    app = FastAPI(title="TokenSpeed", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(_Guard)
 
     @app.exception_handler(StarletteHTTPException)
@@ -398,7 +467,16 @@ def create_app(server: Server):
             why = "the deadline passed while the request was read and prepared" if time.monotonic() >= deadline_at \
                 else f"cannot be met: its prefill alone takes about {prefill / ADMISSION_SAFETY * 1e3:.0f} ms here"
             server.m_dropped.labels("admission").inc()
-            return completion(base, server.chat.stopped(job, time.monotonic(), why))
+            stopped = server.chat.stopped(job, time.monotonic(), why)
+            if not req.stream:
+                return completion(base, stopped)
+
+            async def stopped_stream():  # a stream all the same: the role, the finish, [DONE]
+                for data in [_chunk(base, {"role": "assistant", "content": ""}), *_last_chunks(base, stopped, req),
+                             "[DONE]"]:
+                    yield {"data": data}
+
+            return EventSourceResponse(stopped_stream(), ping=600)
         if deadline_at is not None and time.monotonic() + ADMISSION_SAFETY * server.ahead_s() + prefill > deadline_at:
             return full_queue(f"deadline_ms={req.deadline_ms:g} cannot be met behind the {len(server.tickets)} "
                               f"requests ahead (about {server.ahead_s() * 1e3:.0f} ms of work); retry later")
@@ -442,22 +520,13 @@ def create_app(server: Server):
             except ChatError as exc:  # found only on the engine (a template that renders differently there)
                 return _error(400, str(exc), exc.param, code=exc.code)
 
-        def chunk(delta: dict, finish=None, usage=None, detail=None) -> str:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            if detail is not None:
-                choice["tokenspeed_finish"] = detail
-            body = {**base, "object": "chat.completion.chunk", "choices": [choice]}
-            if usage is not None:
-                body["choices"], body["usage"] = [], usage
-            return json.dumps(body)
-
         async def stream():
             work = asyncio.ensure_future(answer())
             work.add_done_callback(lambda _: events.put_nowait(("done", None)))
             try:
-                yield {"data": chunk({"role": "assistant", "content": ""})}
+                yield {"data": _chunk(base, {"role": "assistant", "content": ""})}
                 while (event := await events.get())[0] == "text":
-                    yield {"data": chunk({"content": event[1]})}
+                    yield {"data": _chunk(base, {"content": event[1]})}
                 try:
                     result = work.result()
                 except Exception as exc:
@@ -465,11 +534,8 @@ def create_app(server: Server):
                         log.error("unexpected error answering %s", rid, exc_info=exc)
                     yield {"data": _error_event(exc)}
                 else:
-                    for i, call in enumerate(result.message.get("tool_calls") or ()):
-                        yield {"data": chunk({"tool_calls": [dict(call, index=i)]})}
-                    yield {"data": chunk({}, result.finish_reason, detail=result.detail)}
-                    if req.stream_options is not None and req.stream_options.include_usage:
-                        yield {"data": chunk({}, usage=result.usage)}
+                    for data in _last_chunks(base, result, req):
+                        yield {"data": data}
                 yield {"data": "[DONE]"}
             finally:  # the client has gone (the generator is closed) or the stream ended
                 ticket.gone.set()
@@ -521,4 +587,5 @@ def serve(engine: Engine, sock: socket.socket, model_name: str = "tokenspeed", q
                 print(f"# tokenspeed serve: model {engine.source} serving on http://{host}:{port}/v1", flush=True)
 
     server = Server(engine, model_name, queue_size, cache_budget_bytes, context, max_body_bytes)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # the process is the server's
     _Announced(uvicorn.Config(create_app(server), log_level="warning")).run(sockets=[sock])

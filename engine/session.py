@@ -32,6 +32,7 @@ __all__ = ["Session", "Decision", "Checkpoint", "Segment", "SessionArgumentError
 _ROLE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,31}$")  # chat roles are template text: no markup in them
 _SESSION_IDS = itertools.count(1)
 ABORT_CHUNK = 128  # prefill tokens per forward when an `abort` check runs between forwards
+DEADLINE_CHUNK = 16  # the fewest prefill tokens per forward as a deadline nears (`Session._flush`)
 
 
 class SessionAborted(RuntimeError):
@@ -215,24 +216,39 @@ class Session:
         # Prefill/decode `ids` at the next positions; returns logits [1, V] for the last one.
         return self.target.forward(ids, logits_for)
 
-    def _flush(self, abort=None) -> None:
+    def _flush(self, abort=None, deadline_at: float | None = None) -> None:
         # A family whose answer has no header (Mistral: the assistant prefix is empty) has no
         # trigger tokens: the context's last token stays pending, so that the next decision's
         # first forward has a row to read the logits from. With `abort`, the prefill runs in
-        # forwards of ABORT_CHUNK tokens and stops between two when abort() is true.
+        # forwards of ABORT_CHUNK tokens and stops between two when abort() is true. With
+        # `deadline_at` it stops once the deadline has passed, and each forward takes about half
+        # the time left at the rate measured on this prefill's forwards so far (from
+        # DEADLINE_CHUNK tokens, the first one too, to ABORT_CHUNK): the stop lands within about
+        # one DEADLINE_CHUNK forward of the deadline, where a fixed chunk overshot by up to a whole
+        # ABORT_CHUNK forward.
         keep = 0 if self.tok.assistant_prefix else 1
         if len(self.pending) > keep:
             ids, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
-            step = ABORT_CHUNK if abort is not None else max(len(ids), 1)
-            for i in range(0, len(ids), step):
+            i, rate = 0, None  # rate: seconds per token of this prefill's forwards
+            while i < len(ids):
                 if abort is not None and abort():
                     raise SessionAborted(f"aborted after {i} of {len(ids)} prefill tokens")
+                step = len(ids) if abort is None and deadline_at is None else ABORT_CHUNK
+                if deadline_at is not None:
+                    left = deadline_at - time.monotonic()
+                    if left <= 0:
+                        raise SessionAborted(f"deadline passed after {i} of {len(ids)} prefill tokens")
+                    step = DEADLINE_CHUNK if rate is None else \
+                        max(DEADLINE_CHUNK, min(ABORT_CHUNK, int(left / 2 / max(rate, 1e-9))))
+                t = time.perf_counter()
                 self._forward(ids[i:i + step], "none")
+                rate = (time.perf_counter() - t) / len(ids[i:i + step])
+                i += step
             self.cache.trim()  # back to the KV budget between decisions
             self.speculator.observe(self.target.context())  # the draft model's KV follows, off the decision path
 
     def observe(self, content, role: str = "user", kind: str = "text", source: str = "", pin: bool = False,
-                abort=None) -> int:
+                abort=None, deadline_at: float | None = None) -> int:
         """Append an observation to the context and prefill it now (streaming prefill).
 
         Content is tokenized as text only: special tokens written in it (`<|im_end|>`) never
@@ -249,13 +265,17 @@ class Session:
                 new goal supersedes the last one, which may then be evicted first).
             abort: a callable () -> bool checked between prefill forwards (of `ABORT_CHUNK`
                 tokens), or None (one prefill, never stopped).
+            deadline_at: absolute `time.monotonic()` deadline, or None: the prefill stops
+                (SessionAborted) once it has passed, its forwards shrinking as it nears so that
+                the stop comes within about one forward of `DEADLINE_CHUNK` tokens after it.
         Returns:
             tokens appended to the context.
         Raises:
             SessionArgumentError: content is neither str nor a list of {"role": str, "content":
             str} messages, a role is not a plain name, a text is not valid Unicode (a lone
-            surrogate), or `kind` is neither "text" nor "sensor".
-            SessionAborted: abort() said so before the prefill ended.
+            surrogate), `kind` is neither "text" nor "sensor", abort is not callable or
+            deadline_at not a finite number.
+            SessionAborted: abort() said so, or deadline_at passed, before the prefill ended.
             ValueError: context full.
         On an error the session is left as it was before the call.
         """
@@ -268,6 +288,7 @@ class Session:
             raise SessionArgumentError("observe() takes a string or a list of {'role': name, 'content': str} "
                                        "messages (role: letters, digits, '_' or '-')")
         _callback_arg(abort, "abort")
+        deadline_at = finite_arg(deadline_at, "deadline_at", " (time.monotonic() seconds) or None")
         messages = [{"role": m.get("role", "user"), "content": m["content"]} for m in messages]
         for i, m in enumerate(messages):
             _text_arg(m["content"], f"observe() message {i} content")
@@ -275,7 +296,7 @@ class Session:
         cp = self.checkpoint()
         try:
             self._append(ids, kind, source, pinned=pin)
-            self._flush(abort)
+            self._flush(abort, deadline_at)
         except BaseException:
             self.rollback(cp)  # the KV cache is full, or aborted: the context is left as before the call
             raise

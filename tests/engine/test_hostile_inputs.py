@@ -3,6 +3,7 @@ observed text, corrupt weights that decided silently, and arguments that disable
 own guarantees or gave raw TypeError/KeyError/AttributeError."""
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -195,6 +196,29 @@ def test_abort_stops_observe_and_decide_and_rolls_back(tiny_engine, robot_tools)
         s.decide(max_tokens=64, jump_forward=False, abort=lambda: True)
     assert s.num_tokens == n and len(s.segments) == segments
     assert s.decide(max_tokens=64).status in ("ok", "invalid")  # the session still works
+
+
+def test_observe_stops_at_its_deadline_and_rolls_back(tiny_engine):
+    """A prefill whose deadline passes stops in forwards that shrink as it nears (the overshoot is
+    printed: about one forward of DEADLINE_CHUNK tokens, where a fixed ABORT_CHUNK forward could
+    overshoot by all of its time) and leaves the session as it was."""
+    text = "reading " * 4000
+    t0 = time.perf_counter()
+    tiny_engine.session().observe(text)
+    full = time.perf_counter() - t0
+    s = tiny_engine.session()
+    n, segments = s.num_tokens, len(s.segments)
+    deadline_at = time.monotonic() + full / 2
+    with pytest.raises(SessionAborted, match="deadline passed after [0-9]+ of"):
+        s.observe(text, deadline_at=deadline_at)
+    print(f"stopped {(time.monotonic() - deadline_at) * 1e3:.1f} ms after the deadline; the whole prefill takes "
+          f"{full * 1e3:.0f} ms")
+    assert s.num_tokens == n and len(s.segments) == segments
+    with pytest.raises(SessionAborted, match="after 0 of"):  # passed already: no forward at all
+        s.observe(text, deadline_at=time.monotonic())
+    with pytest.raises(SessionArgumentError, match="deadline_at must be a finite number"):
+        s.observe(text, deadline_at="soon")
+    assert s.num_tokens == n and s.observe("the cube is red") > 0  # the session still works
 
 
 def test_rollback_refuses_another_sessions_checkpoint(tiny_engine):
