@@ -172,7 +172,8 @@ class Engine:
             device: "auto" (default: CUDA when `torch.cuda.is_available()`, else the CPU), "cpu",
                 "cuda" or "cuda:N" (or a torch.device). Every tensor of the engine's sessions lives there.
             quantize: "auto" (default: the fastest format on this machine whose greedy tokens agree
-                with fp32's, measured once and cached, see `tokenspeed.quant.choose_format`; the
+                with fp32's - "gguf" among them for a GGUF file - measured once and cached, see
+                `tokenspeed.quant.choose_format`; the
                 unquantized dtype where the model is not fp32 on the CPU, and for "tiny-random"), None
                 (unquantized weights, the reference), "int8" or "int4" for weight-only quantized
                 linears (`tokenspeed.quant`; on CUDA through torch's int8 and int4 kernels, bf16
@@ -246,7 +247,9 @@ class Engine:
             if quantize == "auto" and on_cpu and choice is None:
                 from .quant import choose_format
 
-                net, choice = choose_format(net, probes, identity, cache_dir() / "auto_quant.json")
+                # a GGUF file's own blocks compete too (loaded natively, `load_gguf`)
+                loaders = {"gguf": lambda: load_gguf(files)} if files.gguf else None
+                net, choice = choose_format(net, probes, identity, cache_dir() / "auto_quant.json", loaders)
                 fmt = choice.format
                 stages.done("auto weights: format measured")
             elif fmt in MODES:

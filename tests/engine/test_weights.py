@@ -340,3 +340,20 @@ def test_bad_model_paths(tmp_path, monkeypatch, make, needle):
     monkeypatch.setenv("TOKENSPEED_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ModelLoadError, match=needle):
         tokenspeed.Engine.load(str(make(tmp_path)))
+
+
+def test_auto_measures_the_gguf_files_own_blocks_too(tmp_path, monkeypatch):
+    # quantize="auto" on a GGUF file times its own blocks ("gguf") beside fp32/int8/int4; a warm
+    # load reads the chosen format without measuring: from the file itself when "gguf" won
+    monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(tokenspeed.engine, "cache_dir", lambda: tmp_path / "cache")
+    _write_gguf(tmp_path / "tiny.gguf", _tiny_hf(), Q.Q4_1)
+    cold = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"))
+    choice = cold.weight_choice
+    assert set(choice.timings) == {"fp32", "int8", "int4", "gguf"}
+    assert cold.weights == choice.format and "auto weights: format measured" in cold.load_stages
+    warm = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"))
+    assert warm.weights == choice.format and warm.weight_choice.cached
+    source = {"gguf": "gguf weights from the file", "fp32": "fp32 weights"}.get(
+        choice.format, f"{choice.format} weights from the quantized cache")
+    assert source in warm.load_stages and "auto weights: format measured" not in warm.load_stages
