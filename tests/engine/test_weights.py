@@ -357,3 +357,25 @@ def test_auto_measures_the_gguf_files_own_blocks_too(tmp_path, monkeypatch):
     source = {"gguf": "gguf weights from the file", "fp32": "fp32 weights"}.get(
         choice.format, f"{choice.format} weights from the quantized cache")
     assert source in warm.load_stages and "auto weights: format measured" not in warm.load_stages
+
+
+def test_embedded_model_runs_its_own_q4_1_blocks(engine):
+    # the embedded SmolLM2 Q4_1 file loaded natively: its codes are the ones int4 re-derives from the
+    # fp32 conversion (llama.cpp's Q4_1 quantizer uses each group's min and max), the greedy tokens
+    # of both agree, and the top-1 of the last position matches the fp32 reference
+    from tokenspeed.quant import Int4Linear
+
+    native, int4 = (tokenspeed.Engine.load(quantize=q) for q in ("gguf", "int4"))
+    layers = [(a, b) for a, b in zip(native.model.modules(), int4.model.modules()) if isinstance(a, Int4Linear)]
+    assert len(layers) == 4 * native.args.n_layers
+    assert all(torch.equal(a.codes, b.codes) for a, b in layers)
+    prompt = engine.tokenizer.encode("<|im_start|>user\nPick up the red cube at x=0.42.<|im_end|>\n<|im_start|>assistant\n")
+    outs = []
+    for e in (native, int4, engine):
+        ids, cache = list(prompt), e.model.new_cache(len(prompt) + 16)
+        logits = e.model(torch.tensor(ids), torch.arange(len(ids)), cache, "last")
+        for _ in range(12):
+            ids.append(int(logits[-1].argmax()))
+            logits = e.model(torch.tensor(ids[-1:]), torch.tensor([len(ids) - 1]), cache, "last")
+        outs.append(ids[len(prompt):])
+    assert outs[0] == outs[1] and outs[0][0] == outs[2][0]
