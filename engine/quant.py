@@ -424,8 +424,9 @@ def quantize(model: nn.Module, mode: str = "int8", empty: bool = False) -> nn.Mo
         mode: "int8" (every linear `Int8Linear`) or "int4" (where the shape fits, `Int4Linear` on the
             CPU and `Int4TinygemmLinear` on other devices; the lm_head - a child named "output" - and
             any other linear `Int8Linear`).
-        empty: uninitialised CPU layers of the same shapes instead (`Int4Linear.empty`; the model may be
-            on the meta device), for `load_state_dict` to fill with weights quantized earlier.
+        empty: uninitialised layers of the same shapes instead (`Int4Linear.empty`; the model may be
+            on the meta device; inside `torch.device("meta")` the layers are on meta too and take no
+            memory), for `load_state_dict(..., assign=True)` to fill with weights quantized earlier.
     Returns:
         the same model.
     Raises:

@@ -240,16 +240,15 @@ def load_quantized(files: ModelFiles, fmt: str):
     """
     from safetensors.torch import load_file
 
-    from .model import Transformer
+    from .model import Transformer, rope_tables
     from .quant import quantize
 
     path = _quantized_path(files, fmt)
     if not path.is_file():
         return None
-    with torch.device("meta"):  # no init: every tensor comes from the cache entry
+    with torch.device("meta"):  # no init and no memory: every tensor comes from the cache entry
         net = Transformer(files.args)
-    quantize(net, fmt, empty=True)
-    net = net.to_empty(device="cpu")
+        quantize(net, fmt, empty=True)
     try:
         state = load_file(str(path))
         check_finite(state, str(path))
@@ -258,6 +257,9 @@ def load_quantized(files: ModelFiles, fmt: str):
         log.warning("quantized weights cache unusable, quantizing again: %s: %s", type(exc).__name__,
                     (str(exc).splitlines() or [""])[0][:200])
         return None
+    net.rope_cos, net.rope_sin = rope_tables(files.args)  # not in the entry (non-persistent buffers)
+    net.tie_weights()
+    net.invalidate_fused()
     return net
 
 

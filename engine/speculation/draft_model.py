@@ -48,7 +48,8 @@ class DraftModel(nn.Module):
         p = target.tok_embeddings.weight
         with torch.device("meta"):
             net = Transformer(args)
-            net.tok_embeddings = nn.Embedding(0, args.dim)  # the target's, set below: not allocated
+            # the target's, set below: not allocated (and no init: normal_ on meta imports torch._dynamo)
+            net.tok_embeddings = nn.Embedding(0, args.dim, _weight=torch.empty(0, args.dim))
         net = net.to_empty(device=p.device).to(p.dtype)
         with torch.no_grad():
             for w in net.parameters():  # small random init (loaded or copied later)
