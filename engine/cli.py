@@ -122,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a .gguf file or safetensors folder (default: embedded SmolLM2-135M-Instruct)")
         p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
         device_args(p)
-        p.add_argument("--quantize", default="auto", choices=["auto", "int4", "int8", "none"],
+        p.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int4", "int8", "none"],
                        help="weights: auto (default: the fastest format on this CPU whose greedy tokens agree with "
-                            "fp32's, measured once and cached), int4 (the GGUF's Q4_1 codes), int8 or none (fp32)")
+                            "fp32's, measured once and cached), gguf (a .gguf file's own blocks, read without an "
+                            "fp32 copy), int4 (4-bit groups of 32 re-derived from fp32), int8 or none (fp32)")
         p.add_argument("--system", default=None, help="system prompt")
         p.add_argument("--prompt", required=True, help="user message")
         p.add_argument("--max-tokens", type=int, default=256, help="most new tokens (default 256)")
@@ -155,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="a .gguf file, a safetensors folder or tiny-random (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--quantize", default="auto", choices=["auto", "int4", "int8", "none"],
-                   help="weights: auto (default: the measured fastest format), int4, int8 or none (fp32)")
+    p.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int4", "int8", "none"],
+                   help="weights: auto (default: the measured fastest format), gguf (the .gguf file's own), int4, "
+                        "int8 or none (fp32)")
     device_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

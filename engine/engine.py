@@ -17,7 +17,7 @@ from .quant import MODES
 from .session import Session
 from .speculation import SpecConfig
 from .tokenizer import Tokenizer
-from .weights import ModelLoadError, load_model_files, load_quantized, resolve_model, save_quantized
+from .weights import ModelLoadError, load_gguf, load_model_files, load_quantized, resolve_model, save_quantized
 
 __all__ = ["Engine", "EngineArgumentError", "LoadStages"]
 
@@ -94,7 +94,8 @@ class Engine:
         args: the `ModelArgs`.
         source: what was loaded ("embedded", a path, or "tiny-random").
         load_s: load time in seconds.
-        weights: the weight format: "int8" or "int4" (quantized), else the dtype ("fp32", "bf16", "fp16").
+        weights: the weight format: "int8", "int4" (quantized) or "gguf" (the file's own blocks), else
+            the dtype ("fp32", "bf16", "fp16").
         device: the torch device of the weights, where every tensor of the sessions lives.
         weight_choice: the `tokenspeed.quant.FormatChoice` behind `weights` when loaded with
             quantize="auto" (its timings; None otherwise).
@@ -171,11 +172,14 @@ class Engine:
             device: "auto" (default: CUDA when `torch.cuda.is_available()`, else the CPU), "cpu",
                 "cuda" or "cuda:N" (or a torch.device). Every tensor of the engine's sessions lives there.
             quantize: "auto" (default: the fastest format on this machine whose greedy tokens agree
-                with fp32's, measured once and cached, see `tokenspeed.quant.choose_format`; the
+                with fp32's - "gguf" among them for a GGUF file - measured once and cached, see
+                `tokenspeed.quant.choose_format`; the
                 unquantized dtype where the model is not fp32 on the CPU, and for "tiny-random"), None
                 (unquantized weights, the reference), "int8" or "int4" for weight-only quantized
                 linears (`tokenspeed.quant`; on CUDA through torch's int8 and int4 kernels, bf16
-                activations for int4). Quantized fp32 CPU weights are cached
+                activations for int4), or "gguf": a GGUF file's own quantization, read from the file
+                tensor by tensor without an fp32 copy (`tokenspeed.weights.load_gguf`: Q4_0/Q4_1/Q4_K
+                blocks run as they are; CPU, float32). Quantized fp32 CPU weights are cached
                 (`tokenspeed.weights.load_quantized`): a warm load reads them packed.
             stages: `LoadStages` to continue (its clock runs on from its last stage), else a new one;
                 it becomes `Engine.load_stages`.
@@ -184,7 +188,8 @@ class Engine:
                 `tokenspeed.device.resolve_pipeline`).
         Raises:
             EngineArgumentError: model not None, a string or a path; threads not None or a positive
-                integer; an unknown quantize mode; pipeline not None or a bool; stages not a LoadStages.
+                integer; an unknown quantize mode, or "gguf" for a model that is not a GGUF file or
+                off the CPU's float32; pipeline not None or a bool; stages not a LoadStages.
             ModelLoadError: bad path, unsupported file, or a configuration (config.json,
                 tokenizer_config.json) this engine cannot run as written (the message names the key).
             DeviceError: a malformed device or dtype, or a CUDA device this machine does not have.
@@ -194,8 +199,9 @@ class Engine:
             raise EngineArgumentError(f"model must be None, a path or 'tiny-random', got {type(model).__name__}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise EngineArgumentError(f"threads must be None or a positive integer, got {threads!r:.40}")
-        if not isinstance(quantize, (str, type(None))) or quantize not in (None, "auto", *MODES):
-            raise EngineArgumentError(f"unknown quantization {quantize!r:.40}; choose one of {('auto', *MODES)} or None")
+        if not isinstance(quantize, (str, type(None))) or quantize not in (None, "auto", "gguf", *MODES):
+            raise EngineArgumentError(f"unknown quantization {quantize!r:.40}; choose one of "
+                                      f"{('auto', 'gguf', *MODES)} or None")
         if pipeline is not None and not isinstance(pipeline, bool):
             raise EngineArgumentError(f"pipeline must be None, True or False, got {pipeline!r:.40}")
         if stages is not None and not isinstance(stages, LoadStages):
@@ -212,6 +218,11 @@ class Engine:
         tok = Tokenizer(files.folder)
         stages.done("tokenizer")
         on_cpu = device.type == "cpu" and dtype == torch.float32 and model != "tiny-random"
+        if quantize == "gguf" and not (on_cpu and files.gguf):
+            raise EngineArgumentError(
+                f"quantize='gguf' runs a GGUF file's own blocks on the CPU in float32; {model or 'embedded'} is "
+                + ("not a .gguf file" if model == "tiny-random" or not files.gguf else f"on {device} in {dtype}")
+                + ": use 'int4', 'int8' or None")
         choice = None
         if quantize == "auto" and on_cpu:
             from .quant import cached_format
@@ -220,10 +231,13 @@ class Engine:
             choice = cached_format(probes, identity, cache_dir() / "auto_quant.json")
             stages.done("auto weights: cached choice lookup")
         plain = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
-        fmt = choice.format if choice else quantize if quantize in MODES else plain
+        fmt = choice.format if choice else quantize if quantize in (*MODES, "gguf") else plain
         net = load_quantized(files, fmt) if on_cpu and fmt in MODES else None
         if net is not None:
             stages.done(f"{fmt} weights from the quantized cache")
+        elif fmt == "gguf":
+            net = load_gguf(files)
+            stages.done("gguf weights from the file")
         else:
             net = _tiny_random(files.args) if model == "tiny-random" else _fp32_model(files)
             # off the CPU, quantized weights are made on the device from fp32, then the rest is cast
@@ -233,7 +247,9 @@ class Engine:
             if quantize == "auto" and on_cpu and choice is None:
                 from .quant import choose_format
 
-                net, choice = choose_format(net, probes, identity, cache_dir() / "auto_quant.json")
+                # a GGUF file's own blocks compete too (loaded natively, `load_gguf`)
+                loaders = {"gguf": lambda: load_gguf(files)} if files.gguf else None
+                net, choice = choose_format(net, probes, identity, cache_dir() / "auto_quant.json", loaders)
                 fmt = choice.format
                 stages.done("auto weights: format measured")
             elif fmt in MODES:

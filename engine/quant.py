@@ -23,11 +23,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Int8Linear", "Int4Linear", "Int4TinygemmLinear", "QUANTIZED", "q4_1_groups", "linear_bytes", "quantize", "linear_rows", "fused_ext", "choose_format", "cached_format",
+__all__ = ["Int8Linear", "Int4Linear", "Int4TinygemmLinear", "QUANTIZED", "q4_1_groups", "gguf_int4_groups",
+           "GGUF_INT4_TYPES", "linear_bytes", "quantize", "linear_rows", "fused_ext", "choose_format", "cached_format",
            "FormatChoice", "MODES", "FORMATS", "PACKED_ROWS"]
 
 MODES = ("int8", "int4")
@@ -62,6 +64,60 @@ def q4_1_groups(weight: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, to
     return codes, scale, lo
 
 
+# GGUF block types whose values are exactly 4-bit codes in groups of 32 with a scale and a minimum
+# (w = code * scale + min): bytes per block and values per block (ggml's block_q4_0, block_q4_1,
+# block_q4_K). Their blocks repack into `Int4Linear` without re-quantization.
+GGUF_INT4_TYPES = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256)}
+
+
+def gguf_int4_groups(blocks: np.ndarray, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 4-bit codes, scales and minimums of a GGUF tensor in one of `GGUF_INT4_TYPES`, read from its
+    blocks as stored (no dequantization, no re-quantization): weight = code * scale + min per group of 32.
+
+    - Q4_0 (fp16 d, 16 bytes of codes q): w = (q - 8) d, so scale = d and min = -8 d.
+    - Q4_1 (fp16 d, fp16 m, 16 bytes of codes): w = q d + m.
+    - Q4_K (super-blocks of 256: fp16 d and dmin, 12 bytes packing eight 6-bit (sc, m) pairs, 128
+      bytes of codes): w = q (d sc) - dmin m for each sub-block of 32, so scale = d sc, min = -dmin m.
+    Byte j of a 32-value run holds value j in its low nibble and value j + 16 in its high one (Q4_0,
+    Q4_1); in Q4_K each 32-byte run holds two sub-blocks, the first in the low nibbles.
+
+    Args:
+        blocks: [N, K / values_per_block * bytes_per_block] uint8, one row per output channel (a
+            `gguf.GGUFReader` tensor's `data`; may be a read-only memory map).
+        qtype: "Q4_0", "Q4_1" or "Q4_K".
+    Returns:
+        codes [N, K] uint8 (0..15), scale [N, K / 32] fp32, minimum [N, K / 32] fp32 (`Int4Linear.pack` input).
+    Raises:
+        ValueError: an unknown qtype, or a row length that is not a whole number of blocks.
+    """
+    if qtype not in GGUF_INT4_TYPES:
+        raise ValueError(f"{qtype} blocks are not 4-bit groups of 32; choose one of {tuple(GGUF_INT4_TYPES)}")
+    size, per_block = GGUF_INT4_TYPES[qtype]
+    n, row_bytes = blocks.shape
+    if row_bytes % size:
+        raise ValueError(f"{qtype} rows of {row_bytes} bytes are not whole blocks of {size}")
+    b = np.asarray(blocks).reshape(n, row_bytes // size, size)
+
+    def half(at: int) -> np.ndarray:  # [N, blocks] fp16 field at byte offset `at` -> fp32
+        return np.ascontiguousarray(b[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+    if qtype == "Q4_K":
+        d, dmin, packed, qs = half(0), half(2), b[..., 4:16], b[..., 16:].reshape(n, -1, 4, 1, 32)
+        codes = np.concatenate([qs & 15, qs >> 4], 3)  # [N, blocks, 4 runs, 2 sub-blocks, 32]
+        lo, hi = packed[..., 0:4], packed[..., 4:8]  # get_scale_min_k4 of ggml, sub-blocks 0-3 then 4-7
+        sc = np.concatenate([lo & 63, (packed[..., 8:12] & 15) | ((lo >> 6) << 4)], -1).astype(np.float32)
+        mn = np.concatenate([hi & 63, (packed[..., 8:12] >> 4) | ((hi >> 6) << 4)], -1).astype(np.float32)
+        scale, minimum = d[..., None] * sc, -dmin[..., None] * mn  # [N, blocks, 8]
+    else:
+        at = 2 if qtype == "Q4_0" else 4
+        qs = b[..., at:]
+        codes = np.concatenate([qs & 15, qs >> 4], -1)  # [N, blocks, 32]
+        scale = half(0)
+        minimum = -8 * scale if qtype == "Q4_0" else half(2)
+    return (torch.from_numpy(codes.reshape(n, -1)), torch.from_numpy(scale.reshape(n, -1)),
+            torch.from_numpy(np.ascontiguousarray(minimum.reshape(n, -1))))
+
+
 def _uninitialised(cls, linear: nn.Linear, *weights: torch.Tensor) -> nn.Module:
     """A `cls` layer holding the uninitialised `weights` (and a bias buffer when `linear` has one),
     for `load_state_dict` to fill; `cls._store` names the buffers."""
@@ -81,12 +137,18 @@ class Int8Linear(nn.Module):
     forward(x [..., in]) -> [..., out] in x's dtype.
     """
 
+    _ROWS = 4096  # rows quantized at a time
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        w = weight.detach().float()
-        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-        self._store(q.contiguous(), scales, None if bias is None else bias.detach().clone())
+        n, k = weight.shape
+        q = torch.empty(n, k, dtype=torch.int8, device=weight.device)
+        scales = torch.empty(n, device=weight.device)
+        for r in range(0, n, self._ROWS):  # row blocks: temporaries of a block, not of the whole weight
+            w = weight[r:r + self._ROWS].detach().float()
+            scales[r:r + self._ROWS] = s = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+            q[r:r + self._ROWS] = torch.round(w / s[:, None]).clamp_(-127, 127)
+        self._store(q, scales, None if bias is None else bias.detach().clone())
 
     def _store(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = qweight.shape
@@ -107,9 +169,11 @@ class Int8Linear(nn.Module):
         n, k = linear.weight.shape
         return _uninitialised(cls, linear, torch.empty(n, k, dtype=torch.int8), torch.empty(n))
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight as [out, in] of `dtype` (scales applied)."""
-        return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+    def dequantized(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight as [out, in] of `dtype` (scales applied); with `rows` ([R] int64), only those
+        output rows, [R, in]."""
+        q, s = (self.qweight, self.scales) if rows is None else (self.qweight[rows], self.scales[rows])
+        return q.to(dtype) * s.to(dtype)[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -152,10 +216,24 @@ class Int4Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        if not self.supports(weight.shape):
-            n, k = weight.shape
-            raise ValueError(f"Int4Linear needs in_features divisible by {self.GROUP} and out_features by 16, got {n}x{k}")
+        self._require(weight.shape)
         self._store(*self.pack(*q4_1_groups(weight, self.GROUP)), None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_groups(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> "Int4Linear":
+        """A layer of given groups (codes [N, K] 0..15, scale and min [N, K / 32]; `q4_1_groups` or
+        `gguf_int4_groups`), packed as they are: a GGUF file's own 4-bit codes, no re-quantization
+        (scale and min are rounded to bf16 as in every `Int4Linear`).
+
+        Raises:
+            ValueError: the shape does not fit the layout (`supports`).
+        """
+        cls._require(codes.shape)
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._store(*cls.pack(codes, scale, minimum), bias)
+        return layer
 
     def _store(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = codes.shape[0] * 16, codes.shape[1] * 8
@@ -175,6 +253,12 @@ class Int4Linear(nn.Module):
     def supports(shape: tuple[int, int]) -> bool:
         """Whether a weight of `shape` [out, in] fits the int4 layout."""
         return shape[1] % Int4Linear.GROUP == 0 and shape[0] % 16 == 0
+
+    @staticmethod
+    def _require(shape: tuple[int, int]) -> None:
+        if not Int4Linear.supports(shape):
+            raise ValueError(f"Int4Linear needs in_features divisible by {Int4Linear.GROUP} and out_features by 16, "
+                             f"got {shape[0]}x{shape[1]}")
 
     @staticmethod
     def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,8 +424,9 @@ def quantize(model: nn.Module, mode: str = "int8", empty: bool = False) -> nn.Mo
         mode: "int8" (every linear `Int8Linear`) or "int4" (where the shape fits, `Int4Linear` on the
             CPU and `Int4TinygemmLinear` on other devices; the lm_head - a child named "output" - and
             any other linear `Int8Linear`).
-        empty: uninitialised CPU layers of the same shapes instead (`Int4Linear.empty`; the model may be
-            on the meta device), for `load_state_dict` to fill with weights quantized earlier.
+        empty: uninitialised layers of the same shapes instead (`Int4Linear.empty`; the model may be
+            on the meta device; inside `torch.device("meta")` the layers are on meta too and take no
+            memory), for `load_state_dict(..., assign=True)` to fill with weights quantized earlier.
     Returns:
         the same model.
     Raises:
@@ -374,7 +459,7 @@ class FormatChoice:
     """The weight format `quantize="auto"` picked and the measurements behind it.
 
     Attributes:
-        format: "fp32", "int8" or "int4".
+        format: "fp32", "int8", "int4", or a format of `choose_format`'s loaders ("gguf").
         timings: format -> {"decode_ms": median one-token decode step, "prefill_ms": median
             `PREFILL_ROWS`-token prefill chunk, "cost_ms": DECODE_STEPS * decode_ms + prefill_ms,
             "agrees": greedy tokens on the probe set equal fp32's} (ms, this process's threads).
@@ -450,10 +535,11 @@ def cached_format(probes: list[list[int]], identity: str, cache_file: Path) -> F
     return None if known is None else FormatChoice(**{**known, "cached": True})
 
 
-def choose_format(model: nn.Module, probes: list[list[int]], identity: str, cache_file: Path) -> tuple[nn.Module, FormatChoice]:
+def choose_format(model: nn.Module, probes: list[list[int]], identity: str, cache_file: Path,
+                  loaders: dict | None = None) -> tuple[nn.Module, FormatChoice]:
     """Pick the fastest weight format whose greedy tokens agree with fp32's, and return the model in it.
 
-    Each format in `FORMATS` is timed on this machine (`_time_format`: a decode step and a prefill
+    Each format in `FORMATS` (and in `loaders`) is timed on this machine (`_time_format`: a decode step and a prefill
     chunk, about a second per format) and greedy-decodes `PROBE_TOKENS` tokens after each probe;
     the cheapest format (DECODE_STEPS decode steps + one prefill chunk) whose tokens equal fp32's
     wins, so the pick is never slower than fp32 in its own timing. The choice and timings are
@@ -465,30 +551,35 @@ def choose_format(model: nn.Module, probes: list[list[int]], identity: str, cach
         probes: token-id lists (prompts) for the agreement check.
         identity: names the model's weights (e.g. its converted folder).
         cache_file: JSON file holding earlier choices.
+        loaders: more formats, name -> a function returning the model in that format loaded its own
+            way (e.g. "gguf": `tokenspeed.weights.load_gguf`, a GGUF file's own blocks).
     Returns:
         (the model in the chosen format, the `FormatChoice`).
     """
     from .kernels.cpu_decode import selected_variant
 
+    loaders = loaders or {}
     choice = cached_format(probes, identity, cache_file)
     if choice is not None:
-        if choice.format != "fp32":
+        if choice.format in loaders:
+            model = loaders[choice.format]()
+        elif choice.format != "fp32":
             quantize(model, choice.format)
         log.info("%s", choice.describe())
         return model, choice
     variant = selected_variant()
     timings, models, reference = {}, {}, None
-    for fmt in FORMATS:
+    for fmt in (*FORMATS, *loaders):
         if fmt != "fp32":
             model.invalidate_fused()  # the fused step's handle to the extension does not copy
-        m = model if fmt == "fp32" else quantize(copy.deepcopy(model), fmt)
+        m = model if fmt == "fp32" else loaders[fmt]() if fmt in loaders else quantize(copy.deepcopy(model), fmt)
         tokens = [_greedy(m, ids, PROBE_TOKENS) for ids in probes]
         reference = tokens if fmt == "fp32" else reference
         decode_ms, prefill_ms = _time_format(m)
         timings[fmt] = {"decode_ms": round(decode_ms, 3), "prefill_ms": round(prefill_ms, 3),
                         "cost_ms": round(DECODE_STEPS * decode_ms + prefill_ms, 3), "agrees": tokens == reference}
         models[fmt] = m
-    best = min((f for f in FORMATS if timings[f]["agrees"]), key=lambda f: timings[f]["cost_ms"])
+    best = min((f for f in timings if timings[f]["agrees"]), key=lambda f: timings[f]["cost_ms"])
     choice = FormatChoice(best, timings, variant)
     known = _read_choices(cache_file)
     known[_auto_key(probes, identity)] = {k: v for k, v in asdict(choice).items() if k != "cached"}

@@ -16,11 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,7 +34,7 @@ from .paths import cache_dir
 log = logging.getLogger(__name__)
 
 __all__ = ["ModelLoadError", "ModelFiles", "default_model_path", "resolve_model", "load_model_files", "model_args",
-           "check_finite", "load_quantized", "save_quantized"]
+           "check_finite", "load_quantized", "save_quantized", "load_gguf", "fp32_folder"]
 
 
 class ModelLoadError(RuntimeError):
@@ -46,11 +49,14 @@ class ModelFiles:
         folder: folder with config.json, *.safetensors, tokenizer.json, tokenizer_config.json.
         args: the architecture (`ModelArgs`).
         source: what the user asked for (GGUF path, folder path or "embedded").
+        gguf: the GGUF file when the model is one (its weights are read from it: `load_gguf`, or
+            `fp32_folder` for fp32 safetensors), else None.
     """
 
     folder: Path
     args: ModelArgs
     source: str
+    gguf: Path | None = None
 
 
 def default_model_path() -> Path:
@@ -75,7 +81,8 @@ def default_model_path() -> Path:
 
 
 def resolve_model(model: str | os.PathLike | None) -> ModelFiles:
-    """Resolve a model argument to a Hugging Face-style folder, converting a GGUF file if needed.
+    """Resolve a model argument to a Hugging Face-style folder (for a GGUF file, its cached header:
+    configuration and tokenizer; the weights stay in the file until asked for).
 
     Args:
         model: None (embedded default), a `.gguf` file, or a folder with config.json + *.safetensors.
@@ -99,7 +106,8 @@ def resolve_model(model: str | os.PathLike | None) -> ModelFiles:
         folder = _converted_gguf(path)
     else:
         raise ModelLoadError(f"{path} is neither a .gguf file nor a safetensors folder")
-    return ModelFiles(folder=folder, args=model_args(_read_json(folder / "config.json"), folder), source=source)
+    return ModelFiles(folder=folder, args=model_args(_read_json(folder / "config.json"), folder), source=source,
+                      gguf=None if path.is_dir() else path)
 
 
 # config.json integers: (required, largest accepted). The bounds refuse absurd values (e.g.
@@ -192,15 +200,16 @@ def _check_rope(rope: dict, where: str) -> None:
 
 
 def load_model_files(files: ModelFiles) -> dict[str, torch.Tensor]:
-    """Read all safetensors shards of a folder into one state dict (Hugging Face names, on CPU).
+    """Read all safetensors shards of a folder into one fp32 state dict (Hugging Face names, on CPU);
+    a GGUF model's are written first if they are not yet (`fp32_folder`).
 
     Raises:
-        ModelLoadError: a shard cannot be read.
+        ModelLoadError: a shard cannot be read, or a GGUF tensor type cannot be dequantized.
     """
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
-    for shard in sorted(files.folder.glob("*.safetensors")):
+    for shard in sorted(fp32_folder(files).glob("*.safetensors")):
         try:
             state.update(load_file(str(shard)))
         except Exception as exc:  # safetensors raises several types for corrupt files
@@ -214,7 +223,7 @@ def _quantized_path(files: ModelFiles, fmt: str) -> Path:
 
     h = hashlib.sha256(b"\0".join([Path(quant.__file__).read_bytes(), torch.__version__.encode(), fmt.encode(),
                                     str(files.folder.resolve()).encode()]))
-    for shard in sorted(files.folder.glob("*.safetensors")):
+    for shard in [] if files.gguf else sorted(files.folder.glob("*.safetensors")):  # a GGUF's folder is its digest
         st = shard.stat()
         h.update(f"{shard.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return cache_dir() / "quantized" / f"{fmt}-{h.hexdigest()[:24]}.safetensors"
@@ -231,16 +240,15 @@ def load_quantized(files: ModelFiles, fmt: str):
     """
     from safetensors.torch import load_file
 
-    from .model import Transformer
+    from .model import Transformer, rope_tables
     from .quant import quantize
 
     path = _quantized_path(files, fmt)
     if not path.is_file():
         return None
-    with torch.device("meta"):  # no init: every tensor comes from the cache entry
+    with torch.device("meta"):  # no init and no memory: every tensor comes from the cache entry
         net = Transformer(files.args)
-    quantize(net, fmt, empty=True)
-    net = net.to_empty(device="cpu")
+        quantize(net, fmt, empty=True)
     try:
         state = load_file(str(path))
         check_finite(state, str(path))
@@ -249,6 +257,9 @@ def load_quantized(files: ModelFiles, fmt: str):
         log.warning("quantized weights cache unusable, quantizing again: %s: %s", type(exc).__name__,
                     (str(exc).splitlines() or [""])[0][:200])
         return None
+    net.rope_cos, net.rope_sin = rope_tables(files.args)  # not in the entry (non-persistent buffers)
+    net.tie_weights()
+    net.invalidate_fused()
     return net
 
 
@@ -315,14 +326,17 @@ _GGUF_ARCHS = ("llama", "qwen2", "mistral")
 
 
 def _converted_gguf(path: Path) -> Path:
-    """Return the cached conversion of a GGUF file, converting it on first use (atomic rename)."""
-    folder = cache_dir() / "models" / _file_digest(path)
+    """The cached Hugging Face-style header of a GGUF file (config.json, tokenizer.json,
+    tokenizer_config.json), made on first use (atomic rename). Its fp32 weights are written into the
+    same folder only when something asks for them (`fp32_folder`); `load_gguf` reads the file itself."""
+    folder = cache_dir() / "gguf" / _file_digest(path)
     if (folder / "config.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".convert-"))
     try:
-        convert_gguf(path, tmp)
+        reader = _gguf_reader(path)
+        _write_header(reader, path, tmp)
         try:
             tmp.rename(folder)
         except OSError:  # another process converted it first
@@ -331,6 +345,26 @@ def _converted_gguf(path: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def fp32_folder(files: ModelFiles) -> Path:
+    """The model's folder with its fp32 safetensors weights: a GGUF source's weights are dequantized
+    (tensor by tensor, Q/K rows un-permuted) into `model.safetensors` beside its header on first use
+    (atomic rename), for the fp32 reference and `transformers`.
+
+    Raises:
+        ModelLoadError: a tensor type `gguf.quants.dequantize` does not support, or a corrupt file.
+    """
+    weights = files.folder / "model.safetensors"
+    if files.gguf is None or weights.is_file():
+        return files.folder
+    tmp = weights.with_name(f".{weights.name}.{os.getpid()}.tmp")
+    try:
+        _write_fp32_weights(files, tmp)
+        tmp.replace(weights)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return files.folder
 
 
 def _field(reader, key: str, default=None):
@@ -379,29 +413,116 @@ _GGUF_BLOCK_NAMES = {
 }
 
 
-def convert_gguf(path: Path, out: Path) -> None:
-    """Convert a GGUF Llama-family model to a Hugging Face folder at `out` (fp32 safetensors).
+@dataclass
+class _GGUFTensor:
+    # one tensor of a GGUF file, as `gguf.GGUFReader` describes it: shape in GGUF order (ne0 =
+    # input channels first), data a read-only view of the memory-mapped file ([rows, row bytes]
+    # uint8 for block types; F32/F16 as their dtype)
+    name: str
+    tensor_type: object
+    shape: list[int]
+    data: np.ndarray
 
-    Supports every tensor type `gguf.quants.dequantize` supports (F32, F16, BF16, Q4_0, Q4_1,
-    Q5_0, Q5_1, Q8_0, K-quants). The tokenizer is rebuilt from the GGUF BPE vocabulary and
-    merges (`tokenizer.ggml.model == "gpt2"`), the chat template copied.
+
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+_GGUF_STRING, _GGUF_ARRAY, _GGUF_UINT32 = 8, 9, 4
+_GGUF_ITEM_TYPES = {"F32": np.float32, "F16": np.float16}
+
+
+def _gguf_tensors(path: Path) -> tuple[dict[str, _GGUFTensor], np.memmap]:
+    """The tensors of a GGUF file (v2/v3, little-endian) by name, over one memory map, without
+    parsing the metadata's values (`gguf.GGUFReader` decodes every vocabulary string: seconds for a
+    49k-token vocabulary; this skips them, ~10 ms).
 
     Raises:
-        ModelLoadError: unsupported architecture, tokenizer model or tensor type, or a corrupt file.
+        ModelLoadError: not a GGUF file, an unsupported version, or a truncated or corrupt index.
     """
     import gguf
-    from safetensors.numpy import save_file
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        data = np.memmap(path, mode="r")
+        buf = memoryview(data)
+        if bytes(buf[:4]) != b"GGUF" or struct.unpack_from("<I", buf, 4)[0] not in (2, 3):
+            raise ValueError("not a little-endian GGUF v2/v3 file")
+        n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
+        at, alignment = 24, 32
+
+        def string(at: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", buf, at)
+            return bytes(buf[at + 8:at + 8 + n]).decode("utf-8"), at + 8 + n
+
+        def skip(kind: int, at: int, count: int = 1) -> int:
+            if kind in _GGUF_SCALARS:
+                return at + count * _GGUF_SCALARS[kind]
+            if kind == _GGUF_STRING:
+                for _ in range(count):
+                    at += 8 + struct.unpack_from("<Q", buf, at)[0]
+                return at
+            if kind == _GGUF_ARRAY:
+                for _ in range(count):
+                    item, n = struct.unpack_from("<IQ", buf, at)
+                    at = skip(item, at + 12, n)
+                return at
+            raise ValueError(f"unknown metadata value type {kind}")
+
+        for _ in range(n_kv):
+            key, at = string(at)
+            (kind,) = struct.unpack_from("<I", buf, at)
+            if key == "general.alignment" and kind == _GGUF_UINT32:
+                (alignment,) = struct.unpack_from("<I", buf, at + 4)
+            at = skip(kind, at + 4)
+        infos = []
+        for _ in range(n_tensors):
+            name, at = string(at)
+            (n_dims,) = struct.unpack_from("<I", buf, at)
+            dims = list(struct.unpack_from(f"<{n_dims}Q", buf, at + 4))
+            kind, offset = struct.unpack_from("<IQ", buf, at + 4 + 8 * n_dims)
+            at += 4 + 8 * n_dims + 12
+            infos.append((name, dims, gguf.GGMLQuantizationType(kind), offset))
+        start = at + (-at % alignment)
+        tensors = {}
+        for name, dims, kind, offset in infos:
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            rows = int(np.prod(dims[1:], dtype=np.int64))
+            item = _GGUF_ITEM_TYPES.get(kind.name, np.uint8)
+            width = dims[0] if item is not np.uint8 else dims[0] // block * size
+            first = start + offset
+            count = rows * width
+            view = np.frombuffer(data, dtype=item, count=count, offset=first)
+            tensors[name] = _GGUFTensor(name, kind, dims, view.reshape(*reversed(dims[1:]), width))
+        return tensors, data
+    except (ValueError, struct.error, KeyError, OSError) as exc:
+        raise ModelLoadError(f"cannot parse GGUF file {path}: {exc}") from exc
+
+
+def _gguf_reader(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
     except Exception as exc:
         raise ModelLoadError(f"cannot parse GGUF file {path}: {exc}") from exc
+
+
+def _gguf_arch(reader, path: Path) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ModelLoadError(f"{path}: GGUF architecture {arch!r} not supported (supported: {_GGUF_ARCHS})")
+    return arch
+
+
+def _write_header(reader, path: Path, out: Path) -> None:
+    """config.json, tokenizer.json and tokenizer_config.json of a GGUF Llama-family model into `out`.
+
+    The tokenizer is rebuilt from the GGUF BPE vocabulary and merges (`tokenizer.ggml.model ==
+    "gpt2"`), the chat template copied.
+
+    Raises:
+        ModelLoadError: unsupported architecture or tokenizer model.
+    """
+    arch = _gguf_arch(reader, path)
     g = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
     n_heads = g("attention.head_count")
-    n_kv_heads = g("attention.head_count_kv", n_heads)
     tokens = _field(reader, "tokenizer.ggml.tokens")
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     config = {
@@ -411,7 +532,7 @@ def convert_gguf(path: Path, out: Path) -> None:
         "intermediate_size": g("feed_forward_length"),
         "num_hidden_layers": g("block_count"),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv_heads,
+        "num_key_value_heads": g("attention.head_count_kv", n_heads),
         "head_dim": g("rope.dimension_count", g("embedding_length") // n_heads),
         "rms_norm_eps": g("attention.layer_norm_rms_epsilon", 1e-5),
         "rope_theta": g("rope.freq_base", 10000.0),
@@ -425,30 +546,206 @@ def convert_gguf(path: Path, out: Path) -> None:
     }
     if arch == "qwen2":
         config["use_sliding_window"] = False
-    state: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
-        name = _GGUF_TENSOR_NAMES.get(t.name)
-        if name is None and t.name.startswith("blk."):
-            _, idx, rest = t.name.split(".", 2)
-            if rest in _GGUF_BLOCK_NAMES:
-                name = f"model.layers.{idx}.{_GGUF_BLOCK_NAMES[rest]}"
-        if name is None:
-            continue  # e.g. rope_freqs (recomputed from config)
-        try:
-            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        except NotImplementedError as exc:
-            raise ModelLoadError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}") from exc
-        w = w.reshape([int(d) for d in reversed(t.shape)]) if w.ndim != len(t.shape) else w
-        if arch != "qwen2" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute_rows(w, n_heads)
-        elif arch != "qwen2" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute_rows(w, n_kv_heads)
-        state[name] = np.ascontiguousarray(w)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / "model.safetensors"))
     from .tokenizer import tokenizer_files_from_gguf
 
+    out.mkdir(parents=True, exist_ok=True)
     tokenizer_json, tokenizer_config = tokenizer_files_from_gguf(reader, _field)
     (out / "tokenizer.json").write_text(tokenizer_json)
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
     (out / "config.json").write_text(json.dumps(config, indent=1))
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    # the Hugging Face name of a GGUF tensor, None for tensors the engine recomputes (rope_freqs)
+    name = _GGUF_TENSOR_NAMES.get(gguf_name)
+    if name is None and gguf_name.startswith("blk."):
+        _, idx, rest = gguf_name.split(".", 2)
+        if rest in _GGUF_BLOCK_NAMES:
+            name = f"model.layers.{idx}.{_GGUF_BLOCK_NAMES[rest]}"
+    return name
+
+
+def _permuted_heads(files: ModelFiles) -> Callable[[str], int | None]:
+    """name -> the head count whose rotary row permutation llama.cpp's converter applied to the
+    tensor of that Hugging Face name (Q/K weights and biases of non-Qwen2 architectures), or None."""
+    qwen2 = _read_json(files.folder / "config.json").get("model_type") == "qwen2"
+
+    def heads(hf_name: str | None) -> int | None:
+        if qwen2 or not (hf_name or "").endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            return None
+        return files.args.n_heads if ".q_proj." in hf_name else files.args.n_kv_heads
+    return heads
+
+
+def _dequantized(t, path: Path, rows: slice | None = None) -> np.ndarray:
+    """fp32 values of a GGUF tensor (or of its rows `rows`) in Hugging Face orientation [out, in],
+    a writable array of their own.
+
+    Raises:
+        ModelLoadError: a tensor type `gguf.quants.dequantize` does not support.
+    """
+    import gguf
+
+    data = t.data if rows is None else t.data[rows]
+    try:
+        w = np.asarray(gguf.quants.dequantize(data, t.tensor_type), dtype=np.float32)
+    except NotImplementedError as exc:
+        raise ModelLoadError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}") from exc
+    if not w.flags.writeable:  # F32 data is the memory-mapped file itself
+        w = w.copy()
+    shape = [int(d) for d in reversed(t.shape)]
+    return w.reshape(-1, *shape[1:]) if len(shape) > 1 else w.reshape(shape)
+
+
+def _write_fp32_weights(files: ModelFiles, out: Path) -> None:
+    """Dequantize every tensor of a GGUF model into one fp32 safetensors file, one tensor at a time
+    (the file is written as it goes: memory holds one tensor, never the model)."""
+    path, heads = files.gguf, _permuted_heads(files)
+    index, mapped = _gguf_tensors(path)
+    tensors = [(name, t) for t in index.values() if (name := _hf_name(t.name)) is not None]
+    header, offset = {}, 0
+    for name, t in tensors:
+        shape = [int(d) for d in reversed(t.shape)]
+        size = 4 * int(np.prod(shape))
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(out, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for name, t in tensors:
+            w = _dequantized(t, path)
+            if (n := heads(name)) is not None:
+                w = _unpermute_rows(w, n)
+            f.write(np.ascontiguousarray(w, dtype="<f4").tobytes())
+            _drop_pages(mapped)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF -> Transformer, natively: the file's 4-bit blocks are the weights that run
+# ---------------------------------------------------------------------------------------------
+
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+_EMBED_ROWS = 4096  # rows dequantized at a time into the fp32 embedding (bounds the temporaries)
+
+
+def load_gguf(files: ModelFiles):
+    """The model of a GGUF file with its own quantization, read tensor by tensor from the
+    memory-mapped file (no fp32 copy of the model, in memory or on disk).
+
+    Each block projection (the engine fuses q/k/v and gate/up) becomes:
+    - `Int4Linear` holding the file's codes, scales and minimums as they are (`quant.gguf_int4_groups`)
+      when all its tensors are Q4_0, Q4_1 or Q4_K: the same values, no re-quantization (scale and
+      min rounded to bf16, the kernel's layout);
+    - `nn.Linear` (fp32) when all are F32/F16/BF16;
+    - otherwise (Q8_0, Q6_K, Q5_*, ... or a mix) `Int8Linear` of that projection's dequantized
+      weights, one projection at a time.
+    The lm_head is an `Int8Linear` of its (or the tied embedding's) dequantized weights when quantized,
+    fp32 `nn.Linear` when float; the embedding table and norms are fp32. Pages of the file are
+    dropped from memory after each layer.
+
+    Args:
+        files: a resolved GGUF model (`resolve_model`; `files.gguf` set).
+    Returns:
+        a `Transformer` on the CPU, fp32 activations.
+    Raises:
+        ModelLoadError: not a GGUF model, a missing tensor, a shape that does not match the
+            configuration, or a tensor type `gguf.quants.dequantize` does not support.
+    """
+    from torch import nn
+
+    from .model import Transformer, rope_tables
+    from .quant import GGUF_INT4_TYPES, Int4Linear, Int8Linear, gguf_int4_groups
+
+    if files.gguf is None:
+        raise ModelLoadError(f"{files.source}: not a GGUF file (the file's own format needs a .gguf model)")
+    path, args = files.gguf, files.args
+    tensors, mapped = _gguf_tensors(path)
+    permuted = _permuted_heads(files)
+
+    def tensor(name: str):
+        if name not in tensors:
+            raise ModelLoadError(f"{path}: GGUF file lacks tensor {name}")
+        return tensors[name]
+
+    def float_param(name: str, shape: tuple) -> nn.Parameter:
+        w = torch.from_numpy(_dequantized(tensor(name), path))
+        if tuple(w.shape) != shape:
+            raise ModelLoadError(f"{path}: {name} has shape {tuple(w.shape)}, the configuration says {shape}")
+        return nn.Parameter(w, requires_grad=False)
+
+    def rows(t, value):  # Q/K rows back in the Hugging Face rotary layout (numpy or torch, [out, ...])
+        heads = permuted(_hf_name(t.name))
+        return value if heads is None else _unpermute_rows(value, heads)
+
+    def projection(names: list[str], bias_names: list[str] | None, like: nn.Linear) -> nn.Module:
+        # one engine projection from its GGUF tensors, row-concatenated; `like` is the meta layer it replaces
+        parts = [tensor(n) for n in names]
+        kinds = {t.tensor_type.name for t in parts}
+        bias = None if not bias_names else torch.cat(
+            [torch.from_numpy(rows(tensor(n), _dequantized(tensor(n), path))) for n in bias_names])
+        shape = tuple(like.weight.shape)
+        if kinds <= set(GGUF_INT4_TYPES) and Int4Linear.supports(shape):
+            groups = [[rows(t, g) for g in gguf_int4_groups(t.data, t.tensor_type.name)] for t in parts]
+            codes, scale, minimum = (torch.cat(g) for g in zip(*groups))
+            weight = None
+        else:
+            weight = codes = torch.cat([torch.from_numpy(rows(t, _dequantized(t, path))) for t in parts])
+        if tuple(codes.shape) != shape:
+            raise ModelLoadError(f"{path}: {names} hold {tuple(codes.shape)} weights, the configuration says {shape}")
+        if weight is None:
+            return Int4Linear.from_groups(codes, scale, minimum, bias)
+        if kinds <= set(_FLOAT_TYPES):
+            layer = nn.Linear(shape[1], shape[0], bias=bias is not None, device="meta")
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            if bias is not None:
+                layer.bias = nn.Parameter(bias, requires_grad=False)
+            return layer
+        return Int8Linear(weight, bias)
+
+    with torch.device("meta"):  # no init: every tensor comes from the file
+        net = Transformer(args)
+    embed = tensor("token_embd.weight")
+    if [int(d) for d in reversed(embed.shape)] != [args.vocab_size, args.dim]:
+        raise ModelLoadError(f"{path}: token_embd.weight has shape {list(reversed(embed.shape))}, "
+                             f"the configuration says {[args.vocab_size, args.dim]}")
+    emb = torch.empty(args.vocab_size, args.dim)
+    for r in range(0, args.vocab_size, _EMBED_ROWS):  # row blocks: no whole-table temporaries
+        emb[r:r + _EMBED_ROWS] = torch.from_numpy(_dequantized(embed, path, slice(r, r + _EMBED_ROWS)))
+    net.tok_embeddings.weight = nn.Parameter(emb, requires_grad=False)
+    for i, layer in enumerate(net.layers):
+        b = f"blk.{i}."
+        att, ffn = layer.attention, layer.feed_forward
+        att.wqkv = projection([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"],
+                              [b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"] if args.qkv_bias else None,
+                              att.wqkv)
+        att.wo = projection([b + "attn_output.weight"], None, att.wo)
+        ffn.w13 = projection([b + "ffn_gate.weight", b + "ffn_up.weight"], None, ffn.w13)
+        ffn.w2 = projection([b + "ffn_down.weight"], None, ffn.w2)
+        layer.attention_norm = float_param(b + "attn_norm.weight", (args.dim,))
+        layer.ffn_norm = float_param(b + "ffn_norm.weight", (args.dim,))
+        _drop_pages(mapped)
+    net.norm = float_param("output_norm.weight", (args.dim,))
+    head = embed if args.tie_embeddings else tensor("output.weight")
+    if head.tensor_type.name in _FLOAT_TYPES:  # a tied float head shares the embedding (`tie_weights`)
+        net.output = nn.Linear(args.dim, args.vocab_size, bias=False, device="meta")
+        if not args.tie_embeddings:
+            net.output.weight = float_param("output.weight", (args.vocab_size, args.dim))
+    else:
+        net.output = Int8Linear(emb if args.tie_embeddings else torch.from_numpy(_dequantized(head, path)))
+    _drop_pages(mapped)
+    net.rope_cos, net.rope_sin = rope_tables(args)
+    net.tie_weights()
+    net.invalidate_fused()
+    left = [n for n, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta]
+    if left:
+        raise ModelLoadError(f"{path}: no weights for {', '.join(left[:3])}")
+    return net.eval()
+
+
+def _drop_pages(mapped: np.memmap) -> None:
+    # The file's pages read so far leave this process's resident set (they are re-read from the
+    # file if touched again): a load's peak holds the model, not the model plus the file.
+    mm = getattr(mapped, "_mmap", None)
+    if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        mm.madvise(mmap.MADV_DONTNEED)

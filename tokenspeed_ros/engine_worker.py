@@ -131,7 +131,7 @@ class EngineWorker:
     """A daemon thread that loads the engine, prefills observations and runs decisions.
 
     model: path, "tiny-random" or "" (embedded model); threads: CPU threads (0 = engine default);
-    quantize: "auto", "int4", "int8" or "none" (fp32 weights); device ("auto", "cpu", "cuda[:N]") and
+    quantize: "auto", "gguf", "int4", "int8" or "none" (fp32 weights); device ("auto", "cpu", "cuda[:N]") and
     dtype ("auto", "float32", ...): see `tokenspeed.Engine.load`;
     system: system prompt; tools: OpenAI tool dicts; tool_choice: passed to decide() unless a
     request brings its own;

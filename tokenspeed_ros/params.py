@@ -117,9 +117,10 @@ class NodeParams(BaseModel):
     # engine
     model: str = Field("", description='.gguf file, HF folder or "tiny-random"; empty = embedded SmolLM2-135M')
     threads: int = Field(1, ge=0, le=256, description="engine CPU threads; 0 = torch default. 1: the node shares the CPU with ROS callbacks (and the simulator), and torch's spinning thread pool stalls badly when oversubscribed")
-    quantize: Literal["auto", "int4", "int8", "none"] = Field(
+    quantize: Literal["auto", "gguf", "int4", "int8", "none"] = Field(
         "auto", description="engine weights: auto (the fastest format on this CPU that agrees with fp32, measured "
-        "once and cached), int4 (the GGUF's Q4_1 codes), int8, or none (fp32)")
+        "once and cached), gguf (a .gguf model's own blocks, read without an fp32 copy; CPU), int4 (4-bit groups "
+        "re-derived from fp32), int8, or none (fp32)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
                         description="engine device: auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

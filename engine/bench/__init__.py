@@ -121,7 +121,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.set_defaults(func=_cmd_gpu)
     f = sub.add_parser("profile", help="torch.profiler table of one decode step (what limits ITL)")
     f.add_argument("--model", default=None, help="a .gguf file or safetensors folder (default: embedded model)")
-    f.add_argument("--quantize", default="auto", choices=["auto", "int4", "int8", "none"])
+    f.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int4", "int8", "none"])
     f.add_argument("--threads", type=int, default=1)
     f.add_argument("--steps", type=int, default=10, help="decode steps profiled")
     f.add_argument("--context", type=int, default=256, help="tokens in the KV cache (default 256)")

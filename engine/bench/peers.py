@@ -422,7 +422,11 @@ def run_transformers(job: dict, out: str) -> None:
 
     torch.set_num_threads(job["threads"])
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(job["hf_folder"], dtype=torch.float32).eval()
+    from tokenspeed.weights import fp32_folder, resolve_model
+
+    # a GGUF's fp32 weights are written beside its converted header on first use
+    weights = fp32_folder(resolve_model(job["model_gguf"]))
+    model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=torch.float32).eval()
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(job["hf_folder"]) / "tokenizer.json"))

@@ -54,8 +54,8 @@ class ChatTokenSpeed(BaseChatModel):
     Attributes:
         model: None for the embedded SmolLM2-135M-Instruct, a `.gguf` file, a safetensors folder
             or "tiny-random".
-        quantize: "auto" (default: the measured fastest format, see `Engine.load`), "int4", "int8"
-            or None (fp32 weights).
+        quantize: "auto" (default: the measured fastest format, see `Engine.load`), "gguf" (a .gguf
+            model's own blocks), "int4", "int8" or None (fp32 weights).
         threads: torch threads (None: torch's choice).
         max_tokens: most tokens per answer.
         temperature, top_p, seed: sampling (temperature 0: greedy).

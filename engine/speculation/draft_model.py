@@ -48,6 +48,8 @@ class DraftModel(nn.Module):
         p = target.tok_embeddings.weight
         with torch.device("meta"):
             net = Transformer(args)
+            # the target's, set below: not allocated (and no init: normal_ on meta imports torch._dynamo)
+            net.tok_embeddings = nn.Embedding(0, args.dim, _weight=torch.empty(0, args.dim))
         net = net.to_empty(device=p.device).to(p.dtype)
         with torch.no_grad():
             for w in net.parameters():  # small random init (loaded or copied later)
@@ -56,8 +58,8 @@ class DraftModel(nn.Module):
                 else:
                     w.normal_(0.0, 0.02)
             head = target.output  # an nn.Linear, or a quantized linear (tokenspeed.quant)
-            w = head.dequantized(p.dtype) if hasattr(head, "dequantized") else head.weight
-            net.output.weight.copy_(w[vocab.to(p.device)])
+            rows = vocab.to(p.device)
+            net.output.weight.copy_(head.dequantized(p.dtype, rows) if hasattr(head, "dequantized") else head.weight[rows])
         net.tok_embeddings = target.tok_embeddings
         net.output.weight.requires_grad_(False)
         net.tok_embeddings.weight.requires_grad_(False)

@@ -77,13 +77,35 @@ def _unpermute(w, n_head):
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path, hf_model, qtype):
-    """Write hf_model as a llama GGUF with 2-D weights in `qtype`; return the dequantized state."""
+# fp16 fields of each block type (byte offset, power-of-two range of values): blocks written with
+# these are exact in bf16 too, so a native load must reproduce the file's values bit for bit
+_BLOCK_FIELDS = {Q.Q4_0: [(0, -7)], Q.Q4_1: [(0, -8), (2, -5)], Q.Q4_K: [(0, -12), (2, -12)],
+                 Q.Q6_K: [(208, -14)], Q.Q8_0: [(0, -11)]}
+
+
+def _random_blocks(shape, qtype, rng):
+    """Random blocks of `qtype` for a weight of `shape` [N, K]: random codes, power-of-two scales."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+    for at, exp in _BLOCK_FIELDS[qtype]:
+        sign = -1.0 if at == 2 and qtype == Q.Q4_1 else 1.0  # Q4_1's minimum is negative
+        value = sign * np.exp2(rng.integers(exp - 1, exp + 1, raw.shape[:2])).astype(np.float16)
+        raw[..., at:at + 2] = value.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(shape[0], -1)
+
+
+def _write_gguf(path, hf_model, qtype, blocks=False):
+    """Write hf_model as a llama GGUF with 2-D weights in `qtype` (one type, or GGUF tensor suffix ->
+    type with a "*" default); with `blocks`, quantized weights are random blocks (`_random_blocks`)
+    instead of hf_model's. Return the dequantized state (what the file holds, Hugging Face layout)."""
     cfg = hf_model.config
+    rng = np.random.default_rng(0)
+    kinds = qtype if isinstance(qtype, dict) else {"*": qtype}
     src = gguf.GGUFReader(str(tokenspeed.weights.default_model_path()))
     from tokenspeed.weights import _field
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    arch = "qwen2" if cfg.model_type == "qwen2" else "llama"  # llama.cpp permutes Q/K rows of llama only
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -107,7 +129,8 @@ def _write_gguf(path, hf_model, qtype):
              "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
              "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
              "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-             "mlp.down_proj.weight": "ffn_down.weight"}
+             "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.bias": "attn_q.bias",
+             "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias"}
     dequantized = {}
     for name, t in hf_model.state_dict().items():
         arr = t.float().numpy()
@@ -117,17 +140,21 @@ def _write_gguf(path, hf_model, qtype):
         else:
             gname = names[name]
         stored = arr
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             stored = _permute(arr, cfg.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             stored = _permute(arr, cfg.num_key_value_heads)
+        qtype = kinds.get(gname.split(".")[-2], kinds["*"])
         if arr.ndim == 2 and qtype != Q.F32:
-            data = gguf.quants.quantize(np.ascontiguousarray(stored), qtype)
+            if blocks and qtype in _BLOCK_FIELDS:
+                data = _random_blocks(stored.shape, qtype, rng)
+            else:
+                data = gguf.quants.quantize(np.ascontiguousarray(stored), qtype)
             w.add_tensor(gname, data, raw_dtype=qtype)
             back = gguf.quants.dequantize(data, qtype).astype(np.float32)
-            if name.endswith("q_proj.weight"):
+            if arch == "llama" and name.endswith("q_proj.weight"):
                 back = _unpermute(back, cfg.num_attention_heads)
-            elif name.endswith("k_proj.weight"):
+            elif arch == "llama" and name.endswith("k_proj.weight"):
                 back = _unpermute(back, cfg.num_key_value_heads)
             dequantized[name] = torch.from_numpy(back.reshape(arr.shape))
         else:
@@ -148,9 +175,96 @@ def test_gguf_file(tmp_path, monkeypatch, qtype):
     hf_model.load_state_dict(dequantized)  # the reference: transformers on the dequantized weights
     _compare(tmp_path / "tiny.gguf", hf_model)
     # The conversion is cached, content-addressed: a second load reuses it.
-    folders = list((tmp_path / "cache" / "models").iterdir())
+    folders = list((tmp_path / "cache" / "gguf").iterdir())
     assert len(folders) == 1 and (folders[0] / "config.json").is_file()
+    assert (folders[0] / "model.safetensors").is_file()  # the fp32 reference asked for the weights
     assert resolve_model(tmp_path / "tiny.gguf").folder == folders[0]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_gguf_int4_groups_are_the_blocks(qtype):
+    # codes * scale + min of the repacked groups are the file's values, bit for bit (any fp16 scales)
+    from tokenspeed.quant import gguf_int4_groups
+
+    rng = np.random.default_rng(1)
+    data = _random_blocks((48, 512), qtype, rng)
+    data[..., :4] = rng.integers(0, 256, (48, 4), dtype=np.uint8) & 0x3B  # any finite fp16 scales
+    codes, scale, minimum = gguf_int4_groups(data, qtype.name)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15 and codes.shape == (48, 512)
+    values = (codes.reshape(48, -1, 32).float() * scale[..., None] + minimum[..., None]).reshape(48, 512)
+    assert torch.equal(values, torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32)))
+
+
+# A Q4_K_M-like mix: attn_v, ffn_down and the lm_head in Q6_K, the rest Q4_K
+_Q4_K_M = {"*": Q.Q4_K, "attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K}
+
+
+@pytest.mark.parametrize("kind,qtype", [("llama", Q.Q4_0), ("llama", Q.Q4_1), ("qwen2", Q.Q4_K),
+                                        ("llama", _Q4_K_M), ("llama", Q.Q8_0), ("llama", Q.F16)],
+                         ids=["Q4_0", "Q4_1", "Q4_K-qwen2", "Q4_K_M", "Q8_0", "F16"])
+def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind, qtype):
+    # quantize="gguf": weights read from the file without an fp32 copy; 4-bit blocks become Int4Linear
+    # holding exactly the file's values (scales here are exact in bf16), other quantized projections
+    # Int8Linear of their dequantized values, float ones stay fp32. Logits agree with the fp32
+    # reference on the same file (the int4 kernel quantizes activations to int8: W4A8).
+    from tokenspeed.quant import Int4Linear, Int8Linear
+
+    monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
+    k_quants = any(t.name.endswith("_K") for t in (qtype.values() if isinstance(qtype, dict) else [qtype]))
+    sizes = dict(hidden_size=256, intermediate_size=512) if k_quants else {}  # K-quant rows: blocks of 256
+    _write_gguf(tmp_path / "tiny.gguf", _tiny_hf(kind, **sizes), qtype, blocks=True)
+    native = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize="gguf")
+    assert native.weights == "gguf" and "gguf weights from the file" in native.load_stages
+    folder = resolve_model(tmp_path / "tiny.gguf").folder
+    assert not (folder / "model.safetensors").exists()  # no fp32 conversion
+    ref = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize=None)
+    kinds = qtype if isinstance(qtype, dict) else {"*": qtype}
+    int4 = {k for k, t in kinds.items() if t.name in ("Q4_0", "Q4_1", "Q4_K")}
+    expected = {"wqkv": "attn_v", "wo": "attn_output", "w13": "ffn_gate", "w2": "ffn_down"}
+    for layer, ref_layer in zip(native.model.layers, ref.model.layers):
+        for name, gname in expected.items():
+            ours = getattr(layer.attention if name in ("wqkv", "wo") else layer.feed_forward, name)
+            theirs = getattr(ref_layer.attention if name in ("wqkv", "wo") else ref_layer.feed_forward, name)
+            if gname in int4 or (gname not in kinds and "*" in int4):
+                assert isinstance(ours, Int4Linear) and torch.equal(ours.dequantized(), theirs.weight)
+            elif kinds.get(gname, kinds["*"]) == Q.F16:
+                assert type(ours) is torch.nn.Linear and torch.equal(ours.weight, theirs.weight)
+            else:
+                assert isinstance(ours, Int8Linear)
+                assert torch.equal(ours.qweight, Int8Linear(theirs.weight).qweight)
+            if theirs.bias is not None:
+                assert torch.equal(ours.bias, theirs.bias)
+    ids = torch.tensor(native.tokenizer.encode("<|im_start|>user\nPick the red cube at x=0.42.<|im_end|>\n"))
+    logits = [e.model(ids, torch.arange(len(ids)), e.model.new_cache(64), "all") for e in (native, ref)]
+    assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].abs().max()
+
+
+def test_native_q4_1_load_equals_dequantize_then_int4(tmp_path, monkeypatch):
+    # a Q4_1 file from a min/max quantizer (gguf's, like llama.cpp's): re-quantizing its dequantized
+    # weights (quantize="int4") finds the same codes, so the native load and int4 differ only by
+    # the rounding of scales and minimums; Q8_0 projections re-quantized to int8 are the same either way
+    monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
+    _write_gguf(tmp_path / "tiny.gguf", _tiny_hf(), {"*": Q.Q4_1, "output": Q.Q8_0})
+    native, int4 = (tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize=q) for q in ("gguf", "int4"))
+    for a, b in zip(native.model.modules(), int4.model.modules()):
+        assert type(a) is type(b)
+        if hasattr(a, "codes"):
+            assert torch.equal(a.codes, b.codes)
+            assert torch.allclose(a.scales.float(), b.scales.float(), rtol=2 ** -7, atol=0)
+    assert torch.equal(native.model.output.qweight, int4.model.output.qweight)
+    ids = torch.tensor(native.tokenizer.encode("<|im_start|>user\nPick the red cube at x=0.42.<|im_end|>\n"))
+    logits = [e.model(ids, torch.arange(len(ids)), e.model.new_cache(64), "all") for e in (native, int4)]
+    assert (logits[0] - logits[1]).abs().max() <= 1e-2 * logits[1].abs().max()
+
+
+def test_native_gguf_needs_a_gguf_file_on_the_cpu(tmp_path):
+    _tiny_hf().save_pretrained(tmp_path / "m", safe_serialization=True)
+    _copy_tokenizer(tmp_path / "m")
+    for model in (str(tmp_path / "m"), "tiny-random"):
+        with pytest.raises(tokenspeed.EngineArgumentError, match="not a .gguf file"):
+            tokenspeed.Engine.load(model, quantize="gguf")
+    with pytest.raises(tokenspeed.EngineArgumentError, match="in torch.bfloat16"):
+        tokenspeed.Engine.load(None, quantize="gguf", dtype="bfloat16")
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
@@ -226,3 +340,42 @@ def test_bad_model_paths(tmp_path, monkeypatch, make, needle):
     monkeypatch.setenv("TOKENSPEED_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ModelLoadError, match=needle):
         tokenspeed.Engine.load(str(make(tmp_path)))
+
+
+def test_auto_measures_the_gguf_files_own_blocks_too(tmp_path, monkeypatch):
+    # quantize="auto" on a GGUF file times its own blocks ("gguf") beside fp32/int8/int4; a warm
+    # load reads the chosen format without measuring: from the file itself when "gguf" won
+    monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(tokenspeed.engine, "cache_dir", lambda: tmp_path / "cache")
+    _write_gguf(tmp_path / "tiny.gguf", _tiny_hf(), Q.Q4_1)
+    cold = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"))
+    choice = cold.weight_choice
+    assert set(choice.timings) == {"fp32", "int8", "int4", "gguf"}
+    assert cold.weights == choice.format and "auto weights: format measured" in cold.load_stages
+    warm = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"))
+    assert warm.weights == choice.format and warm.weight_choice.cached
+    source = {"gguf": "gguf weights from the file", "fp32": "fp32 weights"}.get(
+        choice.format, f"{choice.format} weights from the quantized cache")
+    assert source in warm.load_stages and "auto weights: format measured" not in warm.load_stages
+
+
+def test_embedded_model_runs_its_own_q4_1_blocks(engine):
+    # the embedded SmolLM2 Q4_1 file loaded natively: its codes are the ones int4 re-derives from the
+    # fp32 conversion (llama.cpp's Q4_1 quantizer uses each group's min and max), the greedy tokens
+    # of both agree, and the top-1 of the last position matches the fp32 reference
+    from tokenspeed.quant import Int4Linear
+
+    native, int4 = (tokenspeed.Engine.load(quantize=q) for q in ("gguf", "int4"))
+    layers = [(a, b) for a, b in zip(native.model.modules(), int4.model.modules()) if isinstance(a, Int4Linear)]
+    assert len(layers) == 4 * native.args.n_layers
+    assert all(torch.equal(a.codes, b.codes) for a, b in layers)
+    prompt = engine.tokenizer.encode("<|im_start|>user\nPick up the red cube at x=0.42.<|im_end|>\n<|im_start|>assistant\n")
+    outs = []
+    for e in (native, int4, engine):
+        ids, cache = list(prompt), e.model.new_cache(len(prompt) + 16)
+        logits = e.model(torch.tensor(ids), torch.arange(len(ids)), cache, "last")
+        for _ in range(12):
+            ids.append(int(logits[-1].argmax()))
+            logits = e.model(torch.tensor(ids[-1:]), torch.tensor([len(ids) - 1]), cache, "last")
+        outs.append(ids[len(prompt):])
+    assert outs[0] == outs[1] and outs[0][0] == outs[2][0]
