@@ -251,6 +251,7 @@ def finish(d: Decision, completion_tokens: int, max_tokens: int) -> tuple[str, d
     | decision | finish_reason | detail reason |
     |---|---|---|
     | "ok" | "tool_calls" | "tool_calls" |
+    | "ok", the complete calls of a list cut at max_tokens | "length" | "max_tokens" |
     | "text" | "stop" ("length" when cut at max_tokens) | "stop" ("max_tokens") |
     | "invalid", cut at max_tokens inside a call | "length" | "max_tokens" |
     | "deadline_missed" | "length" (the time budget ran out; no content) | "deadline" |
@@ -260,6 +261,8 @@ def finish(d: Decision, completion_tokens: int, max_tokens: int) -> tuple[str, d
         (finish_reason, {"reason": TokenSpeed's reason, "detail": why, or ""}).
     """
     if d.status == "ok":
+        if d.reason == "max_tokens":  # the complete calls of a list cut there
+            return "length", {"reason": "max_tokens", "detail": "the call list was cut at max_tokens"}
         return "tool_calls", {"reason": "tool_calls", "detail": ""}
     if d.status == "text":
         cut = d.reason == "max_tokens"
