@@ -7,9 +7,9 @@ p(call) >= a threshold; otherwise the answer is text. A small model rarely puts 
 where one applies (SmolLM2-135M: never, on the labelled set below), yet its p(call) is several
 times higher where one applies: the threshold is where the two cases part.
 
-The threshold is calibrated once per model (`tokenspeed bench auto --calibrate`) on the labelled
-set `LABELLED` and stored with the model's converted files: the cache's `auto_threshold.json`,
-keyed by the model (`model_key`); the embedded model's calibration ships with the engine
+The threshold is calibrated once per model and tool-listing prompt (`tokenspeed bench auto
+--calibrate`) on the labelled set `LABELLED` and stored in the cache beside the converted models:
+`auto_threshold.json`, keyed by the model (`model_key`) and the prompt; the embedded model's calibration ships with the engine
 (`SHIPPED`). A request overrides it with `auto_threshold` (`Session.decide`, the serve request's
 extra field, `ChatTokenSpeed`). A model with no calibration keeps the plain rule (the first token
 is the masked argmax, so a call only when the model puts one first).
@@ -29,7 +29,7 @@ import torch
 
 from .paths import cache_dir
 
-__all__ = ["AutoRule", "LABELLED", "SHIPPED", "model_key", "stored_threshold", "store_threshold", "calibrate",
+__all__ = ["AutoRule", "LABELLED", "SHIPPED", "model_key", "stored_thresholds", "store_threshold", "calibrate",
            "labelled_cases"]
 
 LABELLED = Path(__file__).resolve().parent / "data" / "auto_labelled.jsonl"
@@ -81,23 +81,25 @@ def _read(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def stored_threshold(folder: Path) -> float | None:
-    """The calibrated threshold of the model in `folder`: this machine's calibration
-    (`cache_dir()/auto_threshold.json`), else the shipped one (`SHIPPED`), else None."""
-    key = model_key(folder)
-    for path in (cache_dir() / CACHE_NAME, SHIPPED):
-        entry = _read(path).get(key)
-        if isinstance(entry, dict) and isinstance(entry.get("threshold"), (int, float)):
-            return float(entry["threshold"])
-    return None
+def stored_thresholds(folder: Path) -> dict[str, float]:
+    """The calibrated thresholds of the model in `folder`, per tool-listing prompt
+    (`tokenspeed.grammar.TOOL_PROMPTS`): the shipped ones (`SHIPPED`) updated by this machine's
+    (`cache_dir()/auto_threshold.json`); {} when there is none."""
+    key, out = model_key(folder), {}
+    for path in (SHIPPED, cache_dir() / CACHE_NAME):
+        entries = _read(path).get(key)
+        for prompt, entry in (entries.items() if isinstance(entries, dict) else ()):
+            if isinstance(entry, dict) and isinstance(entry.get("threshold"), (int, float)):
+                out[prompt] = float(entry["threshold"])
+    return out
 
 
-def store_threshold(folder: Path, threshold: float, report: dict) -> Path:
-    """Record the model's calibrated threshold (with what it was measured on) in
-    `cache_dir()/auto_threshold.json`; returns the file."""
+def store_threshold(folder: Path, tool_prompt: str, threshold: float, report: dict) -> Path:
+    """Record the model's calibrated threshold under `tool_prompt` (with what it was measured on)
+    in `cache_dir()/auto_threshold.json`; returns the file."""
     path = cache_dir() / CACHE_NAME
     data = _read(path)
-    data[model_key(folder)] = {"threshold": threshold, **report}
+    data.setdefault(model_key(folder), {})[tool_prompt] = {"threshold": threshold, **report}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=True))
     return path

@@ -24,6 +24,7 @@ import torch
 from .schema import JSON_STYLE, Prepared, ToolSchemaError, compile_check, prepare
 
 __all__ = ["ToolSchemaError", "normalize_tools", "tools_system_prompt", "TOOL_PROMPTS", "DEFAULT_TOOL_PROMPT",
+           "AUTO_TOOL_PROMPT",
            "call_schema", "ToolGrammar", "parse_tool_calls", "parse_tool_call", "format_tool_calls", "CallFormat",
            "CALL_FORMATS", "SMOLLM2", "call_format_for", "MAX_CALLS", "complete_tool_calls"]
 
@@ -179,6 +180,10 @@ TOOL_PROMPTS = {
               {"name": "tool_name", "arguments": {"arg": "value"}}),
 }
 DEFAULT_TOOL_PROMPT = "short"
+# The listing chat requests with tool_choice "auto" get (`tokenspeed.chat`; serve, LangChain):
+# SmolLM2-135M tells "a tool applies" from "none does" better with its own prompt (`tokenspeed
+# bench auto --tool-prompt`). Decisions (required, named) keep the short one.
+AUTO_TOOL_PROMPT = "smollm2"
 
 
 def tools_system_prompt(system: str | None, tools: list[dict], style: str = DEFAULT_TOOL_PROMPT,

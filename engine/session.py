@@ -156,6 +156,7 @@ class Session:
         self.model = engine.model
         self.tok = engine.tokenizer
         self.tools = tools
+        self.tool_prompt = tool_prompt
         self._system_text = tools_system_prompt(system, tools, tool_prompt, engine.call_format)
         system_ids = self.tok.encode_chat([{"role": "system", "content": self._system_text}], [])
         if kv_budget is None:
@@ -357,8 +358,8 @@ class Session:
                 steps, or None: when it returns True the decision stops there, the session is
                 rolled back and `SessionAborted` is raised.
             auto_threshold: tool_choice "auto" (also in allowed_tools) calls when p(call) >= this,
-                in [0, 1]; None: `Engine.auto_threshold` (the model's calibration; when that is
-                None too, the first token is the plain masked argmax).
+                in [0, 1]; None: `Engine.auto_threshold`'s for this session's tool prompt (the
+                model's calibration; without one the first token is the plain masked argmax).
         Returns:
             a `Decision`. On "ok" and "text" the answer stays in the context as the assistant
             turn; otherwise the session is rolled back to its state before the call.
@@ -457,7 +458,7 @@ class Session:
         # tool_choice "auto": the rule of its first position (`tokenspeed.auto`)
         if grammar is None or grammar.call_start is None:
             return None
-        threshold = threshold if threshold is not None else self.engine.auto_threshold
+        threshold = threshold if threshold is not None else self.engine.auto_threshold.get(self.tool_prompt)
         return AutoRule(grammar.call_start.to(self.engine.device), threshold)
 
     def _repeat_guard(self):

@@ -59,10 +59,11 @@ def run_auto(threshold: float | None = None, calibrate: bool = False, required: 
     if limit is not None:
         cases = [c for c in cases if c["label"] == "call"][:limit] + [c for c in cases if c["label"] == "text"][:limit]
     engine = Engine.load(model, threads=threads, quantize=quantize)
-    threshold = threshold if threshold is not None else None if calibrate else engine.auto_threshold
+    threshold = threshold if threshold is not None else None if calibrate else engine.auto_threshold.get(tool_prompt)
     if threshold is None and not calibrate:
-        raise ValueError("no auto threshold for this model: pass --threshold or --calibrate")
-    engine.auto_threshold = None  # "before": the plain rule
+        raise ValueError(f"no auto threshold for this model and tool prompt {tool_prompt!r}: pass --threshold or "
+                         "--calibrate")
+    engine.auto_threshold = {}  # "before": the plain rule
     t0 = time.perf_counter()
     rows, runaway = [], []
     for case in cases:
@@ -104,9 +105,9 @@ def run_auto(threshold: float | None = None, calibrate: bool = False, required: 
     if required:
         out["runaway"] = {"count": len(runaway), "cases": len(rows), "ids": runaway}
     if calibrate and engine.folder is not None:
-        out["stored_in"] = str(store_threshold(engine.folder, threshold, {
+        out["stored_in"] = str(store_threshold(engine.folder, tool_prompt, threshold, {
             "cases": out["cases"], "after": out["after"], "p_call_applies": out["p_call_applies"],
-            "p_call_none": out["p_call_none"], "quantize": quantize, "tool_prompt": tool_prompt}))
+            "p_call_none": out["p_call_none"], "quantize": quantize}))
     return out
 
 
