@@ -35,7 +35,7 @@ _DEF_KEYS = ("$defs", "definitions")
 NUMBER_LIMIT = 10 ** 15 - 1   # |number| at most this: 15 integer digits
 NUMBER_STEP = 1e-6            # a non-integer number is a multiple of this: at most 6 decimals
 MAX_STRING_LENGTH = 256       # characters of a string without maxLength
-MAX_ARRAY_ITEMS = 32          # items of an array without maxItems
+MAX_ARRAY_ITEMS = 16          # items of an array without maxItems
 # Sub-schema positions walked when rewriting and when locating an error: (keyword, kind).
 _MAP_KEYS = ("properties", "$defs", "definitions", "patternProperties")
 _LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems")
