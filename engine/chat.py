@@ -24,8 +24,8 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .grammar import DEFAULT_TOOL_PROMPT, CallFormat, ToolSchemaError, format_tool_calls, normalize_tools, \
-    tools_system_prompt
+from .grammar import AUTO_TOOL_PROMPT, DEFAULT_TOOL_PROMPT, CallFormat, ToolSchemaError, format_tool_calls, \
+    normalize_tools, parse_tool_choice, tools_system_prompt
 from .engine import Engine
 from .session import Checkpoint, Decision, Session, SessionAborted, check_kv_capacity, render_turn
 
@@ -245,12 +245,21 @@ def _response_schema(fmt: dict | None) -> dict | None:
                     "response_format.type")
 
 
+def _auto_threshold(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ChatError(f"auto_threshold must be a number in [0, 1], got {value!r:.40}", "auto_threshold")
+    return float(value)
+
+
 def finish(d: Decision, completion_tokens: int, max_tokens: int) -> tuple[str, dict]:
     """OpenAI's finish_reason of a decision, and TokenSpeed's own reason and why.
 
     | decision | finish_reason | detail reason |
     |---|---|---|
     | "ok" | "tool_calls" | "tool_calls" |
+    | "ok", the complete calls of a list cut at max_tokens | "length" | "max_tokens" |
     | "text" | "stop" ("length" when cut at max_tokens) | "stop" ("max_tokens") |
     | "invalid", cut at max_tokens inside a call | "length" | "max_tokens" |
     | "deadline_missed" | "length" (the time budget ran out; no content) | "deadline" |
@@ -260,6 +269,8 @@ def finish(d: Decision, completion_tokens: int, max_tokens: int) -> tuple[str, d
         (finish_reason, {"reason": TokenSpeed's reason, "detail": why, or ""}).
     """
     if d.status == "ok":
+        if d.reason == "max_tokens":  # the complete calls of a list cut there
+            return "length", {"reason": "max_tokens", "detail": "the call list was cut at max_tokens"}
         return "tool_calls", {"reason": "tool_calls", "detail": ""}
     if d.status == "text":
         cut = d.reason == "max_tokens"
@@ -319,8 +330,9 @@ class ChatEngine:
 
     def prepare(self, request: dict) -> dict:
         """Validate a request (OpenAI body: messages, tools, tool_choice, parallel_tool_calls,
-        response_format, max_tokens/max_completion_tokens, temperature, top_p, seed, stop) and
-        compile its grammar; cheap enough to run before queueing.
+        response_format, max_tokens/max_completion_tokens, temperature, top_p, seed, stop, and
+        TokenSpeed's auto_threshold: see `Session.decide`) and compile its grammar; cheap enough
+        to run before queueing.
 
         Also renders and tokenizes the prompt (system prompt, tools and messages) to count it:
         a prompt that does not fit the context, or does not leave room for an explicit
@@ -357,7 +369,14 @@ class ChatEngine:
         # counted before any grammar is compiled: an over-length request costs only its tokenization
         system = messages[0]["role"] in ("system", "developer")
         stop = request.get("stop")
-        job = {"system": message_text(messages[0]) if system else None, "messages": messages[system:], "tools": tools}
+        choice = request.get("tool_choice")
+        choice = choice if choice is not None else ("auto" if tools else "none")
+        try:
+            mode = parse_tool_choice(choice)[0]
+        except ToolSchemaError as exc:
+            raise ChatError(str(exc), "tool_choice") from None
+        job = {"system": message_text(messages[0]) if system else None, "messages": messages[system:], "tools": tools,
+               "tool_prompt": AUTO_TOOL_PROMPT if mode == "auto" else DEFAULT_TOOL_PROMPT}
         prompt = self._prompt_tokens(job)
         asked = request.get("max_completion_tokens") or request.get("max_tokens")
         param = "max_completion_tokens" if request.get("max_completion_tokens") else "max_tokens"
@@ -375,8 +394,6 @@ class ChatEngine:
                 self.engine.json_grammar(schema)
             except ToolSchemaError as exc:
                 raise ChatError(str(exc), "response_format") from None
-        choice = request.get("tool_choice")
-        choice = choice if choice is not None else ("auto" if tools else "none")
         parallel = bool(request.get("parallel_tool_calls", True))
         if choice != "none":
             if not tools:
@@ -390,7 +407,7 @@ class ChatEngine:
                 "max_tokens": asked or min(256, self.context - prompt),
                 "temperature": float(request.get("temperature") or 0.0),
                 "top_p": float(request.get("top_p") if request.get("top_p") is not None else 1.0),
-                "seed": request.get("seed")}
+                "seed": request.get("seed"), "auto_threshold": _auto_threshold(request.get("auto_threshold"))}
 
     def _prompt_tokens(self, job: dict) -> int:
         # Tokens of the prompt as a fresh session holds it before its answer (the system message,
@@ -398,7 +415,7 @@ class ChatEngine:
         # once it is over the context.
         tok, fmt = self.engine.tokenizer, self.engine.call_format
         try:
-            system = tools_system_prompt(job["system"], job["tools"], DEFAULT_TOOL_PROMPT, fmt)
+            system = tools_system_prompt(job["system"], job["tools"], job["tool_prompt"], fmt)
             n = self._system_tokens(system)
             for i, m in enumerate(job["messages"]):
                 if n >= self.context:
@@ -436,7 +453,8 @@ class ChatEngine:
 
     def prompt_key(self, job: dict) -> tuple[str, list[str]]:
         """(system prompt and tools, message keys) by which the conversation cache knows a prepared job."""
-        return json.dumps([job["system"], job["tools"]], sort_keys=True), [_message_key(m) for m in job["messages"]]
+        return json.dumps([job["system"], job["tools"], job["tool_prompt"]], sort_keys=True), \
+            [_message_key(m) for m in job["messages"]]
 
     def complete(self, job: dict, deadline_at: float | None = None, on_text=None, cancelled=None) -> ChatResult:
         """Answer a prepared request (see `prepare`).
@@ -485,7 +503,8 @@ class ChatEngine:
         session, checkpoints = self.cache.take(prefix, keys)
         cached_tokens = session.num_tokens if session is not None else 0
         if session is None:
-            session = self.engine.session(system=job["system"], tools=job["tools"], capacity=self.context)
+            session = self.engine.session(system=job["system"], tools=job["tools"], capacity=self.context,
+                                          tool_prompt=job["tool_prompt"])
             checkpoints = [session.checkpoint()]
         try:
             for m in job["messages"][len(checkpoints) - 1:]:  # one at a time: a checkpoint after each
@@ -513,7 +532,7 @@ class ChatEngine:
             d = session.decide(tool_choice=job["choice"] if job["schema"] is None else "none", deadline_at=deadline_at,
                                max_tokens=job["max_tokens"], parallel=job["parallel"], response_format=job["schema"],
                                temperature=job["temperature"], top_p=job["top_p"], seed=job["seed"],
-                               on_text=text_piece, abort=abort)
+                               on_text=text_piece, abort=abort, auto_threshold=job["auto_threshold"])
         except SessionAborted as exc:  # rolled back to before the answer: kept warm
             self.cache.put(prefix, keys, checkpoints, session)
             return self.stopped(job, deadline_at, f"decode stopped: {exc}", t0, cached_tokens)

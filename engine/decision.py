@@ -7,9 +7,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from .grammar import SMOLLM2, CallFormat, parse_tool_calls
+from .grammar import SMOLLM2, CallFormat, complete_tool_calls, format_tool_calls, parse_tool_calls
 
-__all__ = ["Decision", "Segment", "Checkpoint", "SessionArgumentError", "settle", "finite_arg", "positive_int_arg",
+__all__ = ["Decision", "Segment", "Checkpoint", "SessionArgumentError", "settle", "keep_complete_calls", "finite_arg", "positive_int_arg",
            "sampling_args"]
 
 
@@ -48,7 +48,8 @@ class Decision:
     """Result of `Session.decide()`.
 
     Attributes:
-        status: "ok" (valid tool call(s), in time), "deadline_missed", "invalid" (the budget of
+        status: "ok" (valid tool call(s), in time; `reason` "max_tokens" when they are the complete
+            calls of a list cut there, see `keep_complete_calls`), "deadline_missed", "invalid" (the budget of
             tokens ran out inside a call, or the grammar failed), or "text" (tool_choice "auto" or
             "none", or a response format: the model answered in text; `reason` is "max_tokens"
             when the text was cut there, else empty).
@@ -72,6 +73,8 @@ class Decision:
         draft_sources: {"canonical" | "lookup" | "model": [proposed, accepted]} per drafter.
         drafted_ahead: decode steps whose chain was drafted during the previous step's forward
             (pipelined drafting, `tokenspeed.decode`): the guess it assumed came true.
+        p_call: tool_choice "auto": the probability mass the model put on opening a call at the
+            answer's first position (`tokenspeed.auto`); None otherwise.
         kv: KV tiering metrics since the previous decision (pruned sessions only, else None):
             see `tokenspeed.kv.TieredKVCache.take_metrics`.
     """
@@ -92,6 +95,7 @@ class Decision:
     accepted_tokens: int = 0
     draft_sources: dict = field(default_factory=dict)
     drafted_ahead: int = 0
+    p_call: float | None = None
     kv: dict | None = None
 
     @property
@@ -100,10 +104,11 @@ class Decision:
 
     @property
     def finish_reason(self) -> str:
-        """OpenAI's finish_reason: "tool_calls", "stop", "length" (max_tokens), or TokenSpeed's
-        "deadline" (deadline_missed) and "invalid" (no valid call: see `reason`)."""
+        """OpenAI's finish_reason: "tool_calls", "stop", "length" (max_tokens: a text, or the
+        complete calls of a call list cut there), or TokenSpeed's "deadline" (deadline_missed) and
+        "invalid" (no valid call: see `reason`)."""
         if self.status == "ok":
-            return "tool_calls"
+            return "length" if self.reason == "max_tokens" else "tool_calls"
         if self.status == "text":
             return "length" if self.reason == "max_tokens" else "stop"
         return "deadline" if self.status == "deadline_missed" else "invalid"
@@ -182,3 +187,28 @@ def settle(d: Decision, matcher, is_text: bool, n_out: int, max_tokens: int, dea
             d.status, d.tool_calls, d.tool_call = "ok", calls, calls[0]
         else:
             d.reason = f"output is not a tool call: {d.text[:80]!r}"
+
+
+def keep_complete_calls(d: Decision, n_out: int, max_tokens: int, fmt: CallFormat = SMOLLM2) -> bool:
+    """Runaway guard of an answer that may hold several calls: keep its complete, distinct calls.
+
+    A call list that ended where a call repeated an earlier one (the decode loop stops there:
+    `Session._repeat_guard`; or the list closed after one) becomes the calls before the first
+    repeat, status "ok"; one cut at `max_tokens` becomes its complete calls so far, status "ok"
+    with reason "max_tokens" (finish "length"). `d.text` is then those calls as the grammar writes
+    them in `fmt`. Anything else is left as it is.
+
+    Returns:
+        whether `d` was changed (its text is no longer the decoded tokens).
+    """
+    cut = d.status == "invalid" and n_out >= max_tokens
+    if not (d.status == "ok" or cut or (d.status == "invalid" and not d.reason)):
+        return False
+    calls = complete_tool_calls(d.text, fmt)
+    distinct = next((calls[:i] for i in range(1, len(calls)) if calls[i] in calls[:i]), calls)
+    if not distinct or (d.status == "ok" and len(distinct) == len(calls)):
+        return False
+    d.status, d.tool_calls, d.tool_call = "ok", distinct, distinct[0]
+    d.reason = "max_tokens" if cut and len(distinct) == len(calls) else ""
+    d.text = format_tool_calls(distinct, fmt)
+    return True

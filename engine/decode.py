@@ -158,7 +158,8 @@ class DecodeStats:
     Attributes: ttft_s (start -> first chosen token, seconds), itl_s (seconds per token, amortised
     over a step's tokens), forwards, forced_tokens, generated_tokens, draft_tokens,
     accepted_tokens, draft_sources ({source: [proposed, accepted]}), drafted_ahead (steps whose
-    chain was drafted during the previous step's forward), deadline_missed (bool), reason (why the
+    chain was drafted during the previous step's forward), p_call (tool_choice "auto": the first
+    position's p(call), `AutoRule.apply`; else None), deadline_missed (bool), reason (why the
     answer ended early, or "").
     """
 
@@ -171,6 +172,7 @@ class DecodeStats:
     accepted_tokens: int = 0
     draft_sources: dict = field(default_factory=dict)
     drafted_ahead: int = 0
+    p_call: float | None = None
     deadline_missed: bool = False
     reason: str = ""
 
@@ -184,7 +186,7 @@ class DecodeStats:
 def decode(target: Target, speculator: Speculator, feed: list[int], *, tok=None, matcher=None,
            jump_forward: bool = True, max_tokens: int = 256, deadline_at: float | None = None,
            temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
-           t0: float | None = None, on_token=None) -> tuple[list[int], list[int], DecodeStats]:
+           t0: float | None = None, on_token=None, auto=None) -> tuple[list[int], list[int], DecodeStats]:
     """Decode one answer: speculative when `speculator` has drafters, plain otherwise.
 
     Args:
@@ -199,6 +201,8 @@ def decode(target: Target, speculator: Speculator, feed: list[int], *, tok=None,
         temperature, top_p, generator: sampling (temperature 0: greedy).
         t0: `time.perf_counter()` at the call's start (for ttft_s).
         on_token: callback(list[int]) receiving the output ids after each step; True ends the answer.
+        auto: the `tokenspeed.auto.AutoRule` that settles call or text at the first position
+            (tool_choice "auto"; that step drafts nothing), or None.
     Returns:
         (out, feed, stats): the output ids (stop token excluded), the last chosen token(s) not yet
         in the KV cache, and the counters.
@@ -215,13 +219,14 @@ def decode(target: Target, speculator: Speculator, feed: list[int], *, tok=None,
     while True:
         if matcher is not None:
             if jump_forward:
-                feed = feed + _jump_forward(matcher, out, stats)
+                feed = feed + _jump_forward(matcher, out, stats, max_tokens)
             if matcher.is_stopped():
                 break
         if _ends_before_step(stats, len(out), deadline_at, max_tokens):
             break
         feed, stop, emitted, now, ahead = _step(target, speculator, feed, out, stats, copying, matcher, jump_forward,
-                                                max_tokens, temperature, top_p, generator, stop_ids, ahead)
+                                                max_tokens, temperature, top_p, generator, stop_ids, ahead,
+                                                auto if stats.forwards == 0 else None)
         if emitted:
             if t_last is None:
                 stats.ttft_s = now - t0
@@ -252,9 +257,10 @@ def _copy_helpers(context: np.ndarray, speculator: Speculator, tok, matcher, sto
     return source, match, forced_text
 
 
-def _jump_forward(matcher, out: list[int], stats: DecodeStats) -> list[int]:
-    """Consume the tokens the grammar forces now; they join the output and the next feed."""
-    forced = matcher.compute_ff_tokens()
+def _jump_forward(matcher, out: list[int], stats: DecodeStats, max_tokens: int) -> list[int]:
+    """Consume the tokens the grammar forces now, as many as `max_tokens` leaves room for; they
+    join the output and the next feed."""
+    forced = matcher.compute_ff_tokens()[:max(max_tokens - len(out), 0)]
     if forced and matcher.consume_tokens(forced):
         out.extend(forced)
         stats.forced_tokens += len(forced)
@@ -286,10 +292,11 @@ class _Ahead:
 
 def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], stats: DecodeStats, copying,
           matcher, jump_forward: bool, max_tokens: int, temperature: float, top_p: float, generator,
-          stop_ids: set[int], ahead: _Ahead | None) -> tuple[list[int], bool, int, float, _Ahead | None]:
+          stop_ids: set[int], ahead: _Ahead | None, auto=None) -> tuple[list[int], bool, int, float, _Ahead | None]:
     """Draft (or take the chain drafted ahead), verify in one forward, accept; returns (next feed,
     stop, tokens emitted, the `time.perf_counter()` when they were chosen, the next step's chain
-    drafted during this forward or None)."""
+    drafted during this forward or None). With `auto` (an `AutoRule`) nothing is drafted and the
+    rule settles the first token's branch."""
     source, match, forced_text = copying
     t_draft = time.perf_counter()
     allowed = target.mask.allowed if matcher is not None else None
@@ -299,8 +306,9 @@ def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], sta
         chain, sources, qs, confs = ahead.chain
         stats.drafted_ahead += 1
     else:
-        chain, sources, qs, confs = spec.chain(context, spec.max_k, matcher, allowed, jump_forward, budget,
-                                               temperature, generator, source, len(feed), match, forced_text)
+        chain, sources, qs, confs = spec.chain(context, 0 if auto is not None else spec.max_k, matcher, allowed,
+                                               jump_forward, budget, temperature, generator, source, len(feed), match,
+                                               forced_text)
     t_draft = time.perf_counter() - t_draft
     if len(feed) + len(chain) > MAX_VERIFY:  # keep the verified rows in one forward
         target.forward(feed[:-1], "none")
@@ -333,6 +341,11 @@ def _step(target: Target, spec: Speculator, feed: list[int], out: list[int], sta
                                                                        host)  # logits [len(choose), V]
     # logits projected on the allowed ids only are already masked (-inf elsewhere)
     drafts = [(chain[r], qs[r]) if r < len(chain) else (None, None) for r in choose]
+    if auto is not None:  # one row: grammar-masked here, then the rule keeps one branch
+        if masks is not None and head_rows is None:
+            target.mask.apply(logits, masks, select)
+        masks = None
+        stats.p_call = auto.apply(logits)
     picks = _choices(logits, masks if head_rows is None else None, select, target.mask, drafts, temperature, top_p,
                      generator, len(ids))
     # The forward's time: start to choice, less the host work that ran after it (not overlapped).

@@ -9,6 +9,7 @@ import time
 import torch
 
 from .device import host_worker, resolve_device, resolve_dtype, resolve_pipeline
+from .auto import stored_thresholds
 from .grammar import DEFAULT_TOOL_PROMPT, ToolGrammar, call_format_for, normalize_tools
 from .kv import KVConfig
 from .model import ModelArgs, Transformer
@@ -110,6 +111,11 @@ class Engine:
             before creating sessions.
         host_worker: the thread on which a pipelined CPU engine's host work runs beside each
             decode forward (`tokenspeed.device.host_worker`), or None.
+        folder: the model's files (its converted folder for a GGUF), or None (built in memory).
+        auto_threshold: {tool prompt: threshold}: tool_choice "auto" calls when p(call) at the
+            answer's first position reaches the threshold of the session's tool-listing prompt
+            (`tokenspeed.auto`): the model's calibration, read by `load`; none for the prompt:
+            the plain masked argmax. Settable; a request may override it.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, source: str, load_s: float = 0.0,
@@ -133,6 +139,8 @@ class Engine:
         self.call_format = call_format_for(tokenizer.chat_template)  # the family's tool-call format
         self.load_stages.done("grammar tokenizer")
         self._grammars: dict[tuple, ToolGrammar] = {}
+        self.folder = None  # set by `load`
+        self.auto_threshold: dict[str, float] = {}  # `load` reads the model's calibration (`tokenspeed.auto`)
         self.speculation = SpecConfig.default(self.model)
         self.load_stages.done("draft model")
 
@@ -262,8 +270,11 @@ class Engine:
             if on_cpu and fmt in MODES:
                 save_quantized(net, files, fmt)
                 stages.done("quantized cache written")
-        return cls(net, tok, source=model or "embedded", load_s=time.perf_counter() - t0, weights=fmt,
-                   weight_choice=choice, load_stages=stages, pipeline=pipeline)
+        engine = cls(net, tok, source=model or "embedded", load_s=time.perf_counter() - t0, weights=fmt,
+                     weight_choice=choice, load_stages=stages, pipeline=pipeline)
+        engine.folder = files.folder
+        engine.auto_threshold = {} if model == "tiny-random" else stored_thresholds(files.folder)
+        return engine
 
     def session(self, system: str | None = None, tools=None, capacity: int | None = None,
                 kv_budget: "int | KVConfig | None" = None, tool_prompt: str = DEFAULT_TOOL_PROMPT) -> "Session":

@@ -24,10 +24,12 @@ import torch
 from .schema import JSON_STYLE, Prepared, ToolSchemaError, compile_check, prepare
 
 __all__ = ["ToolSchemaError", "normalize_tools", "tools_system_prompt", "TOOL_PROMPTS", "DEFAULT_TOOL_PROMPT",
+           "AUTO_TOOL_PROMPT",
            "call_schema", "ToolGrammar", "parse_tool_calls", "parse_tool_call", "format_tool_calls", "CallFormat",
-           "CALL_FORMATS", "SMOLLM2", "call_format_for"]
+           "CALL_FORMATS", "SMOLLM2", "call_format_for", "MAX_CALLS", "complete_tool_calls"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+MAX_CALLS = 8  # calls one answer may hold with parallel calls (the grammar's cap; without them: 1)
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,10 @@ TOOL_PROMPTS = {
               {"name": "tool_name", "arguments": {"arg": "value"}}),
 }
 DEFAULT_TOOL_PROMPT = "short"
+# The listing chat requests with tool_choice "auto" get (`tokenspeed.chat`; serve, LangChain):
+# SmolLM2-135M tells "a tool applies" from "none does" better with its own prompt (`tokenspeed
+# bench auto --tool-prompt`). Decisions (required, named) keep the short one.
+AUTO_TOOL_PROMPT = "smollm2"
 
 
 def tools_system_prompt(system: str | None, tools: list[dict], style: str = DEFAULT_TOOL_PROMPT,
@@ -214,25 +220,38 @@ def parse_tool_calls(text: str, fmt: CallFormat = SMOLLM2) -> list[dict] | None:
     text = text.strip()
     if not (text.startswith(fmt.open) and text.endswith(fmt.close)) or len(text) < len(fmt.open + fmt.close):
         return None
-    inner, pos, calls = text[len(fmt.open):len(text) - len(fmt.close)], 0, []
-    decoder = json.JSONDecoder()
-    while True:
-        if not inner.startswith(fmt.call_open, pos):
-            return None
+    inner = text[len(fmt.open):len(text) - len(fmt.close)]
+    calls, pos = _scan_calls(inner, fmt)
+    return calls if calls and pos == len(inner) else None
+
+
+def complete_tool_calls(text: str, fmt: CallFormat = SMOLLM2) -> list[dict]:
+    """The calls of `fmt` written completely in `text`, the start of an answer that may have been
+    cut anywhere (e.g. at max_tokens): [{"name", "arguments": dict}], [] when there is none."""
+    text = text.lstrip()
+    if not text.startswith(fmt.open):
+        return []
+    return _scan_calls(text[len(fmt.open):], fmt)[0]
+
+
+def _scan_calls(inner: str, fmt: CallFormat) -> tuple[list[dict], int]:
+    # (the calls written completely at the start of `inner`, the text between `fmt.open` and
+    # `fmt.close`; the offset where the scan stopped: after the last call, or where one is malformed)
+    calls, pos, decoder = [], 0, json.JSONDecoder()
+    while inner.startswith(fmt.call_open, pos):
         try:
-            call, pos = decoder.raw_decode(inner, pos + len(fmt.call_open))
+            call, end = decoder.raw_decode(inner, pos + len(fmt.call_open))
         except json.JSONDecodeError:
-            return None
-        if not inner.startswith(fmt.call_close, pos):
-            return None
-        pos += len(fmt.call_close)
-        if not (isinstance(call, dict) and isinstance(call.get(fmt.args_key), dict)):
-            return None
+            break
+        if not (inner.startswith(fmt.call_close, end) and isinstance(call, dict)
+                and isinstance(call.get(fmt.args_key), dict)):
+            break
+        pos = end + len(fmt.call_close)
         calls.append({"name": call.get("name"), "arguments": call[fmt.args_key]})
-        if pos == len(inner) or not fmt.parallel or not inner.startswith(fmt.sep, pos):
+        if not fmt.parallel or not inner.startswith(fmt.sep, pos) or pos == len(inner):
             break
         pos += len(fmt.sep)
-    return calls if pos == len(inner) else None
+    return calls, pos
 
 
 def parse_tool_call(text: str, fmt: CallFormat = SMOLLM2) -> dict | None:
@@ -282,12 +301,15 @@ class ToolGrammar:
     Attributes:
         mode: "required" (call(s) only), "auto" (call(s) or free text; the first token settles
             which: text may not start with "<"), or "json" (one JSON value of a response schema).
+        call_start: "auto" only: [vocab] bool (host), the ids that open a call (the first mask of
+            the same grammar without its text branch), for `tokenspeed.auto.AutoRule`; else None.
     """
 
     grammar: str
     ll_tokenizer: object
     vocab_size: int
     mode: str = "required"
+    call_start: torch.Tensor | None = None
 
     @classmethod
     def build(cls, ll_tokenizer, vocab_size: int, tools: list[dict], tool_choice="required",
@@ -299,8 +321,8 @@ class ToolGrammar:
         OpenAI's allowed-tools form {"type": "allowed_tools", "allowed_tools": {"mode":
         "required" | "auto", "tools": [{"type": "function", "function": {"name": ...}}, ...]}}
         (a call to one of those tools, e.g. the tools whose preconditions hold now).
-        parallel: the answer may hold several calls (`<tool_call>[{...}, {...}]</tool_call>`) where
-            the format has them (`CallFormat.parallel`; Llama 3.x: one call).
+        parallel: the answer may hold several calls (`<tool_call>[{...}, {...}]</tool_call>`), at
+            most `MAX_CALLS`, where the format has them (`CallFormat.parallel`; Llama 3.x: one call).
         fmt: the family's call format (`call_format_for`); a marker of `fmt.tags` that is one
             special/added token of the vocabulary is matched as that token (llguidance lexes
             special tokens apart from text, so the literal would never match it).
@@ -333,12 +355,18 @@ class ToolGrammar:
             return " ".join(parts)
 
         one = " ".join(filter(None, [lit(fmt.call_open), "item", lit(fmt.call_close)]))
-        body = f"body: one ({lit(fmt.sep)} one)*\n" if parallel and fmt.parallel else "body: one\n"
+        body = f"body: one ({lit(fmt.sep)} one){{0,{MAX_CALLS - 1}}}\n" if parallel and fmt.parallel else "body: one\n"
         call = " ".join(filter(None, [lit(fmt.open), "body", lit(fmt.close)]))
         lark = f"call: {call}\n{body}one: {one}\nitem: %json {json.dumps(schema)}\n"
+        call_only = _compile_lark("start: call\n" + lark, ll_tokenizer, "tool-call grammar")
+        if mode != "auto":
+            return cls(call_only, ll_tokenizer, vocab_size, mode)
+        import llguidance
+
+        call_start = TokenMask(vocab_size).allowed(llguidance.LLMatcher(ll_tokenizer, call_only, log_level=0)).clone()
         text = f"text: /[^{re.escape(fmt.first)}\\x00][^\\x00]*/\n"
-        lark = (f"start: call | text\n{text}" if mode == "auto" else "start: call\n") + lark
-        return cls(_compile_lark(lark, ll_tokenizer, "tool-call grammar"), ll_tokenizer, vocab_size, mode)
+        return cls(_compile_lark(f"start: call | text\n{text}" + lark, ll_tokenizer, "tool-call grammar"), ll_tokenizer,
+                   vocab_size, mode, call_start)
 
     @classmethod
     def json_response(cls, ll_tokenizer, vocab_size: int, schema: dict) -> "ToolGrammar":

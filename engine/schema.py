@@ -10,6 +10,13 @@ is silently widened. Objects that list `properties` and say nothing of `addition
 get `additionalProperties: false` (OpenAI's strict mode does the same): a narrowing, never a
 widening.
 
+Values a schema leaves unbounded are bounded here, so that no answer can run on inside one value
+(a small model may repeat a string, an array item or a digit until `max_tokens`): a number gets
+`minimum`/`maximum` of -/+`NUMBER_LIMIT` where the schema gives none (at most 15 integer digits),
+a non-integer number `multipleOf` `NUMBER_STEP` where it gives none (at most 6 decimals), a string
+`maxLength` `MAX_STRING_LENGTH` and an array `maxItems` `MAX_ARRAY_ITEMS` where it gives none;
+enum/const values are left as they are. Narrowings, never widenings.
+
 Source: JSON Schema 2020-12 (`$ref`, `$defs`), OpenAPI 3.0 (`nullable`), llguidance's JSON
 schema support (guidance-ai/llguidance, docs/json_schema.md).
 """
@@ -18,11 +25,17 @@ from __future__ import annotations
 import copy
 import json
 
-__all__ = ["ToolSchemaError", "Prepared", "prepare", "compile_check"]
+__all__ = ["ToolSchemaError", "Prepared", "prepare", "compile_check", "NUMBER_LIMIT", "NUMBER_STEP",
+           "MAX_STRING_LENGTH", "MAX_ARRAY_ITEMS"]
 
 # JSON formatting the model sees in the prompt and must produce: ", " and ": " separators.
 JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 _DEF_KEYS = ("$defs", "definitions")
+# Bounds given to values a schema leaves unbounded (`_bound`): no value can run to max_tokens.
+NUMBER_LIMIT = 10 ** 15 - 1   # |number| at most this: 15 integer digits
+NUMBER_STEP = 1e-6            # a non-integer number is a multiple of this: at most 6 decimals
+MAX_STRING_LENGTH = 256       # characters of a string without maxLength
+MAX_ARRAY_ITEMS = 16          # items of an array without maxItems
 # Sub-schema positions walked when rewriting and when locating an error: (keyword, kind).
 _MAP_KEYS = ("properties", "$defs", "definitions", "patternProperties")
 _LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -95,6 +108,7 @@ def prepare(schema: dict, prefix: str, where: str) -> Prepared:
         if isinstance(node.get("$ref"), str):
             node["$ref"] = ref(node["$ref"], path)
         _check_enum(node, path, where)
+        _bound(node)
         if "properties" in node and "additionalProperties" not in node:
             node["additionalProperties"] = False
         for key in _MAP_KEYS:
@@ -116,6 +130,32 @@ def prepare(schema: dict, prefix: str, where: str) -> Prepared:
         defs[root_key] = schema
         schema = {"$ref": f"#/$defs/{root_key}"}
     return Prepared(schema, defs)
+
+
+def _bound(node: dict) -> None:
+    # The caps of the module docstring, on a node that declares its type(s) and no enum/const.
+    kinds = node.get("type")
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
+    if not kinds or "enum" in node or "const" in node:
+        return
+    if kinds & {"number", "integer"}:
+        low = _number(node.get("minimum", node.get("exclusiveMinimum")))
+        high = _number(node.get("maximum", node.get("exclusiveMaximum")))
+        if low is None and "minimum" not in node and "exclusiveMinimum" not in node:
+            node["minimum"] = low = min(-NUMBER_LIMIT, high if high is not None else 0)
+        if high is None and "maximum" not in node and "exclusiveMaximum" not in node:
+            node["maximum"] = max(NUMBER_LIMIT, low if low is not None else 0)
+        if "number" in kinds and "multipleOf" not in node:
+            node["multipleOf"] = NUMBER_STEP
+    if "string" in kinds and "maxLength" not in node:
+        node["maxLength"] = max(MAX_STRING_LENGTH, _number(node.get("minLength")) or 0)
+    if "array" in kinds and "maxItems" not in node:
+        node["maxItems"] = max(MAX_ARRAY_ITEMS, _number(node.get("minItems")) or 0)
+
+
+def _number(value):
+    # value when it is a number (not a bool), else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 _JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),

@@ -85,6 +85,9 @@ class ChatCompletionRequest(BaseModel):
         after the request arrives (queue wait included), as `Session.decide(deadline=)`; a late
         answer ends with finish_reason "length", no content, and the choice's
         `tokenspeed_finish` {"reason": "deadline", "detail": why}.
+    auto_threshold: TokenSpeed's extension: with tool_choice "auto", call when the model's
+        probability of opening a call at the answer's first position reaches this (in [0, 1]);
+        default: the model's calibration (`tokenspeed.auto`).
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -104,6 +107,7 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
     deadline_ms: float | None = Field(default=None, gt=0)
+    auto_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
 @dataclass(eq=False)

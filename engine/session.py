@@ -17,11 +17,12 @@ import time
 
 import torch
 
-from .decision import (Checkpoint, Decision, Segment, SessionArgumentError, finite_arg, positive_int_arg, sampling_args,
-                       settle)
+from .decision import (Checkpoint, Decision, Segment, SessionArgumentError, finite_arg, keep_complete_calls,
+                       positive_int_arg, sampling_args, settle)
+from .auto import AutoRule
 from .decode import NonFiniteLogitsError, Target, decode
 from .device import DecodeGraphs
-from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, tools_system_prompt
+from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, complete_tool_calls, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .prefix_cache import prefill_system
 from .speculation import Speculator
@@ -156,6 +157,7 @@ class Session:
         self.model = engine.model
         self.tok = engine.tokenizer
         self.tools = tools
+        self.tool_prompt = tool_prompt
         self._system_text = tools_system_prompt(system, tools, tool_prompt, engine.call_format)
         system_ids = self.tok.encode_chat([{"role": "system", "content": self._system_text}], [])
         if kv_budget is None:
@@ -345,7 +347,7 @@ class Session:
     def decide(self, tool_choice="required", deadline: float | None = None, deadline_at: float | None = None,
                max_tokens: int = 256, jump_forward: bool = True, parallel: bool = False,
                response_format: dict | None = None, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int | None = None, on_text=None, abort=None) -> Decision:
+               seed: int | None = None, on_text=None, abort=None, auto_threshold: float | None = None) -> Decision:
         """Produce schema-valid tool call(s), before a deadline or say why not; or a text answer.
 
         Greedy decoding (by default) under the tool-call grammar; jump-forward appends
@@ -355,7 +357,10 @@ class Session:
 
         Calls are written in the model family's own format (`Engine.call_format`). With
         tool_choice "auto" the first token settles call or text (a text answer may not start with
-        the call's first character, e.g. "<" of "<tool_call>"); a text answer comes back as status "text".
+        the call's first character, e.g. "<" of "<tool_call>"); a text answer comes back as status
+        "text". Which one: a call when the model's probability mass on the call's opening tokens at
+        that position, p(call) (`Decision.p_call`), reaches the model's calibrated threshold
+        (`Engine.auto_threshold`, `tokenspeed.auto`), else text.
 
         Args:
             tool_choice: "required", "auto" (call or text), "none" (text, no grammar), {"name":
@@ -373,6 +378,9 @@ class Session:
             abort: a callable () -> bool checked before the first forward and between decode
                 steps, or None: when it returns True the decision stops there, the session is
                 rolled back and `SessionAborted` is raised.
+            auto_threshold: tool_choice "auto" (also in allowed_tools) calls when p(call) >= this,
+                in [0, 1]; None: `Engine.auto_threshold`'s for this session's tool prompt (the
+                model's calibration; without one the first token is the plain masked argmax).
         Returns:
             a `Decision`. On "ok" and "text" the answer stays in the context as the assistant
             turn; otherwise the session is rolled back to its state before the call.
@@ -382,7 +390,7 @@ class Session:
             SessionArgumentError: deadline or deadline_at not a finite number (NaN would disable
                 the deadline), max_tokens not a positive integer, temperature negative or not
                 finite, top_p outside (0, 1], seed not None or an integer in [0, 2**64), on_text
-                or abort not callable.
+                or abort not callable, auto_threshold not None or a number in [0, 1].
             SessionAborted: abort() said so; the session is left as it was before the call.
             ValueError: the KV cache is full; the session is left as it was before the call.
         """
@@ -394,6 +402,9 @@ class Session:
         _seed_arg(seed)
         _callback_arg(on_text, "on_text")
         _callback_arg(abort, "abort")
+        auto_threshold = finite_arg(auto_threshold, "auto_threshold", " in [0, 1] or None")
+        if auto_threshold is not None and not 0 <= auto_threshold <= 1:
+            raise SessionArgumentError(f"auto_threshold must be a number in [0, 1] or None, got {auto_threshold!r}")
         if deadline is not None:
             deadline_at = time.monotonic() + deadline
         if response_format is not None:
@@ -410,10 +421,14 @@ class Session:
         gen = torch.Generator(self.engine.device).manual_seed(seed) if seed is not None else None
         stream = None if grammar is not None and grammar.mode == "required" else \
             self._text_stream(on_text, calls=grammar is not None and grammar.mode == "auto")
-        on_step = stream
-        if abort is not None:
+        fmt = self.engine.call_format
+        several = grammar is not None and grammar.mode != "json" and parallel and fmt.parallel
+        repeated = self._repeat_guard() if several else None
+        on_step = stream or repeated
+        if abort is not None or (stream is not None and repeated is not None):
             def on_step(out: list[int]) -> bool:  # between two decode steps: stop here when aborted
-                return bool(abort()) or (stream is not None and stream(out))
+                return (abort is not None and bool(abort())) or (stream is not None and stream(out)) or \
+                    (repeated is not None and repeated(out))
         try:
             if abort is not None and abort():
                 raise SessionAborted("aborted before the first forward")
@@ -421,7 +436,7 @@ class Session:
                 out, feed, stats = decode(self.target, self.speculator, prefill, tok=self.tok, matcher=matcher,
                                           jump_forward=jump_forward, max_tokens=max_tokens, deadline_at=deadline_at,
                                           t0=t0, temperature=temperature, top_p=top_p, generator=gen,
-                                          on_token=on_step)
+                                          on_token=on_step, auto=self._auto_rule(grammar, auto_threshold))
             if abort is not None and abort():
                 raise SessionAborted(f"aborted after {len(out)} answer tokens")
         except NonFiniteLogitsError as exc:  # never "ok" on garbage: the monitor's fallback applies
@@ -440,13 +455,17 @@ class Session:
             stream(out)  # grammar-forced tokens that closed the answer after the last step
         d.prefill_tokens = len(prefill)
         d.text = self.tok.decode(out)
-        fmt = self.engine.call_format
         is_text = is_text and (grammar is None or grammar.mode == "json"
                                or (grammar.mode == "auto" and d.text[:1] not in ("", fmt.first)))
         settle(d, matcher, is_text, len(out), max_tokens, deadline_at, fmt)
+        rewritten = several and keep_complete_calls(d, len(out), max_tokens, fmt)
         d.total_s = time.perf_counter() - t0
         d.kv = self.cache.take_metrics()
-        if d.status in ("ok", "text"):
+        if rewritten:  # the answer as returned (its complete, distinct calls) replaces what was decoded
+            self.rollback(cp)
+            self._append(trigger + self.tok.encode_text(d.text) + self.tok.encode(self.tok.assistant_suffix),
+                         "assistant")
+        elif d.status in ("ok", "text"):
             # The answer stays in the context; its unprocessed tail is prefilled with the next observe().
             end = self.tok.encode(self.tok.assistant_suffix)
             self.pending = feed + end
@@ -455,6 +474,24 @@ class Session:
         else:
             self.rollback(cp)
         return d
+
+    def _auto_rule(self, grammar, threshold: float | None) -> AutoRule | None:
+        # tool_choice "auto": the rule of its first position (`tokenspeed.auto`)
+        if grammar is None or grammar.call_start is None:
+            return None
+        threshold = threshold if threshold is not None else self.engine.auto_threshold.get(self.tool_prompt)
+        return AutoRule(grammar.call_start.to(self.engine.device), threshold)
+
+    def _repeat_guard(self):
+        # decode()'s on_token callback under parallel calls: True (end the answer) once the last
+        # complete call repeats an earlier one (a small model may repeat one call until max_tokens)
+        fmt = self.engine.call_format
+
+        def repeated(out: list[int]) -> bool:
+            calls = complete_tool_calls(self.tok.decode(out), fmt)
+            return len(calls) > 1 and calls[-1] in calls[:-1]
+
+        return repeated
 
     def _text_stream(self, on_text, calls: bool = False):
         # decode()'s on_token callback: new complete UTF-8 text of a text answer -> on_text(piece);

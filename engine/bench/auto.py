@@ -1,13 +1,16 @@
 """`tokenspeed bench auto`: does tool_choice="auto" call when a tool applies and answer in text
-when none does, per tool-listing prompt (`tokenspeed.grammar.TOOL_PROMPTS`)?
+when none does, and does any answer under "required" run to max_tokens?
 
-Data: the held-in BFCL simple_python cases (id % 5 != 0; the held-out fifth is kept for draft
-evaluation). "applies": the case's question with its own function. "none applies": the same
-question with the function of another case (a different name and purpose). Under "auto" the
-first answer token settles call or text (a call starts with "<"), so each case is one decision
-with max_tokens=1: a prefill of the prompt and one step. Because a small model rarely puts a call
-first, the probability of the call's first token at that step (unconstrained logits, one more
-prefill) is reported too: a finer signal of which prompt pulls the model towards calling.
+Data: the labelled set `tokenspeed.auto.LABELLED` (robot and market tools with questions where one
+applies and where none does, held-in BFCL cases with their own function, and no-tool questions
+with BFCL tools listed). Under "auto" the first answer token settles call or text, so each case is
+decided with max_tokens=1 twice on one prefill: "before" with the plain rule (threshold off: the
+masked argmax), "after" with the threshold (`--threshold`, else the model's calibration). The
+first decision also gives p(call) (`Decision.p_call`); `--calibrate` chooses the threshold from
+those (`tokenspeed.auto.calibrate`), stores it with the model's cached files and reports "after"
+as that threshold's comparison on them (the comparison `AutoRule` makes). `--required` also
+answers every case under tool_choice="required" (parallel calls allowed, max_tokens 256, the
+server's default) and counts the answers that ran to max_tokens.
 """
 from __future__ import annotations
 
@@ -18,83 +21,123 @@ import sys
 import time
 from pathlib import Path
 
+from ..grammar import DEFAULT_TOOL_PROMPT, TOOL_PROMPTS
+
 __all__ = ["run_auto", "add_parser"]
 
+REQUIRED_MAX_TOKENS = 256  # `tokenspeed serve`'s default max_tokens
 
-def run_auto(styles: list[str], n: int, bfcl: Path | None = None, threads: int | None = None,
-             quantize: str | None = "int4", model: str | None = None) -> dict:
-    """Call/text rates of tool_choice "auto" per tool-listing prompt style.
+
+def run_auto(threshold: float | None = None, calibrate: bool = False, required: bool = False,
+             bfcl: Path | None = None, threads: int | None = None, quantize: str | None = "int4",
+             model: str | None = None, limit: int | None = None, tool_prompt: str = DEFAULT_TOOL_PROMPT) -> dict:
+    """Call rates of tool_choice "auto" before (plain rule) and after (threshold) on the labelled set.
 
     Args:
-        styles: names from `tokenspeed.grammar.TOOL_PROMPTS`.
-        n: held-in cases used (the first n by id order); each is decided twice per style.
+        threshold: the threshold "after" uses (None: the model's calibration).
+        calibrate: choose the threshold on this run and store it (`tokenspeed.auto.store_threshold`).
+        required: also count the answers under "required" that run to max_tokens.
         bfcl: BFCL folder (default `tokenspeed.bfcl.bfcl_dir()`).
         threads, quantize, model: as for `Engine.load`.
+        limit: use the first `limit` cases of each label (None: all).
+        tool_prompt: how the tools are listed (`tokenspeed.grammar.TOOL_PROMPTS`).
     Returns:
-        {"cases": n, "model", "threads", "styles": {style: {"call_when_applies", "text_when_none"
-        (fractions in [0, 1]), "balanced" (their mean), "p_call_applies", "p_call_none" (mean
-        probability of the call's first token), "seconds"}}}.
+        {"model", "threads", "cases": {"call": n, "text": n}, "threshold", "calibrated" (bool),
+        "before"/"after": {"call_when_applies", "call_when_none"} (fractions), "p_call_applies",
+        "p_call_none" (medians), "by_source": {source: {"before", "after"} as above},
+        "runaway": {"count", "cases", "ids"} (with `required`), "seconds", "rows": per case
+        {"id", "label", "source", "p_call", "before", "after"}}.
     Raises:
-        ToolSchemaError: an unknown style; FileNotFoundError: no BFCL data.
+        ValueError: no threshold to compare against (no calibration and none given).
     """
     import torch
 
-    from ..bfcl import load_bfcl
-    from ..grammar import TOOL_PROMPTS, ToolSchemaError, format_tool_calls
+    from ..auto import calibrate as choose, labelled_cases, store_threshold
     from ..engine import Engine
 
-    unknown = [s for s in styles if s not in TOOL_PROMPTS]
-    if unknown:
-        raise ToolSchemaError(f"unknown tool prompt style(s) {unknown}; known: {sorted(TOOL_PROMPTS)}")
-    cases = load_bfcl("train", bfcl)[:n]
-    if len(cases) < 2:
-        raise ValueError(f"need at least 2 BFCL cases, got {len(cases)}")
+    cases = labelled_cases(bfcl)
+    if limit is not None:
+        cases = [c for c in cases if c["label"] == "call"][:limit] + [c for c in cases if c["label"] == "text"][:limit]
     engine = Engine.load(model, threads=threads, quantize=quantize)
-
-    tok = engine.tokenizer
-    call_start = tok.encode(format_tool_calls([{"name": "x", "arguments": {}}], engine.call_format))[0]
-
-    def decide(case: dict, tools: list[dict], style: str) -> tuple[bool, float]:
-        # (auto called, probability of the call's first token at the first step)
-        session = engine.session(tools=tools, tool_prompt=style)
+    threshold = threshold if threshold is not None else None if calibrate else engine.auto_threshold.get(tool_prompt)
+    if threshold is None and not calibrate:
+        raise ValueError(f"no auto threshold for this model and tool prompt {tool_prompt!r}: pass --threshold or "
+                         "--calibrate")
+    engine.auto_threshold = {}  # "before": the plain rule
+    t0 = time.perf_counter()
+    rows, runaway = [], []
+    for case in cases:
+        session = engine.session(tools=case["tools"], tool_prompt=tool_prompt)
         session.observe(case["messages"])
-        ids = session.tokens + session.pending + tok.encode(tok.assistant_prefix)
-        with torch.inference_mode():
-            logits = engine.model(torch.tensor(ids), torch.arange(len(ids)), engine.model.new_cache(len(ids)))
-        p = float(torch.softmax(logits[-1].float(), -1)[call_start])
-        return session.decide(tool_choice="auto", max_tokens=1).status != "text", p
+        cp = session.checkpoint()
+        d = session.decide(tool_choice="auto", max_tokens=1)
+        row = {"id": case["id"], "label": case["label"], "source": case["source"], "p_call": d.p_call,
+               "before": d.status != "text"}
+        if threshold is not None:
+            session.rollback(cp)
+            row["after"] = session.decide(tool_choice="auto", max_tokens=1, auto_threshold=threshold).status != "text"
+        if required:
+            session.rollback(cp)
+            d = session.decide(tool_choice="required", parallel=True, max_tokens=REQUIRED_MAX_TOKENS)
+            if d.generated_tokens + d.forced_tokens >= REQUIRED_MAX_TOKENS:
+                runaway.append(case["id"])
+        rows.append(row)
+    applies = [r for r in rows if r["label"] == "call"]
+    none = [r for r in rows if r["label"] == "text"]
+    if calibrate:
+        threshold = choose([r["p_call"] for r in applies], [r["p_call"] for r in none])
+        for r in rows:
+            r["after"] = r["p_call"] >= threshold
 
-    out = {"cases": len(cases), "model": engine.source, "threads": torch.get_num_threads(), "styles": {}}
-    for style in styles:
-        t0 = time.perf_counter()
-        applies = [decide(c, c["tools"], style) for c in cases]
-        # Another case's function: shift by half the set so neighbours (often similar) are not paired.
-        others = [cases[(i + len(cases) // 2) % len(cases)]["tools"] for i in range(len(cases))]
-        none = [decide(c, o, style) for c, o in zip(cases, others)]
-        a = sum(called for called, _ in applies) / len(cases)
-        b = sum(not called for called, _ in none) / len(cases)
-        out["styles"][style] = {"call_when_applies": a, "text_when_none": b, "balanced": (a + b) / 2,
-                                "p_call_applies": statistics.fmean(p for _, p in applies),
-                                "p_call_none": statistics.fmean(p for _, p in none),
-                                "seconds": time.perf_counter() - t0}
+    def rates(subset: list[dict], key: str) -> dict:
+        yes, no = [r for r in subset if r["label"] == "call"], [r for r in subset if r["label"] == "text"]
+        return {"call_when_applies": sum(r[key] for r in yes) / max(len(yes), 1),
+                "call_when_none": sum(r[key] for r in no) / max(len(no), 1)}
+
+    out = {"model": engine.source, "threads": torch.get_num_threads(),
+           "cases": {"call": len(applies), "text": len(none)}, "threshold": threshold, "calibrated": calibrate,
+           "before": rates(rows, "before"), "after": rates(rows, "after"),
+           "p_call_applies": statistics.median(r["p_call"] for r in applies),
+           "p_call_none": statistics.median(r["p_call"] for r in none),
+           "by_source": {s: {k: rates([r for r in rows if r["source"] == s], k) for k in ("before", "after")}
+                         for s in sorted({r["source"] for r in rows})},
+           "seconds": time.perf_counter() - t0, "rows": rows}
+    if required:
+        out["runaway"] = {"count": len(runaway), "cases": len(rows), "ids": runaway}
+    if calibrate and engine.folder is not None:
+        out["stored_in"] = str(store_threshold(engine.folder, tool_prompt, threshold, {
+            "cases": out["cases"], "after": out["after"], "p_call_applies": out["p_call_applies"],
+            "p_call_none": out["p_call_none"], "quantize": quantize}))
     return out
 
 
 def _cmd(args) -> int:
-    from ..grammar import ToolSchemaError
-
     try:
-        report = run_auto(args.styles.split(","), args.cases, Path(args.bfcl) if args.bfcl else None,
-                          args.threads, None if args.quantize == "none" else args.quantize, args.model)
-    except (ToolSchemaError, ValueError, FileNotFoundError) as exc:
+        report = run_auto(args.threshold, args.calibrate, args.required, Path(args.bfcl) if args.bfcl else None,
+                          args.threads, None if args.quantize == "none" else args.quantize, args.model, args.limit,
+                          args.tool_prompt)
+    except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"# {report['cases']} held-in BFCL cases, model {report['model']}, {report['threads']} threads")
-    print(f"{'tool prompt':<12} {'call|applies':>12} {'text|none':>10} {'balanced':>9} {'p(call)|applies':>16} "
-          f"{'p(call)|none':>13} {'s':>6}")
-    for style, r in report["styles"].items():
-        print(f"{style:<12} {r['call_when_applies']:>12.2f} {r['text_when_none']:>10.2f} {r['balanced']:>9.2f} "
-              f"{r['p_call_applies']:>16.4f} {r['p_call_none']:>13.4f} {r['seconds']:>6.0f}")
+    n = report["cases"]
+    print(f"# labelled set: {n['call']} where a tool applies, {n['text']} where none does; model {report['model']}, "
+          f"{report['threads']} threads; threshold {report['threshold']:.4f}"
+          f"{' (calibrated now)' if report['calibrated'] else ''}; median p(call) {report['p_call_applies']:.4f} "
+          f"(applies) / {report['p_call_none']:.4f} (none)")
+    print(f"{'rule':<28} {'call|applies':>12} {'call|none':>10}")
+    for key, name in (("before", "before (plain argmax)"), ("after", "after (p(call) >= threshold)")):
+        r = report[key]
+        print(f"{name:<28} {r['call_when_applies']:>12.2f} {r['call_when_none']:>10.2f}")
+    for source, r in report["by_source"].items():
+        print(f"  {source:<26} {r['before']['call_when_applies']:.2f}/{r['before']['call_when_none']:.2f} -> "
+              f"{r['after']['call_when_applies']:.2f}/{r['after']['call_when_none']:.2f}")
+    if "runaway" in report:
+        w = report["runaway"]
+        print(f"required, max_tokens {REQUIRED_MAX_TOKENS}: {w['count']} of {w['cases']} answers ran to max_tokens "
+              f"{w['ids']}")
+    if "stored_in" in report:
+        print(f"threshold stored in {report['stored_in']}")
+    print(f"{report['seconds']:.0f} s")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
@@ -102,12 +145,14 @@ def _cmd(args) -> int:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register `auto` on the `bench` subparsers."""
-    from ..grammar import TOOL_PROMPTS
-
-    p = sub.add_parser("auto", help="tool_choice=auto: call rate when a tool applies, text rate when none (BFCL)")
-    p.add_argument("--styles", default=",".join(TOOL_PROMPTS),
-                   help=f"comma-separated tool prompt styles (default: all of {','.join(TOOL_PROMPTS)})")
-    p.add_argument("--cases", type=int, default=60, help="held-in BFCL cases (default 60)")
+    p = sub.add_parser("auto", help="tool_choice=auto: call rate when a tool applies and when none does, "
+                                    "before/after the p(call) threshold (labelled set); --calibrate sets it")
+    p.add_argument("--threshold", type=float, default=None, help="threshold for 'after' (default: the model's calibration)")
+    p.add_argument("--calibrate", action="store_true", help="choose the threshold on the labelled set and store it")
+    p.add_argument("--required", action="store_true", help="also count answers under required that run to max_tokens")
+    p.add_argument("--tool-prompt", default=DEFAULT_TOOL_PROMPT, choices=sorted(TOOL_PROMPTS),
+                   help=f"how the tools are listed in the system prompt (default {DEFAULT_TOOL_PROMPT})")
+    p.add_argument("--limit", type=int, default=None, help="first N cases of each label (default: all)")
     p.add_argument("--bfcl", default=None, help="BFCL data folder (default: $TOKENSPEED_BFCL, then the copy shipped with tokenspeed)")
     p.add_argument("--model", default=None, help="a .gguf file or safetensors folder (default: embedded model)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

@@ -164,7 +164,7 @@ class ChatTokenSpeed(BaseChatModel):
                    "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
                    "stop": stop if stop is not None else self.stop}
         for key in ("tools", "tool_choice", "parallel_tool_calls", "response_format", "max_tokens", "temperature",
-                    "top_p", "seed"):
+                    "top_p", "seed", "auto_threshold"):
             if kwargs.get(key) is not None:
                 request[key] = kwargs[key]
         return self.chat.prepare(request)

@@ -235,16 +235,17 @@ def test_bench_kv_help_lists_its_subcommands(capsys):
     assert "needle" in out and "agreement" in out and "--budget" in out
 
 
-def test_bench_auto_reports_call_and_text_rates_per_tool_prompt(tmp_path):
+def test_bench_auto_reports_call_rates_before_and_after_and_runaways():
     from tokenspeed.bench.auto import run_auto
-    from tokenspeed.grammar import TOOL_PROMPTS, ToolSchemaError
 
-    report = run_auto(list(TOOL_PROMPTS), 2, model="tiny-random", quantize=None)  # shapes only: random weights
-    assert report["cases"] == 2 and set(report["styles"]) == set(TOOL_PROMPTS)
-    for r in report["styles"].values():
-        assert 0 <= r["call_when_applies"] <= 1 and 0 <= r["text_when_none"] <= 1 and 0 <= r["p_call_applies"] <= 1
-    with pytest.raises(ToolSchemaError, match="unknown tool prompt style"):
-        run_auto(["nope"], 2, model="tiny-random")
+    # shapes only: random weights
+    report = run_auto(0.5, required=True, model="tiny-random", quantize=None, limit=2)
+    assert report["cases"] == {"call": 2, "text": 2} and report["runaway"]["cases"] == 4
+    for key in ("before", "after"):
+        assert 0 <= report[key]["call_when_applies"] <= 1 and 0 <= report[key]["call_when_none"] <= 1
+    assert all(r["after"] == (r["p_call"] >= 0.5) for r in report["rows"])  # the rule, through decide()
+    with pytest.raises(ValueError, match="no auto threshold"):
+        run_auto(None, model="tiny-random", limit=1)
 
 
 def test_quick_prefill_bench_reports_every_cell_against_llama_cpp(tmp_path, capsys):

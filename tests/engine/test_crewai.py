@@ -12,18 +12,20 @@ pytest.importorskip("crewai")
 pytestmark = pytest.mark.slow
 
 
-def _answered(base_url: str) -> float:
-    # chat completions the server has answered, any finish reason
+def _answered(base_url: str, finish_reason: str = "") -> float:
+    # chat completions the server has answered (with that finish reason, or any)
     return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{base_url}/metrics").text.splitlines()
-               if line.startswith("tokenspeed_requests_total{"))
+               if line.startswith(f'tokenspeed_requests_total{{finish_reason="{finish_reason}'))
 
 
 def test_crewai_agent_with_a_tool_runs_against_tokenspeed_serve(base_url, monkeypatch):
     monkeypatch.setenv("CREWAI_DISABLE_TELEMETRY", "true")
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     monkeypatch.setenv("CREWAI_TRACING_ENABLED", "false")
-    before = _answered(base_url)
+    before, calls_before = _answered(base_url), _answered(base_url, "tool_calls")
     scope: dict = {}
     exec(readme_example("crewai").replace("http://127.0.0.1:8000", base_url), scope)
     assert scope["result"].raw.strip()  # the agent's final answer came back through the server
     assert _answered(base_url) > before
+    # CrewAI sends its tools with tool_choice="auto": the agent used its tool through it
+    assert _answered(base_url, "tool_calls") > calls_before

@@ -71,14 +71,16 @@ def test_tool_choice_none_and_auto_answer_in_text_or_calls(client):
                                        max_tokens=24)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
     assert r.choices[0].finish_reason in ("stop", "length")
+    # auto: a tool applies, and the model's p(call) reaches its calibrated threshold (tokenspeed.auto)
     r = client.chat.completions.create(model="tokenspeed", messages=PICK, tools=TOOLS, tool_choice="auto",
-                                       max_tokens=8)
+                                       max_tokens=64)
     msg = r.choices[0].message
-    if msg.tool_calls:  # either is right for auto; a text answer cut at max_tokens is "length", never invalid
-        assert r.choices[0].finish_reason == "tool_calls"
-        _validate(msg.tool_calls[0])
-    else:
-        assert msg.content and r.choices[0].finish_reason in ("stop", "length")
+    assert msg.tool_calls and r.choices[0].finish_reason == "tool_calls"
+    _validate(msg.tool_calls[0])
+    # a threshold above any p(call) (the request's extra field) answers in text; cut at max_tokens: "length"
+    r = client.chat.completions.create(model="tokenspeed", messages=PICK, tools=TOOLS, tool_choice="auto",
+                                       max_tokens=8, extra_body={"auto_threshold": 1.0})
+    assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
 
 
 def test_streaming_reassembles_into_the_non_streaming_answer(client):

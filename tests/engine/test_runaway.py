@@ -1,0 +1,111 @@
+"""Runaway guards: no answer runs on to max_tokens inside a value or by repeating a call, and an
+answer never takes more than max_tokens.
+
+The patterns are the ones `tool_choice="required"` showed on public function-calling prompts
+(issue 27): one call repeated inside the call list, an endless number (`1000000000...`), a string
+repeated until the limit. A tiny random-weight model makes arbitrary choices, so only the grammar's
+bounds can end its values.
+"""
+import pytest
+
+from tokenspeed.chat import finish
+from tokenspeed.decision import Decision, keep_complete_calls
+from tokenspeed.grammar import MAX_CALLS, complete_tool_calls, format_tool_calls, parse_tool_calls
+from tokenspeed.schema import MAX_ARRAY_ITEMS, MAX_STRING_LENGTH, NUMBER_LIMIT, NUMBER_STEP, prepare
+
+
+def _tool(name: str, properties: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": "", "parameters": {
+        "type": "object", "properties": properties, "required": list(properties)}}}
+
+
+def test_unbounded_values_get_the_documented_caps():
+    schema = prepare({"type": "object", "properties": {
+        "n": {"type": "integer"}, "x": {"type": "number", "minimum": 0.5}, "big": {"type": "integer", "minimum": 10 ** 17},
+        "s": {"type": "string"}, "long": {"type": "string", "minLength": 300}, "a": {"type": "array"},
+        "e": {"type": "string", "enum": ["a", "b"]}, "own": {"type": "string", "maxLength": 3}}}, "", "t").schema
+    p = schema["properties"]
+    assert p["n"] == {"type": "integer", "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT}
+    assert p["x"] == {"type": "number", "minimum": 0.5, "maximum": NUMBER_LIMIT, "multipleOf": NUMBER_STEP}
+    assert p["big"]["maximum"] == 10 ** 17  # never a range that nothing satisfies
+    assert p["s"]["maxLength"] == MAX_STRING_LENGTH and p["long"]["maxLength"] == 300
+    assert p["a"]["maxItems"] == MAX_ARRAY_ITEMS
+    assert p["e"] == {"type": "string", "enum": ["a", "b"]} and p["own"]["maxLength"] == 3
+
+
+def test_endless_numbers_and_strings_end_inside_their_bounds(tiny_engine):
+    tools = [_tool("f", {"n": {"type": "integer"}, "x": {"type": "number"}, "s": {"type": "string"},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 2}}})]
+    for i in range(3):
+        s = tiny_engine.session(tools=tools)
+        s.observe(f"go {i}")
+        d = s.decide(max_tokens=600)
+        assert d.status == "ok", d.reason
+        args = d.tool_call["arguments"]
+        assert abs(args["n"]) <= NUMBER_LIMIT and abs(args["x"]) <= NUMBER_LIMIT
+        assert len(args["s"]) <= MAX_STRING_LENGTH and len(args["tags"]) <= MAX_ARRAY_ITEMS
+        assert d.generated_tokens + d.forced_tokens < 600
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_completion_tokens_never_exceed_max_tokens(tiny_engine, robot_tools, parallel):
+    # jump-forward appends forced runs (`"}}]</tool_call>`): they count, and stop at the limit too
+    for max_tokens in range(1, 40, 2):
+        s = tiny_engine.session(tools=robot_tools)
+        s.observe("Pick up the red cube.")
+        d = s.decide(max_tokens=max_tokens, parallel=parallel)
+        assert d.generated_tokens + d.forced_tokens <= max_tokens, (max_tokens, d.status, d.text)
+
+
+def test_parallel_calls_are_capped(tiny_engine):
+    grammar = tiny_engine.grammar([_tool("beep", {})], "required", parallel=True)
+    m = grammar.matcher()
+    one = '{"name": "beep", "arguments": {}}'
+    text = "<tool_call>[" + ", ".join([one] * MAX_CALLS)
+    assert m.consume_tokens(tiny_engine.ll_tokenizer.tokenize_str(text))
+    assert not m.consume_tokens(tiny_engine.ll_tokenizer.tokenize_str(", "))  # no call past the cap
+
+
+CALL = {"name": "move", "arguments": {"x": 1}}
+OTHER = {"name": "move", "arguments": {"x": 2}}
+
+
+def test_complete_tool_calls_of_a_cut_answer():
+    text = format_tool_calls([CALL, OTHER])
+    assert complete_tool_calls(text) == [CALL, OTHER] == parse_tool_calls(text)
+    assert complete_tool_calls(text[:-len("}]</tool_call>")]) == [CALL]
+    assert complete_tool_calls('<tool_call>[{"name": "mo') == [] == complete_tool_calls("plain text")
+
+
+def test_a_repeated_call_ends_the_answer_with_the_calls_before_it():
+    d = Decision(status="invalid", text=format_tool_calls([CALL, OTHER, CALL])[:-2])  # stopped at the repeat
+    assert keep_complete_calls(d, 40, 256)
+    assert d.status == "ok" and d.tool_calls == [CALL, OTHER] and d.text == format_tool_calls([CALL, OTHER])
+    assert finish(d, 40, 256)[0] == "tool_calls"
+    d = Decision(status="ok", text=format_tool_calls([CALL, CALL]))  # closed after the repeat
+    assert keep_complete_calls(d, 30, 256) and d.tool_calls == [CALL]
+
+
+def test_a_call_list_cut_at_max_tokens_returns_its_complete_calls_as_length():
+    d = Decision(status="invalid", reason="no complete call within max_tokens=30",
+                 text=format_tool_calls([CALL, OTHER])[:-len("}}]</tool_call>")])
+    assert keep_complete_calls(d, 30, 30)
+    assert d.status == "ok" and d.tool_calls == [CALL] and d.reason == "max_tokens"
+    assert d.finish_reason == "length" and finish(d, 30, 30) == ("length", {
+        "reason": "max_tokens", "detail": "the call list was cut at max_tokens"})
+    d = Decision(status="invalid", reason="no complete call within max_tokens=5", text='<tool_call>[{"na')
+    assert not keep_complete_calls(d, 5, 5) and d.status == "invalid"  # nothing complete: no call
+
+
+def test_a_repeated_call_in_decoding_ends_the_answer(tiny_engine):
+    # One argument-less tool: every call after the first repeats it. Sampled, the random model
+    # writes ", " (another call) after the first one on some seeds; the answer then ends there.
+    tokens = []
+    for seed in range(8):
+        s = tiny_engine.session(tools=[_tool("beep", {})])
+        s.observe("Beep three times.")
+        d = s.decide(parallel=True, max_tokens=200, temperature=1.0, seed=seed)
+        assert d.status == "ok" and d.tool_calls == [{"name": "beep", "arguments": {}}], d.text
+        assert tiny_engine.tokenizer.decode(s.tokens + s.pending).endswith(format_tool_calls(d.tool_calls) + "<|im_end|>\n")
+        tokens.append(d.generated_tokens + d.forced_tokens)
+    assert max(tokens) > min(tokens)  # some answer went on past its first call, and was ended at the repeat
