@@ -70,7 +70,7 @@ def model_key(folder: Path) -> str:
     """How calibrations name a model: its converted folder's name under the cache (a GGUF's
     sha256), else the folder's resolved path."""
     folder = Path(folder).resolve()
-    return folder.name if folder.parent == (cache_dir() / "models").resolve() else str(folder)
+    return folder.name if folder.parent == (cache_dir() / "gguf").resolve() else str(folder)
 
 
 def _read(path: Path) -> dict:
