@@ -144,6 +144,11 @@ class DecodeGraphs:
         self.eager = False
         self._pool = None
         self._slots = torch.arange(cache.capacity, device=self.device)  # [capacity] slot indices
+        if cache.k.device.type == "cpu":
+            # the static step attends over slots past the valid ones under a mask, so they must hold
+            # finite values: a CPU KVCache leaves its unwritten slots unset (uninitialised memory)
+            cache.k[:, :, :, cache.n:].zero_()
+            cache.v[:, :, :, cache.n:].zero_()
 
     def applies(self, n_tokens: int, pos0: int) -> bool:
         """Whether a forward of n_tokens new tokens from rotary position pos0 runs here."""
