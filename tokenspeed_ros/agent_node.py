@@ -1,25 +1,13 @@
 """`tokenspeed_agent`: the ROS 2 node that runs an LLM agent on a robot arm under a deadline monitor.
 
-Inputs: joint states and camera images (+ CameraInfo and the camera pose) become compact text
-observations (`inputs`, `perception`) streamed into a resident tokenspeed Session on the engine
-thread (`engine_worker`); an optional goal topic adds the task. Decisions are triggered at a fixed
-rate and on events (new goal, changed scene, the robot finishing or rejecting the last call), one
-at a time; while the robot executes a model call, rate and scene triggers wait for its feedback.
-Each decision's deadline is measured from the newest sensor stamp.
-
-It is a managed (lifecycle) node with an engine (`managed_node.EngineNode`): configure loads the
-model, activate starts decisions, deactivate publishes the safe fallback. Tasks arrive as
-`RunTask` action goals (`task_action`) or on the goal topic and end when the model calls the
-completion tool `task_done` (`task`); `Decide` makes one decision on demand. What enters the
-context, the tools each decision may call (by what the gripper holds) and the robot's execution
-are the ROS-free `context_policy.ContextPolicy` (which also decides calls ahead: the next call on
-the state a running call leads to, a task's first call on the newest camera frame, published on
-the next frame with the same state line); this node gates the inputs, triggers decisions and
-wires ROS to it. The `DeadlineMonitor` publishes each valid, timely tool call as an
-`ActionCommand` (plus a `PoseStamped` target for calls with a position) and the safe fallback
-otherwise; every decision's stages go out as JSON on `<action_topic>/trace` (`decision_trace`).
-Bad input is counted and dropped; missing sensors or engine give fallbacks; counts and latency
-percentiles go to /diagnostics.
+A managed (lifecycle) node with an engine (`managed_node.EngineNode`). Joint states and camera
+images become compact text observations (`inputs`, `perception`); the ROS-free
+`context_policy.ContextPolicy` decides what enters the resident session, the tools each decision
+may call and which calls are decided ahead; this node gates the inputs, triggers decisions (at a
+rate and on events, one at a time; a decision's deadline runs from the newest sensor stamp) and
+wires ROS to it. Tasks arrive as `RunTask` goals (`task_action`) or on the goal topic; `Decide`
+makes one decision on demand. The `DeadlineMonitor` publishes each valid, timely tool call and the
+safe fallback otherwise; traces go to `<action_topic>/trace`, counts to /diagnostics.
 
 Run: `tokenspeed_agent --ros-args --params-file tokenspeed_ros/config/agent.yaml`.
 """
@@ -29,7 +17,7 @@ import json
 import sys
 import time
 
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
 from geometry_msgs.msg import PoseStamped
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 from rclpy.time import Time
@@ -45,7 +33,7 @@ from tokenspeed_ros.engine_worker import Observed, run_engine_node
 from tokenspeed_ros.inputs import BadInput, InputHealth, SensorGate, check_stamp, image_to_rgb, joint_state_text
 from tokenspeed_ros.managed_node import ConfigureError, EngineNode
 from tokenspeed_ros.params import AgentParams, AgentParamsError
-from tokenspeed_ros.perception import CameraModel, locate_cubes, objects_text
+from tokenspeed_ros.perception import CameraRig, objects_text
 from tokenspeed_ros.task import CANCELLED, DONE, FAILED, TASK_DONE, TASK_DONE_TOOL, Task, parse_status
 from tokenspeed_ros.task_action import TaskActionServer
 
@@ -99,9 +87,7 @@ class AgentNode(EngineNode):
         p.check_tool_names(tool_names)
         self.health = InputHealth(self.get_logger())
         self.inputs = SensorGate(self.health, SENSORS, self._now_s())
-        self._camera_info: CameraInfo | None = None
-        self._camera_pose: PoseStamped | None = None
-        self._camera: CameraModel | None = None     # built when both of the above are valid
+        self.camera = CameraRig()
         self._traced: dict[int, dict] = {}          # decision id -> node times of its reading, until resolved
         self.traces = TraceStats()
         self._superseded: int | None = None         # the decision in flight when the current task started
@@ -117,7 +103,6 @@ class AgentNode(EngineNode):
             active=lambda: self.active, frame_id=p.base_frame)
         self._obs_pub = self.create_publisher(Observation, p.observation_topic, 10)
         self._pose_pub = self.create_publisher(PoseStamped, p.target_pose_topic, 10)
-        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._trace_pub = self.create_publisher(String, p.action_topic + "/trace", 10)
 
         sensor_qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT
@@ -201,30 +186,23 @@ class AgentNode(EngineNode):
             self._submit("joint_states", text, stamp)
 
     def _on_camera_info(self, msg: CameraInfo) -> None:
-        old = self._camera_info
-        if old is None or (list(old.k), old.width, old.height) != (list(msg.k), msg.width, msg.height):
-            self._update_camera(msg, self._camera_pose, self.p.camera_info_topic)
+        try:
+            self.camera.on_info(msg)
+        except BadInput as e:
+            self.health.report(e, self.p.camera_info_topic)
 
     def _on_camera_pose(self, msg: PoseStamped) -> None:
-        self._update_camera(self._camera_info, msg, self.p.camera_pose_topic)
-
-    def _update_camera(self, info: CameraInfo | None, pose: PoseStamped | None, topic: str) -> None:
         try:
-            camera = None if info is None or pose is None else CameraModel.from_msgs(info, pose.pose)
+            self.camera.on_pose(msg)
         except BadInput as e:
-            self.health.report(e, topic)
-            return
-        self._camera_info, self._camera_pose, self._camera = info, pose, camera
+            self.health.report(e, self.p.camera_pose_topic)
 
     def _on_image(self, msg: Image) -> None:
         received = time.time()
         try:
             stamp = self._stamp(msg.header.stamp)
-            rgb = image_to_rgb(msg)
-            if self._camera is None:
-                raise BadInput("no_camera_model", f"no valid {self.p.camera_info_topic} and "
-                                                  f"{self.p.camera_pose_topic} yet")
-            objects = locate_cubes(rgb, self._camera, self.p.object_plane_z, self.p.min_blob_area_px)
+            objects = self.camera.locate(image_to_rgb(msg), self.p.object_plane_z, self.p.min_blob_area_px,
+                                         f"no valid {self.p.camera_info_topic} and {self.p.camera_pose_topic} yet")
         except BadInput as e:
             self.health.report(e, self.p.image_topic)
             return
@@ -311,18 +289,12 @@ class AgentNode(EngineNode):
         if self.inputs.missing(self._now_s(), self.p.stale_after_s):
             self.monitor.fail_now(stamp, "no_sensor_data")
             return
-        if self.ctx.first_call and why != "frame":
-            # the first frame decides ahead; a changed frame while that is not done yet, again;
-            # other triggers meanwhile wait for the frame after it
-            pending = self.ctx.ahead_line is not None and self.worker.ahead_pending
-            if self.ctx.ahead_line is None or (pending and why == "scene"):
-                if self.ctx.decide_first_ahead(self.p):
-                    return
-            elif pending:
-                return
-            else:
-                self.get_logger().info(f"task's first call decided afresh on a {why} trigger (decided ahead: "
-                                       f"{'none' if self.worker.decided_ahead is None else 'another state line'})")
+        first = self.ctx.first_call_trigger(self.p, why)
+        if first == "wait":
+            return
+        if first == "afresh":
+            self.get_logger().info(f"task's first call decided afresh on a {why} trigger (decided ahead: "
+                                   f"{'none' if self.worker.decided_ahead is None else 'another state line'})")
         self._decide(stamp)
 
     def _decide(self, stamp: Time, tools: list[str] | None = None) -> None:
@@ -465,11 +437,7 @@ class AgentNode(EngineNode):
                     KeyValue(key="triggers_skipped_executing", value=str(self._skipped_executing))]
             + [KeyValue(key=f"decided_ahead_{k}", value=str(v)) for k, v in w.ahead_counts.items()]
             + [KeyValue(key=k, value=v) for k, v in self.traces.key_values()])
-        msg = DiagnosticArray(status=[self.monitor.diagnostic_status(f"{fqn}: decisions"), inputs, engine])
-        for status in msg.status:
-            status.hardware_id = fqn
-        msg.header.stamp = now.to_msg()
-        self._diag_pub.publish(msg)
+        self.publish_diagnostics(inputs, engine)
 
 
 def main(args: list[str] | None = None) -> int:

@@ -212,6 +212,19 @@ class ContextPolicy:
         self.worker.decide_ahead(("state", self.ahead_line, 0.0), self.tool_choice(p))
         return True
 
+    def first_call_trigger(self, p, why: str) -> str:
+        """What a decision trigger `why` (see AgentNode._trigger) does while the task's first call
+        is not yet decided: "wait" (the first frame is decided ahead, and a changed frame again
+        while that is not done yet; other triggers wait for the frame after it), "afresh" (the
+        decision ahead failed or was on another state line: decide now, a miss) or "" (no first
+        call pending, or a "frame" hit: decide now)."""
+        if not self.first_call or why == "frame":
+            return ""
+        pending = self.ahead_line is not None and self.worker.ahead_pending
+        if self.ahead_line is None or (pending and why == "scene"):
+            return "wait" if self.decide_first_ahead(p) else ""
+        return "wait" if pending else "afresh"
+
     def first_ahead_hit(self, p) -> bool:
         """The task's first call was decided ahead on exactly the current state line."""
         return self.first_call and self.ahead_line == self.state_text(p) and self.worker.decided_ahead is not None

@@ -29,6 +29,7 @@ import sys
 from collections.abc import Callable
 from typing import ClassVar
 
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.duration import Duration
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
@@ -230,6 +231,7 @@ class EngineNode(ManagedNode):
         wait for it, answering the lifecycle queries (`answer_lifecycle_queries`). Raises
         ConfigureError when the model did not load."""
         p = self.p
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         if tools is not None:
             wake = self.create_guard_condition(lambda: self.loop.on_engine_output())
             self.worker = EngineWorker(model=p.model, threads=p.threads, quantize=p.quantize, device=p.device,
@@ -243,6 +245,16 @@ class EngineNode(ManagedNode):
             self.answer_lifecycle_queries(lambda timeout_s: self.worker.wait_loaded(timeout_s) != "loading")
             if self.worker.state != "ready":
                 raise ConfigureError(f"the model did not load: {self.worker.fault}")
+
+    def publish_diagnostics(self, *statuses: DiagnosticStatus) -> None:
+        """Publish on /diagnostics the deadline monitor's "<fully qualified node name>: decisions"
+        status and `statuses`, each with that name as hardware_id (two nodes are told apart)."""
+        fqn = self.get_fully_qualified_name()
+        msg = DiagnosticArray(status=[self.monitor.diagnostic_status(f"{fqn}: decisions"), *statuses])
+        for status in msg.status:
+            status.hardware_id = fqn
+        msg.header.stamp = self.get_clock().now().to_msg()
+        self._diag_pub.publish(msg)
 
     def cleanup(self, timeout_s: float = 1.0) -> bool:
         """Stop the deadline monitor's thread and the engine thread (see ManagedNode.cleanup)."""

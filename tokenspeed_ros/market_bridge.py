@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import zmq
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
 from pydantic import Field
 from rclpy.time import Time
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, MarketTick
@@ -223,7 +223,6 @@ class MarketBridgeNode(EngineNode):
                                        budget_s=p.deadline_budget_s, fallback="hold", period_s=p.monitor_period_s,
                                        on_outcome=self._on_outcome, active=lambda: self.active)
         self._tick_pub = self.create_publisher(MarketTick, p.tick_topic, 10)
-        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self._wake_trigger = self.create_guard_condition(self._on_trigger)
         self._status_timer = self.create_timer(p.status_period_s, self._publish_status)
         self.start_engine(tools, on_observed=self._on_observed)
@@ -469,12 +468,7 @@ class MarketBridgeNode(EngineNode):
         feed = DiagnosticStatus(
             name=f"{self.get_fully_qualified_name()}: feed", level=getattr(DiagnosticStatus, level), message=message,
             values=[KeyValue(key=k, value=str(v)) for k, v in sorted({**status["feed"], **status["bridge"]}.items())])
-        msg = DiagnosticArray(status=[self.monitor.diagnostic_status(f"{self.get_fully_qualified_name()}: decisions"),
-                                      feed])
-        for s in msg.status:       # two bridges are told apart by their fully qualified names
-            s.hardware_id = self.get_fully_qualified_name()
-        msg.header.stamp = self.get_clock().now().to_msg()
-        self._diag_pub.publish(msg)
+        self.publish_diagnostics(feed)
 
 
 def main(args: list[str] | None = None) -> int:

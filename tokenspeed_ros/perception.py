@@ -78,6 +78,37 @@ class CameraModel:
         return float(p[0]), float(p[1])
 
 
+class CameraRig:
+    """The camera's intrinsics (CameraInfo) and pose (PoseStamped), and the `CameraModel` made
+    when both are valid; a bad message leaves the last valid pair in place."""
+
+    def __init__(self):
+        self.info = None
+        self.pose = None
+        self.model: CameraModel | None = None
+
+    def on_info(self, info) -> None:
+        """A CameraInfo (a repeat of the same intrinsics changes nothing). Raises BadInput."""
+        old = self.info
+        if old is None or (list(old.k), old.width, old.height) != (list(info.k), info.width, info.height):
+            self._update(info, self.pose)
+
+    def on_pose(self, pose) -> None:
+        """A PoseStamped of the camera in the base frame. Raises BadInput."""
+        self._update(self.info, pose)
+
+    def _update(self, info, pose) -> None:
+        model = None if info is None or pose is None else CameraModel.from_msgs(info, pose.pose)
+        self.info, self.pose, self.model = info, pose, model
+
+    def locate(self, rgb: np.ndarray, plane_z: float, min_area_px: int, missing: str) -> dict[str, tuple[float, float]]:
+        """`locate_cubes` with this camera. Raises BadInput ("no_camera_model": `missing` says
+        which topics) before both messages came."""
+        if self.model is None:
+            raise BadInput("no_camera_model", missing)
+        return locate_cubes(rgb, self.model, plane_z, min_area_px)
+
+
 def find_cubes(rgb: np.ndarray, min_area_px: int) -> dict[str, tuple[float, float, int]]:
     """Colour blobs in an RGB uint8 image [H, W, 3] -> {cube name: (u, v, area_px)} for the
     largest blob of each cube colour with at least `min_area_px` pixels."""

@@ -10,7 +10,7 @@ from sensor_msgs.msg import CameraInfo, Image, JointState
 
 from agent_support import CUBE_Z, camera_info, camera_pose, render_cubes
 from tokenspeed_ros.inputs import BadInput, check_stamp, image_to_rgb, joint_state_text
-from tokenspeed_ros.perception import CameraModel, locate_cubes, objects_text
+from tokenspeed_ros.perception import CameraModel, CameraRig, locate_cubes, objects_text
 
 
 def test_cubes_located_in_the_simulator_camera_within_a_centimetre():
@@ -107,6 +107,23 @@ def test_bad_camera_info_and_pose():
     with pytest.raises(BadInput) as e:
         CameraModel.from_msgs(camera_info(), pose)
     assert e.value.kind == "camera_pose_invalid"
+
+
+def test_camera_rig_needs_both_messages_and_keeps_the_last_valid_pair():
+    rig, rgb = CameraRig(), np.zeros((240, 320, 3), np.uint8)
+    with pytest.raises(BadInput) as e:
+        rig.locate(rgb, CUBE_Z, 12, "no camera yet")
+    assert e.value.kind == "no_camera_model" and "no camera yet" in str(e.value)
+    rig.on_info(camera_info())
+    assert rig.model is None                            # the pose is still missing
+    rig.on_pose(camera_pose())
+    good = rig.model
+    assert good is not None and rig.locate(rgb, CUBE_Z, 12, "") == {}
+    bad = camera_pose()
+    bad.pose.orientation.w = 3.0
+    with pytest.raises(BadInput):
+        rig.on_pose(bad)
+    assert rig.model is good                            # a bad message changes nothing
 
 
 def test_target_pose_of_position_calls():
