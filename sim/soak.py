@@ -58,7 +58,7 @@ from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus
 from tokenspeed_ros.deadline_monitor import FALLBACK_BOUND_S
 from tokenspeed_sim import ros_spin
 from tokenspeed_sim.demo import launch_command, wait_launch
-from tokenspeed_sim.harness import LatencyHarness, percentiles, write_plot
+from tokenspeed_sim.harness import TASK_RESEND_S, LatencyHarness, percentiles, write_plot
 
 SPIN_CHUNK_S = 0.5        # the listener spins this long between ZeroMQ drains and process checks
 STOP_GRACE_S = 15.0       # the launchers' wait after SIGINT: an engine mid-forward on a loaded CPU ends late
@@ -152,7 +152,9 @@ class TaskCycle:
         self.goal = ""                 # the next task's text ("" until the simulator's goal is known)
         self.state = "idle"            # idle -> sending -> running -> reset_due -> resetting -> idle
         self.started = 0
-        self.rejected = 0              # goals the agent refused, or resets the simulator refused
+        self.rejected = 0              # goals the agent refused once active, or resets the simulator refused
+        self.rejected_before_active = 0  # goals refused before the first was accepted (the agent not yet active)
+        self._resend_at = 0.0          # wall time before which a refused first goal is not sent again
         self.outcomes: Counter = Counter()
         self.results: list[tuple[str, int, float]] = []   # (outcome, decisions, duration s) per finished task
         self.last_change = time.time()                    # wall time of the last task start or result
@@ -160,7 +162,8 @@ class TaskCycle:
     def step(self, sim_goal: str) -> None:
         """Send the next goal or the reset when due. sim_goal: the simulator's latest goal text."""
         self.goal = self.goal or sim_goal
-        if self.state == "idle" and self.goal and self._client.server_is_ready():
+        if (self.state == "idle" and self.goal and self._client.server_is_ready()
+                and time.time() >= self._resend_at):
             self.state = "sending"
             sent = self._client.send_goal_async(RunTask.Goal(task=self.goal, timeout_s=self.timeout_s))
             sent.add_done_callback(self._on_accepted)
@@ -171,7 +174,13 @@ class TaskCycle:
     def _on_accepted(self, future) -> None:
         handle = future.result()
         if not handle.accepted:
-            self.rejected += 1
+            # the action server exists once the model is loaded, but the agent accepts goals only once
+            # it is active, a moment later (as the latency harness does, the first goal is sent again)
+            if self.started:
+                self.rejected += 1
+            else:
+                self.rejected_before_active += 1
+                self._resend_at = time.time() + TASK_RESEND_S
             self.state = "idle"
             return
         self.started += 1
@@ -195,7 +204,8 @@ class TaskCycle:
     def report(self) -> dict:
         """Tasks started, finished per outcome, their decisions and durations (s)."""
         return {"started": self.started, "finished": sum(self.outcomes.values()), "outcomes": dict(self.outcomes),
-                "rejected": self.rejected, "timeout_s": self.timeout_s, "state_at_end": self.state,
+                "rejected": self.rejected, "rejected_before_active": self.rejected_before_active,
+                "timeout_s": self.timeout_s, "state_at_end": self.state,
                 "decisions_per_task": percentiles([float(d) for _, d, _ in self.results]),
                 "duration_s": percentiles([t for _, _, t in self.results])}
 
