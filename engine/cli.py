@@ -6,6 +6,7 @@
     tokenspeed bench aal [--quick] | gpu | profile                         # latency benchmark vs peers
     tokenspeed bench kv needle|agreement|cost                              # pruned KV cache accuracy and cost
     tokenspeed bench auto                                                  # tool_choice=auto call/text rates (BFCL)
+    tokenspeed bench serve                                                 # /health during request bursts on serve
     tokenspeed serve [--port 8000]                                         # OpenAI-compatible HTTP server
     tokenspeed <subcommand> --help
 
@@ -150,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_draft_parser(sub)  # tokenspeed draft build-data | train | eval
 
     from .bench import add_parser as add_bench_parser
-    add_bench_parser(sub)  # tokenspeed bench aal | gpu | profile | kv | auto
+    add_bench_parser(sub)  # tokenspeed bench aal | gpu | profile | kv | auto | serve
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, tools, streaming)")
     p.add_argument("--model", default=None,

@@ -8,6 +8,7 @@ and `tokenspeed bench gpu` (the same decode path on CUDA against the HBM floor).
     tokenspeed bench profile                # torch.profiler table of one int4 decode step
     tokenspeed bench kv needle|agreement|cost   # pruned KV cache accuracy and cost (tokenspeed.bench.kv)
     tokenspeed bench auto                   # tool_choice=auto: call/text rates per tool-listing prompt (BFCL)
+    tokenspeed bench serve                  # GET /health during bursts of requests on `tokenspeed serve` (< 50 ms)
 
 Peers are an optional extra: `pip install -e ".[bench]"`, and `make peers` builds llama-cpp-python from source.
 """
@@ -81,8 +82,9 @@ def _cmd_profile(args) -> int:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `bench` (with `aal`, `prefill`, `gpu`, `profile`, `kv` and `auto`) on an argparse subparsers object; returns it."""
-    p = subparsers.add_parser("bench", help="benchmarks: aal (agent action latency), prefill, gpu, profile, kv (pruned KV cache), auto")
+    """Register `bench` (with `aal`, `prefill`, `gpu`, `profile`, `kv`, `auto` and `serve`) on an argparse subparsers object; returns it."""
+    p = subparsers.add_parser("bench", help="benchmarks: aal (agent action latency), prefill, gpu, profile, kv (pruned KV cache), auto, "
+                                                "serve (/health under load)")
     sub = p.add_subparsers(dest="bench", required=True)
     a = sub.add_parser("aal", help="Agent Action Latency: TokenSpeed vs llama.cpp vs transformers, one run")
     a.add_argument("--quick", action="store_true", help="small workload (2 calls, ~1.4K tokens); skips a missing llama.cpp")
@@ -127,8 +129,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--context", type=int, default=256, help="tokens in the KV cache (default 256)")
     f.set_defaults(func=_cmd_profile)
     from .auto import add_parser as add_auto_parser
+    from .serve import add_parser as add_serve_parser
 
     add_auto_parser(sub)
+    add_serve_parser(sub)
     from .kv import add_subcommands
 
     k = sub.add_parser("kv", help="pruned, tiered KV cache: needle / agreement / cost (see tokenspeed.bench.kv)")

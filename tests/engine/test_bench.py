@@ -269,3 +269,15 @@ def test_quick_prefill_bench_reports_every_cell_against_llama_cpp(tmp_path, caps
     assert not llama_cpp or not report["notes"]
     out = capsys.readouterr().out
     assert "prefill ms/token" in out and "goal <= 0.5x llama.cpp everywhere" in out
+
+
+def test_serve_bench_probes_health_and_a_sleeper_during_each_burst(tmp_path, capsys):
+    """`bench serve` against a real `tokenspeed serve` process: every request is answered (200, or 429
+    beyond the queue of 8), /health and the sleeping process are sampled in the burst (no timing asserted)."""
+    assert bench_main(["serve", "--bursts", "1", "--requests", "12", "--max-tokens", "32", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "serve.json").read_text())
+    (burst,) = report["bursts"]
+    assert set(burst["statuses"]) <= {"200", "429"} and sum(burst["statuses"].values()) == 12
+    assert burst["statuses"].get("429", 0) <= 12 - 9  # at most the running one and 8 waiting are admitted
+    assert burst["health"]["n"] >= 1 and burst["sleep"]["n"] >= 1 and report["health"] == burst["health"]
+    assert "goal: slowest /health < 50 ms" in capsys.readouterr().out
