@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -62,30 +61,10 @@ def readme_example(name: str) -> str:
 @contextmanager
 def serve_process(*args: str):
     """`tokenspeed serve ARGS` on a free port of 127.0.0.1 in a child process: yields (process, base
-    URL) once GET /health answers (fails the test when the server exits first or takes over 300 s),
-    terminates it afterwards."""
-    import httpx
-    import pytest
+    URL) once it answers, terminates it afterwards (`tokenspeed.bench.peers.server_process`: a
+    RuntimeError when the server exits first or takes over 300 s)."""
+    from tokenspeed.bench.peers import server_process
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tokenspeed.cli", "serve", "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                pytest.fail(f"server exited: {proc.stdout.read()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("server did not come up in 300 s")
-        yield proc, url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with server_process([sys.executable, "-m", "tokenspeed.cli", "serve", *args],
+                        env=dict(os.environ, PYTHONUNBUFFERED="1"), startup_s=300, name="tokenspeed serve") as running:
+        yield running

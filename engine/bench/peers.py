@@ -22,6 +22,7 @@ Timings are `time.perf_counter()` seconds, stored in milliseconds.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -261,18 +262,18 @@ def run_llamacpp(job: dict, out: str) -> None:
 
 # ------------------------------------------------------------------------------------------- HTTP
 
-def _server_command(server: str, job: dict, port: int) -> tuple[list[str], dict]:
-    """The command line and environment of `server` ("tokenspeed:QUANT" or "llama.cpp") on 127.0.0.1:port."""
+def _server_command(server: str, job: dict) -> tuple[list[str], dict]:
+    """The command line (without --port) and environment of `server` ("tokenspeed:QUANT" or "llama.cpp") on 127.0.0.1."""
     threads, model, env = str(job["threads"]), job["model_gguf"], dict(os.environ)
     if server == "llama.cpp":
         if os.environ.get(LLAMA_CPP_ENV):
             env["PYTHONPATH"] = os.pathsep.join([os.environ[LLAMA_CPP_ENV], env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         return ([sys.executable, "-m", "llama_cpp.server", "--model", model, "--n_ctx", str(job["n_ctx"]),
                  "--n_threads", threads, "--n_threads_batch", threads, "--n_batch", "512", "--n_ubatch", "512",
-                 "--seed", "0", "--verbose", "False", "--host", "127.0.0.1", "--port", str(port)], env)
+                 "--seed", "0", "--verbose", "False", "--host", "127.0.0.1"], env)
     quantize = server.split(":")[1] if ":" in server else "none"
     return ([sys.executable, "-m", "tokenspeed.cli", "serve", "--model", model, "--quantize", quantize or "none",
-             "--threads", threads, "--context", str(job["n_ctx"]), "--host", "127.0.0.1", "--port", str(port)], env)
+             "--threads", threads, "--context", str(job["n_ctx"]), "--host", "127.0.0.1"], env)
 
 
 def _peak_rss_mb(pid: int) -> float | None:
@@ -284,6 +285,49 @@ def _peak_rss_mb(pid: int) -> float | None:
     except OSError:
         pass
     return None
+
+
+@contextlib.contextmanager
+def server_process(cmd: list[str], *, env: dict | None = None, startup_s: float = 600, name: str = "server"):
+    """`cmd --port N` (an OpenAI-compatible server: `tokenspeed serve`, `llama_cpp.server`) as a
+    child process on a free port of 127.0.0.1: yields (process, base URL) once GET /v1/models
+    answers 200, terminates it afterwards (killed when it does not stop within 30 s). Its stdout
+    is discarded and its stderr kept in a pipe, so an early exit can say why.
+
+    Raises:
+        RuntimeError: the server exited, or did not answer within `startup_s` seconds.
+    """
+    import socket
+    import subprocess
+
+    import httpx
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([*cmd, "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    url, t0 = f"http://127.0.0.1:{port}", time.perf_counter()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - t0 > startup_s:
+                raise RuntimeError(f"{name} did not answer within {startup_s} s")
+            time.sleep(0.5)
+        yield proc, url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def run_http(job: dict, out: str, server: str, startup_s: float = 600) -> None:
@@ -302,29 +346,13 @@ def run_http(job: dict, out: str, server: str, startup_s: float = 600) -> None:
     Raises:
         RuntimeError: the server exited or did not answer within `startup_s` seconds.
     """
-    import socket
-    import subprocess
-
     import openai
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    cmd, env = _server_command(server, job, port)
+    cmd, env = _server_command(server, job)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{server} server exited ({proc.returncode}): {proc.stderr.read()[-3000:]}")
-            try:
-                model = client.models.list().data[0].id
-                break
-            except openai.APIConnectionError:
-                if time.perf_counter() - t0 > startup_s:
-                    raise RuntimeError(f"{server} server did not answer within {startup_s} s") from None
-                time.sleep(0.5)
+    with server_process(cmd, env=env, startup_s=startup_s, name=f"{server} server") as (proc, url):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
         name = server.replace(":", "-") + "-http"
         rec = Recorder(name, f"{' '.join(Path(c).name if c.startswith('/') else c for c in cmd[1:])}; "
                        "openai client, streaming, whole conversation per request, named tool_choice",
@@ -333,13 +361,6 @@ def run_http(job: dict, out: str, server: str, startup_s: float = 600) -> None:
         rec.out["weight_bytes"] = job["gguf_bytes"]
         _http_workload(client, model, job, rec)
         rec.write(out, _peak_rss_mb(proc.pid))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _http_workload(client, model: str, job: dict, rec: Recorder) -> None:

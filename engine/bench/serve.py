@@ -14,13 +14,14 @@ all bursts (median, p95, max), with the goal.
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from .peers import server_process
 
 __all__ = ["HEALTH_TARGET_S", "HealthProbe", "SleepProbe", "add_parser", "run_serve"]
 
@@ -139,28 +140,10 @@ def run_serve(model: str = "tiny-random", quantize: str = "none", threads: int |
     Raises:
         RuntimeError: the server exited, or did not answer within `startup_s` seconds.
     """
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "tokenspeed.cli", "serve", "--model", model, "--quantize", quantize,
-           "--port", str(port), *(["--threads", str(threads)] if threads else [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url, t0 = f"http://127.0.0.1:{port}", time.perf_counter()
+           *(["--threads", str(threads)] if threads else [])]
     rows, health, sleep = [], [], []
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"tokenspeed serve exited ({proc.returncode}): {proc.stderr.read()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - t0 > startup_s:
-                raise RuntimeError(f"tokenspeed serve did not answer within {startup_s} s")
-            time.sleep(0.5)
+    with server_process(cmd, startup_s=startup_s, name="tokenspeed serve") as (_, url):
         for k in range(bursts):
             with SleepProbe() as sleeper, HealthProbe(url) as probe:
                 statuses = _burst(url, requests, max_tokens)
@@ -170,9 +153,6 @@ def run_serve(model: str = "tiny-random", quantize: str = "none", threads: int |
                          "health": probe.summary(), "sleep": sleeper.summary()})
             print(f"# burst {k + 1}/{bursts}: {rows[-1]['statuses']}; {probe.describe()}; a sleeping process woke "
                   f"up to {sleeper.worst * 1e3:.1f} ms late", file=sys.stderr)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     return {"model": model, "quantize": quantize, "threads": threads, "requests": requests, "max_tokens": max_tokens,
             "target_ms": HEALTH_TARGET_S * 1e3, "bursts": rows, "health": _summary(health), "sleep": _summary(sleep),
             "met": bool(health) and -1.0 not in health and max(health) < HEALTH_TARGET_S}
