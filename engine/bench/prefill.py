@@ -7,7 +7,7 @@ for every prefix length P, P tokens are prefilled untimed, then N new tokens are
 `repeats`, the cache cut back to P between them). Each engine and thread count runs in its own
 process. Beside each figure: the compute floor, the forward's matmul FLOPs (the N rows through the
 block projections, the lm_head row) at this machine's int8 GEMM peak (`torch._int_mm`: oneDNN, AMX
-where the CPU has it) plus its attention FLOPs (over P + causal N, fp32) at the fp32 GEMM peak,
+where the CPU has it; the fp32 peak where that is faster) plus its attention FLOPs (over P + causal N, fp32) at the fp32 GEMM peak,
 both measured with the same threads.
 
 Run as a script (`python prefill.py worker ENGINE JOB OUT`) it is one engine's process: the
@@ -138,7 +138,9 @@ def forward_flops(args, prefix: int, new: int) -> tuple[float, float]:
 
 def measure_peaks(threads: int, size: int = 1024, repeats: int = 7) -> dict[str, float]:
     """GEMM throughput with `threads` torch threads, best of `repeats` size^3 products, in GOP/s:
-    {"fp32": torch.mm, "int8": torch._int_mm (the fp32 figure where this torch lacks it)}."""
+    {"fp32": torch.mm, "int8": torch._int_mm, or the fp32 figure where this torch lacks it or it is
+    slower (without AVX-512 VNNI or AMX it can be a reference loop: 0.4 GOP/s on a 2-core Zen 3,
+    which made the floor 150x the measured time)}."""
     import torch
 
     torch.set_num_threads(threads)
@@ -149,6 +151,7 @@ def measure_peaks(threads: int, size: int = 1024, repeats: int = 7) -> dict[str,
         peaks["int8"] = 2.0 * size ** 3 / min(_timed(lambda: torch._int_mm(qa, qb)) for _ in range(repeats + 1)) / 1e9
     except (AttributeError, RuntimeError):
         peaks["int8"] = peaks["fp32"]
+    peaks["int8"] = max(peaks["int8"], peaks["fp32"])
     return peaks
 
 

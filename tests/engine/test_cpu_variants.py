@@ -84,10 +84,10 @@ def test_harness_kernels_match_reference(harnesses, variant):
     ref = (x.double() @ lin8.qweight.double().T * lin8.scales.double()).float()
     torch.testing.assert_close(h.int8_gemv(x, lin8.qweight, lin8.scales), ref, rtol=1e-5, atol=1e-4)
     # attention: decode (1 row per query head of a group of 3), a verification chain (T = 4), head
-    # sizes of every specialised width and one that is not (40: the plain loops)
-    # and prefill bursts (rows in several tiles of 32, causal bounds per tile, key tiles plus a tail)
-    for D, T, start in ((64, 1, 37), (64, 4, 30), (32, 5, 3), (128, 2, 9), (16, 3, 6), (40, 2, 7), (64, 45, 70),
-                        (32, 40, 0)):
+    # sizes of every specialised width and ones that are not (40, 20: the plain loops) and prefill
+    # bursts (rows in several tiles of 32, causal bounds per tile, key tiles plus a tail)
+    for D, T, start in ((64, 1, 37), (64, 4, 30), (32, 5, 3), (128, 2, 9), (16, 3, 6), (40, 2, 7), (20, 3, 11),
+                        (64, 45, 70), (32, 40, 0)):
         q, k, v = torch.randn(3 * T, D), torch.randn(start + T, D), torch.randn(start + T, D)
         p, out, lse = h.attend(q, T, start, k, v, D ** -0.5)
         rp, rout, rlse = _attention_reference(q, T, start, k, v, D ** -0.5)
@@ -97,6 +97,11 @@ def test_harness_kernels_match_reference(harnesses, variant):
         # a row's result does not depend on the rows beside it (decode == verification, bit for bit)
         alone = h.attend(q[:T], T, start, k, v, D ** -0.5)
         assert all(torch.equal(a, b[:T]) for a, b in zip(alone, (p, out, lse)))
+        # nor on the new tokens beside it: a burst's row equals that token decoded alone after the ones before it
+        for r in {0, T - 1, 2 * T + T // 2}:
+            seen = start + r % T
+            p1, out1, lse1 = h.attend(q[r:r + 1], 1, seen, k, v, D ** -0.5)
+            assert torch.equal(p1[0], p[r, :seen + 1]) and torch.equal(out1[0], out[r]) and torch.equal(lse1[0], lse[r])
 
 
 def test_variant_selection(monkeypatch):
