@@ -264,8 +264,8 @@ class AgentNode(EngineNode):
         "feedback"; one that finds the engine busy runs when it is free, as what it was. Only
         a goal decides while the robot executes a model call. Rate triggers also keep safe
         actions flowing while the engine is stuck past a deadline. Nothing decides while the
-        node is not active."""
-        if not self.active:
+        node is not active, nor before its first task (unless decide_without_task), nor after a task ended."""
+        if not self.active or (self.task is None and not self.p.decide_without_task):
             return
         now = self.get_clock().now()
         stamp = self.inputs.latest_stamp or now
