@@ -4,7 +4,8 @@ A managed (lifecycle) node with an engine (`managed_node.EngineNode`). Joint sta
 images become compact text observations (`inputs`, `perception`); the ROS-free
 `context_policy.ContextPolicy` decides what enters the resident session, the tools each decision
 may call and which calls are decided ahead; this node gates the inputs, triggers decisions (at a
-rate and on events, one at a time; a decision's deadline runs from the newest sensor stamp) and
+rate and on events, one at a time, only while a task runs unless decide_without_task; a decision's
+deadline runs from the stamp of the newest reading in the context, or the feedback it answers) and
 wires ROS to it. Tasks arrive as `RunTask` goals (`task_action`) or on the goal topic; `Decide`
 makes one decision on demand. The `DeadlineMonitor` publishes each valid, timely tool call and the
 safe fallback otherwise; traces go to `<action_topic>/trace`, counts to /diagnostics.
@@ -91,9 +92,7 @@ class AgentNode(EngineNode):
         self._traced: dict[int, dict] = {}          # decision id -> node times of its reading, until resolved
         self.traces = TraceStats()
         self._superseded: int | None = None         # the decision in flight when the current task started
-        self._skipped_busy = 0
-        self._skipped_executing = 0
-        self._diag_seen_bad = 0
+        self._skipped_busy = self._skipped_executing = self._diag_seen_bad = 0
         self._decide_outcome: tuple | None = None   # (DeadlineStatus, ActionCommand) of the latest outcome
 
         self.monitor = DeadlineMonitor(
@@ -125,8 +124,8 @@ class AgentNode(EngineNode):
         self._rate_timer = self.replace_timer(None, p.decision_period_s, lambda: self._trigger("rate"))
         self._diag_timer = self.create_timer(p.diagnostics_period_s, self._publish_diagnostics)
         self.start_engine(tools, on_observed=self._echo_observation, on_decided_ahead=self._on_decided_ahead,
-                          check_result=self._check_result, on_resolved=self._on_resolved, repeat_slack=p.restate_slack_tokens,
-                          replace_sources=("state",))
+                          check_result=self._check_result, on_resolved=self._on_resolved,
+                          repeat_slack=p.restate_slack_tokens, replace_sources=("state",))
         self.ctx = ContextPolicy(self.worker, tool_names)
         # the action server and the service appear once the model is loaded
         if p.run_task_action:
@@ -210,9 +209,8 @@ class AgentNode(EngineNode):
             self._trigger("frame")
 
     def _on_goal(self, msg: String) -> None:
-        """The goal topic, the thin way in (off unless goal_topic is set): a new text starts a
-        task (without feedback or result); the same text again (a latched re-delivery) changes
-        nothing; it never preempts a running RunTask goal (ignored, with a warning)."""
+        """The goal topic (off unless goal_topic is set): a new text starts a task (no feedback or result); the
+        same text again (a latched re-delivery) changes nothing; a running RunTask goal is never preempted."""
         if self.task is not None and self.task.running and self._tasks is not None and self._tasks.owns(self.task):
             self.get_logger().warning(f"goal topic ignored: a RunTask goal is running ({self.task.text!r})",
                                       throttle_duration_sec=5.0)
@@ -258,8 +256,7 @@ class AgentNode(EngineNode):
                 self._trigger("feedback")
 
     def _on_decided_ahead(self, item: DecidedAhead) -> None:
-        """The task's first call, decided ahead, goes out once ready when the newest frame's state
-        line is still the one it was decided on (that frame's decision: `ContextPolicy.first_ahead_hit`)."""
+        """The task's first call decided ahead goes out once ready on an unchanged frame (`first_ahead_hit`)."""
         if item.text == self.ctx.ahead_line and self.ctx.first_ahead_hit(self.p):
             self._trigger("frame")
 
