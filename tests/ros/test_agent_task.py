@@ -69,7 +69,7 @@ def test_task_runs_with_feedback_until_the_model_calls_task_done(probe, start_ag
 def test_a_tasks_first_call_is_decided_ahead_and_goes_out_when_ready_on_an_unchanged_frame(probe, start_agent):
     """The task's first call is decided ahead on the newest frame's state line (nothing goes out
     meanwhile) and is published once ready, the newest frame's line being the same: a hit, with
-    nothing prefilled after that frame, stamped with that frame (a camera image's stamp)."""
+    nothing prefilled after that frame."""
     agent, client, actions, _, _ = start(probe, start_agent)
     traces = probe.listen(String, "agent/action/trace")
     handle, feedback = send(probe, client, RunTask.Goal(task=TASK, tools=["move_to", "hold", "stop"]))
