@@ -534,10 +534,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--live", action="store_true", help="print each decision as it arrives")
     ap.add_argument("--wait-engine", type=float, default=0.0, metavar="SECONDS",
                     help="start the measured window when the agent's engine reports ready (wait at most SECONDS)")
+    ap.add_argument("--task", action="store_true", help="send the simulator's goal to the agent as a RunTask "
+                    "action goal when the window starts (the agent decides nothing before its first task)")
     args = ap.parse_args(argv)
     if args.duration <= 0 or args.wait_engine < 0:
         ap.error("--duration must be > 0 and --wait-engine >= 0")
-    listen(args.duration, args.out, live=args.live, wait_engine_s=args.wait_engine)
+    listen(args.duration, args.out, live=args.live, wait_engine_s=args.wait_engine, task=args.task)
 
 
 if __name__ == "__main__":
