@@ -20,8 +20,9 @@ prefill start/end -> decide start -> first token -> end -> published; tokens tha
 context for it; whether it was decided ahead) with the robot's "applied" as the last stage, its
 p50s, tokens per decision, decided-ahead hits and misses and, for hits, the robot's "done" of the
 call before -> the command published; plus deadline hit rate and fallbacks
-(tokenspeed_msgs/DeadlineStatus; the model's task_done and a start-up no_sensor_data hold are not
-decisions and are counted apart), decisions per second, feedback counts, and the task outcome
+(tokenspeed_msgs/DeadlineStatus; the model's task_done, a start-up no_sensor_data hold and a decision
+withdrawn with its fallback on time, e.g. superseded by a new task, are not decisions and are counted
+apart), decisions per second, feedback counts, and the task outcome
 from `sim/scenario_status`. Outputs: report.json, latency.png and a printed table.
 
 The measured window can start when the agent's engine reports "ready" on /diagnostics
@@ -53,6 +54,7 @@ from tokenspeed_sim import ros_spin
 STAGES = ("capture_to_context_s", "ttft_s", "capture_to_published_s", "published_to_applied_s", "end_to_end_s")
 MAX_REMEMBERED_OBSERVATIONS = 5000
 TASK_RESEND_S = 0.2         # a RunTask goal the agent rejected (not yet active) is sent again after this (s)
+WITHDRAWN = ("superseded", "cancelled", "deactivated")   # reasons of decisions their owner withdrew
 ECHO_MATCH_NS = 1_000_000   # slack when comparing echo stamps with observation stamps (agents may round-trip float seconds)
 
 
@@ -251,9 +253,13 @@ class LatencyHarness(Node):
         """Why `status` is not a deadline decision (kept out of the hit rate, neither met nor missed),
         or None when it counts: "task_done", the model's own completion call (the task is over and the
         arm holds by design); "no_sensor_data" received before the agent's first observation echo (a
-        hold with nothing yet to decide on; a later sensor outage still counts as a miss)."""
+        hold with nothing yet to decide on; a later sensor outage still counts as a miss); a decision
+        withdrawn by its owner (WITHDRAWN: a new task superseded it, the task was cancelled, the node
+        deactivated) whose safe fallback went out by its deadline (one published after it is a miss)."""
         if status.reason == "task_done":
             return "task_done"
+        if status.reason in WITHDRAWN and _ns(status.header.stamp) <= _ns(status.deadline):
+            return status.reason
         if status.reason == "no_sensor_data" and (self.first_echo_at is None or decision.received < self.first_echo_at):
             return "no_sensor_data"
         return None
@@ -528,10 +534,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--live", action="store_true", help="print each decision as it arrives")
     ap.add_argument("--wait-engine", type=float, default=0.0, metavar="SECONDS",
                     help="start the measured window when the agent's engine reports ready (wait at most SECONDS)")
+    ap.add_argument("--task", action="store_true", help="send the simulator's goal to the agent as a RunTask "
+                    "action goal when the window starts (the agent decides nothing before its first task)")
     args = ap.parse_args(argv)
     if args.duration <= 0 or args.wait_engine < 0:
         ap.error("--duration must be > 0 and --wait-engine >= 0")
-    listen(args.duration, args.out, live=args.live, wait_engine_s=args.wait_engine)
+    listen(args.duration, args.out, live=args.live, wait_engine_s=args.wait_engine, task=args.task)
 
 
 if __name__ == "__main__":

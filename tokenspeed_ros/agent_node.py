@@ -4,7 +4,8 @@ A managed (lifecycle) node with an engine (`managed_node.EngineNode`). Joint sta
 images become compact text observations (`inputs`, `perception`); the ROS-free
 `context_policy.ContextPolicy` decides what enters the resident session, the tools each decision
 may call and which calls are decided ahead; this node gates the inputs, triggers decisions (at a
-rate and on events, one at a time; a decision's deadline runs from the newest sensor stamp) and
+rate and on events, one at a time, only while a task runs unless decide_without_task; a decision's
+deadline runs from the stamp of the newest reading in the context, or the feedback it answers) and
 wires ROS to it. Tasks arrive as `RunTask` goals (`task_action`) or on the goal topic; `Decide`
 makes one decision on demand. The `DeadlineMonitor` publishes each valid, timely tool call and the
 safe fallback otherwise; traces go to `<action_topic>/trace`, counts to /diagnostics.
@@ -29,7 +30,7 @@ from tokenspeed_msgs.srv import Decide
 from tokenspeed_ros.context_policy import SENSORS, ContextPolicy
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
 from tokenspeed_ros.decision_trace import TraceStats, trace_record
-from tokenspeed_ros.engine_worker import Observed, run_engine_node
+from tokenspeed_ros.engine_worker import DecidedAhead, Observed, run_engine_node
 from tokenspeed_ros.inputs import BadInput, InputHealth, SensorGate, check_stamp, image_to_rgb, joint_state_text
 from tokenspeed_ros.managed_node import ConfigureError, EngineNode
 from tokenspeed_ros.params import AgentParams, AgentParamsError
@@ -91,9 +92,7 @@ class AgentNode(EngineNode):
         self._traced: dict[int, dict] = {}          # decision id -> node times of its reading, until resolved
         self.traces = TraceStats()
         self._superseded: int | None = None         # the decision in flight when the current task started
-        self._skipped_busy = 0
-        self._skipped_executing = 0
-        self._diag_seen_bad = 0
+        self._skipped_busy = self._skipped_executing = self._diag_seen_bad = 0
         self._decide_outcome: tuple | None = None   # (DeadlineStatus, ActionCommand) of the latest outcome
 
         self.monitor = DeadlineMonitor(
@@ -109,10 +108,12 @@ class AgentNode(EngineNode):
                                 if p.sensor_reliability == "best_effort" else ReliabilityPolicy.RELIABLE)
         self.create_subscription(JointState, p.joint_states_topic, self._on_joint_state, sensor_qos)
         self.create_subscription(Image, p.image_topic, self._on_image, sensor_qos)
-        self.create_subscription(CameraInfo, p.camera_info_topic, self._on_camera_info, sensor_qos)
+        self.create_subscription(CameraInfo, p.camera_info_topic,
+                                 lambda m: self._camera_msg(self.camera.on_info, m, p.camera_info_topic), sensor_qos)
         latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
-        self.create_subscription(PoseStamped, p.camera_pose_topic, self._on_camera_pose, latched)
+        self.create_subscription(PoseStamped, p.camera_pose_topic,
+                                 lambda m: self._camera_msg(self.camera.on_pose, m, p.camera_pose_topic), latched)
         if p.goal_topic:
             self.create_subscription(String, p.goal_topic, self._on_goal, latched)
         if p.action_feedback_topic:
@@ -122,9 +123,9 @@ class AgentNode(EngineNode):
 
         self._rate_timer = self.replace_timer(None, p.decision_period_s, lambda: self._trigger("rate"))
         self._diag_timer = self.create_timer(p.diagnostics_period_s, self._publish_diagnostics)
-        self.start_engine(tools, on_observed=self._echo_observation, check_result=self._check_result,
-                          on_resolved=self._on_resolved, repeat_slack=p.restate_slack_tokens,
-                          replace_sources=("state",))
+        self.start_engine(tools, on_observed=self._echo_observation, on_decided_ahead=self._on_decided_ahead,
+                          check_result=self._check_result, on_resolved=self._on_resolved,
+                          repeat_slack=p.restate_slack_tokens, replace_sources=("state",))
         self.ctx = ContextPolicy(self.worker, tool_names)
         # the action server and the service appear once the model is loaded
         if p.run_task_action:
@@ -181,21 +182,16 @@ class AgentNode(EngineNode):
         except BadInput as e:
             self.health.report(e, self.p.joint_states_topic)
             return
-        self.inputs.received("joint_states", stamp, self._now_s(), received)
+        self.inputs.received("joint_states", stamp, self._now_s(), received, feeds=self.p.joint_states_in_context)
         if self.p.joint_states_in_context:
             self._submit("joint_states", text, stamp)
 
-    def _on_camera_info(self, msg: CameraInfo) -> None:
+    def _camera_msg(self, take, msg, topic: str) -> None:
+        """A CameraInfo or camera pose message for `CameraRig` (`take`: its on_info or on_pose)."""
         try:
-            self.camera.on_info(msg)
+            take(msg)
         except BadInput as e:
-            self.health.report(e, self.p.camera_info_topic)
-
-    def _on_camera_pose(self, msg: PoseStamped) -> None:
-        try:
-            self.camera.on_pose(msg)
-        except BadInput as e:
-            self.health.report(e, self.p.camera_pose_topic)
+            self.health.report(e, topic)
 
     def _on_image(self, msg: Image) -> None:
         received = time.time()
@@ -213,9 +209,8 @@ class AgentNode(EngineNode):
             self._trigger("frame")
 
     def _on_goal(self, msg: String) -> None:
-        """The goal topic, the thin way in (off unless goal_topic is set): a new text starts a
-        task (without feedback or result); the same text again (a latched re-delivery) changes
-        nothing; it never preempts a running RunTask goal (ignored, with a warning)."""
+        """The goal topic (off unless goal_topic is set): a new text starts a task (no feedback or result); the
+        same text again (a latched re-delivery) changes nothing; a running RunTask goal is never preempted."""
         if self.task is not None and self.task.running and self._tasks is not None and self._tasks.owns(self.task):
             self.get_logger().warning(f"goal topic ignored: a RunTask goal is running ({self.task.text!r})",
                                       throttle_duration_sec=5.0)
@@ -254,21 +249,30 @@ class AgentNode(EngineNode):
         ended = self.ctx.on_feedback(self.p, msg.decision_id, msg.tool_name, msg.state, msg.detail, self._now_s())
         if self.ctx.gripper.holding != holding:
             self.get_logger().info(f"{self.ctx.gripper.text()} (decision {msg.decision_id} {msg.tool_name} {msg.state})")
-        if ended:
-            self._trigger("feedback")
+        if ended:       # the decision answers this feedback: stamped with it when valid (and the newest)
+            try:
+                self._trigger("feedback", self._stamp(msg.header.stamp))
+            except BadInput:
+                self._trigger("feedback")
+
+    def _on_decided_ahead(self, item: DecidedAhead) -> None:
+        """The task's first call decided ahead goes out once ready on an unchanged frame (`first_ahead_hit`)."""
+        if item.text == self.ctx.ahead_line and self.ctx.first_ahead_hit(self.p):
+            self._trigger("frame")
 
     # ------------------------------------------------------------------ decisions
-    def _trigger(self, why: str) -> None:
-        """Start a decision now if the engine is free. `why`: "rate", "scene", "goal", "frame"
-        (an unchanged camera frame for a task's first call decided ahead: `ContextPolicy.decide_first_ahead`) or
+    def _trigger(self, why: str, stamp: Time | None = None) -> None:
+        """Start a decision now if the engine is free, on the observation stamped `stamp` (None:
+        the newest reading in the context). `why`: "rate", "scene", "goal", "frame" (the task's first
+        call decided ahead is ready on the newest frame's state line: `ContextPolicy.decide_first_ahead`) or
         "feedback"; one that finds the engine busy runs when it is free, as what it was. Only
         a goal decides while the robot executes a model call. Rate triggers also keep safe
         actions flowing while the engine is stuck past a deadline. Nothing decides while the
-        node is not active."""
-        if not self.active:
+        node is not active, nor before its first task (unless decide_without_task), nor after a task ended."""
+        if not self.active or (self.task is None and not self.p.decide_without_task):
             return
-        now = self.get_clock().now()
-        stamp = self.inputs.latest_stamp or now
+        now, given = self.get_clock().now(), stamp
+        stamp = self.inputs.newest(stamp) or now
         if self.task is not None:
             over = self.task.over_budget(now) if self.task.running else None
             if over is not None:
@@ -283,7 +287,7 @@ class AgentNode(EngineNode):
                 self.monitor.fail_now(stamp, "engine_busy")
             else:
                 if why != "rate":
-                    self.loop.defer(lambda: self._trigger(why))
+                    self.loop.defer(lambda: self._trigger(why, given))
                 self._skipped_busy += 1
             return
         if self.inputs.missing(self._now_s(), self.p.stale_after_s):

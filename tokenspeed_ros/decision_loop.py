@@ -18,7 +18,7 @@ from collections.abc import Callable
 from rclpy.time import Time
 
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, Decision, ModelResult
-from tokenspeed_ros.engine_worker import EngineWorker, Observed
+from tokenspeed_ros.engine_worker import DecidedAhead, EngineWorker, Observed
 
 TURNS_KEPT = 10_000     # engine turns kept for the percentiles
 
@@ -29,7 +29,8 @@ class DecisionLoop:
     monitor: the node's DeadlineMonitor; worker: its EngineWorker, or None for a node without an
     agent (every decision then falls back with reason "no_agent"); clock: the node's rclpy Clock;
     publish_margin_s: the engine stops this long before the deadline (seconds);
-    on_observed(Observed): an observation entered the session; check_result(ModelResult) ->
+    on_observed(Observed): an observation entered the session; on_decided_ahead(DecidedAhead): a
+    call decided ahead is ready; check_result(ModelResult) ->
     ModelResult: the node's last word on a result before the monitor sees it; on_resolved(ModelResult,
     ActionCommand | None): the monitor resolved a result (the command when the model's call was
     published). `engine_turn_s`: seconds from handing a decision to the engine to its result, late
@@ -38,6 +39,7 @@ class DecisionLoop:
 
     def __init__(self, monitor: DeadlineMonitor, worker: EngineWorker | None, clock, *, publish_margin_s: float,
                  on_observed: Callable[[Observed], None] | None = None,
+                 on_decided_ahead: Callable[[DecidedAhead], None] | None = None,
                  check_result: Callable[[ModelResult], ModelResult] | None = None,
                  on_resolved: Callable[[ModelResult, object], None] | None = None):
         self.monitor = monitor
@@ -45,6 +47,7 @@ class DecisionLoop:
         self.publish_margin_s = publish_margin_s
         self._clock = clock
         self._on_observed = on_observed
+        self._on_decided_ahead = on_decided_ahead
         self._check_result = check_result
         self._on_resolved = on_resolved
         self.outstanding: int | None = None      # decision id the engine is working on
@@ -108,6 +111,10 @@ class DecisionLoop:
             if isinstance(item, Observed):
                 if self._on_observed is not None:
                     self._on_observed(item)
+                continue
+            if isinstance(item, DecidedAhead):
+                if self._on_decided_ahead is not None:
+                    self._on_decided_ahead(item)
                 continue
             if item.decision_id == self.outstanding:
                 self.outstanding = None

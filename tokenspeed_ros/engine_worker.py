@@ -18,7 +18,8 @@ tier instead of growing the per-token cost.
 Decided ahead (speculative actions): `decide_ahead(restate, tool_choice)` prefills a predicted
 state line on a session checkpoint and decides there while the engine is otherwise idle. A later
 `decide()` whose state line and tool_choice are exactly the predicted ones, with nothing observed
-in between, is answered with that call at once ("hit"): its context is then token for token the
+in between, is answered with that call at once ("hit"; `drain()` gives a `DecidedAhead` when the
+call is ready): its context is then token for token the
 one a fresh decision would have had, so under greedy decoding the call is the one a fresh decision
 gives. Anything else rolls the session back to the checkpoint first ("miss") and goes on as usual.
 Each result carries a `DecisionTrace` of its stages.
@@ -54,6 +55,14 @@ class Observed:
     text: str
     stamp_s: float          # sensor stamp, seconds
     tokens: int
+
+
+@dataclass
+class DecidedAhead:
+    """A call decided ahead (`EngineWorker.decide_ahead`) is ready: the state line it assumed and the call."""
+
+    text: str
+    call: dict              # {"name", "arguments"}
 
 
 @dataclass
@@ -288,7 +297,7 @@ class EngineWorker:
         ahead = self._ahead
         return None if ahead is None else ahead.result[1]
 
-    def drain(self) -> list[Observed | ModelResult]:
+    def drain(self) -> list[Observed | DecidedAhead | ModelResult]:
         """Everything finished since the last call, in order."""
         with self._cv:
             out, self._out = self._out, []
@@ -494,6 +503,7 @@ class EngineWorker:
         self.context_tokens = self._session.num_tokens
         self._log.info(f"decided ahead: {d.tool_call['name']} ({n} tokens of predicted state prefilled in "
                        f"{self._ahead.prefill_ms:.0f} ms, decided in {self._ahead.decide_ms:.0f} ms)")
+        self._emit(DecidedAhead(text, d.tool_call))
 
     def _restore(self, cp, book: tuple) -> None:
         """Roll the session back to `cp` and the bookkeeping (`_book()`) with it."""

@@ -53,8 +53,8 @@ class SensorGate:
     newest reading's stamp. Times `now_s` are seconds of the node's clock; stamps are the node's
     rclpy Time (only compared and kept here). Not thread-safe: the executor thread.
 
-    `latest_stamp`: the newest valid sensor stamp (None before the first);
-    `latest_times`: (received, perceived) wall-clock seconds of its message.
+    `latest_stamp`: the newest valid stamp of a reading that feeds the context (a decision answers
+    it; None before the first); `latest_times`: (received, perceived) wall-clock seconds of its message.
     """
 
     def __init__(self, health: InputHealth, sources: tuple[str, ...], started_s: float):
@@ -65,13 +65,20 @@ class SensorGate:
         self.latest_stamp = None
         self.latest_times = (0.0, 0.0)
 
-    def received(self, source: str, stamp, now_s: float, received: float) -> None:
+    def received(self, source: str, stamp, now_s: float, received: float, feeds: bool = True) -> None:
         """A valid reading stamped `stamp`, whose message arrived at `received` (wall clock, s),
-        is processed (perception done)."""
+        is processed (perception done); feeds: it enters the context (else it only keeps its
+        source fresh, e.g. joint states that are not in the context)."""
         self.last_rx[source] = now_s
-        if self.latest_stamp is None or stamp > self.latest_stamp:
+        if feeds and (self.latest_stamp is None or stamp > self.latest_stamp):
             self.latest_stamp = stamp
             self.latest_times = (received, time.time())
+
+    def newest(self, stamp=None):
+        """The newer of `stamp` (e.g. the robot's feedback a decision answers; None: none) and
+        `latest_stamp`; None when neither is known."""
+        return stamp if self.latest_stamp is None or (stamp is not None and stamp > self.latest_stamp) \
+            else self.latest_stamp
 
     def missing(self, now_s: float, stale_after_s: float) -> list[str]:
         """The sources with no valid reading within `stale_after_s` seconds (each silent one is

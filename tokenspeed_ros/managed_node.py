@@ -222,7 +222,7 @@ class EngineNode(ManagedNode):
         self.loop: DecisionLoop | None = None
         super().__init__(name, **node_kwargs)
 
-    def start_engine(self, tools: list[dict] | None, *, on_observed=None, check_result=None,
+    def start_engine(self, tools: list[dict] | None, *, on_observed=None, on_decided_ahead=None, check_result=None,
                      on_resolved=None, **worker_options) -> None:
         """Make the engine thread for `tools` (an OpenAI tool list; None = no agent: every
         decision falls back "no_agent"; a call is required unless a decision says otherwise) with
@@ -239,7 +239,8 @@ class EngineNode(ManagedNode):
                                        kv_budget=p.kv_budget_tokens, notify=wake.trigger, logger=self.get_logger(),
                                        **worker_options)
         self.loop = DecisionLoop(self.monitor, self.worker, self.get_clock(), publish_margin_s=p.publish_margin_s,
-                                 on_observed=on_observed, check_result=check_result, on_resolved=on_resolved)
+                                 on_observed=on_observed, on_decided_ahead=on_decided_ahead, check_result=check_result,
+                                 on_resolved=on_resolved)
         if self.worker is not None:
             self.worker.start()
             self.answer_lifecycle_queries(lambda timeout_s: self.worker.wait_loaded(timeout_s) != "loading")

@@ -206,7 +206,7 @@ class AgentParams(NodeParams):
     NODE: ClassVar[str] = "tokenspeed_agent"
     DEFAULT_TOOLS: ClassVar[str] = "robot_tools.json"
     LIVE: ClassVar[frozenset[str]] = frozenset({
-        "threads", "base_frame", "decision_period_s", "decide_on_goal", "decide_on_scene_change",
+        "threads", "base_frame", "decision_period_s", "decide_on_goal", "decide_on_scene_change", "decide_without_task",
         "decide_while_executing", "observe_while_executing", "execution_timeout_s", "deadline_budget_s",
         "publish_margin_s", "fallback", "tool_choice", "tools_when_empty", "tools_when_holding",
         "restate_before_decisions", "joint_states_in_context", "restate_slack_tokens", "diagnostics_period_s", "decide_ahead",
@@ -246,6 +246,11 @@ class AgentParams(NodeParams):
     decision_period_s: float = Field(1.0, ge=0.0, le=3600.0, description=f"rate trigger period (s); 0 = events only, else at least {MIN_PERIOD_S} s")
     decide_on_goal: bool = Field(True, description="trigger a decision when a new goal arrives")
     decide_on_scene_change: bool = Field(True, description="trigger a decision when the seen objects change")
+    decide_without_task: bool = Field(
+        False, description="false: nothing decides (rate, scene, feedback) until the first task runs, so no "
+                           "decision is cut short when one starts (a Decide request still decides); true: decide "
+                           "from the sensors alone until then (a node used without RunTask or the goal topic). "
+                           "After a task ends the agent holds either way")
     decide_while_executing: bool = Field(
         False, description="false: no rate/scene decisions while the robot executes the last model call; "
                            "its done/rejected/preempted feedback triggers the next one")

@@ -63,7 +63,7 @@ def test_impossible_budget_gives_the_configured_fallback(probe, start_agent):
     actions, statuses, _, _ = listen_all(probe)
     SensorFeed(probe)
     agent = start_agent(model="tiny-random", deadline_budget_s=0.001, publish_margin_s=0.0,
-                        fallback="stop", decision_period_s=0.2)
+                        fallback="stop", decision_period_s=0.2, decide_without_task="true")
     assert probe.spin_until(lambda: sum(s.reason == "deadline_missed" for s in statuses) >= 3, ENGINE_TIMEOUT), \
         agent.log_path.read_text()
     missed = [s for s in statuses if s.reason == "deadline_missed"]
@@ -96,7 +96,7 @@ def test_engine_faults_keep_the_node_publishing_fallbacks(probe, start_agent):
     assert "tool_choice='no_such_tool' refused: one of required, auto, pick" in refused.log_path.read_text()
     actions, statuses, _, diags = listen_all(probe)
     SensorFeed(probe)
-    agent = start_agent(code=FAULTY_DECIDE, decision_period_s=0.2, model="tiny-random")
+    agent = start_agent(code=FAULTY_DECIDE, decision_period_s=0.2, model="tiny-random", decide_without_task="true")
     assert probe.spin_until(lambda: sum(s.reason == "engine_fault" for s in statuses) >= 2, ENGINE_TIMEOUT), \
         agent.log_path.read_text()
     assert probe.spin_until(lambda: any(a.source == "fallback" and a.tool_name == "hold" for a in actions), 5)
@@ -115,7 +115,8 @@ def test_bad_input_is_counted_and_never_crashes_the_node(probe, start_agent):
     images = node.create_publisher(Image, "camera/image_raw", 10)
     infos = node.create_publisher(CameraInfo, "camera/camera_info", 10)
     goals = node.create_publisher(String, "goal", LATCHED)
-    agent = start_agent(goal_topic="goal", model="tiny-random", decision_period_s=0.2, stale_after_s=0.5)
+    agent = start_agent(goal_topic="goal", model="tiny-random", decision_period_s=0.2, stale_after_s=0.5,
+                        decide_without_task="true")
     assert probe.spin_until(lambda: node.count_subscribers("joint_states") >= 1
                             and node.count_subscribers("camera/image_raw") >= 1
                             and node.count_subscribers("goal") >= 1, 30), agent.log_path.read_text()
@@ -179,7 +180,7 @@ def test_robot_executing_a_call_pauses_rate_decisions_until_its_feedback(probe, 
     actions, _, observations, diags = listen_all(probe)
     feedback = probe.node.create_publisher(ActionFeedback, "sim/action_feedback", 10)
     SensorFeed(probe)
-    agent = start_agent(model="tiny-random", tool_choice="hold", decision_period_s=0.2)
+    agent = start_agent(model="tiny-random", tool_choice="hold", decision_period_s=0.2, decide_without_task="true")
     assert probe.spin_until(lambda: len(actions) >= 2 and feedback.get_subscription_count() >= 1, 30), \
         agent.log_path.read_text()
 

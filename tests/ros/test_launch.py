@@ -158,8 +158,9 @@ def test_launcher_runs_both_nodes_and_ctrl_c_leaves_no_process(probe, ros_env):
     from tokenspeed_msgs.msg import ActionCommand
 
     actions = probe.listen(ActionCommand, "agent/action")
-    # the agent (tiny random model) decides and the sim is up: both processes run
-    launch_until_ready_then_ctrl_c(probe, ros_env, "cobot_sim", ["tokenspeed_agent.model=tiny-random"],
+    # the agent (tiny random model, its task from the sim's goal topic) decides and the sim is up: both run
+    launch_until_ready_then_ctrl_c(probe, ros_env, "cobot_sim", ["tokenspeed_agent.model=tiny-random",
+                                                                  "tokenspeed_agent.goal_topic=goal"],
                                    lambda: actions and probe.node.count_publishers("joint_states") >= 1)
 
 
@@ -194,14 +195,16 @@ def test_an_override_without_a_value_is_a_clear_error(ros_env):
 def test_two_cells_in_two_namespaces_on_one_domain(probe, ros_env):
     """Two launches (simulator + agent each, tiny random model) in namespaces cell1 and cell2 on
     one ROS domain, as a fleet scales over DDS: each agent is brought up by its launcher (lifecycle
-    active), acts on its own cell's topics, and Ctrl-C ends both with no process left."""
+    active), takes its own cell's goal as its task and acts on its own cell's topics, and Ctrl-C ends
+    both with no process left."""
     from tokenspeed_msgs.msg import ActionCommand
 
     from agent_support import Lifecycle
 
     actions = {cell: probe.listen(ActionCommand, f"/{cell}/agent/action") for cell in ("cell1", "cell2")}
     launchers = [subprocess.Popen([str(BIN / "tokenspeed_launch"), "cobot_sim", "--namespace", cell, "--model",
-                                   "tiny-random", "--grace", "10", "--set", "tokenspeed_cobot_sim.seed=" + str(i)],
+                                   "tiny-random", "--grace", "10", "--set", "tokenspeed_cobot_sim.seed=" + str(i),
+                                   "--set", "tokenspeed_agent.goal_topic=goal"],
                                   env=ros_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for i, cell in enumerate(actions, 1)]
     try:

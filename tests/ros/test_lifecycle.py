@@ -40,7 +40,7 @@ def test_transitions_drive_decisions(probe, start_agent):
     actions, statuses, _, _ = listen_all(probe)
     SensorFeed(probe)
     agent = start_agent(autostart="false", model="tiny-random", tool_choice="hold", deadline_budget_s=30.0,
-                        decision_period_s=0.3)
+                        decision_period_s=0.3, decide_without_task="true")
     life = Lifecycle(probe)
     assert life.state() == "unconfigured"
     assert life.change(Transition.TRANSITION_CONFIGURE, ENGINE_TIMEOUT), agent.log_path.read_text()

@@ -17,7 +17,7 @@ from test_agent_node import ENGINE_TIMEOUT
 from tokenspeed_ros.params import AgentParams
 
 INT64 = 2 ** 63 - 1
-GOOD = {"tool_choice": "hold", "decision_period_s": 0.3, "deadline_budget_s": 30.0, "threads": 1,
+GOOD = {"decide_without_task": True, "tool_choice": "hold", "decision_period_s": 0.3, "deadline_budget_s": 30.0, "threads": 1,
         "publish_margin_s": 0.02, "fallback": "hold", "tools_when_empty": ["pick", "move_to", "hold", "stop"],
         "tools_when_holding": ["place", "move_to", "hold", "stop"]}
 

@@ -81,7 +81,7 @@ def test_remapped_command_topic_carries_its_heartbeat(probe, start_agent):
     commands = probe.listen(ActionCommand, "/robot3/cmd")
     SensorFeed(probe)
     agent = start_agent(remaps={"agent/action": "/robot3/cmd"}, model="tiny-random", tool_choice="hold",
-                        deadline_budget_s=30.0, decision_period_s=0.3)
+                        deadline_budget_s=30.0, decision_period_s=0.3, decide_without_task="true")
     assert probe.spin_until(lambda: len(remapped) > 5 and commands, ENGINE_TIMEOUT), agent.log_path.read_text()
     assert default == []
     assert all(c.header.frame_id == "base" for c in commands)      # every command names its frame

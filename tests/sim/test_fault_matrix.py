@@ -112,7 +112,7 @@ CLOCK_JUMPS = ((3.0, 5.0), (6.0, -10.0))   # (seconds into the run, jump of the 
 
 
 def start_agent(env, log, fault: str = "") -> subprocess.Popen:
-    params = {"model": "tiny-random", "deadline_budget_s": BUDGET_S, "decision_period_s": 0.3,
+    params = {"model": "tiny-random", "deadline_budget_s": BUDGET_S, "decision_period_s": 0.3, "decide_without_task": "true",
               "decide_while_executing": "true", "quantize": "none", "use_sim_time": str(fault == "clock_jump").lower()}
     ros_args = ["--ros-args", "--params-file", str(AGENT_PARAMS)]
     for k, v in params.items():

@@ -23,16 +23,19 @@ def test_percentiles():
 
 
 def test_hit_rate_leaves_out_task_done_and_start_up_holds(ros_node):
-    """The model's own task_done and a no_sensor_data hold before the agent's first observation are
-    neither met nor missed; a no_sensor_data hold after it (a sensor outage) is a miss. The messages
-    are fed straight to the harness's callbacks in this process, in the order DDS would deliver them."""
+    """The model's own task_done, a no_sensor_data hold before the agent's first observation and a
+    decision superseded by a new task whose hold went out by its deadline are neither met nor
+    missed; a no_sensor_data hold after the first observation (a sensor outage) and a superseded
+    decision whose hold came after its deadline are misses. The messages are fed straight to the
+    harness's callbacks in this process, in the order DDS would deliver them."""
     harness = LatencyHarness()
     try:
-        def decide(i, source, reason):
+        def decide(i, source, reason, late=False):
             cmd = ActionCommand(decision_id=i, source=source, tool_name="hold" if source == "fallback" else "move_to")
             harness._on_action(cmd)
-            harness._on_deadline(DeadlineStatus(decision_id=i, met=reason == "ok", fallback_used=source == "fallback",
-                                                reason=reason))
+            status = DeadlineStatus(decision_id=i, met=reason == "ok", fallback_used=source == "fallback", reason=reason)
+            status.header.stamp.sec, status.deadline.sec = 10, 11 if not late else 9
+            harness._on_deadline(status)
             time.sleep(0.002)
 
         decide(1, "fallback", "no_sensor_data")          # start-up: nothing in the context yet
@@ -41,11 +44,14 @@ def test_hit_rate_leaves_out_task_done_and_start_up_holds(ros_node):
         decide(2, "model", "ok")
         decide(3, "fallback", "no_sensor_data")          # an outage after the first reading: a miss
         decide(4, "fallback", "task_done")               # the model ended the task
+        decide(5, "fallback", "superseded")              # a new task began; the hold went out in time
+        decide(6, "fallback", "superseded", late=True)   # ... after the deadline: a miss
         dl = harness.report()["deadline"]
     finally:
         harness.destroy_node()
-    assert dl == {"statuses": 2, "met": 1, "missed": 1, "hit_rate": pytest.approx(0.5), "fallback_used": 1,
-                  "reasons": {"ok": 1, "no_sensor_data": 1}, "not_decisions": {"no_sensor_data": 1, "task_done": 1}}
+    assert dl == {"statuses": 3, "met": 1, "missed": 2, "hit_rate": pytest.approx(1 / 3), "fallback_used": 2,
+                  "reasons": {"ok": 1, "no_sensor_data": 1, "superseded": 1},
+                  "not_decisions": {"no_sensor_data": 1, "task_done": 1, "superseded": 1}}
 
 
 def test_harness_reports_a_short_closed_loop_run(sim_process, ros_node, spin, ros_env, tmp_path):
