@@ -187,8 +187,9 @@ class Engine:
                 linears (`tokenspeed.quant`; on CUDA through torch's int8 and int4 kernels, bf16
                 activations for int4), or "gguf": a GGUF file's own quantization, read from the file
                 tensor by tensor without an fp32 copy (`tokenspeed.weights.load_gguf`: Q4_0/Q4_1/Q4_K
-                blocks run as they are; CPU, float32). Quantized fp32 CPU weights are cached
-                (`tokenspeed.weights.load_quantized`): a warm load reads them packed.
+                blocks run as they are; CPU, float32). Quantized fp32 CPU weights, and a GGUF
+                file's blocks in the kernels' layout, are cached (`tokenspeed.weights.load_quantized`):
+                a warm load reads them packed.
             stages: `LoadStages` to continue (its clock runs on from its last stage), else a new one;
                 it becomes `Engine.load_stages`.
             pipeline: draft the next decode step while the forward runs (on the CPU that work then
@@ -240,12 +241,14 @@ class Engine:
             stages.done("auto weights: cached choice lookup")
         plain = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
         fmt = choice.format if choice else quantize if quantize in (*MODES, "gguf") else plain
-        net = load_quantized(files, fmt) if on_cpu and fmt in MODES else None
+        net = load_quantized(files, fmt) if on_cpu and fmt in (*MODES, "gguf") else None
         if net is not None:
             stages.done(f"{fmt} weights from the quantized cache")
         elif fmt == "gguf":
             net = load_gguf(files)
             stages.done("gguf weights from the file")
+            save_quantized(net, files, fmt)
+            stages.done("quantized cache written")
         else:
             net = _tiny_random(files.args) if model == "tiny-random" else _fp32_model(files)
             # off the CPU, quantized weights are made on the device from fp32, then the rest is cast
