@@ -16,6 +16,7 @@ from .model import ModelArgs, Transformer
 from .paths import cache_dir
 from .quant import MODES
 from .session import Session
+from .stages import LoadStages
 from .speculation import SpecConfig
 from .tokenizer import Tokenizer
 from .weights import ModelLoadError, load_gguf, load_model_files, load_quantized, resolve_model, save_quantized
@@ -56,34 +57,6 @@ def _fp32_model(files) -> Transformer:
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{files.folder}: {exc}") from exc
     return net
-
-
-class LoadStages(dict):
-    """Start-up stages, in order: name -> (wall s, CPU s of the whole process) since the previous
-    stage (or since construction). `Engine.load` fills one (`Engine.load_stages`); callers may
-    continue it with their own stages (the ROS agent adds its session set-up)."""
-
-    def __init__(self):
-        super().__init__()
-        self._clock = (time.perf_counter(), time.process_time())
-
-    def add(self, name: str, wall_s: float, cpu_s: float) -> None:
-        """Record a stage measured elsewhere (e.g. before the engine was imported)."""
-        self[name] = (wall_s, cpu_s)
-
-    def done(self, name: str) -> None:
-        """Close the stage `name` now."""
-        now = (time.perf_counter(), time.process_time())
-        self[name] = (now[0] - self._clock[0], now[1] - self._clock[1])
-        self._clock = now
-
-    def table(self) -> str:
-        """The stages as a text table (wall and CPU seconds, total last)."""
-        width = max(map(len, self), default=5)
-        rows = [f"  {name:<{width}} {w:7.2f} s {c:7.2f} s" for name, (w, c) in self.items()]
-        total = [sum(v[i] for v in self.values()) for i in (0, 1)]
-        return "\n".join([f"  {'stage':<{width}} {'wall':>9} {'CPU':>9}", *rows,
-                          f"  {'total':<{width}} {total[0]:7.2f} s {total[1]:7.2f} s"])
 
 
 class Engine:
