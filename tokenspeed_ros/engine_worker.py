@@ -146,8 +146,8 @@ class EngineWorker:
     e.g. state lines, so that missed decisions do not leave a trail of stale states);
     notify: called from the engine thread whenever `drain()` has something new; logger: rclpy
     logger; stages: the node's start-up `LoadStages` so far, which the load continues (`stages`:
-    complete once `state` is "ready"). `state` is "loading", "ready" or "fault" (then `fault` says why): an exception that
-    ends the thread after the load (e.g. torch refusing a thread count) is a fault too - the
+    complete once `state` is "ready"). `state` is "loading", "ready" or "fault" (then `fault` says
+    why): an exception that ends the thread after the load (e.g. torch refusing a thread count) is a fault too - the
     decision in flight is answered "engine_fault" and every later one falls back at once, so
     /diagnostics shows the engine as an error, never `ready`.
     """
@@ -653,7 +653,9 @@ def import_ahead(modules: tuple[str, ...]) -> threading.Thread:
     (torch: ~1 s) then overlap its start (rclpy, DDS discovery, the wait for configure) instead of
     following the configure request. An import the engine thread needs meanwhile waits for this
     one (Python's per-module import locks). An import that fails is left for the engine thread,
-    which imports it again and reports why (the node's configure fails). Returns the thread."""
+    which imports it again and reports why (the node's configure fails). A node that turns out to
+    run no engine (a market bridge with agent false) has imported them for nothing (~1 s CPU once).
+    Returns the thread."""
     def run() -> None:
         for name in modules:
             try:
