@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {   # public name -> the submodule that defines it
-    "Engine": "engine", "EngineArgumentError": "engine", "LoadStages": "engine",
+    "Engine": "engine", "EngineArgumentError": "engine", "LoadStages": "stages",
     "Session": "session", "Decision": "session", "Checkpoint": "session", "Segment": "session",
     "SessionAborted": "session", "SessionArgumentError": "session",
     "ModelArgs": "model", "Transformer": "model", "SpecConfig": "speculation", "ToolSchemaError": "grammar",

@@ -16,6 +16,7 @@ from .model import ModelArgs, Transformer
 from .paths import cache_dir
 from .quant import MODES
 from .session import Session
+from .stages import LoadStages
 from .speculation import SpecConfig
 from .tokenizer import Tokenizer
 from .weights import ModelLoadError, load_gguf, load_model_files, load_quantized, resolve_model, save_quantized
@@ -56,34 +57,6 @@ def _fp32_model(files) -> Transformer:
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{files.folder}: {exc}") from exc
     return net
-
-
-class LoadStages(dict):
-    """Start-up stages, in order: name -> (wall s, CPU s of the whole process) since the previous
-    stage (or since construction). `Engine.load` fills one (`Engine.load_stages`); callers may
-    continue it with their own stages (the ROS agent adds its session set-up)."""
-
-    def __init__(self):
-        super().__init__()
-        self._clock = (time.perf_counter(), time.process_time())
-
-    def add(self, name: str, wall_s: float, cpu_s: float) -> None:
-        """Record a stage measured elsewhere (e.g. before the engine was imported)."""
-        self[name] = (wall_s, cpu_s)
-
-    def done(self, name: str) -> None:
-        """Close the stage `name` now."""
-        now = (time.perf_counter(), time.process_time())
-        self[name] = (now[0] - self._clock[0], now[1] - self._clock[1])
-        self._clock = now
-
-    def table(self) -> str:
-        """The stages as a text table (wall and CPU seconds, total last)."""
-        width = max(map(len, self), default=5)
-        rows = [f"  {name:<{width}} {w:7.2f} s {c:7.2f} s" for name, (w, c) in self.items()]
-        total = [sum(v[i] for v in self.values()) for i in (0, 1)]
-        return "\n".join([f"  {'stage':<{width}} {'wall':>9} {'CPU':>9}", *rows,
-                          f"  {'total':<{width}} {total[0]:7.2f} s {total[1]:7.2f} s"])
 
 
 class Engine:
@@ -187,8 +160,9 @@ class Engine:
                 linears (`tokenspeed.quant`; on CUDA through torch's int8 and int4 kernels, bf16
                 activations for int4), or "gguf": a GGUF file's own quantization, read from the file
                 tensor by tensor without an fp32 copy (`tokenspeed.weights.load_gguf`: Q4_0/Q4_1/Q4_K
-                blocks run as they are; CPU, float32). Quantized fp32 CPU weights are cached
-                (`tokenspeed.weights.load_quantized`): a warm load reads them packed.
+                blocks run as they are; CPU, float32). Quantized fp32 CPU weights, and a GGUF
+                file's blocks in the kernels' layout, are cached (`tokenspeed.weights.load_quantized`):
+                a warm load reads them packed.
             stages: `LoadStages` to continue (its clock runs on from its last stage), else a new one;
                 it becomes `Engine.load_stages`.
             pipeline: draft the next decode step while the forward runs (on the CPU that work then
@@ -240,12 +214,14 @@ class Engine:
             stages.done("auto weights: cached choice lookup")
         plain = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
         fmt = choice.format if choice else quantize if quantize in (*MODES, "gguf") else plain
-        net = load_quantized(files, fmt) if on_cpu and fmt in MODES else None
+        net = load_quantized(files, fmt) if on_cpu and fmt in (*MODES, "gguf") else None
         if net is not None:
             stages.done(f"{fmt} weights from the quantized cache")
         elif fmt == "gguf":
             net = load_gguf(files)
             stages.done("gguf weights from the file")
+            save_quantized(net, files, fmt)
+            stages.done("quantized cache written")
         else:
             net = _tiny_random(files.args) if model == "tiny-random" else _fp32_model(files)
             # off the CPU, quantized weights are made on the device from fp32, then the rest is cast

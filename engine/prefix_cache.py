@@ -9,6 +9,10 @@ code, torch's version, the CPU kernel variant, fused or Python path, thread coun
 and dtype. So a restored session holds the same KV, bit for bit, as one prefilled here, and any
 change misses. Entries are safetensors files (no pickle), written atomically; the newest
 `KEEP` stay. An unreadable or mismatched entry is treated as a miss (and overwritten).
+
+A session with a draft model (`tokenspeed.speculation.DraftState`) stores the draft's KV of the
+same tokens in the entry too (its weights are in the key), so a warm start prefills neither; an
+entry without it, or one whose draft KV does not fit, restores the target's and prefills the draft.
 """
 from __future__ import annotations
 
@@ -74,6 +78,11 @@ def _key(session, ids: list[int]) -> str:
              "device": str(engine.device), "dtype": str(model.tok_embeddings.weight.dtype),
              "fused": fused, "variant": variant, "threads": torch.get_num_threads(),
              "cache": type(session.cache).__name__}
+    draft = _draft(session)
+    if draft is not None:
+        if draft.draft.net not in _FINGERPRINTS:
+            _FINGERPRINTS[draft.draft.net] = _weights_fingerprint(draft.draft.net)
+        parts["draft"] = _FINGERPRINTS[draft.draft.net]
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -93,49 +102,77 @@ def entry_path(session, ids: list[int]) -> Path | None:
     return None if root is None else root / f"{_key(session, ids)}.safetensors"
 
 
-def _state(cache, n: int, ids: list[int]) -> dict[str, torch.Tensor]:
+def _draft(session):
+    """The session's draft model state (`DraftState`), or None when it drafts without one."""
+    return getattr(session.speculator, "draft", None)
+
+
+def _draft_holds(draft, ids: list[int]) -> bool:
+    """Whether `draft`'s cache holds exactly `ids` from rotary position 0 (what an entry stores)."""
+    n = len(ids)
+    return (draft.offset == draft.anchor == 0 and draft.cache.n == n
+            and np.array_equal(draft.tokens[:n], np.asarray(ids, dtype=np.int64)))
+
+
+def _state(cache, n: int, ids: list[int], draft=None) -> dict[str, torch.Tensor]:
     state = {"k": cache.k[:, :, :, :n], "v": cache.v[:, :, :, :n], "pos": cache.pos[:n],
              "ids": torch.tensor(ids, dtype=torch.long, device="cpu")}
     if cache.tracks_attention:
         state["score"] = cache.score[:n]
+    if draft is not None and _draft_holds(draft, ids):
+        c = draft.cache
+        state.update(draft_k=c.k[:, :, :, :n], draft_v=c.v[:, :, :, :n], draft_pos=c.pos[:n])
     return {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
 
 
-def _save(path: Path, cache, ids: list[int]) -> None:
+def _save(path: Path, cache, ids: list[int], draft=None) -> None:
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    save_file(_state(cache, len(ids), ids), str(tmp))
+    save_file(_state(cache, len(ids), ids, draft), str(tmp))
     os.replace(tmp, path)
     entries = sorted(path.parent.glob("*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True)
     for old in entries[KEEP:]:
         old.unlink(missing_ok=True)
 
 
-def _load(path: Path, cache, ids: list[int]) -> bool:
-    """Write the entry's KV into the empty `cache`; False (cache untouched) when it does not fit."""
+def _load(path: Path, cache, ids: list[int], draft=None) -> tuple[bool, bool]:
+    """Write the entry's KV into the empty `cache` (and its draft KV into the empty `draft`'s
+    cache); returns whether each was loaded (False: that cache untouched, it does not fit)."""
     from safetensors.torch import load_file
 
     try:
         state = load_file(str(path))
     except Exception as exc:  # noqa: BLE001 - whatever a damaged file raises (SafetensorError, OSError): a miss
         log.warning("system prompt KV cache entry %s unreadable (%s): prefilling", path, exc)
-        return False
+        return False, False
     n = len(ids)
     shape = (*cache.k.shape[:3], n, cache.k.shape[4])
     ids_t = torch.tensor(ids, dtype=torch.long, device="cpu")
     if (not torch.equal(state.get("ids", torch.empty(0, device="cpu")), ids_t)
             or tuple(state["k"].shape) != shape or tuple(state["v"].shape) != shape
             or (cache.tracks_attention and "score" not in state) or cache.n or n > cache.capacity):
-        return False
+        return False, False
     cache.k[:, :, :, :n] = state["k"].to(cache.k.device)
     cache.v[:, :, :, :n] = state["v"].to(cache.v.device)
     cache.pos[:n] = state["pos"].to(cache.pos.device)
     if cache.tracks_attention:
         cache.score[:n] = state["score"].to(cache.score.device)
     cache.advance(n, int(state["pos"][-1]) + 1 if n else 0)
-    return True
+    if draft is None or "draft_k" not in state:
+        return True, False
+    c = draft.cache
+    dshape = (*c.k.shape[:3], n, c.k.shape[4])
+    if (tuple(state["draft_k"].shape) != dshape or tuple(state["draft_v"].shape) != dshape or c.n
+            or draft.offset or draft.anchor or n > c.capacity or not n):
+        return True, False
+    c.k[:, :, :, :n] = state["draft_k"].to(c.k.device)
+    c.v[:, :, :, :n] = state["draft_v"].to(c.v.device)
+    c.pos[:n] = state["draft_pos"].to(c.pos.device)
+    c.advance(n, int(state["draft_pos"][-1]) + 1)
+    draft.tokens[:n] = np.asarray(ids, dtype=np.int64)
+    return True, True
 
 
 def prefill_system(session) -> bool:
@@ -155,11 +192,14 @@ def prefill_system(session) -> bool:
     if path is None:
         session._flush()
         return False
-    if path.is_file() and _load(path, session.cache, ids):
+    draft = _draft(session)
+    loaded, draft_loaded = _load(path, session.cache, ids, draft) if path.is_file() else (False, False)
+    if loaded:
         session.target.tokens.extend(ids)
         session.pending = session.pending[len(ids):]
         session.cache.trim()
-        session.speculator.observe(session.target.context())
+        if not draft_loaded:
+            session.speculator.observe(session.target.context())
         try:
             os.utime(path)  # most recently used
         except OSError:     # another process's session evicted it meanwhile: the KV is loaded already
@@ -167,7 +207,7 @@ def prefill_system(session) -> bool:
         return True
     session._flush()
     try:
-        _save(path, session.cache, ids)
+        _save(path, session.cache, ids, draft)
     except OSError as exc:
         log.warning("cannot store the system prompt KV in %s (%s)", path, exc)
     return False

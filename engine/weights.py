@@ -6,7 +6,8 @@ Q/K rows un-permuted back to the Hugging Face rotary layout, tokenizer rebuilt f
 vocabulary - into a content-addressed folder under the user's cache dir (`TOKENSPEED_CACHE` or
 platformdirs' user cache dir), so later loads read safetensors only (a few seconds) and
 `transformers` can load the very same folder for parity checks. A model quantized for the CPU
-(`tokenspeed.quant`) is cached too (`load_quantized`), so a warm start reads the packed weights.
+(`tokenspeed.quant`), or a GGUF file's own blocks in the kernels' layout (`load_gguf`), is cached
+too (`load_quantized`), so a warm start reads the packed weights.
 
 Checkpoint names follow Hugging Face Llama (`model.layers.{i}.self_attn.q_proj.weight`, ...);
 `load_state_dict` maps them to this engine's modules in one table (`_HF_TO_ENGINE`).
@@ -221,7 +222,9 @@ def load_model_files(files: ModelFiles) -> dict[str, torch.Tensor]:
 def _quantized_path(files: ModelFiles, fmt: str) -> Path:
     from . import quant
 
-    h = hashlib.sha256(b"\0".join([Path(quant.__file__).read_bytes(), torch.__version__.encode(), fmt.encode(),
+    # the code that makes the layers: quantization, and for "gguf" the file's reader (`load_gguf`)
+    code = [Path(quant.__file__).read_bytes()] + ([Path(__file__).read_bytes()] if fmt == "gguf" else [])
+    h = hashlib.sha256(b"\0".join([*code, torch.__version__.encode(), fmt.encode(),
                                     str(files.folder.resolve()).encode()]))
     for shard in [] if files.gguf else sorted(files.folder.glob("*.safetensors")):  # a GGUF's folder is its digest
         st = shard.stat()
@@ -229,29 +232,51 @@ def _quantized_path(files: ModelFiles, fmt: str) -> Path:
     return cache_dir() / "quantized" / f"{fmt}-{h.hexdigest()[:24]}.safetensors"
 
 
+def _linear_kinds(model) -> dict[str, str]:
+    """{module name: "int4" | "int8" | "float"} of every linear layer of `model`: which class
+    `load_quantized` rebuilds before it fills the layers."""
+    from torch import nn
+
+    from .quant import Int4Linear, Int8Linear
+
+    kinds = {Int4Linear: "int4", Int8Linear: "int8", nn.Linear: "float"}
+    return {name: kinds[type(m)] for name, m in model.named_modules() if type(m) in kinds}
+
+
 def load_quantized(files: ModelFiles, fmt: str):
-    """The model already quantized to `fmt` ("int8" or "int4", `tokenspeed.quant`) from the quantized
-    weights cache, or None when it has no entry (or an unreadable one). The entry is keyed on the
-    model's folder and shard files, `fmt`, torch and the quantization code, so the weights equal a
-    fresh `quant.quantize` of the same checkpoint; loading it skips the fp32 read and the quantization.
+    """The model already quantized to `fmt` ("int8" or "int4", `tokenspeed.quant`, or "gguf": the
+    file's own blocks as `load_gguf` lays them out) from the quantized weights cache, or None when
+    it has no entry (or an unreadable one). The entry is keyed on the model's folder and shard
+    files (a GGUF's folder is its file's digest), `fmt`, torch and the code that made the layers,
+    and it records each linear layer's class, so the weights equal a fresh `quant.quantize` (or
+    `load_gguf`) of the same checkpoint; loading it skips the read and the quantization.
 
     Returns:
         a `Transformer` on the CPU (fp32 embedding and norms, quantized projections), or None.
     """
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     from .model import Transformer, rope_tables
-    from .quant import quantize
+    from .quant import Int4Linear, Int8Linear
 
     path = _quantized_path(files, fmt)
     if not path.is_file():
         return None
-    with torch.device("meta"):  # no init and no memory: every tensor comes from the cache entry
-        net = Transformer(files.args)
-        quantize(net, fmt, empty=True)
+    empty = {"int4": Int4Linear.empty, "int8": Int8Linear.empty, "float": lambda linear: linear}
     try:
+        with safe_open(str(path), "pt") as f:
+            kinds = json.loads((f.metadata() or {})["linear_kinds"])
+        with torch.device("meta"):  # no init and no memory: every tensor comes from the cache entry
+            net = Transformer(files.args)
+            for name, kind in kinds.items():
+                parent, _, child = name.rpartition(".")
+                owner = net.get_submodule(parent)
+                setattr(owner, child, empty[kind](getattr(owner, child)))
         state = load_file(str(path))
         check_finite(state, str(path))
+        if files.args.tie_embeddings and kinds.get("output") == "float":
+            state.setdefault("output.weight", state["tok_embeddings.weight"])    # tied: left out by save_quantized
         net.load_state_dict(state, strict=True, assign=True)
     except Exception as exc:  # truncated, corrupt or stale entry: the caller quantizes again (and rewrites it)
         log.warning("quantized weights cache unusable, quantizing again: %s: %s", type(exc).__name__,
@@ -264,15 +289,20 @@ def load_quantized(files: ModelFiles, fmt: str):
 
 
 def save_quantized(model, files: ModelFiles, fmt: str) -> None:
-    """Write `model` (quantized to `fmt` from the checkpoint in `files`) to the quantized weights
-    cache for `load_quantized` (atomic rename; a failure to write is logged, not raised)."""
+    """Write `model` (quantized to `fmt` from the checkpoint in `files`, or the file's own blocks
+    for "gguf") to the quantized weights cache for `load_quantized`, with each linear layer's class
+    (atomic rename; a failure to write is logged, not raised). A tied float lm_head is left out
+    (`Transformer.tie_weights` ties it again)."""
     from safetensors.torch import save_file
 
     path = _quantized_path(files, fmt)
+    tied = model.output.weight.data_ptr() if isinstance(model.output, torch.nn.Linear) else None
+    state = {k: v.contiguous() for k, v in model.state_dict().items()
+             if not (k == "output.weight" and v.data_ptr() == tied == model.tok_embeddings.weight.data_ptr())}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
+        save_file(state, str(tmp), metadata={"linear_kinds": json.dumps(_linear_kinds(model))})
         tmp.replace(path)
     except OSError as exc:
         log.warning("quantized weights not cached (%s)", exc)
@@ -289,7 +319,8 @@ def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
     """
     bad = []
     for name, t in state.items():
-        if t.is_floating_point():
+        # a non-finite value makes the sum non-finite: one pass without a mask, counted only then
+        if t.is_floating_point() and not torch.isfinite(t.sum()):
             n = t.numel() - int(torch.isfinite(t).sum())
             if n:
                 bad.append(f"{name} ({n} values)")

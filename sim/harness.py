@@ -27,7 +27,8 @@ from `sim/scenario_status`. Outputs: report.json, latency.png and a printed tabl
 
 The measured window can start when the agent's engine reports "ready" on /diagnostics
 (`--wait-engine`), so model loading does not fill the statistics with "engine_loading"
-fallbacks; those are summarised separately.
+fallbacks; those are summarised separately. The agent's start-up stages from its process start
+to the engine ready (its "startup: ..." values on /diagnostics) are reported beside it.
 """
 from __future__ import annotations
 
@@ -97,6 +98,19 @@ class Decision:
         }
 
 
+def startup_stages(values, clock_start: float) -> dict | None:
+    """An agent's start-up from its engine status's /diagnostics values ("startup: process started"
+    = epoch seconds, "startup: <stage>" = "<wall s> <CPU s>"): {"process_started_s": its process
+    start on the clock that began at `clock_start` (epoch seconds), "stages": [{"stage", "wall_s",
+    "cpu_s"}] in order}; None when the agent sends none."""
+    found = {kv.key.removeprefix("startup: "): kv.value for kv in values if kv.key.startswith("startup: ")}
+    if "process started" not in found:
+        return None
+    started = float(found.pop("process started"))
+    stages = [{"stage": name, "wall_s": float(v.split()[0]), "cpu_s": float(v.split()[1])} for name, v in found.items()]
+    return {"process_started_s": started - clock_start, "stages": stages}
+
+
 def percentiles(values: list[float]) -> dict[str, float | int | None]:
     """{n, mean, p50, p90, p99, max} of seconds values (None entries when empty)."""
     if not values:
@@ -124,6 +138,7 @@ class LatencyHarness(Node):
         self.started = time.time()
         self.window_start = self.started        # decisions received before this are not in the stats
         self.engine_ready_at: float | None = None
+        self.startup: dict | None = None        # the agent's start-up stages (see `startup_stages`)
         self._echoes: dict[int, float] = {}     # observation stamp (ns) -> receive time here
         self._echo_keys: list[int] = []         # the same stamps, sorted
         self.first_echo_at: float | None = None  # receive time of the agent's first observation echo
@@ -246,6 +261,7 @@ class LatencyHarness(Node):
             if self.engine_ready_at is None and st.name.endswith(": engine") and \
                     any(kv.key == "state" and kv.value == "ready" for kv in st.values):
                 self.engine_ready_at = time.time()
+                self.startup = startup_stages(st.values, self.started)
                 if self.live:
                     print(f"[{self.engine_ready_at - self.started:6.1f} s] {st.name.split(':')[0]} engine ready", flush=True)
 
@@ -300,6 +316,7 @@ class LatencyHarness(Node):
         return {
             "duration_s": duration,
             "engine_ready_after_s": None if self.engine_ready_at is None else self.engine_ready_at - self.started,
+            "startup": self.startup,
             "before_window": {"decisions": len(early), "fallbacks": sum(1 for d in early if d.source == "fallback"),
                               "reasons": dict(Counter(self.deadlines[d.decision_id].reason for d in early
                                                       if d.decision_id in self.deadlines))},
@@ -432,6 +449,18 @@ def print_table(report: dict) -> None:
     table.add_row("fallback end_to_end", str(fb["n"]), ms(fb["p50"]), ms(fb["p90"]), ms(fb["p99"]), ms(fb["max"]))
     console = Console()
     console.print(table)
+    up = report.get("startup")
+    if up is not None:
+        ready = report["engine_ready_after_s"]
+        stages = Table(title=f"agent start-up: process started {up['process_started_s']:.2f} s into the run, engine "
+                             f"ready seen {ready:.2f} s (CPU: the agent's process, every thread)")
+        for col in ("stage", "wall s", "CPU s"):
+            stages.add_column(col, justify="left" if col == "stage" else "right")
+        for st in up["stages"]:
+            stages.add_row(st["stage"], f"{st['wall_s']:.2f}", f"{st['cpu_s']:.2f}")
+        stages.add_row("total", f"{sum(st['wall_s'] for st in up['stages']):.2f}",
+                       f"{sum(st['cpu_s'] for st in up['stages']):.2f}")
+        console.print(stages)
     tr = report.get("trace") or {}
     if tr.get("decisions"):
         stages = Table(title=f"per-stage trace of {tr['decisions']} model decisions (the agent's agent/action/trace)")

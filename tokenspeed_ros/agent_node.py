@@ -440,7 +440,7 @@ class AgentNode(EngineNode):
                     KeyValue(key="triggers_skipped_busy", value=str(self._skipped_busy)),
                     KeyValue(key="triggers_skipped_executing", value=str(self._skipped_executing))]
             + [KeyValue(key=f"decided_ahead_{k}", value=str(v)) for k, v in w.ahead_counts.items()]
-            + [KeyValue(key=k, value=v) for k, v in self.traces.key_values()])
+            + [KeyValue(key=k, value=v) for k, v in self.traces.key_values()] + self.startup_values())
         self.publish_diagnostics(inputs, engine)
 
 

@@ -26,6 +26,7 @@ Each result carries a `DecisionTrace` of its stages.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import threading
@@ -34,10 +35,10 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 import jsonschema
-import psutil
 import rclpy
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 
+from tokenspeed.stages import LoadStages, process_age_s
 from tokenspeed_ros.deadline_monitor import ModelResult
 from tokenspeed_ros.launch_spec import help_requested
 from tokenspeed_ros.spin import SPIN_TIMEOUT_S, spin_once
@@ -45,6 +46,9 @@ from tokenspeed_ros.spin import SPIN_TIMEOUT_S, spin_once
 GIL_SWITCH_INTERVAL_S = 0.001     # CPython's thread switch interval in the node processes (s)
 AHEAD_BUDGET_S = 10.0             # a decision decided ahead may take this long (no robot waits on it) (s)
 THREAD_DIED = "engine thread died"
+# What the engine thread's load imports (torch first), imported ahead on a thread from process start
+ENGINE_MODULES = ("tokenspeed.engine", "tokenizers", "llguidance", "jinja2", "safetensors.torch",
+                  "torch.utils.cpp_extension")
 
 
 @dataclass
@@ -150,15 +154,18 @@ class EngineWorker:
     context's last observation and no decision answered it (the session rolls back to before it:
     e.g. state lines, so that missed decisions do not leave a trail of stale states);
     notify: called from the engine thread whenever `drain()` has something new; logger: rclpy
-    logger. `state` is "loading", "ready" or "fault" (then `fault` says why): an exception that
-    ends the thread after the load (e.g. torch refusing a thread count) is a fault too - the
+    logger; stages: the node's start-up `LoadStages` so far, which the load continues (`stages`:
+    complete once `state` is "ready"). `state` is "loading", "ready" or "fault" (then `fault` says
+    why): an exception that ends the thread after the load (e.g. torch refusing a thread count) is a fault too - the
     decision in flight is answered "engine_fault" and every later one falls back at once, so
     /diagnostics shows the engine as an error, never `ready`.
     """
 
     def __init__(self, *, model: str, threads: int, system: str, tools: list[dict], tool_choice,
                  kv_budget: int, notify: Callable[[], None], logger, repeat_slack: int = 0, quantize: str = "auto",
-                 device: str = "auto", dtype: str = "auto", replace_sources: tuple[str, ...] = ()):
+                 device: str = "auto", dtype: str = "auto", replace_sources: tuple[str, ...] = (),
+                 stages: LoadStages | None = None):
+        self.stages = stages if stages is not None else LoadStages()
         self._cfg = dict(model=model or None, threads=threads or None, system=system, tools=tools,
                          quantize=None if quantize == "none" else quantize, device=device, dtype=dtype)
         self._tool_choice = tool_choice
@@ -329,10 +336,7 @@ class EngineWorker:
                 self._emit(ModelResult(decision_id, "engine_fault", reason=self.fault))
 
     def _serve(self, in_flight: list[int]) -> None:
-        import torch
-
-        default_threads = torch.get_num_threads()
-        self._load()
+        default_threads = self._load()
         while True:
             with self._cv:
                 while (not self._stop and not self._obs and self._request is None and self._threads is None
@@ -346,6 +350,8 @@ class EngineWorker:
                     self._begin_episode()
                     continue
                 if self._threads is not None:
+                    import torch    # imported by the load
+
                     torch.set_num_threads(self._threads or default_threads)   # OpenMP: this thread's own
                     self.threads = torch.get_num_threads()
                     self._log.info(f"engine threads: {self.threads}")
@@ -406,16 +412,17 @@ class EngineWorker:
         self._log.debug(f"observed {source}: {n} tokens in {(time.monotonic() - t0) * 1e3:.0f} ms: {text}")
         self._emit(Observed(source, text, stamp_s, n))
 
-    def _load(self) -> None:
+    def _load(self) -> int:
+        """Load the engine and open the session (state "ready", else "fault"); returns torch's thread
+        count from before the load."""
+        default_threads = 0
         try:
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, stages = time.perf_counter(), self.stages
             import tokenspeed
             import torch
 
-            stages = tokenspeed.LoadStages()
-            stages.add("process start to engine thread (imports, rclpy, node)",
-                       time.time() - psutil.Process().create_time() - (time.perf_counter() - t0), c0)
-            stages.add("import tokenspeed (torch)", time.perf_counter() - t0, time.process_time() - c0)
+            default_threads = torch.get_num_threads()
+            stages.done("engine imports (torch; begun at process start)")
             engine = tokenspeed.Engine.load(self._cfg["model"], threads=self._cfg["threads"],
                                             quantize=self._cfg["quantize"], device=self._cfg["device"],
                                             dtype=self._cfg["dtype"], stages=stages)
@@ -428,8 +435,8 @@ class EngineWorker:
             self.threads = torch.get_num_threads()
             self.state = "ready"
             self._log.info(f"engine ready in {time.perf_counter() - t0:.1f} s, {engine.weights} weights on {engine.device} "
-                           f"({self.context_tokens} tokens of system prompt and tools); start-up stages (CPU: "
-                           f"the whole process, every thread):\n{stages.table()}")
+                           f"({self.context_tokens} tokens of system prompt and tools); start-up stages from process "
+                           f"start (CPU: the whole process, every thread):\n{stages.table()}")
             if engine.weight_choice is not None:
                 self._log.info(engine.weight_choice.describe())
         except Exception as e:  # any failure: state "fault" (a managed node fails configure)
@@ -439,6 +446,7 @@ class EngineWorker:
         with self._cv:
             if not self._stop:
                 self._notify()
+        return default_threads
 
     def _begin_episode(self) -> None:
         if self._session is None:
@@ -588,9 +596,11 @@ class EngineWorker:
 def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception], ...],
                     args: list[str] | None = None, help_text: str = "") -> int:
     """Body of a console entry point for a node that owns an EngineWorker (the agent, the market
-    bridge): rclpy.init(args), `make_node()`, spin until Ctrl-C / SIGTERM / shutdown, then
-    `node.close()` (returns False while the engine thread is inside a load or forward) and
-    destroy it.
+    bridge): the engine's imports begun on a thread (`import_ahead`), rclpy.init(args),
+    `make_node()`, spin until Ctrl-C / SIGTERM / shutdown, then `node.close()` (returns False while
+    the engine thread is inside a load or forward) and destroy it. The node's `startup` gets the
+    process's start-up stages so far (`LoadStages`: process start to here, rclpy and the node);
+    its first configure continues them.
 
     Returns 0 on a clean shutdown, 2 when the ROS arguments do not parse or make_node() or a
     callback (the autostart configure) raises one of `errors` (printed on stderr as "<name>:
@@ -602,6 +612,9 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
     if help_requested(args):
         print(help_text)
         return 0
+    startup = LoadStages()
+    startup.add("process start to main (Python, the node's imports)", process_age_s(), time.process_time())
+    import_ahead(ENGINE_MODULES)
     # The deadline monitor's thread waits for the GIL while the engine thread runs Python code
     # (the decode loop between kernels): at most this long instead of CPython's default 5 ms.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
@@ -612,6 +625,8 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
         return 2
     try:
         node = make_node()
+        startup.done("rclpy and the node")
+        node.startup = startup
     except errors as e:
         print(f"{name}: {e}", file=sys.stderr)
         rclpy.try_shutdown()
@@ -641,6 +656,26 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
     if not stopped:    # the engine thread is mid-forward: skip interpreter finalization
         _exit_now(status)
     return status
+
+
+def import_ahead(modules: tuple[str, ...]) -> threading.Thread:
+    """Import `modules` in this order on a daemon thread, started now: a node's engine imports
+    (torch: ~1 s) then overlap its start (rclpy, DDS discovery, the wait for configure) instead of
+    following the configure request. An import the engine thread needs meanwhile waits for this
+    one (Python's per-module import locks). An import that fails is left for the engine thread,
+    which imports it again and reports why (the node's configure fails). A node that turns out to
+    run no engine (a market bridge with agent false) has imported them for nothing (~1 s CPU once).
+    Returns the thread."""
+    def run() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - reported by the engine thread's own import
+                return
+
+    thread = threading.Thread(target=run, name="tokenspeed-import-ahead", daemon=True)
+    thread.start()
+    return thread
 
 
 def _exit_now(status: int = 0) -> None:

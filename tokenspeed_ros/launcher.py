@@ -32,6 +32,7 @@ from pathlib import Path
 from tokenspeed_ros.launch_spec import LAUNCH_ARGUMENTS, LAUNCHES, NodeSpec, params_path
 
 POLL_S = 0.1
+SERVICE_POLL_S = 0.02   # how often a transition looks whether the node's lifecycle service is discovered yet
 CONFIGURE_TIMEOUT_S = 900.0     # a first model load converts the weights (minutes on 2 cores)
 
 
@@ -111,7 +112,7 @@ class LifecycleDriver:
                     future = client.call_async(request)
                 if future is not None and future.done():
                     return "" if future.result().success else f"{node}: {label} failed (see its log)"
-                self._executor.spin_once(timeout_sec=POLL_S)
+                self._executor.spin_once(timeout_sec=POLL_S if future is not None else SERVICE_POLL_S)
             return f"{node}: no answer to {label} within {timeout_s:g} s"
         finally:
             self._node.destroy_client(client)
@@ -185,12 +186,14 @@ def run(launch: str, *, duration_s: float | None = None, overrides: list[str] = 
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     procs: list[subprocess.Popen] = []
-    driver = LifecycleDriver() if managed else None
+    driver = None
     brought_up = bring_up_failed = False
     try:
         for spec, cmd in zip(specs, cmds):
             procs.append(subprocess.Popen(cmd, start_new_session=True))
             print(f"[tokenspeed_launch] {spec.name} (pid {procs[-1].pid}): {' '.join(cmd)}", flush=True)
+        # after the children: rclpy's import and init here overlap their start
+        driver = LifecycleDriver() if managed else None
         end = None if duration_s is None else time.monotonic() + duration_s
         for node in managed if args.autostart == "true" else []:
             for label in ("configure", "activate"):

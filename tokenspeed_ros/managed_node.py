@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 from collections.abc import Callable
 from typing import ClassVar
 
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.duration import Duration
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 
+from tokenspeed.stages import LoadStages, process_age_s
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor
 from tokenspeed_ros.decision_loop import DecisionLoop
 from tokenspeed_ros.engine_worker import EngineWorker
@@ -63,6 +65,9 @@ class ManagedNode(LifecycleNode):
     def __init__(self, name: str, **node_kwargs):
         super().__init__(name, **node_kwargs)
         self.p = self.PARAMS.declare(self)
+        # start-up stages until the next configure starts the engine (`run_engine_node` sets them
+        # from process start; a later configure begins new ones)
+        self.startup: LoadStages | None = None
         self.active = False
         self.configured = False
         self.configure_error = ""
@@ -123,6 +128,10 @@ class ManagedNode(LifecycleNode):
 
     # ------------------------------------------------------------------ transitions
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        if self.startup is None:
+            self.startup = LoadStages()
+        else:
+            self.startup.done("waiting for configure")
         try:
             self.p = self.PARAMS.read(self)
             self.configure()
@@ -239,12 +248,14 @@ class EngineNode(ManagedNode):
         ConfigureError when the model did not load."""
         p = self.p
         self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        stages, self.startup = self.startup or LoadStages(), None
+        stages.done("configure: parameters, topics, tools")
         if tools is not None:
             wake = self.create_guard_condition(lambda: self.loop.on_engine_output())
             self.worker = EngineWorker(model=p.model, threads=p.threads, quantize=p.quantize, device=p.device,
                                        dtype=p.dtype, system=p.system_prompt, tools=tools, tool_choice="required",
                                        kv_budget=p.kv_budget_tokens, notify=wake.trigger, logger=self.get_logger(),
-                                       **worker_options)
+                                       stages=stages, **worker_options)
         self.loop = DecisionLoop(self.monitor, self.worker, self.get_clock(), publish_margin_s=p.publish_margin_s,
                                  on_observed=on_observed, on_decided_ahead=on_decided_ahead, check_result=check_result,
                                  on_resolved=on_resolved)
@@ -253,6 +264,18 @@ class EngineNode(ManagedNode):
             self.answer_lifecycle_queries(lambda timeout_s: self.worker.wait_loaded(timeout_s) != "loading")
             if self.worker.state != "ready":
                 raise ConfigureError(f"the model did not load: {self.worker.fault}")
+
+    def startup_values(self) -> list[KeyValue]:
+        """/diagnostics values of the engine's start-up once it is ready (else none): "startup:
+        <stage>" = "<wall s> <CPU s>" for each stage from process start to the engine ready
+        (`EngineWorker.stages`), and "startup: process started" = when this process started
+        (seconds since the epoch), so a listener can place them on its own clock."""
+        w = self.worker
+        if w is None or w.state != "ready":
+            return []
+        return ([KeyValue(key="startup: process started", value=f"{time.time() - process_age_s():.3f}")]
+                + [KeyValue(key=f"startup: {name}", value=f"{wall:.3f} {cpu:.3f}")
+                   for name, (wall, cpu) in w.stages.items()])
 
     def publish_diagnostics(self, *statuses: DiagnosticStatus) -> None:
         """Publish on /diagnostics the deadline monitor's "<fully qualified node name>: decisions"

@@ -50,7 +50,9 @@ class DraftModel(nn.Module):
             net = Transformer(args)
             # the target's, set below: not allocated (and no init: normal_ on meta imports torch._dynamo)
             net.tok_embeddings = nn.Embedding(0, args.dim, _weight=torch.empty(0, args.dim))
-        net = net.to_empty(device=p.device).to(p.dtype)
+        # torch.empty, not `to_empty`: empty_like of a meta tensor runs torch's Python reference
+        # implementation, whose first use imports sympy (~0.5 s of every engine start)
+        net = net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=p.device)).to(p.dtype)
         with torch.no_grad():
             for w in net.parameters():  # small random init (loaded or copied later)
                 if w.dim() == 1:

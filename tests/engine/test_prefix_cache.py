@@ -34,6 +34,13 @@ def test_restored_session_equals_freshly_prefilled_one(engine, robot_tools, pref
     assert torch.equal(warm.cache.pos[:n], fresh.cache.pos[:n])
     if kv_budget:
         assert torch.equal(warm.cache.score[:n], fresh.cache.score[:n])
+    # the draft model's KV of the same tokens comes from the entry too (none is prefilled)
+    wd, fd = warm.speculator.draft, fresh.speculator.draft
+    m = fd.cache.n
+    assert m == len(fresh.tokens) and wd.cache.n == m and wd.cache.next_position() == fd.cache.next_position()
+    for name in ("k", "v"):
+        assert torch.equal(getattr(wd.cache, name)[:, :, :, :m], getattr(fd.cache, name)[:, :, :, :m])
+    assert torch.equal(wd.cache.pos[:m], fd.cache.pos[:m]) and (wd.tokens[:m] == fd.tokens[:m]).all()
     assert torch.equal(_next_logits(warm, "Pick up the red cube."), _next_logits(fresh, "Pick up the red cube."))
     texts = []
     for s in (fresh, warm):

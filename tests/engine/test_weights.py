@@ -133,6 +133,8 @@ def _write_gguf(path, hf_model, qtype, blocks=False):
              "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias"}
     dequantized = {}
     for name, t in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # a tied model's file has no output.weight (llama.cpp's converter)
         arr = t.float().numpy()
         if name.startswith("model.layers."):
             _, _, idx, rest = name.split(".", 3)
@@ -237,6 +239,37 @@ def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind,
     ids = torch.tensor(native.tokenizer.encode("<|im_start|>user\nPick the red cube at x=0.42.<|im_end|>\n"))
     logits = [e.model(ids, torch.arange(len(ids)), e.model.new_cache(64), "all") for e in (native, ref)]
     assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].abs().max()
+
+
+@pytest.mark.parametrize("qtype,tied", [({"*": Q.Q4_1, "output": Q.Q8_0}, False), (Q.F16, True)],
+                         ids=["Q4_1+Q8_0-head", "F16-tied"])
+def test_native_gguf_warm_load_reads_its_blocks_from_the_cache(tmp_path, monkeypatch, qtype, tied):
+    # the first quantize="gguf" load reads the file and writes the layers as the kernels hold them
+    # to the quantized weights cache; a warm load reads that entry: the same layer classes and
+    # tensors (a tied float lm_head tied again), the same logits; a truncated entry is read from
+    # the file again and rewritten
+    monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
+    _write_gguf(tmp_path / "tiny.gguf", _tiny_hf(tie_word_embeddings=tied), qtype)
+    ids = torch.tensor([1, 5, 9, 300, 4000, 17])
+
+    def load():
+        engine = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize="gguf")
+        return engine, engine.model(ids, torch.arange(len(ids)), engine.model.new_cache(32), "all")
+
+    cold, cold_logits = load()
+    assert "gguf weights from the file" in cold.load_stages and "quantized cache written" in cold.load_stages
+    entries = list((tmp_path / "cache" / "quantized").iterdir())
+    assert len(entries) == 1
+    warm, warm_logits = load()
+    assert "gguf weights from the quantized cache" in warm.load_stages and warm.weights == "gguf"
+    assert [type(m) for m in warm.model.modules()] == [type(m) for m in cold.model.modules()]
+    assert all(torch.equal(t, warm.model.state_dict()[k]) for k, t in cold.model.state_dict().items())
+    assert (getattr(warm.model.output, "weight", None) is warm.model.tok_embeddings.weight) == tied
+    assert torch.equal(warm_logits, cold_logits)
+    entries[0].write_bytes(entries[0].read_bytes()[:1000])
+    again, again_logits = load()
+    assert "gguf weights from the file" in again.load_stages and torch.equal(again_logits, cold_logits)
+    assert entries[0].stat().st_size > 1000
 
 
 def test_native_q4_1_load_equals_dequantize_then_int4(tmp_path, monkeypatch):

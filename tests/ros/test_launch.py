@@ -155,13 +155,29 @@ def launch_until_ready_then_ctrl_c(probe, ros_env, launch: str, overrides: list[
 
 
 def test_launcher_runs_both_nodes_and_ctrl_c_leaves_no_process(probe, ros_env):
+    """Both processes run (the agent, tiny random model, decides; the sim publishes), and the agent's
+    engine status on /diagnostics gives its start-up stages from its process start (launched by
+    this test) to the engine ready, in order."""
+    from diagnostic_msgs.msg import DiagnosticArray
     from tokenspeed_msgs.msg import ActionCommand
 
+    from agent_support import diagnostics
+
     actions = probe.listen(ActionCommand, "agent/action")
+    diags = probe.listen(DiagnosticArray, "/diagnostics")
+    started = time.time()
     # the agent (tiny random model, its task from the sim's goal topic) decides and the sim is up: both run
     launch_until_ready_then_ctrl_c(probe, ros_env, "cobot_sim", ["tokenspeed_agent.model=tiny-random",
-                                                                  "tokenspeed_agent.goal_topic=goal"],
-                                   lambda: actions and probe.node.count_publishers("joint_states") >= 1)
+                                                                 "tokenspeed_agent.goal_topic=goal"],
+                                   lambda: actions and probe.node.count_publishers("joint_states") >= 1 and diags)
+    engine = next(d["/tokenspeed_agent: engine"] for d in map(diagnostics, diags) if "/tokenspeed_agent: engine" in d)
+    assert started - 1 <= float(engine.pop("startup: process started")) <= time.time()
+    stages = [k.removeprefix("startup: ") for k in engine if k.startswith("startup: ")]
+    assert stages[:5] == ["process start to main (Python, the node's imports)", "rclpy and the node",
+                          "waiting for configure", "configure: parameters, topics, tools",
+                          "engine imports (torch; begun at process start)"]
+    assert stages[-1] == "session: system prompt and tools prefilled" and "tokenizer" in stages
+    assert all(float(v) >= 0 for k, s in engine.items() if k.startswith("startup: ") for v in s.split())
 
 
 def test_market_launch_runs_the_bridge(probe, ros_env, tmp_path):

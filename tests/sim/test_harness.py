@@ -12,7 +12,7 @@ from sensor_msgs.msg import Image
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, Observation
 
 from support import ROOT, stop
-from tokenspeed_sim.harness import LatencyHarness, percentiles
+from tokenspeed_sim.harness import LatencyHarness, percentiles, startup_stages
 
 
 def test_percentiles():
@@ -20,6 +20,27 @@ def test_percentiles():
     st = percentiles([float(v) for v in range(1, 101)])
     assert st["n"] == 100 and st["p50"] == pytest.approx(50.5) and st["p90"] == pytest.approx(90.1)
     assert st["p99"] == pytest.approx(99.01) and st["max"] == 100.0 and st["mean"] == pytest.approx(50.5)
+
+
+def test_engine_ready_brings_the_agents_start_up_stages_into_the_report(ros_node):
+    """The agent's "startup: ..." values on its engine status (as EngineNode.startup_values sends
+    them) become the report's start-up stages, in order, with its process start on the harness's
+    clock; an engine status without them reports none."""
+    assert startup_stages([KeyValue(key="state", value="ready")], 0.0) is None
+    harness = LatencyHarness()
+    try:
+        values = [KeyValue(key="state", value="ready"),
+                  KeyValue(key="startup: process started", value=f"{harness.started + 0.25:.3f}"),
+                  KeyValue(key="startup: process start to main (Python, the node's imports)", value="0.800 0.700"),
+                  KeyValue(key="startup: engine imports (torch; begun at process start)", value="1.100 0.900")]
+        harness._on_diagnostics(DiagnosticArray(status=[DiagnosticStatus(name="/tokenspeed_agent: engine",
+                                                                         values=values)]))
+        up = harness.report()["startup"]
+    finally:
+        harness.destroy_node()
+    assert up["process_started_s"] == pytest.approx(0.25, abs=2e-3)
+    assert up["stages"] == [{"stage": "process start to main (Python, the node's imports)", "wall_s": 0.8, "cpu_s": 0.7},
+                            {"stage": "engine imports (torch; begun at process start)", "wall_s": 1.1, "cpu_s": 0.9}]
 
 
 def test_hit_rate_leaves_out_task_done_and_start_up_holds(ros_node):
