@@ -30,7 +30,7 @@ import torch
 from .paths import cache_dir
 
 __all__ = ["AutoRule", "LABELLED", "SHIPPED", "model_key", "stored_thresholds", "store_threshold", "calibrate",
-           "labelled_cases"]
+           "labelled_cases", "held_out"]
 
 LABELLED = Path(__file__).resolve().parent / "data" / "auto_labelled.jsonl"
 SHIPPED = Path(__file__).resolve().parent / "data" / "auto_threshold.json"
@@ -44,7 +44,8 @@ class AutoRule:
     Attributes:
         call_start: [V] bool on the model's device: the ids that open a call (the call grammar's
             first mask, `ToolGrammar.call_start`).
-        threshold: call when p(call) >= threshold, in [0, 1]; None: the plain masked argmax.
+        threshold: call when p(call) >= threshold, in [0, 1] (1: never, the answer is text);
+            None: the plain masked argmax.
     """
 
     call_start: torch.Tensor
@@ -61,7 +62,8 @@ class AutoRule:
         p = torch.softmax(logits[0].float(), -1)
         p_call = float(p[self.call_start[: p.shape[0]]].sum())
         if self.threshold is not None:
-            losing = ~self.call_start if p_call >= self.threshold else self.call_start
+            call = p_call >= self.threshold and self.threshold < 1
+            losing = ~self.call_start if call else self.call_start
             logits[0, : len(losing)].masked_fill_(losing, float("-inf"))
         return p_call
 
@@ -123,6 +125,19 @@ def calibrate(p_applies: list[float], p_none: list[float], max_false: float = 0.
     if not above:
         return min(1.0, floor * 1.5 + 1e-9)
     return (floor + above[0]) / 2
+
+
+def held_out(cases: list[dict]) -> list[bool]:
+    """Which of `cases` (`labelled_cases`, in its order) calibration leaves out, to report on:
+    every second case of each source and label (the 2nd, 4th, ...); the others are held in (the
+    threshold is chosen on them)."""
+    seen: dict[tuple[str, str], int] = {}
+    out = []
+    for c in cases:
+        k = (c["source"], c["label"])
+        seen[k] = seen.get(k, 0) + 1
+        out.append(seen[k] % 2 == 0)
+    return out
 
 
 def labelled_cases(bfcl: Path | None = None) -> list[dict]:

@@ -379,7 +379,7 @@ class Session:
                 steps, or None: when it returns True the decision stops there, the session is
                 rolled back and `SessionAborted` is raised.
             auto_threshold: tool_choice "auto" (also in allowed_tools) calls when p(call) >= this,
-                in [0, 1]; None: `Engine.auto_threshold`'s for this session's tool prompt (the
+                in [0, 1] (1: a text answer); None: `Engine.auto_threshold`'s for this session's tool prompt (the
                 model's calibration; without one the first token is the plain masked argmax).
         Returns:
             a `Decision`. On "ok" and "text" the answer stays in the context as the assistant
