@@ -385,7 +385,7 @@ class ChatEngine:
         except ToolSchemaError as exc:
             raise ChatError(str(exc), "tool_choice") from None
         job = {"system": message_text(messages[0]) if system else None, "messages": messages[system:], "tools": tools,
-               "tool_prompt": AUTO_TOOL_PROMPT if mode == "auto" else DEFAULT_TOOL_PROMPT}
+               "tool_prompt": AUTO_TOOL_PROMPT if mode in ("auto", "none") else DEFAULT_TOOL_PROMPT}
         prompt = self._prompt_tokens(job)
         asked = request.get("max_completion_tokens") or request.get("max_tokens")
         param = "max_completion_tokens" if request.get("max_completion_tokens") else "max_tokens"

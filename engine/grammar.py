@@ -187,7 +187,8 @@ DEFAULT_TOOL_PROMPT = "short"
 CALL_LIKE = r"(\{|\[|```)[^\x00]*"
 # The listing chat requests with tool_choice "auto" get (`tokenspeed.chat`; serve, LangChain):
 # SmolLM2-135M tells "a tool applies" from "none does" better with its own prompt (`tokenspeed
-# bench auto --tool-prompt`). Decisions (required, named) keep the short one.
+# bench auto --tool-prompt`). "none" gets it too, so that a conversation that alternates "auto"
+# and "none" turns stays warm (one system prompt). Decisions (required, named) keep the short one.
 AUTO_TOOL_PROMPT = "smollm2"
 
 
