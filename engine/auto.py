@@ -1,16 +1,19 @@
 """tool_choice="auto": call when a tool applies, answer in text when none does.
 
 The rule uses the model's own evidence at the answer's first position: `AutoRule` takes the
-probability mass p(call) the model puts on the tokens that open a call in its family's format
-(`ToolGrammar.call_start`), against the text tokens the grammar allows there, and calls when
-p(call) >= a threshold; otherwise the answer is text. A small model rarely puts a call first even
+probability mass p(call) the model puts on the tokens that open a call, in its family's format
+(`ToolGrammar.call_start`) or written another way (bare JSON, a code fence:
+`ToolGrammar.call_evidence`), against the other text tokens the grammar allows there, and calls
+when p(call) >= a threshold (the answer is then written in the family's format); otherwise the
+answer is text. A small model rarely puts a call first even
 where one applies (SmolLM2-135M: never, on the labelled set below), yet its p(call) is several
 times higher where one applies: the threshold is where the two cases part.
 
 The threshold is calibrated once per model and tool-listing prompt (`tokenspeed bench auto
 --calibrate`) on the labelled set `LABELLED` and stored in the cache beside the converted models:
-`auto_threshold.json`, keyed by the model (`model_key`) and the prompt; the embedded model's calibration ships with the engine
-(`SHIPPED`). A request overrides it with `auto_threshold` (`Session.decide`, the serve request's
+`auto_threshold.json`, keyed by the model (`model_key`) and the prompt, with the evidence it was
+measured on (`EVIDENCE`: a calibration of another evidence is not used); the embedded model's
+calibration ships with the engine (`SHIPPED`). A request overrides it with `auto_threshold` (`Session.decide`, the serve request's
 extra field, `ChatTokenSpeed`). A model with no calibration keeps the plain rule (the first token
 is the masked argmax, so a call only when the model puts one first).
 
@@ -29,12 +32,13 @@ import torch
 
 from .paths import cache_dir
 
-__all__ = ["AutoRule", "LABELLED", "SHIPPED", "model_key", "stored_thresholds", "store_threshold", "calibrate",
-           "labelled_cases"]
+__all__ = ["AutoRule", "EVIDENCE", "LABELLED", "SHIPPED", "model_key", "stored_thresholds", "store_threshold", "calibrate",
+           "labelled_cases", "held_out"]
 
 LABELLED = Path(__file__).resolve().parent / "data" / "auto_labelled.jsonl"
 SHIPPED = Path(__file__).resolve().parent / "data" / "auto_threshold.json"
 CACHE_NAME = "auto_threshold.json"  # in `cache_dir()`: this machine's calibrations
+EVIDENCE = "call+json+fence"  # what p(call) sums (`ToolGrammar.call_evidence`); calibrations name it
 
 
 @dataclass(frozen=True)
@@ -43,11 +47,15 @@ class AutoRule:
 
     Attributes:
         call_start: [V] bool on the model's device: the ids that open a call (the call grammar's
-            first mask, `ToolGrammar.call_start`).
-        threshold: call when p(call) >= threshold, in [0, 1]; None: the plain masked argmax.
+            first mask, `ToolGrammar.call_start`): the call branch.
+        evidence: [V] bool on the model's device: the ids whose mass is p(call)
+            (`ToolGrammar.call_evidence`: `call_start`, bare JSON and code-fence openers).
+        threshold: call when p(call) >= threshold, in [0, 1] (1: never, the answer is text);
+            None: the plain masked argmax.
     """
 
     call_start: torch.Tensor
+    evidence: torch.Tensor
     threshold: float | None
 
     def apply(self, logits: torch.Tensor) -> float:
@@ -55,13 +63,14 @@ class AutoRule:
         the other branch's ids become -inf, unless `threshold` is None).
 
         Returns:
-            p(call): the softmax mass of `call_start` among the allowed ids (one softmax over
+            p(call): the softmax mass of `evidence` among the allowed ids (one softmax over
             logits the step already has; read on the host).
         """
         p = torch.softmax(logits[0].float(), -1)
-        p_call = float(p[self.call_start[: p.shape[0]]].sum())
+        p_call = float(p[self.evidence[: p.shape[0]]].sum())
         if self.threshold is not None:
-            losing = ~self.call_start if p_call >= self.threshold else self.call_start
+            call = p_call >= self.threshold and self.threshold < 1
+            losing = ~self.call_start if call else self.call_start
             logits[0, : len(losing)].masked_fill_(losing, float("-inf"))
         return p_call
 
@@ -84,12 +93,13 @@ def _read(path: Path) -> dict:
 def stored_thresholds(folder: Path) -> dict[str, float]:
     """The calibrated thresholds of the model in `folder`, per tool-listing prompt
     (`tokenspeed.grammar.TOOL_PROMPTS`): the shipped ones (`SHIPPED`) updated by this machine's
-    (`cache_dir()/auto_threshold.json`); {} when there is none."""
+    (`cache_dir()/auto_threshold.json`), of the current `EVIDENCE` only; {} when there is none."""
     key, out = model_key(folder), {}
     for path in (SHIPPED, cache_dir() / CACHE_NAME):
         entries = _read(path).get(key)
         for prompt, entry in (entries.items() if isinstance(entries, dict) else ()):
-            if isinstance(entry, dict) and isinstance(entry.get("threshold"), (int, float)):
+            if isinstance(entry, dict) and isinstance(entry.get("threshold"), (int, float)) \
+                    and entry.get("evidence") == EVIDENCE:
                 out[prompt] = float(entry["threshold"])
     return out
 
@@ -99,7 +109,7 @@ def store_threshold(folder: Path, tool_prompt: str, threshold: float, report: di
     in `cache_dir()/auto_threshold.json`; returns the file."""
     path = cache_dir() / CACHE_NAME
     data = _read(path)
-    data.setdefault(model_key(folder), {})[tool_prompt] = {"threshold": threshold, **report}
+    data.setdefault(model_key(folder), {})[tool_prompt] = {"threshold": threshold, "evidence": EVIDENCE, **report}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=True))
     return path
@@ -123,6 +133,19 @@ def calibrate(p_applies: list[float], p_none: list[float], max_false: float = 0.
     if not above:
         return min(1.0, floor * 1.5 + 1e-9)
     return (floor + above[0]) / 2
+
+
+def held_out(cases: list[dict]) -> list[bool]:
+    """Which of `cases` (`labelled_cases`, in its order) calibration leaves out, to report on:
+    every second case of each source and label (the 2nd, 4th, ...); the others are held in (the
+    threshold is chosen on them)."""
+    seen: dict[tuple[str, str], int] = {}
+    out = []
+    for c in cases:
+        k = (c["source"], c["label"])
+        seen[k] = seen.get(k, 0) + 1
+        out.append(seen[k] % 2 == 0)
+    return out
 
 
 def labelled_cases(bfcl: Path | None = None) -> list[dict]:

@@ -105,6 +105,15 @@ def _message_key(m: dict) -> str:
     return json.dumps([m["role"], message_text(m), _calls(m, "message")], sort_keys=True)
 
 
+def _repeats_a_call(job: dict, calls: list[dict]) -> bool:
+    # tool_choice "auto" and one of `calls` ({"name", "arguments"}) is already in the conversation
+    # (an earlier assistant message's call)
+    if parse_tool_choice(job["choice"])[0] != "auto":
+        return False
+    made = [c for m in job["messages"] if m["role"] == "assistant" for c in _calls(m, "message")]
+    return any(c in made for c in calls)
+
+
 def _context_message(m: dict, fmt: CallFormat) -> dict:
     # The message as the session renders it: calls in the family's format `fmt` (as its grammar
     # writes them), developer as system.
@@ -376,7 +385,7 @@ class ChatEngine:
         except ToolSchemaError as exc:
             raise ChatError(str(exc), "tool_choice") from None
         job = {"system": message_text(messages[0]) if system else None, "messages": messages[system:], "tools": tools,
-               "tool_prompt": AUTO_TOOL_PROMPT if mode == "auto" else DEFAULT_TOOL_PROMPT}
+               "tool_prompt": AUTO_TOOL_PROMPT if mode in ("auto", "none") else DEFAULT_TOOL_PROMPT}
         prompt = self._prompt_tokens(job)
         asked = request.get("max_completion_tokens") or request.get("max_tokens")
         param = "max_completion_tokens" if request.get("max_completion_tokens") else "max_tokens"
@@ -528,11 +537,20 @@ class ChatEngine:
             return stop.stopped
 
         full = None
+
+        def answer(auto_threshold: float | None) -> Decision:
+            return session.decide(tool_choice=job["choice"] if job["schema"] is None else "none",
+                                  deadline_at=deadline_at, max_tokens=job["max_tokens"], parallel=job["parallel"],
+                                  response_format=job["schema"], temperature=job["temperature"], top_p=job["top_p"],
+                                  seed=job["seed"], on_text=text_piece, abort=abort, auto_threshold=auto_threshold)
+
         try:
-            d = session.decide(tool_choice=job["choice"] if job["schema"] is None else "none", deadline_at=deadline_at,
-                               max_tokens=job["max_tokens"], parallel=job["parallel"], response_format=job["schema"],
-                               temperature=job["temperature"], top_p=job["top_p"], seed=job["seed"],
-                               on_text=text_piece, abort=abort, auto_threshold=job["auto_threshold"])
+            d = answer(job["auto_threshold"])
+            if d.status == "ok" and _repeats_a_call(job, d.tool_calls):
+                # "auto" (an agent's loop): a call the conversation already holds, its result
+                # there too, is a small model's loop, not progress; the answer is text instead
+                session.rollback(checkpoints[-1])
+                d = answer(1.0)
         except SessionAborted as exc:  # rolled back to before the answer: kept warm
             self.cache.put(prefix, keys, checkpoints, session)
             return self.stopped(job, deadline_at, f"decode stopped: {exc}", t0, cached_tokens)

@@ -180,9 +180,15 @@ TOOL_PROMPTS = {
               {"name": "tool_name", "arguments": {"arg": "value"}}),
 }
 DEFAULT_TOOL_PROMPT = "short"
+# A call written outside the family's format: bare JSON or a code fence (a Lark regex). Under
+# tool_choice "auto" the mass on the first tokens of these is evidence of a call too
+# (`ToolGrammar.call_evidence`): where a tool applies, a small model puts much of its call mass on
+# "```", "{" or "[" rather than on its own format's "<tool_call>" (`tokenspeed bench auto`).
+CALL_LIKE = r"(\{|\[|```)[^\x00]*"
 # The listing chat requests with tool_choice "auto" get (`tokenspeed.chat`; serve, LangChain):
 # SmolLM2-135M tells "a tool applies" from "none does" better with its own prompt (`tokenspeed
-# bench auto --tool-prompt`). Decisions (required, named) keep the short one.
+# bench auto --tool-prompt`). "none" gets it too, so that a conversation that alternates "auto"
+# and "none" turns stays warm (one system prompt). Decisions (required, named) keep the short one.
 AUTO_TOOL_PROMPT = "smollm2"
 
 
@@ -303,6 +309,9 @@ class ToolGrammar:
             which: text may not start with "<"), or "json" (one JSON value of a response schema).
         call_start: "auto" only: [vocab] bool (host), the ids that open a call (the first mask of
             the same grammar without its text branch), for `tokenspeed.auto.AutoRule`; else None.
+        call_evidence: "auto" only: [vocab] bool (host), `call_start` and the ids that open a call
+            written another way (`CALL_LIKE`: bare JSON, a code fence), whose probability mass
+            `AutoRule` weighs; else None.
     """
 
     grammar: str
@@ -310,6 +319,7 @@ class ToolGrammar:
     vocab_size: int
     mode: str = "required"
     call_start: torch.Tensor | None = None
+    call_evidence: torch.Tensor | None = None
 
     @classmethod
     def build(cls, ll_tokenizer, vocab_size: int, tools: list[dict], tool_choice="required",
@@ -363,10 +373,14 @@ class ToolGrammar:
             return cls(call_only, ll_tokenizer, vocab_size, mode)
         import llguidance
 
-        call_start = TokenMask(vocab_size).allowed(llguidance.LLMatcher(ll_tokenizer, call_only, log_level=0)).clone()
+        def first(grammar: str) -> torch.Tensor:  # the ids `grammar` allows first
+            return TokenMask(vocab_size).allowed(llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)).clone()
+
+        call_start = first(call_only)
+        evidence = call_start | first(_compile_lark(f"start: /{CALL_LIKE}/\n", ll_tokenizer, "call-like text"))
         text = f"text: /[^{re.escape(fmt.first)}\\x00][^\\x00]*/\n"
         return cls(_compile_lark(f"start: call | text\n{text}" + lark, ll_tokenizer, "tool-call grammar"), ll_tokenizer,
-                   vocab_size, mode, call_start)
+                   vocab_size, mode, call_start, evidence)
 
     @classmethod
     def json_response(cls, ll_tokenizer, vocab_size: int, schema: dict) -> "ToolGrammar":

@@ -358,7 +358,7 @@ class Session:
         Calls are written in the model family's own format (`Engine.call_format`). With
         tool_choice "auto" the first token settles call or text (a text answer may not start with
         the call's first character, e.g. "<" of "<tool_call>"); a text answer comes back as status
-        "text". Which one: a call when the model's probability mass on the call's opening tokens at
+        "text". Which one: a call when the model's probability mass on the tokens opening a call at
         that position, p(call) (`Decision.p_call`), reaches the model's calibrated threshold
         (`Engine.auto_threshold`, `tokenspeed.auto`), else text.
 
@@ -379,7 +379,7 @@ class Session:
                 steps, or None: when it returns True the decision stops there, the session is
                 rolled back and `SessionAborted` is raised.
             auto_threshold: tool_choice "auto" (also in allowed_tools) calls when p(call) >= this,
-                in [0, 1]; None: `Engine.auto_threshold`'s for this session's tool prompt (the
+                in [0, 1] (1: a text answer); None: `Engine.auto_threshold`'s for this session's tool prompt (the
                 model's calibration; without one the first token is the plain masked argmax).
         Returns:
             a `Decision`. On "ok" and "text" the answer stays in the context as the assistant
@@ -480,7 +480,8 @@ class Session:
         if grammar is None or grammar.call_start is None:
             return None
         threshold = threshold if threshold is not None else self.engine.auto_threshold.get(self.tool_prompt)
-        return AutoRule(grammar.call_start.to(self.engine.device), threshold)
+        return AutoRule(grammar.call_start.to(self.engine.device), grammar.call_evidence.to(self.engine.device),
+                        threshold)
 
     def _repeat_guard(self):
         # decode()'s on_token callback under parallel calls: True (end the answer) once the last

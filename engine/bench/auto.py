@@ -7,8 +7,9 @@ with BFCL tools listed). Under "auto" the first answer token settles call or tex
 decided with max_tokens=1 twice on one prefill: "before" with the plain rule (threshold off: the
 masked argmax), "after" with the threshold (`--threshold`, else the model's calibration). The
 first decision also gives p(call) (`Decision.p_call`); `--calibrate` chooses the threshold from
-those (`tokenspeed.auto.calibrate`), stores it with the model's cached files and reports "after"
-as that threshold's comparison on them (the comparison `AutoRule` makes). `--required` also
+those of the held-in half (`tokenspeed.auto.calibrate`, `held_out`), stores it with the model's
+cached files and reports "after" as that threshold's comparison on them (the comparison
+`AutoRule` makes), on the held-out half apart. `--required` also
 answers every case under tool_choice="required" (parallel calls allowed, max_tokens 256, the
 server's default) and counts the answers that ran to max_tokens.
 """
@@ -44,15 +45,16 @@ def run_auto(threshold: float | None = None, calibrate: bool = False, required: 
     Returns:
         {"model", "threads", "cases": {"call": n, "text": n}, "threshold", "calibrated" (bool),
         "before"/"after": {"call_when_applies", "call_when_none"} (fractions), "p_call_applies",
-        "p_call_none" (medians), "by_source": {source: {"before", "after"} as above},
+        "p_call_none" (medians), "held_in"/"held_out": "after" on the cases calibration holds in
+        (chooses the threshold on) and leaves out (`tokenspeed.auto.held_out`), "by_source": {source: {"before", "after"} as above},
         "runaway": {"count", "cases", "ids"} (with `required`), "seconds", "rows": per case
-        {"id", "label", "source", "p_call", "before", "after"}}.
+        {"id", "label", "source", "held_out", "p_call", "before", "after"}}.
     Raises:
         ValueError: no threshold to compare against (no calibration and none given).
     """
     import torch
 
-    from ..auto import calibrate as choose, labelled_cases, store_threshold
+    from ..auto import calibrate as choose, held_out, labelled_cases, store_threshold
     from ..engine import Engine
 
     cases = labelled_cases(bfcl)
@@ -66,12 +68,12 @@ def run_auto(threshold: float | None = None, calibrate: bool = False, required: 
     engine.auto_threshold = {}  # "before": the plain rule
     t0 = time.perf_counter()
     rows, runaway = [], []
-    for case in cases:
+    for case, left in zip(cases, held_out(cases)):
         session = engine.session(tools=case["tools"], tool_prompt=tool_prompt)
         session.observe(case["messages"])
         cp = session.checkpoint()
         d = session.decide(tool_choice="auto", max_tokens=1)
-        row = {"id": case["id"], "label": case["label"], "source": case["source"], "p_call": d.p_call,
+        row = {"id": case["id"], "label": case["label"], "source": case["source"], "held_out": left, "p_call": d.p_call,
                "before": d.status != "text"}
         if threshold is not None:
             session.rollback(cp)
@@ -85,7 +87,8 @@ def run_auto(threshold: float | None = None, calibrate: bool = False, required: 
     applies = [r for r in rows if r["label"] == "call"]
     none = [r for r in rows if r["label"] == "text"]
     if calibrate:
-        threshold = choose([r["p_call"] for r in applies], [r["p_call"] for r in none])
+        threshold = choose([r["p_call"] for r in applies if not r["held_out"]],
+                           [r["p_call"] for r in none if not r["held_out"]])
         for r in rows:
             r["after"] = r["p_call"] >= threshold
 
@@ -97,6 +100,8 @@ def run_auto(threshold: float | None = None, calibrate: bool = False, required: 
     out = {"model": engine.source, "threads": torch.get_num_threads(),
            "cases": {"call": len(applies), "text": len(none)}, "threshold": threshold, "calibrated": calibrate,
            "before": rates(rows, "before"), "after": rates(rows, "after"),
+           "held_in": rates([r for r in rows if not r["held_out"]], "after"),
+           "held_out": rates([r for r in rows if r["held_out"]], "after"),
            "p_call_applies": statistics.median(r["p_call"] for r in applies),
            "p_call_none": statistics.median(r["p_call"] for r in none),
            "by_source": {s: {k: rates([r for r in rows if r["source"] == s], k) for k in ("before", "after")}
@@ -106,7 +111,7 @@ def run_auto(threshold: float | None = None, calibrate: bool = False, required: 
         out["runaway"] = {"count": len(runaway), "cases": len(rows), "ids": runaway}
     if calibrate and engine.folder is not None:
         out["stored_in"] = str(store_threshold(engine.folder, tool_prompt, threshold, {
-            "cases": out["cases"], "after": out["after"], "p_call_applies": out["p_call_applies"],
+            "cases": out["cases"], "after": out["after"], "held_out": out["held_out"], "p_call_applies": out["p_call_applies"],
             "p_call_none": out["p_call_none"], "quantize": quantize}))
     return out
 
@@ -128,6 +133,9 @@ def _cmd(args) -> int:
     for key, name in (("before", "before (plain argmax)"), ("after", "after (p(call) >= threshold)")):
         r = report[key]
         print(f"{name:<28} {r['call_when_applies']:>12.2f} {r['call_when_none']:>10.2f}")
+    for key in ("held_in", "held_out"):
+        r = report[key]
+        print(f"  after, {key.replace('_', '-'):<19} {r['call_when_applies']:>12.2f} {r['call_when_none']:>10.2f}")
     for source, r in report["by_source"].items():
         print(f"  {source:<26} {r['before']['call_when_applies']:.2f}/{r['before']['call_when_none']:.2f} -> "
               f"{r['after']['call_when_applies']:.2f}/{r['after']['call_when_none']:.2f}")

@@ -244,6 +244,9 @@ def test_bench_auto_reports_call_rates_before_and_after_and_runaways():
     for key in ("before", "after"):
         assert 0 <= report[key]["call_when_applies"] <= 1 and 0 <= report[key]["call_when_none"] <= 1
     assert all(r["after"] == (r["p_call"] >= 0.5) for r in report["rows"])  # the rule, through decide()
+    # calibration holds in the 1st, 3rd, ... case of each source and label and reports the others apart
+    assert [r["held_out"] for r in report["rows"]] == [False, True, False, True]
+    assert set(report["held_in"]) == set(report["held_out"]) == {"call_when_applies", "call_when_none"}
     with pytest.raises(ValueError, match="no auto threshold"):
         run_auto(None, model="tiny-random", limit=1)
 

@@ -25,7 +25,10 @@ def test_crewai_agent_with_a_tool_runs_against_tokenspeed_serve(base_url, monkey
     before, calls_before = _answered(base_url), _answered(base_url, "tool_calls")
     scope: dict = {}
     exec(readme_example("crewai").replace("http://127.0.0.1:8000", base_url), scope)
-    assert scope["result"].raw.strip()  # the agent's final answer came back through the server
     assert _answered(base_url) > before
     # CrewAI sends its tools with tool_choice="auto": the agent used its tool through it
     assert _answered(base_url, "tool_calls") > calls_before
+    # its next turn (the call, the tool's result, tools and "auto" again) is the final answer: clean
+    # text from the tool's result, not the call again nor its raw "<tool_call>" text
+    raw = scope["result"].raw
+    assert "42" in raw and "<tool_call>" not in raw and "get_joint_angle" not in raw

@@ -83,6 +83,27 @@ def test_tool_choice_none_and_auto_answer_in_text_or_calls(client):
     assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
 
 
+def test_auto_does_not_repeat_a_call_the_conversation_holds_and_answers_in_text(client):
+    # an agent framework's second turn (CrewAI, LangChain): the call, its result, then the tools
+    # and tool_choice "auto" again. With one possible call (an enum), a threshold that always calls
+    # would make the same call again (a small model's loop): it comes back as a text answer.
+    tools = [{"type": "function", "function": {
+        "name": "get_joint_angle", "description": "Read the current angle of one robot joint, in degrees.",
+        "parameters": {"type": "object", "properties": {"joint": {"type": "string", "enum": ["elbow"]}},
+                       "required": ["joint"], "additionalProperties": False}}}]
+    question = [{"role": "user", "content": "What is the angle of the elbow joint?"}]
+    call = client.chat.completions.create(model="tokenspeed", messages=question, tools=tools, tool_choice="required",
+                                          parallel_tool_calls=False).choices[0].message.tool_calls[0]
+    history = question + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                          {"role": "tool", "tool_call_id": call.id, "content": "The elbow joint is at 42 degrees."}]
+    for extra in ({}, {"auto_threshold": 0.0}):  # clients leave tool_choice out: "auto"
+        r = client.chat.completions.create(model="tokenspeed", messages=history, tools=tools,
+                                           parallel_tool_calls=False, max_tokens=64, extra_body=extra)
+        msg = r.choices[0].message
+        assert not msg.tool_calls and r.choices[0].finish_reason in ("stop", "length")
+        assert "42" in msg.content and "<tool_call>" not in msg.content  # from the tool's result
+
+
 def test_streaming_reassembles_into_the_non_streaming_answer(client):
     plain = client.chat.completions.create(model="tokenspeed", messages=PICK, tools=TOOLS, tool_choice="required")
     chunks = list(client.chat.completions.create(model="tokenspeed", messages=PICK, tools=TOOLS,

@@ -137,6 +137,26 @@ def test_named_tool_choice_and_auto(engine, robot_tools):
         assert not d.text.startswith("<") and d.tool_call is None
 
 
+def test_auto_weighs_every_way_of_opening_a_call_and_threshold_one_answers_in_text(engine, robot_tools):
+    # p(call) sums the family's opener and a call written as bare JSON or in a code fence; the
+    # call branch itself stays the family's format
+    g = engine.grammar(robot_tools, "auto")
+    ids = {t: engine.tokenizer.encode_text(t) for t in ("<", "```", "{", "[", "The", " {")}
+    assert all(len(v) == 1 for v in ids.values())
+    ids = {t: v[0] for t, v in ids.items()}
+    assert (g.call_evidence | g.call_start).equal(g.call_evidence)
+    assert [t for t, i in ids.items() if g.call_evidence[i]] == ["<", "```", "{", "["]
+    assert [t for t, i in ids.items() if g.call_start[i]] == ["<"]
+    s = engine.session(system=SYSTEM, tools=robot_tools)
+    s.observe([{"role": "user", "content": "Pick up the red cube."}])
+    cp = s.checkpoint()
+    d = s.decide(tool_choice="auto", max_tokens=40, auto_threshold=0.0)
+    assert d.status == "ok" and d.text.startswith("<tool_call>") and 0 < d.p_call < 1
+    s.rollback(cp)
+    d = s.decide(tool_choice="auto", max_tokens=8, auto_threshold=1.0)
+    assert d.status == "text" and d.text[:1] not in ("<", "") and d.tool_call is None
+
+
 def test_invalid_when_max_tokens_too_small(engine, robot_tools):
     s = engine.session(system=SYSTEM, tools=robot_tools)
     s.observe(" ".join(SCENES[4]))
