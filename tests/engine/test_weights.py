@@ -205,9 +205,10 @@ _Q4_K_M = {"*": Q.Q4_K, "attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K}
 def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind, qtype):
     # quantize="gguf": weights read from the file without an fp32 copy; 4-bit blocks become Int4Linear
     # holding exactly the file's values (scales here are exact in bf16), other quantized projections
-    # Int8Linear of their dequantized values, float ones stay fp32. Logits agree with the fp32
-    # reference on the same file (the int4 kernel quantizes activations to int8: W4A8).
-    from tokenspeed.quant import Int4Linear, Int8Linear
+    # Int8Linear of their dequantized values, float ones stay fp32; the embedding table int8 in groups
+    # of 32 (exact for Q8_0) unless float. Logits agree with the fp32 reference on the same file (the
+    # int4 kernel quantizes activations to int8: W4A8).
+    from tokenspeed.quant import Int4Linear, Int8Embedding, Int8Linear
 
     monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
     k_quants = any(t.name.endswith("_K") for t in (qtype.values() if isinstance(qtype, dict) else [qtype]))
@@ -234,6 +235,13 @@ def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind,
                 assert torch.equal(ours.qweight, Int8Linear(theirs.weight).qweight)
             if theirs.bias is not None:
                 assert torch.equal(ours.bias, theirs.bias)
+    table, ref_table = native.model.tok_embeddings(torch.arange(native.args.vocab_size)), ref.model.tok_embeddings.weight
+    embed = kinds.get("token_embd", kinds["*"])
+    assert isinstance(native.model.tok_embeddings, torch.nn.Embedding if embed == Q.F16 else Int8Embedding)
+    if embed in (Q.Q8_0, Q.F16):  # the file's values
+        assert torch.equal(table, ref_table)
+    else:  # within half an int8 step of its group of 32
+        assert (table - ref_table).abs().max() <= ref_table.abs().max() / 254
     ids = torch.tensor(native.tokenizer.encode("<|im_start|>user\nPick the red cube at x=0.42.<|im_end|>\n"))
     logits = [e.model(ids, torch.arange(len(ids)), e.model.new_cache(64), "all") for e in (native, ref)]
     assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].abs().max()
