@@ -178,6 +178,8 @@ def run_agreement(out_dir: Path, formats: list[str] | None = None, positions: in
         res = _file_agreement(path, context, threads)
         files[fmt] = {"file": str(path), "types": types, **res,
                       "met": res["top1"] >= TOP1_GOAL and res["kl_mean"] <= KL_GOAL}
+        print(f"#   {fmt}: top-1 {res['top1']:.2%}, mean KL {res['kl_mean']:.5f} over {res['positions']} positions",
+              file=sys.stderr, flush=True)
     report = {"command": f"tokenspeed bench agreement --formats {','.join(formats)} --positions {positions} "
                          f"--threads {threads}", "positions": positions, "threads": threads, "files": files,
               "goal": f"top-1 >= {TOP1_GOAL:.0%} and mean KL <= {KL_GOAL} per file"}
