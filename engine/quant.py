@@ -532,7 +532,8 @@ def quantize(model: nn.Module, mode: str = "int8", empty: bool = False) -> nn.Mo
     emb = getattr(model, "tok_embeddings", None)
     if (isinstance(emb, nn.Embedding) and (empty or emb.weight.device.type == "cpu")
             and Int8Embedding.supports(emb.weight.shape)):
-        model.tok_embeddings = Int8Embedding.empty(emb) if empty else Int8Embedding(emb.weight)
+        # (scales in the table's dtype: rows come out in the activations' dtype)
+        model.tok_embeddings = Int8Embedding.empty(emb) if empty else Int8Embedding(emb.weight).to(emb.weight.dtype)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
