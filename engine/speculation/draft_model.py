@@ -179,7 +179,7 @@ class DraftModel(nn.Module):
 
 def fingerprint(target: Transformer) -> str:
     """Short hash identifying a target model's weights (vocab size, dim, first embedding rows)."""
-    rows = target.tok_embeddings(torch.arange(8, device=target.device))  # as looked up (the table may be int8)
+    rows = target.tok_embeddings(torch.arange(min(8, target.args.vocab_size), device=target.device))  # may be int8
     w = rows.detach().to(torch.float16).cpu().numpy().tobytes()
     h = hashlib.sha1(w + f"{target.args.vocab_size}/{target.args.dim}".encode()).hexdigest()
     return h[:16]
