@@ -59,7 +59,7 @@ class Target:
     def __init__(self, model, cache, mask=None, graphs=None, worker=None, pipelined=False):
         self.model, self.cache, self.mask, self.graphs, self.worker = model, cache, mask, graphs, worker
         self.pipelined = pipelined
-        self.device = model.tok_embeddings.weight.device
+        self.device = model.device
         self.tokens = array("q")
 
     def forward_beside(self, ids: list[int], rows, head_rows: torch.Tensor | None, host: Callable[[], HostResult]

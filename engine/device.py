@@ -138,7 +138,7 @@ class DecodeGraphs:
 
     def __init__(self, model, cache, max_width: int = 32, capture: bool | None = None):
         self.model, self.cache, self.max_width = model, cache, max_width
-        self.device = model.tok_embeddings.weight.device
+        self.device = model.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.widths: dict[int, _Width] = {}
         self.eager = False

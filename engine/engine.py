@@ -103,7 +103,7 @@ class Engine:
         self.source = source
         self.load_s = load_s
         self.weights = weights
-        self.device = model.tok_embeddings.weight.device
+        self.device = model.device
         self.pipeline = resolve_pipeline(self.device, pipeline)
         self.weight_choice = weight_choice
         self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,

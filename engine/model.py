@@ -5,7 +5,8 @@ RMSNorm, rotary embeddings (Hugging Face "rotate half" layout), grouped-query at
 SwiGLU, tied or untied embeddings. The numerics follow Hugging Face `transformers`' Llama
 implementation so logits match it for the same weights.
 
-Every projection is an `nn.Linear` that quantized linears replace (`tokenspeed.quant`). On the
+Every projection is an `nn.Linear` that quantized linears replace (`tokenspeed.quant`; on the CPU the
+embedding table too: `tok_embeddings` is an `nn.Embedding` or an `Int8Embedding`). On the
 CPU, a forward of at most `FUSED_PREFILL_ROWS` new tokens (decode, draft verification, forced runs,
 observations, prefill chunks) runs all layers in C++ calls of up to `FUSED_ROWS` tokens each when the
 extension is built (`tokenspeed.kernels.cpu_decode`, same math); `use_fused = False` turns it off.
@@ -323,6 +324,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the weights (and of every tensor a forward takes)."""
+        return self.norm.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms' weights'; a new KV cache's by default). The embedding
+        table may be stored otherwise (`tokenspeed.quant.Int8Embedding`): read these, not its weight."""
+        return self.norm.dtype
+
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output projection when the model ties them (and
         the output is still an `nn.Linear`: a quantized lm_head keeps its own weights)."""
@@ -363,8 +375,7 @@ class Transformer(nn.Module):
 
     def new_cache(self, capacity: int | None = None, dtype=None) -> KVCache:
         """A KV cache for up to `capacity` tokens (default: the model's max_seq_len)."""
-        p = self.tok_embeddings.weight
-        return KVCache(self.args, capacity or self.args.max_seq_len, dtype or p.dtype, p.device)
+        return KVCache(self.args, capacity or self.args.max_seq_len, dtype or self.dtype, self.device)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: int | torch.Tensor, cache: KVCache,

@@ -75,7 +75,7 @@ def _key(session, ids: list[int]) -> str:
         variant = selected_variant()
     parts = {"ids": hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest(),
              "weights": _FINGERPRINTS[model], "format": engine.weights, "code": _code_digest(),
-             "device": str(engine.device), "dtype": str(model.tok_embeddings.weight.dtype),
+             "device": str(engine.device), "dtype": str(model.dtype),
              "fused": fused, "variant": variant, "threads": torch.get_num_threads(),
              "cache": type(session.cache).__name__}
     draft = _draft(session)

@@ -8,6 +8,8 @@
 - "int8": every projection, the lm_head included, gets int8 weights with one fp32 scale per output
   channel (`Int8Linear`); decode-sized inputs run torch's `_weight_int8pack_mm` (CPU and CUDA) or the
   fused extension's `int8_gemv`, larger ones dequantize once per call.
+On the CPU the token embedding table becomes an `Int8Embedding` in both modes (int8 in groups of 32,
+the GGUF Q8_0 layout: exact for a Q8_0 table, a quarter of fp32's memory).
 `linear_rows` projects onto a subset of output rows (the lm_head logits of the ids a grammar allows).
 """
 from __future__ import annotations
@@ -22,13 +24,14 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Int8Linear", "Int4Linear", "Int4TinygemmLinear", "QUANTIZED", "q4_1_groups", "gguf_int4_groups",
+__all__ = ["Int8Linear", "Int4Linear", "Int8Embedding", "Int4TinygemmLinear", "QUANTIZED", "q4_1_groups", "gguf_int4_groups",
            "GGUF_INT4_TYPES", "linear_bytes", "quantize", "linear_rows", "fused_ext", "choose_format", "cached_format",
            "FormatChoice", "MODES", "FORMATS", "PACKED_ROWS"]
 
@@ -141,14 +144,28 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        n, k = weight.shape
-        q = torch.empty(n, k, dtype=torch.int8, device=weight.device)
-        scales = torch.empty(n, device=weight.device)
-        for r in range(0, n, self._ROWS):  # row blocks: temporaries of a block, not of the whole weight
-            w = weight[r:r + self._ROWS].detach().float()
-            scales[r:r + self._ROWS] = s = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-            q[r:r + self._ROWS] = torch.round(w / s[:, None]).clamp_(-127, 127)
-        self._store(q, scales, None if bias is None else bias.detach().clone())
+        self._store(*self._quantized(*weight.shape, lambda a, b: weight[a:b], weight.device),
+                    None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_rows(cls, out_features: int, in_features: int, rows: Callable[[int, int], torch.Tensor],
+                  bias: torch.Tensor | None = None, device=None) -> "Int8Linear":
+        """A layer of a weight given by row blocks: `rows(a, b)` -> float [b - a, in_features] (output rows
+        a..b-1, e.g. dequantized from a file), so no float copy of the whole weight is needed."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._store(*cls._quantized(out_features, in_features, rows, device), bias)
+        return layer
+
+    @classmethod
+    def _quantized(cls, n: int, k: int, rows: Callable[[int, int], torch.Tensor], device) -> tuple:
+        q = torch.empty(n, k, dtype=torch.int8, device=device)
+        scales = torch.empty(n, device=device)
+        for r in range(0, n, cls._ROWS):  # row blocks: temporaries of a block, not of the whole weight
+            w = rows(r, min(r + cls._ROWS, n)).detach().float()
+            scales[r:r + cls._ROWS] = s = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+            q[r:r + cls._ROWS] = torch.round(w / s[:, None]).clamp_(-127, 127)
+        return q, scales
 
     def _store(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = qweight.shape
@@ -364,6 +381,81 @@ class Int4TinygemmLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.GROUP}, tinygemm"
 
 
+class Int8Embedding(nn.Module):
+    """Token embedding table in int8, groups of 32 values with one fp32 scale each (the GGUF Q8_0
+    layout): a quarter of the fp32 table's memory (SmolLM2-135M: 31 MB against 113 MB); looked-up
+    rows are dequantized, the table never is.
+
+    w[v, k] = qweight[v, k] * scales[v, k // 32], scale = max |w| / 127 of the group (Q8_0's rule),
+    so a table that came from a Q8_0 file (values code * fp16 scale) is stored exactly: its rows come
+    back bit for bit. Buffers: qweight [num_embeddings, embedding_dim] int8, scales
+    [num_embeddings, embedding_dim / 32] fp32.
+
+    forward(ids [...] int64) -> [..., embedding_dim] in the scales' dtype.
+
+    Raises (constructor): ValueError if embedding_dim is not a multiple of 32 (`supports`).
+    """
+
+    GROUP = 32
+    _ROWS = 4096  # rows quantized at a time
+
+    def __init__(self, weight: torch.Tensor):
+        """Quantize a float table [num_embeddings, embedding_dim] (it is not modified)."""
+        super().__init__()
+        self._store(*self._quantized(*weight.shape, lambda a, b: weight[a:b], weight.device))
+
+    @classmethod
+    def from_rows(cls, num_embeddings: int, embedding_dim: int, rows: Callable[[int, int], torch.Tensor],
+                  device=None) -> "Int8Embedding":
+        """A table given by row blocks: `rows(a, b)` -> float [b - a, embedding_dim] (rows a..b-1, e.g.
+        dequantized from a file), so no float copy of the whole table is needed."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._store(*cls._quantized(num_embeddings, embedding_dim, rows, device))
+        return layer
+
+    @classmethod
+    def _quantized(cls, n: int, k: int, rows: Callable[[int, int], torch.Tensor], device) -> tuple:
+        if not cls.supports((n, k)):
+            raise ValueError(f"Int8Embedding needs embedding_dim divisible by {cls.GROUP}, got {k}")
+        q = torch.empty(n, k, dtype=torch.int8, device=device)
+        scales = torch.empty(n, k // cls.GROUP, device=device)
+        for r in range(0, n, cls._ROWS):  # row blocks: temporaries of a block, not of the whole table
+            w = rows(r, min(r + cls._ROWS, n)).detach().float().unflatten(-1, (-1, cls.GROUP))
+            s = w.abs().amax(-1, keepdim=True) / 127.0
+            q[r:r + cls._ROWS] = torch.round(w / torch.where(s > 0, s, 1.0)).flatten(-2).to(torch.int8)
+            scales[r:r + cls._ROWS] = s[..., 0]
+        return q, scales
+
+    def _store(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
+        self.num_embeddings, self.embedding_dim = qweight.shape
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def empty(cls, embedding: nn.Embedding) -> "Int8Embedding":
+        """An uninitialised CPU table of `embedding`'s shape (`embedding` may be on the meta device), for
+        `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
+        n, k = embedding.weight.shape
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._store(torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // cls.GROUP))
+        return layer
+
+    @staticmethod
+    def supports(shape: tuple[int, int]) -> bool:
+        """Whether a table of `shape` [num_embeddings, embedding_dim] fits the layout."""
+        return shape[1] % Int8Embedding.GROUP == 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q, s = self.qweight[ids], self.scales[ids]  # [..., dim], [..., dim / 32]
+        w = q.to(s.dtype).unflatten(-1, (-1, self.GROUP)) * s[..., None]
+        return w.flatten(-2)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 groups of {self.GROUP}"
+
+
 QUANTIZED = (Int8Linear, Int4Linear, Int4TinygemmLinear)  # the layer types `quantize` swaps in
 
 
@@ -415,7 +507,10 @@ def linear_rows(linear: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch
 
 
 def quantize(model: nn.Module, mode: str = "int8", empty: bool = False) -> nn.Module:
-    """Replace every `nn.Linear` inside `model` (in place) with its quantized version.
+    """Replace every `nn.Linear` inside `model` (in place) with its quantized version, and on the CPU
+    its token embedding table (`model.tok_embeddings`, an `nn.Embedding`) with an `Int8Embedding`
+    (a quantized head never shares the float table, so keeping it would only cost memory; elsewhere
+    the table stays float).
 
     Call it after moving the model to its device and dtype.
 
@@ -434,6 +529,11 @@ def quantize(model: nn.Module, mode: str = "int8", empty: bool = False) -> nn.Mo
     """
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r}; choose one of {MODES}")
+    emb = getattr(model, "tok_embeddings", None)
+    if (isinstance(emb, nn.Embedding) and (empty or emb.weight.device.type == "cpu")
+            and Int8Embedding.supports(emb.weight.shape)):
+        # (scales in the table's dtype: rows come out in the activations' dtype)
+        model.tok_embeddings = Int8Embedding.empty(emb) if empty else Int8Embedding(emb.weight).to(emb.weight.dtype)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):

@@ -97,10 +97,9 @@ def check_kv_capacity(engine, capacity, kv_budget=None) -> None:
             isinstance(kv_budget, bool) or not isinstance(kv_budget, int) or kv_budget < 1):
         raise SessionArgumentError(f"kv_budget must be None, a positive integer of tokens or a KVConfig, "
                                    f"got {kv_budget!r:.40}")
-    w = engine.model.tok_embeddings.weight
     tokens = (kv_budget.budget if isinstance(kv_budget, KVConfig) else kv_budget) if kv_budget is not None \
         else capacity or most
-    need, free = kv_bytes(engine.model.args, tokens, w.dtype), _available_memory(w.device)
+    need, free = kv_bytes(engine.model.args, tokens, engine.model.dtype), _available_memory(engine.model.device)
     if need > free:
         what = "kv_budget" if kv_budget is not None else "capacity" if capacity is not None else \
             "capacity (default: max_position_embeddings)"
@@ -170,8 +169,7 @@ class Session:
             if len(system_ids) >= kv.budget:
                 raise ValueError(f"kv_budget {kv.budget} tokens cannot hold the pinned system prompt and tools "
                                  f"({len(system_ids)} tokens)")
-            w = self.model.tok_embeddings.weight
-            cache, window = TieredKVCache(self.model.args, kv, w.dtype, w.device), kv.budget
+            cache, window = TieredKVCache(self.model.args, kv, self.model.dtype, self.model.device), kv.budget
         self._mask = TokenMask(self.tok.vocab_size, engine.device, engine.mask_executor)
         graphs = DecodeGraphs(self.model, cache) if engine.device.type == "cuda" and kv_budget is None else None
         self.target = Target(self.model, cache, self._mask, graphs, engine.host_worker, engine.pipeline)

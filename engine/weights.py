@@ -308,6 +308,9 @@ def save_quantized(model, files: ModelFiles, fmt: str) -> None:
         log.warning("quantized weights not cached (%s)", exc)
 
 
+_FINITE_CHUNK = 1 << 20  # values checked at a time by `check_finite`
+
+
 def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
     """Refuse weights with NaN or infinite values (a corrupt file would decide garbage silently).
 
@@ -319,9 +322,11 @@ def check_finite(state: dict[str, torch.Tensor], source: str) -> None:
     """
     bad = []
     for name, t in state.items():
-        # a non-finite value makes the sum non-finite: one pass without a mask, counted only then
+        # a non-finite value makes the sum non-finite: one pass without a mask, counted only then, in
+        # chunks (isfinite's temporaries of a whole table would double a load's peak)
         if t.is_floating_point() and not torch.isfinite(t.sum()):
-            n = t.numel() - int(torch.isfinite(t).sum())
+            flat = t.reshape(-1)
+            n = sum(int((~torch.isfinite(flat[i:i + _FINITE_CHUNK])).sum()) for i in range(0, flat.numel(), _FINITE_CHUNK))
             if n:
                 bad.append(f"{name} ({n} values)")
     if bad:
@@ -657,7 +662,6 @@ def _write_fp32_weights(files: ModelFiles, out: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
-_EMBED_ROWS = 4096  # rows dequantized at a time into the fp32 embedding (bounds the temporaries)
 
 
 def load_gguf(files: ModelFiles):
@@ -672,8 +676,9 @@ def load_gguf(files: ModelFiles):
     - otherwise (Q8_0, Q6_K, Q5_*, ... or a mix) `Int8Linear` of that projection's dequantized
       weights, one projection at a time.
     The lm_head is an `Int8Linear` of its (or the tied embedding's) dequantized weights when quantized,
-    fp32 `nn.Linear` when float; the embedding table and norms are fp32. Pages of the file are
-    dropped from memory after each layer.
+    fp32 `nn.Linear` when float; the embedding table an `Int8Embedding` when quantized (exact for
+    Q8_0), fp32 when float; norms fp32. Both tables are built from row blocks, never a whole fp32
+    copy. Pages of the file are dropped from memory after each layer.
 
     Args:
         files: a resolved GGUF model (`resolve_model`; `files.gguf` set).
@@ -686,7 +691,7 @@ def load_gguf(files: ModelFiles):
     from torch import nn
 
     from .model import Transformer, rope_tables
-    from .quant import GGUF_INT4_TYPES, Int4Linear, Int8Linear, gguf_int4_groups
+    from .quant import GGUF_INT4_TYPES, Int4Linear, Int8Embedding, Int8Linear, gguf_int4_groups
 
     if files.gguf is None:
         raise ModelLoadError(f"{files.source}: not a GGUF file (the file's own format needs a .gguf model)")
@@ -736,14 +741,22 @@ def load_gguf(files: ModelFiles):
 
     with torch.device("meta"):  # no init: every tensor comes from the file
         net = Transformer(args)
-    embed = tensor("token_embd.weight")
-    if [int(d) for d in reversed(embed.shape)] != [args.vocab_size, args.dim]:
-        raise ModelLoadError(f"{path}: token_embd.weight has shape {list(reversed(embed.shape))}, "
-                             f"the configuration says {[args.vocab_size, args.dim]}")
-    emb = torch.empty(args.vocab_size, args.dim)
-    for r in range(0, args.vocab_size, _EMBED_ROWS):  # row blocks: no whole-table temporaries
-        emb[r:r + _EMBED_ROWS] = torch.from_numpy(_dequantized(embed, path, slice(r, r + _EMBED_ROWS)))
-    net.tok_embeddings.weight = nn.Parameter(emb, requires_grad=False)
+
+    def table(name: str):  # a [vocab, dim] tensor of the file (embedding or lm_head), its shape checked
+        t = tensor(name)
+        if [int(d) for d in reversed(t.shape)] != [args.vocab_size, args.dim]:
+            raise ModelLoadError(f"{path}: {name} has shape {[int(d) for d in reversed(t.shape)]}, "
+                                 f"the configuration says {[args.vocab_size, args.dim]}")
+        return t
+
+    def rows_of(t):  # row blocks of a table, dequantized: no whole-table temporaries
+        return lambda a, b: torch.from_numpy(_dequantized(t, path, slice(a, b)))
+
+    embed = table("token_embd.weight")
+    if embed.tensor_type.name in _FLOAT_TYPES:
+        net.tok_embeddings.weight = nn.Parameter(torch.from_numpy(_dequantized(embed, path)), requires_grad=False)
+    else:
+        net.tok_embeddings = Int8Embedding.from_rows(args.vocab_size, args.dim, rows_of(embed))
     for i, layer in enumerate(net.layers):
         b = f"blk.{i}."
         att, ffn = layer.attention, layer.feed_forward
@@ -757,13 +770,13 @@ def load_gguf(files: ModelFiles):
         layer.ffn_norm = float_param(b + "ffn_norm.weight", (args.dim,))
         _drop_pages(mapped)
     net.norm = float_param("output_norm.weight", (args.dim,))
-    head = embed if args.tie_embeddings else tensor("output.weight")
+    head = embed if args.tie_embeddings else table("output.weight")
     if head.tensor_type.name in _FLOAT_TYPES:  # a tied float head shares the embedding (`tie_weights`)
         net.output = nn.Linear(args.dim, args.vocab_size, bias=False, device="meta")
         if not args.tie_embeddings:
             net.output.weight = float_param("output.weight", (args.vocab_size, args.dim))
     else:
-        net.output = Int8Linear(emb if args.tie_embeddings else torch.from_numpy(_dequantized(head, path)))
+        net.output = Int8Linear.from_rows(args.vocab_size, args.dim, rows_of(head))
     _drop_pages(mapped)
     net.rope_cos, net.rope_sin = rope_tables(args)
     net.tie_weights()

@@ -9,6 +9,7 @@ and `tokenspeed bench gpu` (the same decode path on CUDA against the HBM floor).
     tokenspeed bench kv needle|agreement|cost   # pruned KV cache accuracy and cost (tokenspeed.bench.kv)
     tokenspeed bench auto                   # tool_choice=auto: call/text rates per tool-listing prompt (BFCL)
     tokenspeed bench serve                  # GET /health during bursts of requests on `tokenspeed serve` (< 50 ms)
+    tokenspeed bench agreement              # logits vs llama.cpp on the embedded model re-quantized to Q4_0, Q8_0, Q4_K_M
 
 Peers are an optional extra: `pip install -e ".[bench]"`, and `make peers` builds llama-cpp-python from source.
 """
@@ -73,6 +74,20 @@ def _cmd_kv(args) -> int:
     return run(args)
 
 
+def _cmd_agreement(args) -> int:
+    from .agreement import print_table, run_agreement
+
+    try:
+        report = run_agreement(Path(args.out), formats=args.formats.split(","), positions=args.positions,
+                               threads=args.threads)
+    except (RuntimeError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_table(report)
+    print(f"# wrote {Path(args.out) / 'report.json'}", file=sys.stderr)
+    return 0
+
+
 def _cmd_profile(args) -> int:
     from .decode_profile import profile_decode
 
@@ -82,9 +97,10 @@ def _cmd_profile(args) -> int:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `bench` (with `aal`, `prefill`, `gpu`, `profile`, `kv`, `auto` and `serve`) on an argparse subparsers object; returns it."""
-    p = subparsers.add_parser("bench", help="benchmarks: aal (agent action latency), prefill, gpu, profile, kv (pruned KV cache), auto, "
-                                                "serve (/health under load)")
+    """Register `bench` (with `aal`, `prefill`, `gpu`, `profile`, `agreement`, `kv`, `auto` and `serve`) on an
+    argparse subparsers object; returns it."""
+    p = subparsers.add_parser("bench", help="benchmarks: aal (agent action latency), prefill, gpu, profile, agreement "
+                                            "(vs llama.cpp), kv (pruned KV cache), auto, serve (/health under load)")
     sub = p.add_subparsers(dest="bench", required=True)
     a = sub.add_parser("aal", help="Agent Action Latency: TokenSpeed vs llama.cpp vs transformers, one run")
     a.add_argument("--quick", action="store_true", help="small workload (2 calls, ~1.4K tokens); skips a missing llama.cpp")
@@ -128,6 +144,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     f.add_argument("--steps", type=int, default=10, help="decode steps profiled")
     f.add_argument("--context", type=int, default=256, help="tokens in the KV cache (default 256)")
     f.set_defaults(func=_cmd_profile)
+    ag = sub.add_parser("agreement", help="top-1 agreement and KL of TokenSpeed's logits against llama.cpp's on the "
+                                          "embedded model re-quantized by llama.cpp (teacher-forced agent context)")
+    ag.add_argument("--formats", default="Q4_0,Q8_0,Q4_K_M", help="llama.cpp quantization formats (default Q4_0,Q8_0,Q4_K_M)")
+    ag.add_argument("--positions", type=int, default=2000, help="positions scored per file (default 2000)")
+    ag.add_argument("--threads", type=int, default=2, help="CPU threads of both engines (default 2)")
+    ag.add_argument("--out", default="bench-out/agreement", help="output folder (default bench-out/agreement)")
+    ag.set_defaults(func=_cmd_agreement)
     from .auto import add_parser as add_auto_parser
     from .serve import add_parser as add_serve_parser
 

@@ -225,8 +225,7 @@ def measure(model: Transformer, context: int, decode_tokens: int, device: torch.
     if kv is None:
         cache, chunk = model.new_cache(context + decode_tokens + 3), context
     else:
-        w = model.tok_embeddings.weight
-        cache, chunk = TieredKVCache(args, kv, w.dtype, w.device), min(512, kv.reserve)
+        cache, chunk = TieredKVCache(args, kv, model.dtype, model.device), min(512, kv.reserve)
     gen = torch.Generator(device="cpu").manual_seed(0)
     prompt = torch.randint(0, args.vocab_size, (context,), generator=gen).to(device)
     warm = model.new_cache(64)
@@ -273,7 +272,7 @@ def _raw_decode(name: str, model: Transformer, contexts, steps: int, device: tor
     # the graph runner's static step, eagerly), and at the longest over a `pruned` cache (eager: the
     # Triton attention on CUDA), with the torch norms and (on CUDA) the fused Triton norm; then the
     # graph step of a weight-only int8 and int4 copy (torch's kernels on CUDA), each context.
-    rows, plain = [], str(model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    rows, plain = [], str(model.dtype).removeprefix("torch.")
     for fused_norm in (False, True) if device.type == "cuda" else (False,):
         model.use_triton_norm = fused_norm
         try:
@@ -320,7 +319,7 @@ def check_parity(ref: Transformer, dev: Transformer, prompts: list[list[int]], n
     decode is the same sequence). Returns counts, the largest relative L2 logits error, the
     mismatches (prompt, step, the reference's top-2 margin) and ok.
     """
-    device = dev.tok_embeddings.weight.device
+    device = dev.device
     tokens = identical = 0
     worst, mismatches = 0.0, []
     for i, ids in enumerate(prompts):

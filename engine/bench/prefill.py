@@ -63,7 +63,7 @@ def _worker_tokenspeed(job: dict, kv_budget: int | None) -> dict:
 
     engine = Engine.load(threads=job["threads"])
     model = engine.model
-    dev = model.tok_embeddings.weight.device
+    dev = model.device
     if kv_budget is None:
         cache = model.new_cache(max(job["prefixes"]) + max(job["new"]) + 8)
         cut = cache.truncate

@@ -215,8 +215,7 @@ class FusedDecode:
     @staticmethod
     def supports(model) -> bool:
         """Whether the fused step can run `model` (CPU, fp32, known projection types)."""
-        p = model.tok_embeddings.weight
-        return (p.device.type == "cpu" and p.dtype == torch.float32
+        return (model.device.type == "cpu" and model.dtype == torch.float32
                 and all(_kind(lin) is not None for layer in model.layers for lin in _projections(layer)))
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int) -> torch.Tensor:

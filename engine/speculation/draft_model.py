@@ -45,14 +45,13 @@ class DraftModel(nn.Module):
             raise ValueError(f"draft dim {args.dim} must equal the target's {target.args.dim} (shared embeddings)")
         # vocab_size is the draft's output vocabulary; its input embedding is the target's module.
         args = replace(args, vocab_size=len(vocab), tie_embeddings=False, max_seq_len=target.args.max_seq_len)
-        p = target.tok_embeddings.weight
         with torch.device("meta"):
             net = Transformer(args)
             # the target's, set below: not allocated (and no init: normal_ on meta imports torch._dynamo)
             net.tok_embeddings = nn.Embedding(0, args.dim, _weight=torch.empty(0, args.dim))
         # torch.empty, not `to_empty`: empty_like of a meta tensor runs torch's Python reference
         # implementation, whose first use imports sympy (~0.5 s of every engine start)
-        net = net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=p.device)).to(p.dtype)
+        net = net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=target.device)).to(target.dtype)
         with torch.no_grad():
             for w in net.parameters():  # small random init (loaded or copied later)
                 if w.dim() == 1:
@@ -60,13 +59,14 @@ class DraftModel(nn.Module):
                 else:
                     w.normal_(0.0, 0.02)
             head = target.output  # an nn.Linear, or a quantized linear (tokenspeed.quant)
-            rows = vocab.to(p.device)
-            net.output.weight.copy_(head.dequantized(p.dtype, rows) if hasattr(head, "dequantized") else head.weight[rows])
+            rows = vocab.to(target.device)
+            net.output.weight.copy_(head.dequantized(target.dtype, rows) if hasattr(head, "dequantized")
+                                    else head.weight[rows])
         net.tok_embeddings = target.tok_embeddings
         net.output.weight.requires_grad_(False)
-        net.tok_embeddings.weight.requires_grad_(False)
+        net.tok_embeddings.requires_grad_(False)
         self.net = net
-        self.register_buffer("vocab", vocab.to(device=p.device, dtype=torch.long), persistent=False)
+        self.register_buffer("vocab", vocab.to(device=target.device, dtype=torch.long), persistent=False)
         self.vocab_ids: list[int] = vocab.tolist()  # the same ids on the host (no device read per proposal)
         self.target_id = fingerprint(target)
         self.window: int | None = None
@@ -152,10 +152,9 @@ class DraftModel(nn.Module):
         if vocab.dim() != 1 or len(vocab) == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= target.args.vocab_size:
             raise ValueError(f"{path}: draft.vocab must be target token ids in [0, {target.args.vocab_size})")
         draft = cls(target, replace(target.args, n_layers=n_layers, hidden_dim=hidden_dim), vocab)
-        p = target.tok_embeddings.weight
         try:
             missing, unexpected = draft.net.load_state_dict(
-                {k: v.to(device=p.device, dtype=p.dtype) for k, v in tensors.items()}, strict=False)
+                {k: v.to(device=target.device, dtype=target.dtype) for k, v in tensors.items()}, strict=False)
         except RuntimeError as exc:  # shape mismatches
             shape = str(exc).splitlines()[-1].strip()
             raise ValueError(f"{path}: weights do not fit the draft's architecture: {shape}") from exc
@@ -171,6 +170,7 @@ class DraftModel(nn.Module):
             # forwards reads the draft's weights from DRAM each time (the target evicts them from
             # the caches): 17 MB in fp32 took 2.0 ms per proposal, most of a drafting step.
             quantize(draft.net, "int8")
+            draft.net.tok_embeddings = target.tok_embeddings  # still the target's table, as it is stored
         return draft.eval()
 
     def new_state(self, capacity: int, window: int | None = None) -> "DraftState":
@@ -181,7 +181,8 @@ class DraftModel(nn.Module):
 
 def fingerprint(target: Transformer) -> str:
     """Short hash identifying a target model's weights (vocab size, dim, first embedding rows)."""
-    w = target.tok_embeddings.weight[:8].detach().to(torch.float16).cpu().numpy().tobytes()
+    rows = target.tok_embeddings(torch.arange(min(8, target.args.vocab_size), device=target.device))  # may be int8
+    w = rows.detach().to(torch.float16).cpu().numpy().tobytes()
     h = hashlib.sha1(w + f"{target.args.vocab_size}/{target.args.dim}".encode()).hexdigest()
     return h[:16]
 

@@ -2,8 +2,10 @@
 report maths, the quick end-to-end run (no speed assertions) and the GPU script on CPU."""
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -284,3 +286,27 @@ def test_serve_bench_probes_health_and_a_sleeper_during_each_burst(tmp_path, cap
     assert burst["statuses"].get("429", 0) <= 12 - 9  # at most the running one and 8 waiting are admitted
     assert burst["health"]["n"] >= 1 and burst["sleep"]["n"] >= 1 and report["health"] == burst["health"]
     assert "goal: slowest /health < 50 ms" in capsys.readouterr().out
+
+
+def test_agreement_bench_compares_logits_with_llama_cpp_on_a_file_its_quantizer_made(tmp_path, monkeypatch, capsys):
+    # `tokenspeed bench agreement` on a short run: the embedded model re-quantized to Q8_0 by llama.cpp
+    # (cached: a second run reuses the file), teacher-forced workload positions through both engines
+    pytest.importorskip("llama_cpp")
+    from tokenspeed.bench import agreement as ag
+
+    monkeypatch.setattr(ag, "cache_dir", lambda: tmp_path / "cache")
+    assert bench_main(["agreement", "--formats", "Q8_0", "--positions", "48", "--threads", "1",
+                       "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    r = report["files"]["Q8_0"]
+    assert r["positions"] == 48 and r["types"]["Q8_0"] > 0 and set(r["types"]) <= {"Q8_0", "F32"}
+    assert r["top1"] >= 0.95 and 0 <= r["kl_mean"] <= 0.02  # the goal (99%, 0.01) is the bench's, over 2,000
+    made = Path(r["file"])
+    assert made.parent == tmp_path / "cache" / "agreement"
+    stamp = made.stat().st_mtime_ns
+    assert ag.quantized_file("Q8_0") == made and made.stat().st_mtime_ns == stamp
+    assert "Q8_0" in capsys.readouterr().out
+    same = ag.compare(torch.tensor([[0.0, 1.0, 2.0]]), torch.tensor([[0.0, 1.0, 2.0]]))
+    assert same == {"positions": 1, "top1": 1.0, "kl_mean": 0.0, "kl_max": 0.0}
+    with pytest.raises(ValueError, match="no Q3_X quantization"):
+        ag.quantized_file("Q3_X")

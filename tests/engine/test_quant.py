@@ -7,8 +7,8 @@ from torch import nn
 import tokenspeed
 from support import decide_each
 from tokenspeed.model import Transformer
-from tokenspeed.quant import (PACKED_ROWS, Int4Linear, Int4TinygemmLinear, Int8Linear, linear_bytes, linear_rows,
-                              q4_1_groups, quantize)
+from tokenspeed.quant import (PACKED_ROWS, Int4Linear, Int4TinygemmLinear, Int8Embedding, Int8Linear, linear_bytes,
+                              linear_rows, q4_1_groups, quantize)
 
 
 @pytest.mark.parametrize("rows", [1, PACKED_ROWS + 5])  # packed decode kernel and the dequantize path
@@ -21,6 +21,32 @@ def test_int8_linear_matches_fp32(rows):
     assert out.shape == ref.shape and out.dtype == torch.float32
     assert (out - ref).norm() / ref.norm() < 0.02
     assert q.qweight.dtype == torch.int8 and q.qweight.shape == (160, 96)
+
+
+def test_int8_embedding_keeps_a_q8_0_table_exactly_in_a_quarter_of_the_memory():
+    # a table of Q8_0 values (gguf's quantizer, as llama.cpp's) comes back bit for bit; any other
+    # table within int8 rounding per group of 32; built from row blocks it is the same layer
+    import gguf
+    import numpy as np
+
+    torch.manual_seed(0)
+    w = torch.randn(300, 96) * torch.rand(300, 1)
+    w[7] = 0  # an all-zero row (scale 0)
+    q8 = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0),
+                                                 gguf.GGMLQuantizationType.Q8_0).astype(np.float32))
+    emb = Int8Embedding(q8)
+    ids = torch.tensor([[0, 7, 299], [5, 5, 42]])
+    out = emb(ids)
+    assert out.shape == (2, 3, 96) and out.dtype == torch.float32
+    assert torch.equal(emb(torch.arange(300)), q8) and torch.equal(out, q8[ids])
+    assert emb.qweight.dtype == torch.int8 and emb.scales.shape == (300, 3)
+    assert emb.qweight.nbytes + emb.scales.nbytes < w.nbytes / 3.5
+    approx = Int8Embedding(w)(torch.arange(300))
+    assert (approx - w).abs().max() <= w.abs().amax() / 254 + 1e-7
+    rows = Int8Embedding.from_rows(300, 96, lambda a, b: w[a:b])
+    assert torch.equal(rows.qweight, Int8Embedding(w).qweight) and torch.equal(rows.scales, Int8Embedding(w).scales)
+    with pytest.raises(ValueError, match="divisible"):
+        Int8Embedding(torch.randn(4, 40))
 
 
 def test_int4_linear_recovers_q4_1_codes_exactly():
@@ -103,8 +129,8 @@ def test_quantize_swaps_every_linear_and_rejects_unknown_mode(mode, tol):
     tokens = torch.arange(10, 20)
     ref = model(tokens, torch.arange(10), model.new_cache(64), "all")
     quantize(model, mode)
-    assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert isinstance(model.output, Int8Linear)
+    assert not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in model.modules())
+    assert isinstance(model.output, Int8Linear) and isinstance(model.tok_embeddings, Int8Embedding)
     assert isinstance(model.layers[0].feed_forward.w13, Int4Linear if mode == "int4" else Int8Linear)
     out = model(tokens, torch.arange(10), model.new_cache(64), "all")
     assert (out - ref).norm() / ref.norm() < tol

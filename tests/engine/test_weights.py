@@ -207,9 +207,10 @@ _Q4_K_M = {"*": Q.Q4_K, "attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K}
 def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind, qtype):
     # quantize="gguf": weights read from the file without an fp32 copy; 4-bit blocks become Int4Linear
     # holding exactly the file's values (scales here are exact in bf16), other quantized projections
-    # Int8Linear of their dequantized values, float ones stay fp32. Logits agree with the fp32
-    # reference on the same file (the int4 kernel quantizes activations to int8: W4A8).
-    from tokenspeed.quant import Int4Linear, Int8Linear
+    # Int8Linear of their dequantized values, float ones stay fp32; the embedding table int8 in groups
+    # of 32 (exact for Q8_0) unless float. Logits agree with the fp32 reference on the same file (the
+    # int4 kernel quantizes activations to int8: W4A8).
+    from tokenspeed.quant import Int4Linear, Int8Embedding, Int8Linear
 
     monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
     k_quants = any(t.name.endswith("_K") for t in (qtype.values() if isinstance(qtype, dict) else [qtype]))
@@ -236,6 +237,13 @@ def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind,
                 assert torch.equal(ours.qweight, Int8Linear(theirs.weight).qweight)
             if theirs.bias is not None:
                 assert torch.equal(ours.bias, theirs.bias)
+    table, ref_table = native.model.tok_embeddings(torch.arange(native.args.vocab_size)), ref.model.tok_embeddings.weight
+    embed = kinds.get("token_embd", kinds["*"])
+    assert isinstance(native.model.tok_embeddings, torch.nn.Embedding if embed == Q.F16 else Int8Embedding)
+    if embed == Q.F16:  # the file's values
+        assert torch.equal(table, ref_table)
+    else:  # within half an int8 step of its group of 32 (random blocks: a quantizer's Q8_0 is exact, below)
+        assert (table - ref_table).abs().max() <= ref_table.abs().max() / 254
     ids = torch.tensor(native.tokenizer.encode("<|im_start|>user\nPick the red cube at x=0.42.<|im_end|>\n"))
     logits = [e.model(ids, torch.arange(len(ids)), e.model.new_cache(64), "all") for e in (native, ref)]
     assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].abs().max()
@@ -394,7 +402,8 @@ def test_auto_measures_the_gguf_files_own_blocks_too(tmp_path, monkeypatch):
 
 def test_embedded_model_runs_its_own_q4_1_blocks(engine):
     # the embedded SmolLM2 Q4_1 file loaded natively: its codes are the ones int4 re-derives from the
-    # fp32 conversion (llama.cpp's Q4_1 quantizer uses each group's min and max), the greedy tokens
+    # fp32 conversion (llama.cpp's Q4_1 quantizer uses each group's min and max), its embedding rows are
+    # the file's, the greedy tokens
     # of both agree, and the top-1 of the last position matches the fp32 reference
     from tokenspeed.quant import Int4Linear
 
@@ -402,6 +411,9 @@ def test_embedded_model_runs_its_own_q4_1_blocks(engine):
     layers = [(a, b) for a, b in zip(native.model.modules(), int4.model.modules()) if isinstance(a, Int4Linear)]
     assert len(layers) == 4 * native.args.n_layers
     assert all(torch.equal(a.codes, b.codes) for a, b in layers)
+    # the Q8_0 embedding table, held in int8 (a quarter of fp32's memory), looks up the file's values
+    every = torch.arange(engine.args.vocab_size)
+    assert all(torch.equal(e.model.tok_embeddings(every), engine.model.tok_embeddings.weight) for e in (native, int4))
     prompt = engine.tokenizer.encode("<|im_start|>user\nPick up the red cube at x=0.42.<|im_end|>\n<|im_start|>assistant\n")
     outs = []
     for e in (native, int4, engine):
