@@ -232,14 +232,14 @@ def _quantized_path(files: ModelFiles, fmt: str) -> Path:
     return cache_dir() / "quantized" / f"{fmt}-{h.hexdigest()[:24]}.safetensors"
 
 
-def _linear_kinds(model) -> dict[str, str]:
-    """{module name: "int4" | "int8" | "float"} of every linear layer of `model`: which class
-    `load_quantized` rebuilds before it fills the layers."""
+def _layer_kinds(model) -> dict[str, str]:
+    """{module name: "int4" | "int8" | "float" | "int8-embedding"} of every linear layer and of the
+    token embedding of `model`: which class `load_quantized` rebuilds before it fills the layers."""
     from torch import nn
 
-    from .quant import Int4Linear, Int8Linear
+    from .quant import Int4Linear, Int8Embedding, Int8Linear
 
-    kinds = {Int4Linear: "int4", Int8Linear: "int8", nn.Linear: "float"}
+    kinds = {Int4Linear: "int4", Int8Linear: "int8", nn.Linear: "float", Int8Embedding: "int8-embedding"}
     return {name: kinds[type(m)] for name, m in model.named_modules() if type(m) in kinds}
 
 
@@ -248,25 +248,26 @@ def load_quantized(files: ModelFiles, fmt: str):
     file's own blocks as `load_gguf` lays them out) from the quantized weights cache, or None when
     it has no entry (or an unreadable one). The entry is keyed on the model's folder and shard
     files (a GGUF's folder is its file's digest), `fmt`, torch and the code that made the layers,
-    and it records each linear layer's class, so the weights equal a fresh `quant.quantize` (or
+    and it records each linear layer's and the embedding's class, so the weights equal a fresh `quant.quantize` (or
     `load_gguf`) of the same checkpoint; loading it skips the read and the quantization.
 
     Returns:
-        a `Transformer` on the CPU (fp32 embedding and norms, quantized projections), or None.
+        a `Transformer` on the CPU (fp32 norms, the embedding and projections as they were saved), or None.
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     from .model import Transformer, rope_tables
-    from .quant import Int4Linear, Int8Linear
+    from .quant import Int4Linear, Int8Embedding, Int8Linear
 
     path = _quantized_path(files, fmt)
     if not path.is_file():
         return None
-    empty = {"int4": Int4Linear.empty, "int8": Int8Linear.empty, "float": lambda linear: linear}
+    empty = {"int4": Int4Linear.empty, "int8": Int8Linear.empty, "float": lambda linear: linear,
+             "int8-embedding": Int8Embedding.empty}
     try:
         with safe_open(str(path), "pt") as f:
-            kinds = json.loads((f.metadata() or {})["linear_kinds"])
+            kinds = json.loads((f.metadata() or {})["layer_kinds"])
         with torch.device("meta"):  # no init and no memory: every tensor comes from the cache entry
             net = Transformer(files.args)
             for name, kind in kinds.items():
@@ -290,19 +291,20 @@ def load_quantized(files: ModelFiles, fmt: str):
 
 def save_quantized(model, files: ModelFiles, fmt: str) -> None:
     """Write `model` (quantized to `fmt` from the checkpoint in `files`, or the file's own blocks
-    for "gguf") to the quantized weights cache for `load_quantized`, with each linear layer's class
+    for "gguf") to the quantized weights cache for `load_quantized`, with each layer's class
     (atomic rename; a failure to write is logged, not raised). A tied float lm_head is left out
     (`Transformer.tie_weights` ties it again)."""
     from safetensors.torch import save_file
 
     path = _quantized_path(files, fmt)
-    tied = model.output.weight.data_ptr() if isinstance(model.output, torch.nn.Linear) else None
-    state = {k: v.contiguous() for k, v in model.state_dict().items()
-             if not (k == "output.weight" and v.data_ptr() == tied == model.tok_embeddings.weight.data_ptr())}
+    tied = (model.output.weight.data_ptr() if isinstance(model.output, torch.nn.Linear)
+            and isinstance(model.tok_embeddings, torch.nn.Embedding)
+            and model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr() else None)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (k == "output.weight" and tied)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(state, str(tmp), metadata={"linear_kinds": json.dumps(_linear_kinds(model))})
+        save_file(state, str(tmp), metadata={"layer_kinds": json.dumps(_layer_kinds(model))})
         tmp.replace(path)
     except OSError as exc:
         log.warning("quantized weights not cached (%s)", exc)
