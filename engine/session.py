@@ -104,7 +104,7 @@ def check_kv_capacity(engine, capacity, kv_budget=None) -> None:
         what = "kv_budget" if kv_budget is not None else "capacity" if capacity is not None else \
             "capacity (default: max_position_embeddings)"
         raise SessionArgumentError(f"{what}={tokens} tokens needs {need / 2**30:.2f} GiB of KV cache, more than the "
-                                   f"{free / 2**30:.2f} GiB available on {w.device}: pass a smaller capacity or a "
+                                   f"{free / 2**30:.2f} GiB available on {engine.model.device}: pass a smaller capacity or a "
                                    f"kv_budget")
 
 
