@@ -18,7 +18,6 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from .peers import server_process
