@@ -121,11 +121,17 @@ def gguf_int4_groups(blocks: np.ndarray, qtype: str) -> tuple[torch.Tensor, torc
             torch.from_numpy(np.ascontiguousarray(minimum.reshape(n, -1))))
 
 
+def _bare(cls) -> nn.Module:
+    """A `cls` module without its constructor's work (no buffers yet): for `cls._store` to fill."""
+    layer = cls.__new__(cls)
+    nn.Module.__init__(layer)
+    return layer
+
+
 def _uninitialised(cls, linear: nn.Linear, *weights: torch.Tensor) -> nn.Module:
     """A `cls` layer holding the uninitialised `weights` (and a bias buffer when `linear` has one),
     for `load_state_dict` to fill; `cls._store` names the buffers."""
-    layer = cls.__new__(cls)
-    nn.Module.__init__(layer)
+    layer = _bare(cls)
     bias = linear.bias
     layer._store(*weights, None if bias is None else torch.empty(bias.shape[0], dtype=bias.dtype))
     return layer
@@ -152,8 +158,7 @@ class Int8Linear(nn.Module):
                   bias: torch.Tensor | None = None, device=None) -> "Int8Linear":
         """A layer of a weight given by row blocks: `rows(a, b)` -> float [b - a, in_features] (output rows
         a..b-1, e.g. dequantized from a file), so no float copy of the whole weight is needed."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
+        layer = _bare(cls)
         layer._store(*cls._quantized(out_features, in_features, rows, device), bias)
         return layer
 
@@ -247,8 +252,7 @@ class Int4Linear(nn.Module):
             ValueError: the shape does not fit the layout (`supports`).
         """
         cls._require(codes.shape)
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
+        layer = _bare(cls)
         layer._store(*cls.pack(codes, scale, minimum), bias)
         return layer
 
@@ -409,8 +413,7 @@ class Int8Embedding(nn.Module):
                   device=None) -> "Int8Embedding":
         """A table given by row blocks: `rows(a, b)` -> float [b - a, embedding_dim] (rows a..b-1, e.g.
         dequantized from a file), so no float copy of the whole table is needed."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
+        layer = _bare(cls)
         layer._store(*cls._quantized(num_embeddings, embedding_dim, rows, device))
         return layer
 
@@ -437,8 +440,7 @@ class Int8Embedding(nn.Module):
         """An uninitialised CPU table of `embedding`'s shape (`embedding` may be on the meta device), for
         `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
         n, k = embedding.weight.shape
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
+        layer = _bare(cls)
         layer._store(torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // cls.GROUP))
         return layer
 
