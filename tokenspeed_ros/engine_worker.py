@@ -623,6 +623,7 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
     except RuntimeError as e:   # rcl's RCLError: e.g. "-p model:=" (an override without a value)
         print(f"{name}: cannot parse the ROS arguments: {str(e).split(', at ')[0]}", file=sys.stderr)
         return 2
+    sys.unraisablehook = _quiet_interrupts
     try:
         node = make_node()
         startup.done("rclpy and the node")
@@ -632,9 +633,13 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
         rclpy.try_shutdown()
         return 2
     except KeyboardInterrupt:   # Ctrl-C while configuring: the engine thread may be mid-load
-        print(f"{name}: interrupted during start-up", file=sys.stderr)
-        rclpy.try_shutdown()
-        _exit_now()
+        _interrupted_at_startup(name)
+    except Exception:
+        if rclpy.ok():
+            raise
+        # rclpy's SIGINT / SIGTERM handler shut the context down while the node was being built:
+        # its next create_* raised RCLError ("context is invalid")
+        _interrupted_at_startup(name)
     executor = SingleThreadedExecutor()
     executor.add_node(node)
     status = 0
@@ -676,6 +681,22 @@ def import_ahead(modules: tuple[str, ...]) -> threading.Thread:
     thread = threading.Thread(target=run, name="tokenspeed-import-ahead", daemon=True)
     thread.start()
     return thread
+
+
+def _interrupted_at_startup(name: str) -> None:
+    """Ctrl-C / SIGTERM before the node spins: one line on stderr, then end the process with
+    status 0 at once (the engine thread may be mid-load)."""
+    print(f"{name}: interrupted during start-up", file=sys.stderr)
+    rclpy.try_shutdown()
+    _exit_now()
+
+
+def _quiet_interrupts(unraisable) -> None:
+    """`sys.unraisablehook` of an engine node: a KeyboardInterrupt that lands in a finalizer or a
+    weakref callback (CPython's import locks use one) is the Ctrl-C the node is handling, not an
+    error to print as "Exception ignored ... Traceback"; anything else goes to the default hook."""
+    if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
 
 
 def _exit_now(status: int = 0) -> None:

@@ -84,6 +84,9 @@ class ManagedNode(LifecycleNode):
         except KeyboardInterrupt:   # Ctrl-C while the model loads: one line, the entry point ends cleanly
             print(f"{self.get_name()}: interrupted during start-up", file=sys.stderr, flush=True)
             raise
+        if not configured and not self.context.ok():   # SIGINT / SIGTERM shut the context down mid-configure
+            print(f"{self.get_name()}: interrupted during start-up", file=sys.stderr, flush=True)
+            return
         if not configured:
             raise ConfigureError(f"configure failed: {self.configure_error}")
         self.trigger_activate()
