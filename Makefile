@@ -75,7 +75,7 @@ demo: setup
 	$(VENV)/bin/tokenspeed_demo $(DEMO_ARGS)
 
 test: setup
-	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # llama-cpp-python built from source for this CPU's best ISA into .venv (~10 min on 2 cores).
 peers: | $(STAMP)

@@ -614,7 +614,7 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
         return 0
     startup = LoadStages()
     startup.add("process start to main (Python, the node's imports)", process_age_s(), time.process_time())
-    import_ahead(ENGINE_MODULES)
+    imports = import_ahead(ENGINE_MODULES)
     # The deadline monitor's thread waits for the GIL while the engine thread runs Python code
     # (the decode loop between kernels): at most this long instead of CPython's default 5 ms.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
@@ -622,7 +622,7 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
         rclpy.init(args=args)
     except RuntimeError as e:   # rcl's RCLError: e.g. "-p model:=" (an override without a value)
         print(f"{name}: cannot parse the ROS arguments: {str(e).split(', at ')[0]}", file=sys.stderr)
-        return 2
+        return _finish(2, imports)
     sys.unraisablehook = _quiet_interrupts
     try:
         node = make_node()
@@ -631,7 +631,7 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
     except errors as e:
         print(f"{name}: {e}", file=sys.stderr)
         rclpy.try_shutdown()
-        return 2
+        return _finish(2, imports)
     except KeyboardInterrupt:   # Ctrl-C while configuring: the engine thread may be mid-load
         _interrupted_at_startup(name)
     except Exception:
@@ -659,6 +659,16 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
         node.destroy_node()
         rclpy.try_shutdown()
     if not stopped:    # the engine thread is mid-forward: skip interpreter finalization
+        _exit_now(status)
+    return _finish(status, imports)
+
+
+def _finish(status: int, imports: threading.Thread) -> int:
+    """`status`, or end the process with it at once while `imports` (import_ahead's thread) is
+    still importing: interpreter finalization under a thread inside torch's import crashed the
+    process (SIGSEGV, or "FATAL: exception not rethrown") in ~1 of 8 fast failures, e.g. a model
+    path that does not exist."""
+    if imports.is_alive():
         _exit_now(status)
     return status
 
