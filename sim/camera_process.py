@@ -20,9 +20,8 @@ _START_TIMEOUT_S = 60.0
 
 
 def _serve(config: SceneConfig, conn) -> None:
-    """Child process: render each snapshot received until None or the pipe closes (either way,
-    also when the parent was killed)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)      # the parent decides when we stop
+    """Child process (SIGINT ignored: the parent decides when it stops): render each snapshot
+    received until None or the pipe closes (either way, also when the parent was killed)."""
     with CobotScene(config) as scene:
         conn.send("ready")
         while True:
@@ -49,7 +48,13 @@ class CameraProcess:
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(config, child), daemon=True, name="tokenspeed_sim_camera")
         self.busy = False
-        self._proc.start()
+        # the child starts with SIGINT ignored (inherited across its exec), so a Ctrl-C to the
+        # process group during its bootstrap imports is not a KeyboardInterrupt traceback there
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self._proc.start()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         child.close()
         try:
             ready = self._conn.poll(_START_TIMEOUT_S) and self._conn.recv() == "ready"

@@ -93,10 +93,22 @@ def run(duration_s: float, out_dir: Path, overrides: list[str], ready_timeout_s:
     log_lines = log_path.read_text().splitlines()
     if ended_early or rc != 0:
         print(f"tokenspeed_demo: the launch {'ended early' if ended_early else 'failed'} (status {rc}); "
-              f"last lines of {log_path}:\n" + "\n".join(log_lines[-15:]), flush=True)
+              f"{failure_lines(log_lines, log_path)}", flush=True)
     else:
         print("\n".join(line for line in log_lines if line.startswith("[tokenspeed_cobot_sim]") and "renders" in line))
     return rc if rc else (1 if ended_early else 0)
+
+
+def failure_lines(log_lines: list[str], log_path: Path, n: int = 15) -> str:
+    """What to show of launch.log when the launch failed: the launcher's "stopping: <node> exited
+    with status N" line and the last `n` lines that name that node (its refusal or error, not the
+    other nodes' output as they were stopped after it), else the last `n` lines."""
+    stopping = next((line for line in log_lines if "[tokenspeed_launch] stopping:" in line), "")
+    node = stopping.split("stopping: ", 1)[1].split(" exited with status")[0] if " exited with status" in stopping else ""
+    own = [line for line in log_lines if node and node in line and line != stopping]
+    if own:
+        return f"{stopping.strip()}; its lines in {log_path}:\n" + "\n".join(own[-n:])
+    return f"last lines of {log_path}:\n" + "\n".join(log_lines[-n:])
 
 
 def main(argv: list[str] | None = None) -> int:

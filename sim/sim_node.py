@@ -288,7 +288,11 @@ def main(args: list[str] | None = None) -> None:
     ros_spin.init(args)
     node = None
     try:
-        node = CobotSimNode()
+        try:
+            node = CobotSimNode()
+        except KeyboardInterrupt:   # Ctrl-C while the scene and the camera process start
+            print("[tokenspeed_cobot_sim] interrupted during start-up", flush=True)
+            return
         ros_spin.spin(node)
     finally:
         if node is not None:

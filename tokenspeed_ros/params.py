@@ -144,7 +144,8 @@ class NodeParams(BaseModel):
                 node.declare_parameter(name, default, descriptor(name, f, name in cls.READ_ONLY))
             except (InvalidParameterTypeException, InvalidParameterValueException) as e:   # an override
                 rng = range_text(f)
-                raise AgentParamsError(f"{name} refused: {str(e).splitlines()[0]}"
+                hint = " (write a float with a decimal point: 1.0)" if f.annotation is float and "INTEGER" in str(e) else ""
+                raise AgentParamsError(f"{name} refused: {str(e).splitlines()[0]}{hint}"
                                        + (f"; range {rng}" if rng else "")) from None
         return cls.read(node)
 

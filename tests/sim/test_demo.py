@@ -44,3 +44,17 @@ def test_demo_runs_the_closed_loop_and_leaves_no_process(ros_env, tmp_path):
     assert "tokenspeed_cobot_sim exit status 0" in log and "tokenspeed_agent exit status 0" in log
     assert "/tokenspeed_agent: activated" in log and "task: Put the red cube" in log
     assert processes_in_domain(ros_env["ROS_DOMAIN_ID"]) == []
+
+
+def test_a_refused_parameter_ends_the_demo_with_the_reason(ros_env, tmp_path):
+    """An integer for a float parameter: the agent refuses it and exits 2; the demo ends with its
+    status and prints the agent's refusal (not the simulator's output as it was stopped), and no
+    node prints a traceback."""
+    out = subprocess.run([sys.executable, "-m", "tokenspeed_sim.demo", "--duration", "20", "--out", str(tmp_path),
+                          "--set", "tokenspeed_agent.deadline_budget_s=1"],
+                         env=ros_env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "stopping: tokenspeed_agent exited with status 2" in out.stdout
+    assert "deadline_budget_s refused" in out.stdout and "decimal point: 1.0" in out.stdout
+    assert "Traceback" not in (tmp_path / "launch.log").read_text()
+    assert processes_in_domain(ros_env["ROS_DOMAIN_ID"]) == []
