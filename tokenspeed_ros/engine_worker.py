@@ -48,8 +48,7 @@ GIL_SWITCH_INTERVAL_S = 0.001     # CPython's thread switch interval in the node
 AHEAD_BUDGET_S = 10.0             # a decision decided ahead may take this long (no robot waits on it) (s)
 THREAD_DIED = "engine thread died"
 # What the engine thread's load imports (torch first), imported ahead on a thread from process start
-ENGINE_MODULES = ("tokenspeed.engine", "tokenizers", "llguidance", "jinja2", "safetensors.torch",
-                  "torch.utils.cpp_extension")
+ENGINE_MODULES = ("tokenspeed.engine", "tokenizers", "llguidance", "jinja2", "safetensors.torch")
 
 
 @dataclass
