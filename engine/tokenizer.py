@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 
 __all__ = ["Tokenizer", "tokenizer_files_from_gguf"]
@@ -94,14 +95,13 @@ class Tokenizer:
         try:
             self.json = (folder / "tokenizer.json").read_text()
             self._tok = HFTokenizer.from_str(self.json)
-            # The same model with special tokens never parsed: for text that comes from outside.
-            self._text_tok = HFTokenizer.from_str(self.json)
         except Exception as exc:  # OSError, or the tokenizers library's own errors for a malformed file
             raise ModelLoadError(f"cannot read {folder / 'tokenizer.json'}: {exc}") from exc
-        for t in (self._tok, self._text_tok):
-            t.no_padding()
-            t.no_truncation()
-        self._text_tok.encode_special_tokens = True
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        # One parsed tokenizer for both kinds of text (a second parse of tokenizer.json cost ~0.12 s
+        # of every load): its `encode_special_tokens` flag is set for each call, under this lock.
+        self._encode_lock = threading.Lock()
         cfg_path = folder / "tokenizer_config.json"
         where = str(cfg_path)
         try:
@@ -161,12 +161,22 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of trusted template text: special tokens written literally (`<|im_end|>`)
         are recognised, no BOS added. Never use it on text from users, topics or feeds."""
-        return _ids(self._tok, text)
+        return self._ids(text, special=True)
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of untrusted text as plain text only: a special token written in it
         (`<|im_end|>`) is split into ordinary tokens, so the text cannot end a turn or open one."""
-        return _ids(self._text_tok, text)
+        return self._ids(text, special=False)
+
+    def _ids(self, text: str, special: bool) -> list[int]:
+        # Token ids of `text`, no special tokens added; special: special tokens written in the text
+        # are recognised (else split into ordinary tokens). Through `encode_batch`, which releases
+        # the GIL while it runs (same ids, same cost): `encode` holds it, 48 ms for 32 KB of text
+        # here, and no other thread of the process runs meanwhile (the server's event loop while a
+        # request is prepared; ROS callbacks while the engine observes).
+        with self._encode_lock:
+            self._tok.encode_special_tokens = not special
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_chat(self, messages: list[dict], head: list[dict] = ()) -> list[int]:
         """Token ids of `messages` rendered with the chat template after the `head` messages
@@ -225,14 +235,6 @@ class Tokenizer:
                 OverflowError, RecursionError) as exc:
             # what a template's own code can raise (a ValueError from raise_exception passes as it is)
             raise ValueError(f"chat template: {type(exc).__name__}: {exc}") from None
-
-
-def _ids(tok, text: str) -> list[int]:
-    # Token ids of `text` by the `tokenizers.Tokenizer` `tok`, no special tokens added. Through
-    # `encode_batch`, which releases the GIL while it runs (same ids, same cost): `encode` holds
-    # it, 48 ms for 32 KB of text here, and no other thread of the process runs meanwhile (the
-    # server's event loop while a request is prepared; ROS callbacks while the engine observes).
-    return tok.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 def _chat_template(value, where: str) -> str | None:

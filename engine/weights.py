@@ -22,6 +22,7 @@ import os
 import shutil
 import struct
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -348,12 +349,39 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+_RECENT_S = 2.0     # a file modified less than this long ago (s) is hashed without remembering the digest
+
+
 def _file_digest(path: Path) -> str:
+    """First 24 hex digits of the SHA-256 of the file's bytes. Hashing a 100 MB GGUF costs ~0.1 s of
+    CPU at every load, so the digest is remembered under cache_dir()/digests, keyed by the
+    file's absolute path, device, inode, size, mtime and ctime (any write to the file changes its
+    ctime; a file modified in the last `_RECENT_S` seconds is not remembered, as git does for racy
+    entries): the next load of the unchanged file reads it back."""
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+    memo = cache_dir() / "digests" / hashlib.sha256(key.encode()).hexdigest()[:32]
+    try:
+        digest = memo.read_text()
+        if len(digest) == 24:
+            return digest
+    except OSError:
+        pass
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
-    return h.hexdigest()[:24]
+    digest = h.hexdigest()[:24]
+    if time.time() - st.st_mtime < _RECENT_S:   # a write within the same clock tick would keep its stat
+        return digest
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}.tmp")
+        tmp.write_text(digest)
+        tmp.replace(memo)
+    except OSError:  # a read-only cache: hashed again next time
+        pass
+    return digest
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ Each result carries a `DecisionTrace` of its stages.
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import sys
@@ -47,8 +48,7 @@ GIL_SWITCH_INTERVAL_S = 0.001     # CPython's thread switch interval in the node
 AHEAD_BUDGET_S = 10.0             # a decision decided ahead may take this long (no robot waits on it) (s)
 THREAD_DIED = "engine thread died"
 # What the engine thread's load imports (torch first), imported ahead on a thread from process start
-ENGINE_MODULES = ("tokenspeed.engine", "tokenizers", "llguidance", "jinja2", "safetensors.torch",
-                  "torch.utils.cpp_extension")
+ENGINE_MODULES = ("tokenspeed.engine", "tokenizers", "llguidance", "jinja2", "safetensors.torch")
 
 
 @dataclass
@@ -596,7 +596,8 @@ class EngineWorker:
 def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception], ...],
                     args: list[str] | None = None, help_text: str = "") -> int:
     """Body of a console entry point for a node that owns an EngineWorker (the agent, the market
-    bridge): the engine's imports begun on a thread (`import_ahead`), rclpy.init(args),
+    bridge): the engine's imports begun on a thread (`import_ahead`), the cyclic garbage collector
+    off until the node's first configure ends (a node never configured runs without it), rclpy.init(args),
     `make_node()`, spin until Ctrl-C / SIGTERM / shutdown, then `node.close()` (returns False while
     the engine thread is inside a load or forward) and destroy it. The node's `startup` gets the
     process's start-up stages so far (`LoadStages`: process start to here, rclpy and the node);
@@ -612,6 +613,10 @@ def run_engine_node(name: str, make_node: Callable, errors: tuple[type[Exception
     if help_requested(args):
         print(help_text)
         return 0
+    # No cyclic collection until the first configure ends (`ManagedNode.on_configure` freezes what it
+    # made and turns the collector back on): during the imports and the load each collection walks
+    # the growing heap (torch's modules, the model), ~0.25 s of CPU in all, holding the GIL.
+    gc.disable()
     startup = LoadStages()
     startup.add("process start to main (Python, the node's imports)", process_age_s(), time.process_time())
     imports = import_ahead(ENGINE_MODULES)

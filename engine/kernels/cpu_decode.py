@@ -141,8 +141,6 @@ def load(cache: Path, variant: str | None = None, verbose: bool = False):
 
 @functools.cache
 def _load(cache: Path, name: str, verbose: bool):
-    from torch.utils.cpp_extension import load as load_ext
-
     v = VARIANTS[name]
     flags = _FLAGS + list(v.cflags)
     key = hashlib.sha256(b"\0".join([*(f.read_bytes() for f in SOURCES + _HEADERS), torch.__version__.encode(),
@@ -166,6 +164,8 @@ def _load(cache: Path, name: str, verbose: bool):
     lock = build / "lock"  # left behind by a build that was killed (a build takes ~1 min)
     if lock.exists() and time.time() - lock.stat().st_mtime > 600:
         lock.unlink(missing_ok=True)
+    from torch.utils.cpp_extension import load as load_ext  # ~50 ms of imports, only to build
+
     try:
         return load_ext(name=module_name, sources=[str(s) for s in SOURCES], extra_cflags=flags,
                         extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=verbose)

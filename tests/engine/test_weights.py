@@ -1,7 +1,9 @@
 """Weight loading: tiny random Llama/Qwen2 models written by the test as safetensors folders and as
 GGUF files (F32/F16/Q8_0/Q4_0/Q4_1, Q/K permuted like llama.cpp's converter), compared with
 Hugging Face transformers on the same weights; bad paths give clear errors."""
+import hashlib
 import json
+import os
 import shutil
 
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 import tokenspeed
-from tokenspeed.weights import ModelLoadError, resolve_model
+from tokenspeed.weights import ModelLoadError, _file_digest, resolve_model
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -425,3 +427,20 @@ def test_embedded_model_runs_its_own_q4_1_blocks(engine):
             logits = e.model(torch.tensor(ids[-1:]), torch.tensor([len(ids) - 1]), cache, "last")
         outs.append(ids[len(prompt):])
     assert outs[0] == outs[1] and outs[0][0] == outs[2][0]
+
+
+def test_a_gguf_files_digest_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    # the digest that names a GGUF's converted folder is hashed once per file version, not per load
+    monkeypatch.setenv("TOKENSPEED_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF" + b"\x01" * 100)
+    assert _file_digest(f) == hashlib.sha256(f.read_bytes()).hexdigest()[:24]
+    assert not (tmp_path / "cache" / "digests").exists()    # just written: not remembered yet
+    os.utime(f, (1e9, 1e9))
+    first = _file_digest(f)
+    (memo,) = (tmp_path / "cache" / "digests").iterdir()
+    memo.write_text("m" * 24)                       # a remembered digest is read, not recomputed
+    assert _file_digest(f) == "m" * 24
+    f.write_bytes(b"GGUF" + b"\x02" * 100)          # a new version of the file (same size) is hashed again
+    os.utime(f, (1e9, 1e9))
+    assert _file_digest(f) == hashlib.sha256(f.read_bytes()).hexdigest()[:24] != first
