@@ -140,9 +140,8 @@ class Session:
         speculator: the `tokenspeed.speculation.Speculator` (drafting state of this session).
         system_from_disk: whether the system prompt's KV was read from the disk cache instead of
             prefilled (`tokenspeed.prefix_cache`).
-        kept_tokens: of the last `observe()`'s tokens (with its trigger's pending ones before
-            them), how many kept their KV from the context before its `since` checkpoint instead
-            of being prefilled (0 without `since`).
+        kept_tokens: of the tokens the last `observe()` appended, how many kept their KV from
+            the context before its `since` checkpoint instead of being prefilled (0 without `since`).
     """
 
     def __init__(self, engine, system: str | None, tools: list[dict], capacity: int | None,
@@ -279,9 +278,9 @@ class Session:
                 that of `rollback(since)` then `observe(content, ...)`, but the tokens that followed
                 `since` keep their KV as far as they equal the ones that follow it now (the longest
                 common prefix of the two, starting with the checkpoint's pending tokens), and only
-                the rest is prefilled (`kept_tokens` says how many were kept). E.g. a state line
-                predicted on a checkpoint, then the real one: a moved cube re-prefills the line from
-                its first differing token on. Kept keys and values are the ones a prefill would
+                the rest is prefilled (`kept_tokens`: how many of this observation's were kept).
+                E.g. a state line predicted on a checkpoint, then the real one: a moved cube
+                re-prefills the line from its first differing token on. Kept keys and values are the ones a prefill would
                 write (same tokens, same positions, same context before them); in a pruned session
                 the kept tokens' relevance scores restart at 0 and the older ones' are `since`'s.
         Returns:
@@ -310,7 +309,7 @@ class Session:
         messages = [{"role": m.get("role", "user"), "content": m["content"]} for m in messages]
         for i, m in enumerate(messages):
             _text_arg(m["content"], f"observe() message {i} content")
-        self.kept_tokens = 0
+        self.kept_tokens = kept = 0
         if since is None:
             ids = self._render(messages, len(self.segments))
             cp = self.checkpoint()
@@ -321,14 +320,15 @@ class Session:
             same = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
             # a family without an assistant prefix keeps the context's last token pending (`_flush`)
             same = min(same, len(new) - (0 if self.tok.assistant_prefix else 1))
-            self.kept_tokens = self._rollback(since, same)
+            kept = self._rollback(since, same)
+            self.kept_tokens = max(kept - len(since.pending), 0)
             cp = since
         try:
             self._append(ids, kind, source, pinned=pin)
-            if self.kept_tokens:  # their KV stayed in the cache: they are not pending
-                self.target.tokens.extend(self.pending[:self.kept_tokens])
-                del self.pending[:self.kept_tokens]
-            self._flush(abort, deadline_at, self.kept_tokens)
+            if kept:  # their KV stayed in the cache: they are not pending
+                self.target.tokens.extend(self.pending[:kept])
+                del self.pending[:kept]
+            self._flush(abort, deadline_at, kept)
         except BaseException:
             self.rollback(cp)  # the KV cache is full, or aborted: the context is left as before the call
             raise
