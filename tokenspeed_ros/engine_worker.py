@@ -81,9 +81,9 @@ class DecisionTrace:
     prefilled for this decision right before it (the state line, or the queue); decide_start /
     first_token / end: decide() and its first token; for a decision decided ahead ("hit") these
     are when the stored call was taken, and ahead_* say how it was made. Tokens: prefill_tokens
-    before the decision on its path (kept_tokens of the state line's kept their KV from the call
-    decided ahead on a miss, or from the unanswered line it replaced, and are not counted there);
-    tokens_in: every token that entered the context for this
+    prefilled before the decision on its path; kept_tokens: those of its observations that kept
+    their KV instead (`Session.observe`'s since: the predicted line's common prefix on a miss, or
+    the unanswered line's that it replaced); tokens_in: every token that entered the context for this
     decision since the last one (observations, the state line, decide()'s trigger tokens; not the
     answer); request_tokens: the tokens prefilled between the request (the reading it answers)
     and the call (its state line where not yet in the context, decide()'s trigger tokens; 0 for a
