@@ -203,8 +203,10 @@ class Session:
     def num_tokens(self) -> int:
         return len(self.target.tokens) + len(self.pending)
 
-    def _render(self, messages: list[dict], n_segments: int) -> list[int]:
-        # the messages' tokens after the system message (`render_turn`), in a context of n_segments segments
+    def _render(self, messages: list[dict], n_segments: int | None = None) -> list[int]:
+        # the messages' tokens after the system message (`render_turn`), in a context of n_segments
+        # segments (None: this one's)
+        n_segments = len(self.segments) if n_segments is None else n_segments
         if not n_segments:
             return self.tok.encode_chat(messages, [])
         return render_turn(self.tok, self._system_text, messages, first=n_segments == 1)
@@ -311,7 +313,7 @@ class Session:
             _text_arg(m["content"], f"observe() message {i} content")
         self.kept_tokens = kept = 0
         if since is None:
-            ids = self._render(messages, len(self.segments))
+            ids = self._render(messages)
             cp = self.checkpoint()
         else:
             self._check_checkpoint(since)
@@ -375,7 +377,8 @@ class Session:
         # tokens that followed cp (as many of them from the first as it holds in the hot tier); the
         # caller appends those tokens again at once and moves them from `pending` to
         # `target.tokens` (observe's since). Returns how many the cache kept.
-        self._branches[self._check_checkpoint(cp):] = [[cp.branch, cp.serial], [next(self._serials), None]]
+        at = self._check_checkpoint(cp)  # before reading cp's fields: it may be anything
+        self._branches[at:] = [[cp.branch, cp.serial], [next(self._serials), None]]
         kept = self.cache.restore(cp.n_tokens, cp.kv, keep)  # a pruned cache also undoes evictions and recalls since cp
         del self.target.tokens[cp.n_tokens:]
         self.pending = list(cp.pending)
@@ -590,7 +593,7 @@ class Session:
         cp = self.checkpoint()
         try:
             if prompt is not None:
-                self._append(self._render([{"role": "user", "content": prompt}], len(self.segments)), "text")
+                self._append(self._render([{"role": "user", "content": prompt}]), "text")
             self._append(self.tok.encode(self.tok.assistant_prefix), "assistant")
             feed, self.pending = self.pending, []
             gen = torch.Generator(self.engine.device).manual_seed(seed) if seed is not None else None
