@@ -370,21 +370,29 @@ class TieredKVCache(KVCache):
         """Hot positions and scores, for `restore()` (O(hot tokens))."""
         return KVSnapshot(self.pos[:self.n].cpu().clone(), self.score[:self.n].cpu().clone())
 
-    def restore(self, n_tokens: int, snap: KVSnapshot) -> None:
-        """Return to the state at `snap`, whose context held `n_tokens` tokens.
+    def restore(self, n_tokens: int, snap: KVSnapshot, keep: int = 0) -> int:
+        """Return to the state at `snap`, whose context held `n_tokens` tokens, keeping up to
+        `keep` of the tokens after them: positions [n_tokens, n_tokens + kept) where all of them
+        are hot (a session's rollback that keeps a common prefix, `Session.observe`'s since).
 
-        Drops hot and cold entries at positions >= n_tokens, moves pages recalled since the
-        snapshot back to the cold tier, brings back pages evicted since (from the cold tier), and
-        restores the snapshot's slot order and scores.
+        Drops hot and cold entries at later positions, moves pages recalled since the snapshot
+        back to the cold tier, brings back pages evicted since (from the cold tier), and restores
+        the snapshot's slot order and scores; the kept slots follow in position order, with
+        scores 0. Returns how many tokens were kept.
         """
         self._staged = []
-        self._next = n_tokens  # the next token's position, whether or not the newest were kept
-        self._compact(self.pos[:self.n] < n_tokens)
+        hot = self.pos[:self.n].cpu()
+        want_kept = torch.arange(n_tokens, n_tokens + max(keep, 0))
+        held = torch.isin(want_kept, hot)
+        kept = int(held.long().cumprod(0).sum())  # the run of hot positions from n_tokens on
+        end = n_tokens + kept
+        self._next = end  # the next token's position, whether or not the newest were kept
+        self._compact(self.pos[:self.n] < end)
         if self.cold is not None:
-            self.cold.truncate(n_tokens)
+            self.cold.truncate(end)
         page = self.config.page
         hot = self.pos[:self.n].cpu()
-        extra = ~torch.isin(hot, snap.pos)
+        extra = ~torch.isin(hot, snap.pos) & (hot < n_tokens)
         if bool(extra.any()):  # recalled after the snapshot: back to cold
             self.evict_to(0, protect=~extra.to(self.pos.device))
         missing = snap.pos[~torch.isin(snap.pos, self.pos[:self.n].cpu())]
@@ -399,10 +407,10 @@ class TieredKVCache(KVCache):
                 self.cold.remove(have)
             self.totals["rollback_lost"] += int((~torch.isin(missing // page, torch.tensor(have, dtype=torch.long, device="cpu"))).sum())
         # Slot order: the snapshot's positions that are hot, in its order, then any others (tokens
-        # sharing a page with a kept one) in their current order.
+        # sharing a page with a kept one) in their current order, then the kept ones in position order.
         hot = self.pos[:self.n].cpu()
-        in_snap = torch.isin(hot, snap.pos)
-        want = torch.cat([snap.pos[torch.isin(snap.pos, hot)], hot[~in_snap]])
+        other = ~torch.isin(hot, snap.pos) & (hot < n_tokens)
+        want = torch.cat([snap.pos[torch.isin(snap.pos, hot)], hot[other], want_kept[:kept]])
         if not torch.equal(want, hot):
             order = torch.argsort(hot)
             src = order[torch.searchsorted(hot[order], want)]
@@ -414,6 +422,7 @@ class TieredKVCache(KVCache):
         at = torch.searchsorted(snap.pos[by_pos], hot).clamp(max=snap.pos.shape[0] - 1)
         found = snap.pos[by_pos][at] == hot
         self.score[:self.n] = torch.where(found, snap.score[by_pos][at], torch.zeros((), device="cpu")).to(self.score.device)
+        return kept
 
     def take_metrics(self) -> dict:
         """Sizes now and counters since the previous call (tokens, pages for prefetch).

@@ -228,9 +228,12 @@ class KVCache(nn.Module):
         """State beyond the token count that `restore` needs (none here)."""
         return None
 
-    def restore(self, n_tokens: int, snapshot=None) -> None:
-        """Go back to the first n_tokens tokens (rollback)."""
-        self.truncate(n_tokens)
+    def restore(self, n_tokens: int, snapshot=None, keep: int = 0) -> int:
+        """Go back to the first n_tokens tokens (rollback), keeping up to `keep` of the tokens
+        after them (as many as are cached); returns how many were kept."""
+        kept = max(0, min(keep, self.n - n_tokens))
+        self.truncate(n_tokens + kept)
+        return kept
 
     def take_metrics(self) -> dict | None:
         """Tiering metrics since the last call (None: this cache does not tier)."""

@@ -140,6 +140,8 @@ class Session:
         speculator: the `tokenspeed.speculation.Speculator` (drafting state of this session).
         system_from_disk: whether the system prompt's KV was read from the disk cache instead of
             prefilled (`tokenspeed.prefix_cache`).
+        kept_tokens: of the tokens the last `observe()` appended, how many kept their KV from
+            the context before its `since` checkpoint instead of being prefilled (0 without `since`).
     """
 
     def __init__(self, engine, system: str | None, tools: list[dict], capacity: int | None,
@@ -174,6 +176,7 @@ class Session:
         graphs = DecodeGraphs(self.model, cache) if engine.device.type == "cuda" and kv_budget is None else None
         self.target = Target(self.model, cache, self._mask, graphs, engine.host_worker, engine.pipeline)
         self.pending: list[int] = []       # appended to the context but not yet prefilled
+        self.kept_tokens = 0
         # In a pruned session the draft attends over the last `budget` tokens only: its cost stays flat.
         self.speculator = Speculator(engine.speculation, self.model.args.max_seq_len, window)
         self._append(system_ids, "system", pinned=True)
@@ -200,11 +203,13 @@ class Session:
     def num_tokens(self) -> int:
         return len(self.target.tokens) + len(self.pending)
 
-    def _render(self, messages: list[dict]) -> list[int]:
-        # the messages' tokens after the system message (`render_turn`)
-        if not self.segments:
+    def _render(self, messages: list[dict], n_segments: int | None = None) -> list[int]:
+        # the messages' tokens after the system message (`render_turn`), in a context of n_segments
+        # segments (None: this one's)
+        n_segments = len(self.segments) if n_segments is None else n_segments
+        if not n_segments:
             return self.tok.encode_chat(messages, [])
-        return render_turn(self.tok, self._system_text, messages, first=len(self.segments) == 1)
+        return render_turn(self.tok, self._system_text, messages, first=n_segments == 1)
 
     def _append(self, ids: list[int], kind: str, source: str = "", pinned: bool = False) -> None:
         start = self.num_tokens
@@ -216,7 +221,7 @@ class Session:
         # Prefill/decode `ids` at the next positions; returns logits [1, V] for the last one.
         return self.target.forward(ids, logits_for)
 
-    def _flush(self, abort=None, deadline_at: float | None = None) -> None:
+    def _flush(self, abort=None, deadline_at: float | None = None, kept: int = 0) -> None:
         # A family whose answer has no header (Mistral: the assistant prefix is empty) has no
         # trigger tokens: the context's last token stays pending, so that the next decision's
         # first forward has a row to read the logits from. With `abort`, the prefill runs in
@@ -225,9 +230,11 @@ class Session:
         # the time left at the rate measured on this prefill's forwards so far (from
         # DEADLINE_CHUNK tokens, the first one too, to ABORT_CHUNK): the stop lands within about
         # one DEADLINE_CHUNK forward of the deadline, where a fixed chunk overshot by up to a whole
-        # ABORT_CHUNK forward.
+        # ABORT_CHUNK forward. `kept`: tokens that joined the cache without a forward (`observe`'s
+        # since): the budget and the draft follow them too.
         keep = 0 if self.tok.assistant_prefix else 1
-        if len(self.pending) > keep:
+        prefill = len(self.pending) > keep
+        if prefill:
             ids, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
             i, rate = 0, None  # rate: seconds per token of this prefill's forwards
             while i < len(ids):
@@ -244,11 +251,12 @@ class Session:
                 self._forward(ids[i:i + step], "none")
                 rate = (time.perf_counter() - t) / len(ids[i:i + step])
                 i += step
+        if prefill or kept:
             self.cache.trim()  # back to the KV budget between decisions
             self.speculator.observe(self.target.context())  # the draft model's KV follows, off the decision path
 
     def observe(self, content, role: str = "user", kind: str = "text", source: str = "", pin: bool = False,
-                abort=None, deadline_at: float | None = None) -> int:
+                abort=None, deadline_at: float | None = None, since: Checkpoint | None = None) -> int:
         """Append an observation to the context and prefill it now (streaming prefill).
 
         Content is tokenized as text only: special tokens written in it (`<|im_end|>`) never
@@ -268,16 +276,27 @@ class Session:
             deadline_at: absolute `time.monotonic()` deadline, or None: the prefill stops
                 (SessionAborted) once it has passed, its forwards shrinking as it nears so that
                 the stop comes within about one forward of `DEADLINE_CHUNK` tokens after it.
+            since: a `Checkpoint` of this session to go back to first: the context becomes exactly
+                that of `rollback(since)` then `observe(content, ...)`, but the tokens that followed
+                `since` keep their KV as far as they equal the ones that follow it now (the longest
+                common prefix of the two, starting with the checkpoint's pending tokens), and only
+                the rest is prefilled (`kept_tokens`: how many of this observation's were kept).
+                E.g. a state line predicted on a checkpoint, then the real one: a moved cube
+                re-prefills the line from its first differing token on. Kept keys and values are the ones a prefill would
+                write (same tokens, same positions, same context before them); in a pruned session
+                the kept tokens' relevance scores restart at 0 and the older ones' are `since`'s.
         Returns:
             tokens appended to the context.
         Raises:
             SessionArgumentError: content is neither str nor a list of {"role": str, "content":
             str} messages, a role is not a plain name, a text is not valid Unicode (a lone
             surrogate), `kind` is neither "text" nor "sensor", abort is not callable or
-            deadline_at not a finite number.
+            deadline_at not a finite number, or `since` is not a checkpoint this session can roll
+            back to (see `rollback()`).
             SessionAborted: abort() said so, or deadline_at passed, before the prefill ended.
             ValueError: context full.
-        On an error the session is left as it was before the call.
+        On an error the session is left as it was before the call (as `rollback(since)` leaves it
+        when `since` was given, except for an invalid `since`: then it is unchanged).
         """
         if kind not in ("text", "sensor"):
             raise SessionArgumentError(f'observe(): kind must be "text" or "sensor", got {kind!r}')
@@ -292,11 +311,26 @@ class Session:
         messages = [{"role": m.get("role", "user"), "content": m["content"]} for m in messages]
         for i, m in enumerate(messages):
             _text_arg(m["content"], f"observe() message {i} content")
-        ids = self._render(messages)
-        cp = self.checkpoint()
+        self.kept_tokens = kept = 0
+        if since is None:
+            ids = self._render(messages)
+            cp = self.checkpoint()
+        else:
+            self._check_checkpoint(since)
+            ids = self._render(messages, since.n_segments)
+            new, old = [*since.pending, *ids], self.target.tokens[since.n_tokens:since.n_tokens + len(since.pending) + len(ids)]
+            same = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+            # a family without an assistant prefix keeps the context's last token pending (`_flush`)
+            same = min(same, len(new) - (0 if self.tok.assistant_prefix else 1))
+            kept = self._rollback(since, same)
+            self.kept_tokens = max(kept - len(since.pending), 0)
+            cp = since
         try:
             self._append(ids, kind, source, pinned=pin)
-            self._flush(abort, deadline_at)
+            if kept:  # their KV stayed in the cache: they are not pending
+                self.target.tokens.extend(self.pending[:kept])
+                del self.pending[:kept]
+            self._flush(abort, deadline_at, kept)
         except BaseException:
             self.rollback(cp)  # the KV cache is full, or aborted: the context is left as before the call
             raise
@@ -326,19 +360,32 @@ class Session:
             SessionArgumentError: `cp` is not a Checkpoint of this session, or it was taken on a
                 branch that a rollback abandoned (its context is no longer this one's history).
         """
+        self._rollback(cp)
+
+    def _check_checkpoint(self, cp) -> int:
+        # index in self._branches of cp's branch, or SessionArgumentError (see rollback())
         if not isinstance(cp, Checkpoint) or cp.session_id != self.id:
             raise SessionArgumentError("rollback() takes a Checkpoint taken from this same session")
         at = self._on_branch(cp)
         if at is None or cp.n_tokens > len(self.target.tokens) or cp.n_segments > len(self.segments):
             raise SessionArgumentError("rollback(): the checkpoint belongs to a branch of this session's context that "
                                        "an earlier rollback abandoned")
+        return at
+
+    def _rollback(self, cp: Checkpoint, keep: int = 0) -> int:
+        # rollback(cp) of a checked cp, except that the KV cache keeps up to `keep` of the cached
+        # tokens that followed cp (as many of them from the first as it holds in the hot tier); the
+        # caller appends those tokens again at once and moves them from `pending` to
+        # `target.tokens` (observe's since). Returns how many the cache kept.
+        at = self._check_checkpoint(cp)  # before reading cp's fields: it may be anything
         self._branches[at:] = [[cp.branch, cp.serial], [next(self._serials), None]]
-        self.cache.restore(cp.n_tokens, cp.kv)  # a pruned cache also undoes evictions and recalls since cp
+        kept = self.cache.restore(cp.n_tokens, cp.kv, keep)  # a pruned cache also undoes evictions and recalls since cp
         del self.target.tokens[cp.n_tokens:]
         self.pending = list(cp.pending)
         del self.segments[cp.n_segments:]
         if self.segments:
             self.segments[-1].end = cp.last_segment_end
+        return kept
 
     # ---------------------------------------------------------------- decisions
 

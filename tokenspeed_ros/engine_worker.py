@@ -21,7 +21,10 @@ state line on a session checkpoint and decides there while the engine is otherwi
 in between, is answered with that call at once ("hit"; `drain()` gives a `DecidedAhead` when the
 call is ready): its context is then token for token the
 one a fresh decision would have had, so under greedy decoding the call is the one a fresh decision
-gives. Anything else rolls the session back to the checkpoint first ("miss") and goes on as usual.
+gives. Anything else is a "miss": the state line of the request is observed on the checkpoint
+instead (`Session.observe`'s since), so the predicted line's tokens up to the first one that
+differs keep their KV and only the rest is prefilled (a moved cube changes the line from its
+coordinates on); the context is then again token for token a fresh decision's.
 Each result carries a `DecisionTrace` of its stages.
 """
 from __future__ import annotations
@@ -78,7 +81,9 @@ class DecisionTrace:
     prefilled for this decision right before it (the state line, or the queue); decide_start /
     first_token / end: decide() and its first token; for a decision decided ahead ("hit") these
     are when the stored call was taken, and ahead_* say how it was made. Tokens: prefill_tokens
-    before the decision on its path; tokens_in: every token that entered the context for this
+    prefilled before the decision on its path; kept_tokens: those of its observations that kept
+    their KV instead (`Session.observe`'s since: the predicted line's common prefix on a miss, or
+    the unanswered line's that it replaced); tokens_in: every token that entered the context for this
     decision since the last one (observations, the state line, decide()'s trigger tokens; not the
     answer); request_tokens: the tokens prefilled between the request (the reading it answers)
     and the call (its state line where not yet in the context, decide()'s trigger tokens; 0 for a
@@ -89,6 +94,7 @@ class DecisionTrace:
     prefill_start: float = 0.0
     prefill_end: float = 0.0
     prefill_tokens: int = 0
+    kept_tokens: int = 0
     decide_start: float = 0.0
     first_token: float = 0.0
     end: float = 0.0
@@ -183,7 +189,9 @@ class EngineWorker:
         self._request: tuple | None = None   # (decision_id, deadline_at, tool_choice, restate, queued at)
         self._new_episode = False       # new_episode() was called: roll back before anything else
         self._episode_start = None      # Checkpoint of the session with only the system prompt and tools
-        self._prefill = [0, 0, 0.0]     # observations, tokens, seconds prefilled since the last decision
+        # since the last decision: observations, their tokens, seconds prefilling them, and of the
+        # tokens how many kept their KV (not prefilled, `_observe`'s since)
+        self._prefill = [0, 0, 0.0, 0]
         self._missed = ""                          # "miss" when the next decision's ahead one was dropped
         self._ahead_request: tuple | None = None   # (restate, tool_choice) to decide ahead when idle
         self._ahead_running = False                # the engine thread is deciding ahead now
@@ -390,26 +398,30 @@ class EngineWorker:
                 with self._cv:
                     self._ahead_request = self._ahead_request or (
                         (self._ahead.source, self._ahead.text, 0.0), self._ahead.tool_choice)
-                self._drop_ahead("redone")
-            self._drop_ahead("miss")
+            # the first reading is observed on the checkpoint before the predicted line (`_observe`'s since)
+            since = self._drop_ahead("miss" if request is not None else "redone", rewind=not batch)
             trace = request[5] if request is not None else None
-            t0, n0 = time.time(), self._prefill[1]
+            t0, n0, k0 = time.time(), self._prefill[1], self._prefill[3]
             for source, (text, kind, stamp_s) in batch:
-                self._prefill_one(source, text, kind, stamp_s)
+                self._prefill_one(source, text, kind, stamp_s, since)
+                since = None
             if request is not None:
-                trace.prefill_start, trace.prefill_end, trace.prefill_tokens = t0, time.time(), self._prefill[1] - n0
+                trace.prefill_start, trace.prefill_end = t0, time.time()
+                trace.kept_tokens = self._prefill[3] - k0
+                trace.prefill_tokens = self._prefill[1] - n0 - trace.kept_tokens
                 trace.ahead = self._missed
                 self._missed = ""
                 self._emit(self._decide(*request))
                 in_flight.clear()
 
-    def _prefill_one(self, source: str, text: str, kind: str, stamp_s: float) -> None:
+    def _prefill_one(self, source: str, text: str, kind: str, stamp_s: float, since: tuple | None = None) -> None:
         t0 = time.monotonic()
-        n = self._observe(source, text, kind)
+        n, kept = self._observe(source, text, kind, since)
         self._prefill[0] += n > 0
         self._prefill[1] += n
         self._prefill[2] += time.monotonic() - t0
-        self._log.debug(f"observed {source}: {n} tokens in {(time.monotonic() - t0) * 1e3:.0f} ms: {text}")
+        self._prefill[3] += kept
+        self._log.debug(f"observed {source}: {n} tokens ({kept} kept) in {(time.monotonic() - t0) * 1e3:.0f} ms: {text}")
         self._emit(Observed(source, text, stamp_s, n))
 
     def _load(self) -> int:
@@ -459,7 +471,7 @@ class EngineWorker:
             return
         self._previous.clear()              # nothing observed so far is in the context any more
         self._unanswered = None
-        self._prefill = [0, 0, 0.0]
+        self._prefill = [0, 0, 0.0, 0]
         self.context_tokens = self._session.num_tokens
         self._log.info(f"new episode: {dropped} tokens of the last one dropped, context {self.context_tokens} tokens")
 
@@ -467,24 +479,41 @@ class EngineWorker:
         """The worker's bookkeeping of the context (restored with a rollback)."""
         return dict(self._previous), self._observed, self._unanswered
 
-    def _observe(self, source: str, text: str, kind: str) -> int:
+    def _observe(self, source: str, text: str, kind: str, since: tuple | None = None) -> tuple[int, int]:
+        """Put one reading into the context. Returns (tokens appended, of them how many kept their
+        KV instead of being prefilled).
+
+        A reading that repeats its source's previous one (see repeat_slack) appends nothing. One
+        of `replace_sources` replaces the context's last observation when that is of its source
+        and unanswered. since: (Checkpoint, `_book()`) that the session and the bookkeeping go
+        back to first (a call decided ahead that missed); the reading is observed on it, or on the
+        unanswered line it replaces, with `Session.observe`'s since: the tokens that followed
+        there keep their KV as far as they equal the new ones."""
+        if self._session is None:
+            return 0, 0
+        if since is not None:
+            self._set_book(since[1])
         previous = self._previous.get(source)
-        if self._session is None or (previous is not None and previous[0] == text
-                                     and self._observed - previous[1] <= self._repeat_slack):
-            return 0
+        if previous is not None and previous[0] == text and self._observed - previous[1] <= self._repeat_slack:
+            if since is not None:
+                self._restore(*since)
+            return 0, 0
+        if self._unanswered is not None and self._unanswered[0] == source and source in self._replace:
+            since = self._unanswered[1:]
+            self._set_book(since[1])
         try:
-            if self._unanswered is not None and self._unanswered[0] == source and source in self._replace:
-                self._restore(self._unanswered[1], self._unanswered[2])
-            before = (source, self._session.checkpoint(), self._book())
-            n = self._session.observe(text, role="user", kind=kind, source=source, pin=kind == "text")
+            before = (source, since[0] if since is not None else self._session.checkpoint(), self._book())
+            n = self._session.observe(text, role="user", kind=kind, source=source, pin=kind == "text",
+                                      since=None if since is None else since[0])
             self.context_tokens = self._session.num_tokens
             self._observed += n
             self._previous[source] = (text, self._observed)
             self._unanswered = before
-            return n
+            return n, self._session.kept_tokens
         except Exception as e:
+            self.context_tokens = self._session.num_tokens
             self._log.error(f"engine fault in observe({source}): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
-            return 0
+            return 0, 0
 
     def _decide_ahead(self, restate: tuple[str, str, float], tool_choice) -> None:
         if self._session is None:
@@ -495,7 +524,9 @@ class EngineWorker:
         t0 = time.perf_counter()
         ok = False
         try:
-            n = self._observe(source, text, "sensor")
+            n, kept = self._observe(source, text, "sensor")
+            if n:   # a miss goes back to where the line was observed (before the unanswered one it replaced)
+                cp, book = self._unanswered[1], self._unanswered[2]
             t1 = time.perf_counter()
             d = self._session.decide(tool_choice=tool_choice, deadline_at=time.monotonic() + AHEAD_BUDGET_S)
             ok = d.status == "ok" and self._checker.problem(d.tool_call) is None
@@ -509,7 +540,7 @@ class EngineWorker:
         self._ahead = _Ahead(source, text, tool_choice, cp, book, (d.status, d.tool_call, ""),
                              n + d.prefill_tokens, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
         self.context_tokens = self._session.num_tokens
-        self._log.info(f"decided ahead: {d.tool_call['name']} ({n} tokens of predicted state prefilled in "
+        self._log.info(f"decided ahead: {d.tool_call['name']} ({n - kept} tokens of predicted state prefilled in "
                        f"{self._ahead.prefill_ms:.0f} ms, decided in {self._ahead.decide_ms:.0f} ms)")
         self._emit(DecidedAhead(text, d.tool_call))
 
@@ -519,20 +550,29 @@ class EngineWorker:
             self._session.rollback(cp)
         except Exception as e:  # the context goes on as it is: the next decisions still get a call or a fallback
             self._log.error(f"engine fault in rollback(): {type(e).__name__}: {e}")
-        self._previous, self._observed, self._unanswered = dict(book[0]), book[1], book[2]
+        self._set_book(book)
         self.context_tokens = self._session.num_tokens
 
-    def _drop_ahead(self, why: str) -> None:
+    def _set_book(self, book: tuple) -> None:
+        """Take back the bookkeeping `_book()` gave (the session goes back with it: `_restore`)."""
+        self._previous, self._observed, self._unanswered = dict(book[0]), book[1], book[2]
+
+    def _drop_ahead(self, why: str, rewind: bool = True) -> tuple | None:
         """Discard the decision decided ahead, if any: "miss" (the next decision's state line or
         tools differ), "redone" (a reading came first: it is decided ahead again after it),
-        "dropped" (a new episode or a newer prediction)."""
+        "dropped" (a new episode or a newer prediction). The session and the bookkeeping go back
+        to before its state line; with rewind False they are left for the caller, who gets that
+        (Checkpoint, book) to observe the next reading on (`_observe`'s since); else None."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
-            return
-        self._restore(ahead.checkpoint, ahead.book)
+            return None
         self.ahead_counts[why] += 1
         self._missed = "miss" if why == "miss" else self._missed
         self._log.info(f"decided-ahead call {ahead.result[1]['name']} {why}: rolled back")
+        if not rewind:
+            return ahead.checkpoint, ahead.book
+        self._restore(ahead.checkpoint, ahead.book)
+        return None
 
     def _take_ahead(self, decision_id: int, deadline_at: float, tool_choice, restate, queued_at: float,
                     trace: DecisionTrace) -> ModelResult:
@@ -543,7 +583,7 @@ class EngineWorker:
         self._emit(Observed(restate[0], restate[1], restate[2], 0))     # the line is in the context now
         status, call, reason = ahead.result
         trace.prefill_start = trace.prefill_end = trace.decide_start = trace.first_token = trace.end = now
-        trace.tokens_in, self._prefill = self._prefill[1] + ahead.tokens_in, [0, 0, 0.0]
+        trace.tokens_in, self._prefill = self._prefill[1] + ahead.tokens_in, [0, 0, 0.0, 0]
         trace.context_tokens, trace.ahead = self.context_tokens, "hit"
         trace.ahead_prefill_ms, trace.ahead_decide_ms = ahead.prefill_ms, ahead.decide_ms
         self._log.info(f"decision {decision_id}: {status} {call['name']} decided ahead (hit); queued -> taken "
@@ -578,16 +618,17 @@ class EngineWorker:
             self._log.error(f"engine fault in decide(): {type(e).__name__}: {e}", throttle_duration_sec=10.0)
             return ModelResult(decision_id, "engine_fault", reason=f"{type(e).__name__}: {e}")
         self.context_tokens = self._session.num_tokens
-        n_obs, n_tok, prefill_s = self._prefill
-        self._prefill = [0, 0, 0.0]
+        n_obs, n_tok, prefill_s, n_kept = self._prefill
+        self._prefill = [0, 0, 0.0, 0]
         trace.first_token, trace.end = trace.decide_start + (d.ttft_s or 0.0), time.time()
         trace.tokens_in = n_tok + d.prefill_tokens
         trace.request_tokens = trace.prefill_tokens + d.prefill_tokens
         self._log.info(
             f"decision {decision_id}: {status} {call['name'] if call else reason}; queued -> decide "
             f"{(started - queued_at) * 1e3:.0f} ms, budget left {(deadline_at - started) * 1e3:.0f} ms; since the last "
-            f"decision {n_obs} observations, {n_tok} tokens prefilled in {prefill_s * 1e3:.0f} ms"
-            f"{f' ({prefill_s * 1e3 / n_tok:.1f} ms/token)' if n_tok else ''}; decide ttft {d.ttft_s * 1e3:.0f} ms, "
+            f"decision {n_obs} observations, {n_tok - n_kept} tokens prefilled in {prefill_s * 1e3:.0f} ms"
+            f"{f' ({prefill_s * 1e3 / (n_tok - n_kept):.1f} ms/token)' if n_tok > n_kept else ''}"
+            f"{f' ({n_kept} more kept their KV)' if n_kept else ''}; decide ttft {d.ttft_s * 1e3:.0f} ms, "
             f"total {d.total_s * 1e3:.0f} ms, {d.forwards} forwards, {d.generated_tokens} generated + "
             f"{d.forced_tokens} forced tokens, context {self.context_tokens} tokens")
         return ModelResult(decision_id, status, call, reason, d.ttft_s or 0.0, d.total_s or 0.0, trace.as_dict())

@@ -167,6 +167,31 @@ def test_rollback_across_evictions_restores_hot_tier_exactly(tiny_engine):
     torch.testing.assert_close(s._forward([42]), logits_before, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("keep", [10, 10_000])
+def test_restore_that_keeps_tokens_after_the_snapshot(tiny_engine, keep):
+    """`restore(n, snapshot, keep)` (a session's observe(since=...)): the snapshot's hot tier in its
+    slot order and scores, then the kept run of positions n.. (as many as asked and hot), in position
+    order, with their keys and values and score 0; nothing later stays, hot or cold."""
+    s = _session(tiny_engine, budget=300, cold=2048)
+    _fill(s, 9)
+    c = s.cache
+    cp = s.checkpoint()
+    evicted = c.totals["evicted"]
+    _fill(s, 1)                                                   # ~40 tokens after cp, all recent (hot)
+    assert c.totals["evicted"] > evicted                          # older pages left for the cold tier
+    n, after = cp.n_tokens, s.num_tokens
+    slot = {int(p): i for i, p in enumerate(c.pos[:c.n].tolist())}
+    want = torch.arange(n, min(n + keep, after))
+    k, v = c.k[:, :, :, [slot[int(p)] for p in want]].clone(), c.v[:, :, :, [slot[int(p)] for p in want]].clone()
+    kept = c.restore(n, cp.kv, keep)
+    m = cp.kv.pos.numel()
+    assert kept == want.numel() and c.n == m + kept and c.next_position() == n + kept
+    assert torch.equal(c.pos[:m], cp.kv.pos) and torch.equal(c.score[:m], cp.kv.score)
+    assert torch.equal(c.pos[m:c.n], want) and bool((c.score[m:c.n] == 0).all())
+    assert torch.equal(c.k[:, :, :, m:c.n], k) and torch.equal(c.v[:, :, :, m:c.n], v)
+    assert all(int(c.cold.pos[slot_, :int(c.cold.count[slot_])].max()) < n + kept for slot_ in c.cold.slot_of.values())
+
+
 def test_rollback_without_cold_tier_reports_lost_tokens(tiny_engine):
     s = _session(tiny_engine, budget=300, cold=0)
     _fill(s, 9)

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from tokenspeed import ToolSchemaError
+from tokenspeed import SessionAborted, SessionArgumentError, ToolSchemaError
 from tokenspeed.bfcl import load_bfcl
 from tokenspeed.grammar import parse_tool_call
 
@@ -68,6 +68,64 @@ def test_decide_keeps_call_in_context_and_rollback_restores_it(engine, robot_too
     assert torch.equal(_next_logits(s), logits_before)
     again = s.decide()
     assert again.tool_call == first.tool_call and again.text == first.text
+
+
+PREDICTED = "objects blue_cube=(0.59,0.21) green_cube=(0.36,-0.24) red_cube=(0.54,-0.12); gripper empty; pick the red cube"
+REAL = PREDICTED.replace("red_cube=(0.54,", "red_cube=(0.50,")  # the red cube moved 4 cm
+
+
+def _segments(s):
+    return [(g.start, g.end, g.kind, g.source, g.pinned) for g in s.segments]
+
+
+@pytest.mark.parametrize("kv_budget", [None, 1024])
+def test_observe_since_keeps_the_common_prefix_and_decides_as_a_fresh_session(engine, robot_tools, kv_budget):
+    """A state line predicted on a checkpoint and decided on, then the real one (a cube moved) observed
+    `since` that checkpoint: the tokens up to the first differing one keep their KV, only the rest
+    is prefilled, and the context, the next logits and the greedy call equal a session that only ever
+    saw the real line (full and pruned cache)."""
+    def start():
+        s = engine.session(system=SYSTEM, tools=robot_tools, kv_budget=kv_budget)
+        s.observe(SCENES[3][0], kind="sensor", source="state")
+        assert s.decide().status == "ok"   # its answer's tail stays pending: part of what follows cp
+        return s
+
+    s = start()
+    cp = s.checkpoint()
+    s.observe(PREDICTED, kind="sensor", source="state")
+    assert s.decide().status == "ok"
+    n = s.observe(REAL, kind="sensor", source="state", since=cp)
+    fresh = start()
+    assert fresh.observe(REAL, kind="sensor", source="state") == n
+    predicted = start()
+    assert predicted.observe(PREDICTED, kind="sensor", source="state") == n
+    old, new = predicted.tokens[-n - len(cp.pending):], fresh.tokens[-n - len(cp.pending):]
+    assert s.kept_tokens == next(i for i, (a, b) in enumerate(zip(old, new)) if a != b) - len(cp.pending) > 0
+    assert fresh.kept_tokens == 0
+    assert (s.tokens, s.pending, _segments(s)) == (fresh.tokens, fresh.pending, _segments(fresh))
+    a, b = _next_logits(s), _next_logits(fresh)
+    assert (a - b).abs().max().item() < 1e-3 and int(a.argmax()) == int(b.argmax())
+    d, f = s.decide(), fresh.decide()
+    assert d.status == f.status == "ok" and d.tool_call == f.tool_call and d.text == f.text
+    assert s.tokens + s.pending == fresh.tokens + fresh.pending
+
+
+def test_observe_since_the_same_line_prefills_nothing_and_a_failed_one_leaves_the_rollback(engine, robot_tools):
+    s = engine.session(system=SYSTEM, tools=robot_tools, kv_budget=1024)
+    cp = s.checkpoint()
+    n = s.observe(PREDICTED, kind="sensor", source="state")
+    after, logits = (s.tokens, s.pending, _segments(s)), _next_logits(s)
+    s.decide()
+    assert s.observe(PREDICTED, kind="sensor", source="state", since=cp) == n and s.kept_tokens == n
+    assert (s.tokens, s.pending, _segments(s)) == after and torch.equal(_next_logits(s), logits)
+    s.decide()
+    with pytest.raises(SessionAborted):
+        s.observe(REAL, kind="sensor", source="state", since=cp, abort=lambda: True)
+    s2 = engine.session(system=SYSTEM, tools=robot_tools, kv_budget=1024)
+    assert (s.tokens, s.pending, _segments(s)) == (s2.tokens, s2.pending, _segments(s2))
+    other = engine.session(system=SYSTEM, tools=robot_tools)
+    with pytest.raises(SessionArgumentError):
+        s.observe(REAL, since=other.checkpoint())
 
 
 @pytest.mark.parametrize("scene,goal", SCENES)

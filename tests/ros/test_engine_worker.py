@@ -172,7 +172,9 @@ def test_a_call_decided_ahead_is_the_fresh_greedy_decision_and_a_changed_state_d
     decides as usual, again exactly as a fresh decision. The same for a task's first call, decided
     ahead on the newest frame's state line right after the goal (as the node does): the next
     frame's identical line is a hit equal to the fresh decision; moved cubes are a miss, decided
-    afresh exactly as a fresh decision on them."""
+    afresh exactly as a fresh decision on them. A miss keeps the KV of the predicted line up to its
+    first differing token and prefills only the rest: fewer tokens than the fresh decision, which
+    prefills the whole line."""
     from tokenspeed_ros.context_policy import predicted_state, state_line
     from tokenspeed_ros.params import AgentParams
     from tokenspeed_ros.task import TASK_DONE_TOOL
@@ -222,12 +224,14 @@ def test_a_call_decided_ahead_is_the_fresh_greedy_decision_and_a_changed_state_d
             time.sleep(0.05)
         assert worker.decided_ahead is not None, worker.ahead_counts
 
-    def first_call(ahead: bool, line):
-        """A new episode whose first frame's state line is streamed in (the node's _queue_state),
-        decided ahead on it or not, then the decision on the next frame's `line`."""
+    def first_call(ahead: bool, line, streamed: bool = True):
+        """A new episode whose first frame's state line is streamed in (the node's _queue_state;
+        not when `streamed` is False), decided ahead on it or not, then the decision on the next
+        frame's `line`."""
         worker.new_episode()
-        worker.observe(*first)
-        collect(worker, woke, lambda items: any(isinstance(i, Observed) for i in items), 180)
+        if streamed:
+            worker.observe(*first)
+            collect(worker, woke, lambda items: any(isinstance(i, Observed) for i in items), 180)
         if ahead:
             worker.decide_ahead(first, empty)
             wait_ahead()
@@ -241,7 +245,7 @@ def test_a_call_decided_ahead_is_the_fresh_greedy_decision_and_a_changed_state_d
         first_hit, first_hit_tokens = first_call(True, first)
         first_fresh, first_fresh_tokens = first_call(False, first)
         first_miss, first_miss_tokens = first_call(True, moved)
-        first_fresh_moved, first_fresh_moved_tokens = first_call(False, moved)
+        first_fresh_moved, first_fresh_moved_tokens = first_call(False, moved, streamed=False)
         pick, hit, hit_tokens = episode(True, predicted)
         _, fresh, fresh_tokens = episode(False, predicted)
         _, miss, miss_tokens = episode(True, changed)
@@ -254,11 +258,16 @@ def test_a_call_decided_ahead_is_the_fresh_greedy_decision_and_a_changed_state_d
     assert hit_tokens == fresh_tokens
     assert miss.trace["ahead"] == "miss" and miss.tool_call == fresh_changed.tool_call
     assert miss_tokens == fresh_changed_tokens
+    assert 0 < miss.trace["kept_tokens"] and fresh_changed.trace["kept_tokens"] == 0
+    assert miss.trace["prefill_tokens"] + miss.trace["kept_tokens"] == fresh_changed.trace["prefill_tokens"]
     assert first_hit.trace["ahead"] == "hit" and first_hit.trace["prefill_tokens"] == 0
     assert first_hit.tool_call == first_fresh.tool_call == {"name": "pick", "arguments": {"object": "red_cube"}}
     assert first_hit_tokens == first_fresh_tokens
     assert first_miss.trace["ahead"] == "miss" and first_miss.tool_call == first_fresh_moved.tool_call
     assert first_miss_tokens == first_fresh_moved_tokens
+    assert 0 < first_miss.trace["kept_tokens"] and first_fresh_moved.trace["kept_tokens"] == 0
+    assert first_miss.trace["prefill_tokens"] + first_miss.trace["kept_tokens"] == \
+        first_fresh_moved.trace["prefill_tokens"]
     assert worker.ahead_counts["hit"] == 2 and worker.ahead_counts["miss"] == 2
 
 
