@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -180,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     from .kernels.cpu_decode import CpuVariantError
 
     args = build_parser().parse_args(argv)
+    # the engine's own notices on stderr (the auto format's one-time measurement and its choice)
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("tokenspeed").setLevel(logging.INFO)
     try:
         return args.func(args)
     except (ModelLoadError, CpuVariantError, DeviceError, EngineArgumentError, SessionArgumentError) as exc:

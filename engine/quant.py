@@ -670,6 +670,8 @@ def choose_format(model: nn.Module, probes: list[list[int]], identity: str, cach
         log.info("%s", choice.describe())
         return model, choice
     variant = selected_variant()
+    log.info("auto weights: measuring %s on this machine, once (about 10-60 s on two cores; cached in %s)",
+             ", ".join((*FORMATS, *loaders)), cache_file)
     timings, models, reference = {}, {}, None
     for fmt in (*FORMATS, *loaders):
         if fmt != "fp32":
