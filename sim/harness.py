@@ -249,8 +249,8 @@ class LatencyHarness(Node):
             self.get_logger().warning("sim/scenario_status is not JSON; ignored")
             return
         if self.live and (self.scenario or {}).get("success") != status.get("success"):
-            print(f"[{time.time() - self.started:6.1f} s] task {'SUCCESS' if status.get('success') else 'not achieved'}: "
-                  f"{status.get('goal')}", flush=True)
+            state = "SUCCESS" if status.get("success") else "set" if self.scenario is None else "no longer achieved"
+            print(f"[{time.time() - self.started:6.1f} s] task {state}: {status.get('goal')}", flush=True)
         if status.get("success") and self.first_success_at is None:
             self.first_success_at = time.time()
         self.scenario = status
@@ -463,7 +463,10 @@ def print_table(report: dict) -> None:
         console.print(stages)
     tr = report.get("trace") or {}
     if tr.get("decisions"):
-        stages = Table(title=f"per-stage trace of {tr['decisions']} model decisions (the agent's agent/action/trace)")
+        ahead = (tr.get("decided_ahead") or {}).get("hit", 0)
+        stages = Table(title=f"per-stage trace of {tr['decisions']} model decisions (the agent's agent/action/trace)"
+                             + (f"; {ahead} decided ahead: their prefill, ttft and decode ran before the reading, "
+                                "so 0 here" if ahead else ""))
         stages.add_column("stage")
         stages.add_column("p50 ms", justify="right")
         for name, v in tr["stages_p50_ms"].items():
@@ -477,8 +480,8 @@ def print_table(report: dict) -> None:
                       f"command published for decided-ahead calls: p50 {ms(fc['p50'])} ms (n {fc['n']})")
     dl = report["deadline"]
     hit = "-" if dl["hit_rate"] is None else f"{dl['hit_rate']:.1%}"
-    console.print(f"deadline: {dl['met']}/{dl['statuses']} met (hit rate {hit}), fallbacks published "
-                  f"{report['fallbacks']}, reasons {dl['reasons']}"
+    console.print(f"deadline: {dl['met']}/{dl['statuses']} met (hit rate {hit}), deadline statuses by reason "
+                  f"{dl['reasons']}, safe fallbacks published {report['fallbacks']}"
                   + (f"; not decisions (not counted) {dl['not_decisions']}" if dl["not_decisions"] else ""))
     early = report["before_window"]
     if early["decisions"]:
