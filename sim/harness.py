@@ -464,14 +464,14 @@ def print_table(report: dict) -> None:
     tr = report.get("trace") or {}
     if tr.get("decisions"):
         ahead = (tr.get("decided_ahead") or {}).get("hit", 0)
-        stages = Table(title=f"per-stage trace of {tr['decisions']} model decisions (the agent's agent/action/trace)"
-                             + (f"; {ahead} decided ahead: their prefill, ttft and decode ran before the reading, "
-                                "so 0 here" if ahead else ""))
+        stages = Table(title=f"per-stage trace of {tr['decisions']} model decisions (the agent's agent/action/trace)")
         stages.add_column("stage")
         stages.add_column("p50 ms", justify="right")
         for name, v in tr["stages_p50_ms"].items():
             stages.add_row(name, f"{v:.1f}")
         console.print(stages)
+        if ahead:
+            console.print(f"{ahead} of them decided ahead: their prefill, ttft and decode ran before the reading (0 ms here)")
         fc = tr["feedback_to_command_s"]
         console.print(f"tokens into the context per engine decision: {tr['tokens_per_decision']} (p50 "
                       f"{tr['tokens_per_decision_p50']:.0f}), of them prefilled after the decision's reading: "
