@@ -382,7 +382,7 @@ class TieredKVCache(KVCache):
         """
         self._staged = []
         hot = self.pos[:self.n].cpu()
-        want_kept = torch.arange(n_tokens, n_tokens + max(keep, 0))
+        want_kept = torch.arange(n_tokens, n_tokens + max(keep, 0), device="cpu")
         held = torch.isin(want_kept, hot)
         kept = int(held.long().cumprod(0).sum())  # the run of hot positions from n_tokens on
         end = n_tokens + kept
