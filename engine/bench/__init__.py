@@ -17,6 +17,7 @@ Peers are an optional extra: `pip install -e ".[bench]"`, and `make peers` build
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -90,13 +91,19 @@ def _cmd_agreement(args) -> int:
 
 
 def _cmd_scale(args) -> int:
-    from .scale import print_table, run_scale
+    from .scale import merge_reports, plot, print_table, run_scale
 
     try:
-        report = run_scale(Path(args.out), sizes=args.sizes.split(","), formats=args.formats.split(","),
-                           threads=[int(t) for t in args.threads.split(",")], repeats=args.repeats, steps=args.steps,
-                           quick=args.quick)
-    except (RuntimeError, ValueError, KeyError) as exc:
+        if args.merge:  # the rows of earlier runs as one table and plot
+            report = merge_reports([json.loads(Path(f).read_text()) for f in args.merge])
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "report.json").write_text(json.dumps(report, indent=1))
+            plot(report, Path(args.out) / "scale.png")
+        else:
+            report = run_scale(Path(args.out), sizes=args.sizes.split(","), formats=args.formats.split(","),
+                               threads=[int(t) for t in args.threads.split(",")], repeats=args.repeats,
+                               steps=args.steps, quick=args.quick)
+    except (RuntimeError, ValueError, KeyError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print_table(report)
@@ -180,6 +187,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sc.add_argument("--repeats", type=int, default=2, help="timed prefills per cell, median (default 2)")
     sc.add_argument("--steps", type=int, default=16, help="timed decode steps per context, median (default 16)")
     sc.add_argument("--quick", action="store_true", help="contexts of 32 and 96 tokens, prefills of 8 and 24 (plumbing)")
+    sc.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
+                    help="measure nothing: join these report.json files (e.g. one size each) into one table and plot")
     sc.add_argument("--out", default="bench-out/scale", help="output folder (default bench-out/scale)")
     sc.set_defaults(func=_cmd_scale)
     from .auto import add_parser as add_auto_parser

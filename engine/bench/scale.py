@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 __all__ = ["Shape", "SHAPES", "DEFAULT_SIZES", "FORMATS", "CONTEXTS", "PREFILL_NEW", "GOALS", "source_file",
-           "model_file", "worker", "run_scale", "make_row", "print_table", "plot"]
+           "model_file", "worker", "run_scale", "make_row", "print_table", "plot", "merge_reports"]
 
 FORMATS = ("Q4_K_M", "Q8_0")
 CONTEXTS = (512, 4096)        # tokens of context before the timed decode steps
@@ -475,43 +475,59 @@ def print_table(report: dict) -> None:
         missed = [f"{g} (<= {GOALS[g]}x)" for g, ok in row["met"].items() if ok is False]
         if missed:
             e, fl = row["engines"], row["floor_ms"]
-            vs_floor = ", ".join(f"{n} {e[n]['itl'][0]['ms'] / fl[n]:.1f}x" for n in ENGINES if fl.get(n))
+            vs_floor = ", ".join(f"{n} {e[n]['itl'][0]['cpu_ms_per_token'] / fl[n]:.1f}x" for n in ENGINES if fl.get(n))
             print(f"  MISSED {row['size']} {row['format']} {row['threads']} thr: {', '.join(missed)}; ITL@{ctx[0]} "
-                  f"over its floor: {vs_floor}; TokenSpeed reads {fl['tokenspeed'] / fl['llama.cpp']:.2f}x "
+                  f"CPU ms over its floor: {vs_floor}; TokenSpeed reads {fl['tokenspeed'] / fl['llama.cpp']:.2f}x "
                   f"llama.cpp's weight bytes")
 
 
 def plot(report: dict, path: Path) -> None:
-    """ITL (ms/token) at each context against model size (weights, log scale), both engines, one panel
-    per thread count, each engine's floor dashed. Needs matplotlib (the `bench` extra)."""
+    """ITL (ms/token) at each context against model size (weights, log scale), both engines, one column
+    per thread count: wall medians above, process CPU ms/token below (what a busy machine does not
+    inflate), each engine's floor dotted. Needs matplotlib (the `bench` extra)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     threads = sorted({r["threads"] for r in report["rows"]})
-    fig, axes = plt.subplots(1, len(threads), figsize=(6.5 * len(threads), 4.8), squeeze=False)
-    for ax, th in zip(axes[0], threads):
+    fig, axes = plt.subplots(2, len(threads), figsize=(6.5 * len(threads), 9), squeeze=False)
+    for col, th in enumerate(threads):
         rows = [r for r in report["rows"] if r["threads"] == th]
-        for fmt in sorted({r["format"] for r in rows}):
-            line = sorted((r for r in rows if r["format"] == fmt), key=lambda r: r["params"])
-            x = [r["params"] for r in line]
-            for engine, color in (("tokenspeed", "tab:blue"), ("llama.cpp", "tab:orange")):
-                style = "-" if fmt == "Q4_K_M" else "--"
-                for i, c in enumerate(report["contexts"]):
-                    ax.plot(x, [r["engines"][engine]["itl"][i]["ms"] for r in line], style,
-                            marker="o" if i == 0 else "s", color=color, alpha=1.0 if i == 0 else 0.55,
-                            label=f"{engine} {fmt} ctx {c}")
-                ax.plot(x, [r["floor_ms"][engine] for r in line], ":", color=color, alpha=0.6)
-        ax.set_xscale("log")
-        ax.set_xlabel("weights (parameters)")
-        ax.set_ylabel("ms/token (ITL, median)")
-        ax.set_title(f"{th} thread(s); dotted: weight-read floor")
-        ax.legend(fontsize=7)
+        for ax, key, what in ((axes[0][col], "ms", "wall"), (axes[1][col], "cpu_ms_per_token", "CPU")):
+            for fmt in sorted({r["format"] for r in rows}):
+                line = sorted((r for r in rows if r["format"] == fmt), key=lambda r: r["params"])
+                x = [r["params"] for r in line]
+                for engine, color in (("tokenspeed", "tab:blue"), ("llama.cpp", "tab:orange")):
+                    style = "-" if fmt == "Q4_K_M" else "--"
+                    for i, c in enumerate(report["contexts"]):
+                        ax.plot(x, [r["engines"][engine]["itl"][i][key] for r in line], style,
+                                marker="o" if i == 0 else "s", color=color, alpha=1.0 if i == 0 else 0.55,
+                                label=f"{engine} {fmt} ctx {c}")
+                    ax.plot(x, [r["floor_ms"][engine] for r in line], ":", color=color, alpha=0.6)
+            ax.set_xscale("log")
+            ax.set_xlabel("weights (parameters)")
+            ax.set_ylabel(f"ITL, {what} ms/token " + ("(median)" if what == "wall" else "(mean over the steps)"))
+            ax.set_title(f"{th} thread(s), {what} time; dotted: weight-read floor")
+            ax.legend(fontsize=7)
     fig.suptitle(f"{report['command']}  (load avg {report['machine']['load_avg'][0]:.1f})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report of the rows of several runs (e.g. one size per run), in order: same contexts and prefills.
+
+    Raises:
+        ValueError: the runs measured different contexts or prefill lengths.
+    """
+    first = reports[0]
+    if any((r["contexts"], r["new"]) != (first["contexts"], first["new"]) for r in reports):
+        raise ValueError("the reports measured different contexts or prefill lengths")
+    loads = [r["machine"]["load_avg"][0] for r in reports]
+    return first | {"command": " + ".join(r["command"] for r in reports), "rows": [x for r in reports for x in r["rows"]],
+                    "machine": first["machine"] | {"load_avg": [max(loads)], "runs": [r["machine"] for r in reports]}}
 
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "worker":

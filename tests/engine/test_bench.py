@@ -351,6 +351,11 @@ def test_scale_bench_runs_the_whole_pipeline_on_a_tiny_shape(tmp_path, monkeypat
     assert (tmp_path / "out" / "scale.png").stat().st_size > 0
     out = capsys.readouterr().out
     assert "tiny" in out and "Q4_K_M" in out
+    # --merge joins runs (one size each) into one table and plot, measuring nothing
+    report_path = str(tmp_path / "out" / "report.json")
+    assert bench_main(["scale", "--merge", report_path, report_path, "--out", str(tmp_path / "merged")]) == 0
+    assert len(json.loads((tmp_path / "merged" / "report.json").read_text())["rows"]) == 2
+    assert (tmp_path / "merged" / "scale.png").is_file()
     source = scale.source_file("tiny")  # cached: the same file, not written again
     reader = gguf.GGUFReader(str(source))
     assert {t.tensor_type.name for t in reader.tensors} == {"F16", "F32"} and len(reader.tensors) == 26
