@@ -10,12 +10,14 @@ and `tokenspeed bench gpu` (the same decode path on CUDA against the HBM floor).
     tokenspeed bench auto                   # tool_choice=auto: call/text rates per tool-listing prompt (BFCL)
     tokenspeed bench serve                  # GET /health during bursts of requests on `tokenspeed serve` (< 50 ms)
     tokenspeed bench agreement              # logits vs llama.cpp on the embedded model re-quantized to Q4_0, Q8_0, Q4_K_M
+    tokenspeed bench scale                  # load, RSS, ITL and prefill against model size (135M-3B), beside llama.cpp
 
 Peers are an optional extra: `pip install -e ".[bench]"`, and `make peers` builds llama-cpp-python from source.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -88,6 +90,27 @@ def _cmd_agreement(args) -> int:
     return 0
 
 
+def _cmd_scale(args) -> int:
+    from .scale import merge_reports, plot, print_table, run_scale
+
+    try:
+        if args.merge:  # the rows of earlier runs as one table and plot
+            report = merge_reports([json.loads(Path(f).read_text()) for f in args.merge])
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "report.json").write_text(json.dumps(report, indent=1))
+            plot(report, Path(args.out) / "scale.png")
+        else:
+            report = run_scale(Path(args.out), sizes=args.sizes.split(","), formats=args.formats.split(","),
+                               threads=[int(t) for t in args.threads.split(",")], repeats=args.repeats,
+                               steps=args.steps, quick=args.quick)
+    except (RuntimeError, ValueError, KeyError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_table(report)
+    print(f"# wrote {Path(args.out) / 'report.json'} and {Path(args.out) / 'scale.png'}", file=sys.stderr)
+    return 0
+
+
 def _cmd_profile(args) -> int:
     from .decode_profile import profile_decode
 
@@ -97,10 +120,10 @@ def _cmd_profile(args) -> int:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Register `bench` (with `aal`, `prefill`, `gpu`, `profile`, `agreement`, `kv`, `auto` and `serve`) on an
+    """Register `bench` (with `aal`, `prefill`, `gpu`, `profile`, `agreement`, `scale`, `kv`, `auto` and `serve`) on an
     argparse subparsers object; returns it."""
     p = subparsers.add_parser("bench", help="benchmarks: aal (agent action latency), prefill, gpu, profile, agreement "
-                                            "(vs llama.cpp), kv (pruned KV cache), auto, serve (/health under load)")
+                                            "(vs llama.cpp), scale (cost vs model size), kv (pruned KV cache), auto, serve (/health under load)")
     sub = p.add_subparsers(dest="bench", required=True)
     a = sub.add_parser("aal", help="Agent Action Latency: TokenSpeed vs llama.cpp vs transformers, one run")
     a.add_argument("--quick", action="store_true", help="small workload (2 calls, ~1.4K tokens); skips a missing llama.cpp")
@@ -151,6 +174,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     ag.add_argument("--threads", type=int, default=2, help="CPU threads of both engines (default 2)")
     ag.add_argument("--out", default="bench-out/agreement", help="output folder (default bench-out/agreement)")
     ag.set_defaults(func=_cmd_agreement)
+    from .scale import DEFAULT_SIZES, FORMATS as SCALE_FORMATS, SHAPES
+
+    sc = sub.add_parser("scale", help="random-weight models at real shapes (SmolLM2-135M .. Llama-3.2-3B) quantized by "
+                                      "llama.cpp: load, peak RSS, ITL at 512/4,096 tokens of context, prefill, "
+                                      "TokenSpeed (the file's own blocks) beside llama.cpp, with the bandwidth floor")
+    sc.add_argument("--sizes", default=",".join(DEFAULT_SIZES),
+                    help=f"comma-separated, of {', '.join(SHAPES)} (default {','.join(DEFAULT_SIZES)})")
+    sc.add_argument("--formats", default=",".join(SCALE_FORMATS),
+                    help=f"llama.cpp quantization formats (default {','.join(SCALE_FORMATS)})")
+    sc.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    sc.add_argument("--repeats", type=int, default=2, help="timed prefills per cell, median (default 2)")
+    sc.add_argument("--steps", type=int, default=16, help="timed decode steps per context, median (default 16)")
+    sc.add_argument("--quick", action="store_true", help="contexts of 32 and 96 tokens, prefills of 8 and 24 (plumbing)")
+    sc.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
+                    help="measure nothing: join these report.json files (e.g. one size each) into one table and plot")
+    sc.add_argument("--out", default="bench-out/scale", help="output folder (default bench-out/scale)")
+    sc.set_defaults(func=_cmd_scale)
     from .auto import add_parser as add_auto_parser
     from .serve import add_parser as add_serve_parser
 

@@ -47,9 +47,10 @@ def _llama_cpp():
     return llama_cpp
 
 
-def quantized_file(fmt: str, source: Path | None = None, threads: int = 2) -> Path:
+def quantized_file(fmt: str, source: Path | None = None, threads: int = 2, folder: Path | None = None) -> Path:
     """The GGUF file llama.cpp's quantizer makes of `source` (default: the embedded model) in `fmt`,
-    made on first use (atomic rename) under `<cache>/agreement/`.
+    made on first use (atomic rename) under `folder` (default `<cache>/agreement/`), named by the
+    source's stem, the format and llama-cpp-python's version.
 
     Raises:
         ValueError: a format llama.cpp does not name (`LLAMA_FTYPE_MOSTLY_<fmt>`).
@@ -62,7 +63,7 @@ def quantized_file(fmt: str, source: Path | None = None, threads: int = 2) -> Pa
     if ftype is None:
         raise ValueError(f"llama.cpp has no {fmt} quantization (LLAMA_FTYPE_MOSTLY_{fmt})")
     source = Path(source or default_model_path())
-    out = cache_dir() / "agreement" / f"{source.stem}-{fmt}-llama.cpp-{llama_cpp.__version__}.gguf"
+    out = (folder or cache_dir() / "agreement") / f"{source.stem}-{fmt}-llama.cpp-{llama_cpp.__version__}.gguf"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,6 @@ import contextlib
 import json
 import math
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -98,7 +97,7 @@ class Recorder:
 
     def write(self, path: str, peak_rss_mb: float | None = None) -> None:
         """Write OUT.json; peak RSS is this process's unless given (a server process's)."""
-        self.out["peak_rss_mb"] = peak_rss_mb or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self.out["peak_rss_mb"] = peak_rss_mb or peak_rss_mb_of()
         Path(path).write_text(json.dumps(self.out, indent=1))
 
 
@@ -276,10 +275,14 @@ def _server_command(server: str, job: dict) -> tuple[list[str], dict]:
              "--threads", threads, "--context", str(job["n_ctx"]), "--host", "127.0.0.1"], env)
 
 
-def _peak_rss_mb(pid: int) -> float | None:
-    # VmHWM of a child process (Linux /proc), MiB.
+def peak_rss_mb_of(pid: int | None = None) -> float | None:
+    """Peak RSS (VmHWM, Linux /proc) of process `pid` (default: this one), MiB; None where unreadable.
+
+    Not `getrusage().ru_maxrss`: a process started by fork + exec keeps in it the RSS its parent had
+    at the fork (a torch-importing parent lent every engine ~500 MiB), while VmHWM starts afresh at exec.
+    """
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid or 'self'}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     except OSError:
@@ -360,7 +363,7 @@ def run_http(job: dict, out: str, server: str, startup_s: float = 600) -> None:
         rec.out["load_s"] = time.perf_counter() - t0
         rec.out["weight_bytes"] = job["gguf_bytes"]
         _http_workload(client, model, job, rec)
-        rec.write(out, _peak_rss_mb(proc.pid))
+        rec.write(out, peak_rss_mb_of(proc.pid))
 
 
 def _http_workload(client, model: str, job: dict, rec: Recorder) -> None:

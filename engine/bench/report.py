@@ -24,7 +24,7 @@ import math
 import statistics
 from pathlib import Path
 
-__all__ = ["percentile", "summarize", "ratios", "targets", "agreement", "write_report", "print_table",
+__all__ = ["percentile", "floor_ms", "summarize", "ratios", "targets", "agreement", "write_report", "print_table",
            "OURS", "HTTP", "TARGETS"]
 
 OURS = "tokenspeed-int4"
@@ -53,6 +53,12 @@ def percentile(values: list[float], q: float) -> float | None:
     return vals[min(len(vals) - 1, max(0, math.ceil(q / 100 * len(vals)) - 1))]
 
 
+def floor_ms(weight_bytes: int | None, bandwidth_gbs: float) -> float | None:
+    """The memory-bandwidth floor of one decode step, ms: `weight_bytes` (what the step reads of its
+    weights) / `bandwidth_gbs` (GB/s, `aal.measure_bandwidth`); None without a byte count."""
+    return weight_bytes / (bandwidth_gbs * 1e9) * 1e3 if weight_bytes else None
+
+
 def summarize(run: dict, bandwidth_gbs: float) -> dict:
     """Metrics of one engine's OUT.json record (see `peers.Recorder`); times in ms, memory in MiB."""
     turns = run["turns"]
@@ -60,7 +66,7 @@ def summarize(run: dict, bandwidth_gbs: float) -> dict:
     decide_s = sum(t["decide_ms"] for t in turns) / 1e3
     out_tokens = sum(t["output_tokens"] for t in turns)
     cold = [c["ttft_ms"] for c in run.get("cold_ttft_ms", [])]
-    floor = run["weight_bytes"] / (bandwidth_gbs * 1e9) * 1e3 if run.get("weight_bytes") else None
+    floor = floor_ms(run.get("weight_bytes"), bandwidth_gbs)
     decided = sum(t.get("decided_tokens", 0) for t in turns)  # TokenSpeed only
     return {
         "engine": run["engine"], "config": run["config"], "threads": run["threads"],

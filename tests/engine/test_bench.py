@@ -310,3 +310,54 @@ def test_agreement_bench_compares_logits_with_llama_cpp_on_a_file_its_quantizer_
     assert same == {"positions": 1, "top1": 1.0, "kl_mean": 0.0, "kl_max": 0.0}
     with pytest.raises(ValueError, match="no Q3_X quantization"):
         ag.quantized_file("Q3_X")
+
+
+def test_scale_shapes_have_the_published_parameter_counts():
+    # the random models are the real shapes: their weight counts are the checkpoints' (tied heads once)
+    from tokenspeed.bench.scale import SHAPES
+
+    assert {k: SHAPES[k].params() for k in ("135m", "0.5b", "1.5b", "3b")} == {
+        "135m": 134_515_008, "0.5b": 494_032_768, "1.5b": 1_543_714_304, "3b": 3_212_749_824}
+
+
+def test_scale_bench_runs_the_whole_pipeline_on_a_tiny_shape(tmp_path, monkeypatch, capsys):
+    # `tokenspeed bench scale` on the tiny shape: a random F16 GGUF written with the gguf writer,
+    # quantized by llama.cpp (cached), both engines in their own processes on the same file, one row
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("matplotlib")
+    import gguf
+
+    from tokenspeed.bench import scale
+
+    monkeypatch.setattr(scale, "_folder", lambda: tmp_path / "cache")
+    assert bench_main(["scale", "--sizes", "tiny", "--formats", "Q4_K_M", "--threads", "1", "--quick",
+                       "--repeats", "1", "--steps", "3", "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    (row,) = report["rows"]
+    assert (row["size"], row["format"], row["threads"], row["params"]) == ("tiny", "Q4_K_M", 1, 13_764_864)
+    assert "Q4_K" in row["types"] and "F16" not in row["types"]
+    ours, theirs = row["engines"]["tokenspeed"], row["engines"]["llama.cpp"]
+    assert ours["weights"] == "gguf" and ours["fused"] and 0 < ours["weight_bytes"]
+    for rec in (ours, theirs):
+        assert [c["new"] for c in rec["prefill"]] == list(scale.QUICK_NEW)
+        assert [c["context"] for c in rec["itl"]] == list(scale.QUICK_CONTEXTS)
+        assert all(c["ms_per_token"] > 0 for c in rec["prefill"]) and all(c["ms"] > 0 for c in rec["itl"])
+        assert rec["load_s"] > 0 and rec["peak_rss_mb"] > 0
+    # each engine's own peak RSS, not its parent's: the llama.cpp process imports no torch
+    assert theirs["peak_rss_mb"] < ours["peak_rss_mb"] and theirs["peak_rss_mb"] < 300
+    assert ours["cold_load"]["load_s"] > 0
+    assert set(row["ratios"]) >= {"itl_32", "itl_96", "prefill_8", "prefill_24", "rss", "load"}
+    assert row["floor_ms"]["llama.cpp"] > 0 and row["floor_ms"]["tokenspeed"] > 0
+    assert (tmp_path / "out" / "scale.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "tiny" in out and "Q4_K_M" in out
+    # --merge joins runs (one size each) into one table and plot, measuring nothing
+    report_path = str(tmp_path / "out" / "report.json")
+    assert bench_main(["scale", "--merge", report_path, report_path, "--out", str(tmp_path / "merged")]) == 0
+    assert len(json.loads((tmp_path / "merged" / "report.json").read_text())["rows"]) == 2
+    assert (tmp_path / "merged" / "scale.png").is_file()
+    source = scale.source_file("tiny")  # cached: the same file, not written again
+    reader = gguf.GGUFReader(str(source))
+    assert {t.tensor_type.name for t in reader.tensors} == {"F16", "F32"} and len(reader.tensors) == 26
+    stamp = source.stat().st_mtime_ns
+    assert scale.model_file("tiny", "Q4_K_M", threads=1) == Path(row["file"]) and source.stat().st_mtime_ns == stamp
