@@ -287,10 +287,13 @@ def looping_string(text: str) -> bool:
     Returns False when the text is not inside a string, or inside an unfinished escape sequence
     (a quote there would not end the string).
     """
-    start = None
-    for m in _STRING_TOKEN.finditer(text):
-        if m.group() == '"':
-            start = m.end() if start is None else None
+    if "\\" not in text:  # no escape sequence: the quotes alone say where the last string starts
+        start = text.rfind('"') + 1 if text.count('"') % 2 else None
+    else:
+        start = None
+        for m in _STRING_TOKEN.finditer(text):
+            if m.group() == '"':
+                start = m.end() if start is None else None
     if start is None:
         return False
     value = text[start:][-4 * LOOP_MAX_UNIT * LOOP_REPEATS:]  # a loop shows in its last units

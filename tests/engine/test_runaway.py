@@ -158,7 +158,7 @@ def test_no_string_of_the_public_calls_and_tool_sets_looks_like_a_loop():
         assert hit is None, hit
 
 
-@pytest.mark.slow  # ~20 s of fp32 decoding on 2 cores
+@pytest.mark.slow  # ~60 s of fp32 prefill and decoding on 2 busy cores
 def test_a_string_in_a_loop_is_closed_and_the_forced_call_completes(engine):
     # A labelled question whose forced call ran on inside a string to max_tokens (LOOPS above:
     # bfcl_text_37; the fp32 model writes the same loop): the decode loop closes each string where
