@@ -186,7 +186,7 @@ class DecodeStats:
 def decode(target: Target, speculator: Speculator, feed: list[int], *, tok=None, matcher=None,
            jump_forward: bool = True, max_tokens: int = 256, deadline_at: float | None = None,
            temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
-           t0: float | None = None, on_token=None, auto=None) -> tuple[list[int], list[int], DecodeStats]:
+           t0: float | None = None, on_token=None, auto=None, force=None) -> tuple[list[int], list[int], DecodeStats]:
     """Decode one answer: speculative when `speculator` has drafters, plain otherwise.
 
     Args:
@@ -203,6 +203,9 @@ def decode(target: Target, speculator: Speculator, feed: list[int], *, tok=None,
         on_token: callback(list[int]) receiving the output ids after each step; True ends the answer.
         auto: the `tokenspeed.auto.AutoRule` that settles call or text at the first position
             (tool_choice "auto"; that step drafts nothing), or None.
+        force: callback(list[int]) receiving the output ids after each step and returning ids to
+            append next without the model (e.g. the quote that ends a string in a loop); they are
+            appended only when the grammar accepts them all and max_tokens leaves room. None: none.
     Returns:
         (out, feed, stats): the output ids (stop token excluded), the last chosen token(s) not yet
         in the KV cache, and the counters.
@@ -237,6 +240,8 @@ def decode(target: Target, speculator: Speculator, feed: list[int], *, tok=None,
             stop = True  # the caller ends the answer here (a stop sequence)
         if stop or (matcher is None and len(out) >= max_tokens):
             break
+        if force is not None and matcher is not None:
+            feed = feed + _force(matcher, force(out)[:max(max_tokens - len(out), 0)], out, stats)
     return out, feed, stats
 
 
@@ -265,6 +270,15 @@ def _jump_forward(matcher, out: list[int], stats: DecodeStats, max_tokens: int) 
         out.extend(forced)
         stats.forced_tokens += len(forced)
         return forced
+    return []
+
+
+def _force(matcher, ids: list[int], out: list[int], stats: DecodeStats) -> list[int]:
+    """Consume `ids` when the grammar accepts them all; they join the output and the next feed."""
+    if ids and matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids):
+        out.extend(ids)
+        stats.forced_tokens += len(ids)
+        return ids
     return []
 
 

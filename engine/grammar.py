@@ -26,10 +26,21 @@ from .schema import JSON_STYLE, Prepared, ToolSchemaError, compile_check, prepar
 __all__ = ["ToolSchemaError", "normalize_tools", "tools_system_prompt", "TOOL_PROMPTS", "DEFAULT_TOOL_PROMPT",
            "AUTO_TOOL_PROMPT",
            "call_schema", "ToolGrammar", "parse_tool_calls", "parse_tool_call", "format_tool_calls", "CallFormat",
-           "CALL_FORMATS", "SMOLLM2", "call_format_for", "MAX_CALLS", "complete_tool_calls"]
+           "CALL_FORMATS", "SMOLLM2", "call_format_for", "MAX_CALLS", "complete_tool_calls", "looping_string",
+           "LOOP_REPEATS", "LOOP_MIN_CHARS", "LOOP_MAX_UNIT"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 MAX_CALLS = 8  # calls one answer may hold with parallel calls (the grammar's cap; without them: 1)
+# A JSON string in a loop (`looping_string`): its tail is one unit of at most LOOP_MAX_UNIT characters
+# written LOOP_REPEATS times or more, over LOOP_MIN_CHARS characters or more (twice that when only
+# the unit's numbers change).
+LOOP_REPEATS = 3
+LOOP_MIN_CHARS = 16
+LOOP_MAX_UNIT = 64
+_STRING_TOKEN = re.compile(r'\\.|"')   # an escape sequence, or a quote that opens or closes a string
+_OPEN_UNICODE = re.compile(r'(u[0-9A-Fa-f]{0,3})?\Z')  # after a backslash: an unfinished \\uXXXX escape
+_DIGITS = re.compile(r"\d+")
+_LETTER = re.compile(r"[A-Za-z]")
 
 
 @dataclass(frozen=True)
@@ -258,6 +269,55 @@ def _scan_calls(inner: str, fmt: CallFormat) -> tuple[list[dict], int]:
             break
         pos += len(fmt.sep)
     return calls, pos
+
+
+def looping_string(text: str) -> bool:
+    """Whether `text`, the start of a JSON answer (a call list in any `CallFormat`: its markers hold
+    no quote), ends inside a string that has run into a loop, which only the string's length cap
+    (`tokenspeed.schema.MAX_STRING_LENGTH`) would otherwise end, at about max_tokens: the string's
+    tail is one unit (1 to `LOOP_MAX_UNIT` characters) written `LOOP_REPEATS` times or more in a
+    row, over `LOOP_MIN_CHARS` characters or more. A unit that holds a letter also counts with its
+    numbers changing (digit runs compared as one digit: "name_1_to_a_name_2_to_a_name_3_to_a"),
+    over twice `LOOP_MIN_CHARS`.
+    Seen from SmolLM2-135M under tool_choice="required" on questions no tool applies to (issue 27):
+    `"); 1; 2; 3}}]</tool_call> 1. 1. 2. 3. 1. 2. 3. ...` and
+    `"A_compound_name_1_to_a_compound_name_2_to_a_compound_name_3_to_a_compound_...`. No string
+    of the BFCL questions, answers or the shipped tool sets is a loop by this rule at any prefix.
+
+    Returns False when the text is not inside a string, or inside an unfinished escape sequence
+    (a quote there would not end the string).
+    """
+    if "\\" not in text:  # no escape sequence: the quotes alone say where the last string starts
+        start = text.rfind('"') + 1 if text.count('"') % 2 else None
+    else:
+        start = None
+        for m in _STRING_TOKEN.finditer(text):
+            if m.group() == '"':
+                start = m.end() if start is None else None
+    if start is None:
+        return False
+    value = text[start:][-4 * LOOP_MAX_UNIT * LOOP_REPEATS:]  # a loop shows in its last units
+    head = value[:len(value) - len(_OPEN_UNICODE.search(value[-5:]).group())]
+    if (len(head) - len(head.rstrip("\\"))) % 2:  # an odd run of backslashes opens an escape sequence
+        return False
+    near = _DIGITS.sub("0", value)
+    return _repeats(value, LOOP_MIN_CHARS, False) or (near != value and _repeats(near, 2 * LOOP_MIN_CHARS, True))
+
+
+def _repeats(s: str, min_chars: int, letter: bool) -> bool:
+    # whether `s` ends in one unit of 1 to LOOP_MAX_UNIT characters (holding a letter if `letter`)
+    # written LOOP_REPEATS times or more, over `min_chars` characters or more
+    end = len(s) - 1
+    low = max(0, end - LOOP_MAX_UNIT)
+    i = s.rfind(s[-1], low, end) if s else -1
+    while i >= 0:  # n: a distance back to the same character, a candidate unit length
+        n = end - i
+        k = max(LOOP_REPEATS, -(-min_chars // n))
+        if k * n <= len(s) and s.endswith(s[-n:], 0, end + 1 - n) and s.endswith(s[-n:] * k) \
+                and (not letter or _LETTER.search(s[-n:])):
+            return True
+        i = s.rfind(s[-1], low, i)
+    return False
 
 
 def parse_tool_call(text: str, fmt: CallFormat = SMOLLM2) -> dict | None:

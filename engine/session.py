@@ -22,7 +22,7 @@ from .decision import (Checkpoint, Decision, Segment, SessionArgumentError, fini
 from .auto import AutoRule
 from .decode import NonFiniteLogitsError, Target, decode
 from .device import DecodeGraphs
-from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, complete_tool_calls, tools_system_prompt
+from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, complete_tool_calls, looping_string, tools_system_prompt
 from .kv import KVConfig, TieredKVCache
 from .prefix_cache import prefill_system
 from .speculation import Speculator
@@ -481,7 +481,8 @@ class Session:
                 out, feed, stats = decode(self.target, self.speculator, prefill, tok=self.tok, matcher=matcher,
                                           jump_forward=jump_forward, max_tokens=max_tokens, deadline_at=deadline_at,
                                           t0=t0, temperature=temperature, top_p=top_p, generator=gen,
-                                          on_token=on_step, auto=self._auto_rule(grammar, auto_threshold))
+                                          on_token=on_step, auto=self._auto_rule(grammar, auto_threshold),
+                                          force=self._loop_guard(grammar) if grammar is not None else None)
             if abort is not None and abort():
                 raise SessionAborted(f"aborted after {len(out)} answer tokens")
         except NonFiniteLogitsError as exc:  # never "ok" on garbage: the monitor's fallback applies
@@ -538,6 +539,18 @@ class Session:
             return len(calls) > 1 and calls[-1] in calls[:-1]
 
         return repeated
+
+    def _loop_guard(self, grammar):
+        # decode()'s `force` callback: the quote that ends a JSON string of the answer once it runs in
+        # a loop (`looping_string`; else only its length cap would end it, at about max_tokens). Under
+        # "auto" only in a call: a text answer is free text.
+        quote, first = self.tok.encode_text('"'), None if grammar.mode == "json" else self.engine.call_format.first
+
+        def close(out: list[int]) -> list[int]:
+            text = self.tok.decode(out)
+            return quote if (first is None or text.startswith(first)) and looping_string(text) else []
+
+        return close
 
     def _text_stream(self, on_text, calls: bool = False):
         # decode()'s on_token callback: new complete UTF-8 text of a text answer -> on_text(piece);

@@ -47,8 +47,9 @@ def run_auto(threshold: float | None = None, calibrate: bool = False, required: 
         "before"/"after": {"call_when_applies", "call_when_none"} (fractions), "p_call_applies",
         "p_call_none" (medians), "held_in"/"held_out": "after" on the cases calibration holds in
         (chooses the threshold on) and leaves out (`tokenspeed.auto.held_out`), "by_source": {source: {"before", "after"} as above},
-        "runaway": {"count", "cases", "ids"} (with `required`), "seconds", "rows": per case
-        {"id", "label", "source", "held_out", "p_call", "before", "after"}}.
+        "runaway": {"count", "cases", "ids", "longest": the most tokens an answer took} (with
+        `required`), "seconds", "rows": per case {"id", "label", "source", "held_out", "p_call",
+        "before", "after", "required_tokens" (with `required`)}}.
     Raises:
         ValueError: no threshold to compare against (no calibration and none given).
     """
@@ -81,7 +82,8 @@ def run_auto(threshold: float | None = None, calibrate: bool = False, required: 
         if required:
             session.rollback(cp)
             d = session.decide(tool_choice="required", parallel=True, max_tokens=REQUIRED_MAX_TOKENS)
-            if d.generated_tokens + d.forced_tokens >= REQUIRED_MAX_TOKENS:
+            row["required_tokens"] = d.generated_tokens + d.forced_tokens
+            if row["required_tokens"] >= REQUIRED_MAX_TOKENS:
                 runaway.append(case["id"])
         rows.append(row)
     applies = [r for r in rows if r["label"] == "call"]
@@ -108,7 +110,8 @@ def run_auto(threshold: float | None = None, calibrate: bool = False, required: 
                          for s in sorted({r["source"] for r in rows})},
            "seconds": time.perf_counter() - t0, "rows": rows}
     if required:
-        out["runaway"] = {"count": len(runaway), "cases": len(rows), "ids": runaway}
+        out["runaway"] = {"count": len(runaway), "cases": len(rows), "ids": runaway,
+                          "longest": max(r["required_tokens"] for r in rows)}
     if calibrate and engine.folder is not None:
         out["stored_in"] = str(store_threshold(engine.folder, tool_prompt, threshold, {
             "cases": out["cases"], "after": out["after"], "held_out": out["held_out"], "p_call_applies": out["p_call_applies"],
@@ -142,7 +145,7 @@ def _cmd(args) -> int:
     if "runaway" in report:
         w = report["runaway"]
         print(f"required, max_tokens {REQUIRED_MAX_TOKENS}: {w['count']} of {w['cases']} answers ran to max_tokens "
-              f"{w['ids']}")
+              f"{w['ids']}; the longest took {w['longest']} tokens")
     if "stored_in" in report:
         print(f"threshold stored in {report['stored_in']}")
     print(f"{report['seconds']:.0f} s")

@@ -3,14 +3,18 @@ answer never takes more than max_tokens.
 
 The patterns are the ones `tool_choice="required"` showed on public function-calling prompts
 (issue 27): one call repeated inside the call list, an endless number (`1000000000...`), a string
-repeated until the limit. A tiny random-weight model makes arbitrary choices, so only the grammar's
-bounds can end its values.
+repeated until the limit, a string in a loop (one unit repeated, or with its numbers counting up).
+A tiny random-weight model makes arbitrary choices, so only the grammar's bounds can end its values.
 """
+import json
+from pathlib import Path
+
 import pytest
 
 from tokenspeed.chat import finish
 from tokenspeed.decision import Decision, keep_complete_calls
-from tokenspeed.grammar import MAX_CALLS, complete_tool_calls, format_tool_calls, parse_tool_calls
+from tokenspeed.grammar import (LOOP_MIN_CHARS, MAX_CALLS, complete_tool_calls, format_tool_calls, looping_string,
+                                parse_tool_calls)
 from tokenspeed.schema import MAX_ARRAY_ITEMS, MAX_STRING_LENGTH, NUMBER_LIMIT, NUMBER_STEP, prepare
 
 
@@ -109,3 +113,63 @@ def test_a_repeated_call_in_decoding_ends_the_answer(tiny_engine):
         assert tiny_engine.tokenizer.decode(s.tokens + s.pending).endswith(format_tool_calls(d.tool_calls) + "<|im_end|>\n")
         tokens.append(d.generated_tokens + d.forced_tokens)
     assert max(tokens) > min(tokens)  # some answer went on past its first call, and was ended at the repeat
+
+
+# What SmolLM2-135M (int4) wrote under tool_choice="required" with the smollm2 tool listing on two
+# questions no tool applies to (labelled cases bfcl_text_32 and bfcl_text_37): each string ran on
+# until max_tokens=256.
+DNA = '<tool_call>[{"name": "fetch_DNA_sequence", "arguments": {"DNA_id": "'
+LOOPS = [(DNA, "); 1; 2; 3}}]</tool_call> 1. 1. 2. 3. 1. 2. 3. 1. 2. 3. 1. 2. 3. 1. 2. 3. 1. 2. 3"),
+         ('<tool_call>[{"name": "calculate_molecular_weight", "arguments": {"compound": "',
+          "A_compound_name_1_to_a_compound_name_2_to_a_compound_name_3_to_a_compound_name_4_to_a_compound_name_5"),
+         (DNA, " " * 40), (DNA, "ATATATATATATATATATATAT"), (DNA, 'say \\"no\\" ' * 6)]
+
+
+def test_a_string_in_a_loop_is_seen_after_a_few_repeats_and_not_once_it_is_closed():
+    for head, value in LOOPS:
+        seen = next((i for i in range(len(value) + 1) if looping_string(head + value[:i])), None)
+        assert seen is not None and seen <= 3 * LOOP_MIN_CHARS + 20, (value, seen)
+        assert not looping_string(head + value[:seen] + '", "format": "')  # the next string starts afresh
+    assert not looping_string(DNA + "ATATATATATATATATATATAT" + '"}}]</tool_call>')  # not in a string
+    assert not looping_string(DNA + "x" * 40 + "\\")  # inside an escape: a quote would not end the string
+
+
+def test_no_string_of_the_public_calls_and_tool_sets_looks_like_a_loop():
+    # every prefix of every string of the BFCL questions, answers and functions and of the shipped
+    # robot and market tool sets, as it would be written inside a call (JSON-escaped)
+    data = Path(__file__).resolve().parents[2] / "engine" / "data"
+
+    def strings(x):
+        if isinstance(x, str):
+            yield x
+        for v in x.values() if isinstance(x, dict) else x if isinstance(x, list) else ():
+            yield from strings(v)
+
+    texts = set()
+    for name in ("bfcl/BFCL_v4_simple_python.json", "bfcl/possible_answer_BFCL_v4_simple_python.json"):
+        for line in (data / name).read_text().splitlines():
+            texts.update(strings(json.loads(line)))
+    for path in (data / "tools").glob("*.json"):
+        texts.update(strings(json.loads(path.read_text())))
+    assert len(texts) > 3000
+    for text in texts:
+        value = json.dumps(text)[1:-1]
+        hit = next((value[:i] for i in range(1, len(value) + 1) if looping_string(DNA + value[:i])), None)
+        assert hit is None, hit
+
+
+@pytest.mark.slow  # ~60 s of fp32 prefill and decoding on 2 busy cores
+def test_a_string_in_a_loop_is_closed_and_the_forced_call_completes(engine):
+    # A labelled question whose forced call ran on inside a string to max_tokens (LOOPS above:
+    # bfcl_text_37; the fp32 model writes the same loop): the decode loop closes each string where
+    # it starts repeating, and the call list completes.
+    from tokenspeed.auto import labelled_cases
+
+    case = next(c for c in labelled_cases() if c["id"] == "bfcl_text_37")
+    s = engine.session(tools=case["tools"], tool_prompt="smollm2")
+    s.observe(case["messages"])
+    d = s.decide(tool_choice="required", parallel=True, max_tokens=256)
+    assert d.status == "ok" and d.generated_tokens + d.forced_tokens < 256, d.text
+    closed = [v for c in d.tool_calls for v in c["arguments"].values() if isinstance(v, str)
+              and looping_string(DNA + json.dumps(v)[1:-1])]
+    assert closed, d.text  # a string the guard ended
