@@ -136,6 +136,7 @@ class AgentNode(EngineNode):
             self.create_service(Decide, p.decide_service, self._on_decide)
         self.get_logger().info(f"tokenspeed_agent configured: budget {p.deadline_budget_s} s, fallback {p.fallback}, "
                                f"decision period {p.decision_period_s} s, model {p.model or 'embedded'}")
+        self._publish_diagnostics()   # the engine's "ready" now, not up to diagnostics_period_s later
 
     def deactivate(self) -> None:
         """The safe fallback goes out (for the decision in progress, or on its own) and nothing
