@@ -30,6 +30,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from ..chat import ChatEngine
@@ -135,7 +136,7 @@ class ChatTokenSpeed(BaseChatModel):
     def with_structured_output(self, schema: dict | type, *, method: str = "json_schema",
                                include_raw: bool = False, strict: bool | None = None,
                                **kwargs: Any) -> Runnable[LanguageModelInput, dict | BaseModel]:
-        """Answers parsed into `schema` (a Pydantic class, TypedDict or JSON schema).
+        """Answers parsed into `schema` (a Pydantic v2 or v1 class, TypedDict or JSON schema).
 
         method: "json_schema" (the answer is JSON under the schema's grammar; default; "json_mode"
         is the same: the schema's grammar, not merely any JSON object) or "function_calling" (a
@@ -146,7 +147,7 @@ class ChatTokenSpeed(BaseChatModel):
             return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
         if method not in ("json_schema", "json_mode"):
             raise ValueError(f"method must be 'json_schema', 'function_calling' or 'json_mode', got {method!r}")
-        is_pydantic = isinstance(schema, type) and issubclass(schema, BaseModel)
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)   # pydantic v2 or v1
         js = convert_to_json_schema(schema)  # json_mode too: the grammar of the schema, not just any object
         fmt = {"type": "json_schema", "json_schema": {"name": js.get("title", "answer"), "schema": js}}
         llm = self.bind(response_format=fmt, ls_structured_output_format={"kwargs": {"method": method},

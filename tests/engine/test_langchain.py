@@ -42,24 +42,8 @@ class TestChatTokenSpeedUnit(_Flags, standard_unit.ChatModelUnitTests):
     pass
 
 
-_REPEATS = ("SmolLM2-135M decoding greedily repeats 'a cat is a cat, ...' inside the joke's string until "
-            "max_tokens=100, so the JSON never closes (the grammar keeps what there is valid, it cannot end it)")
-
-
 @pytest.mark.slow  # ~7 min on 2 cores
 class TestChatTokenSpeedIntegration(_Flags, standard_integration.ChatModelIntegrationTests):
-    @pytest.mark.xfail(reason=_REPEATS, run=False)
-    def test_structured_output(self):
-        pass
-
-    @pytest.mark.xfail(reason=_REPEATS, run=False)
-    async def test_structured_output_async(self):
-        pass
-
-    @pytest.mark.xfail(reason=_REPEATS, run=False)
-    def test_structured_output_pydantic_2_v1(self):
-        pass
-
     @pytest.mark.xfail(run=False, reason="tool_choice='auto': SmolLM2-135M's p(call) on the weather question is about "
                        "0.008, just below its calibrated threshold 0.0086 (tokenspeed bench auto --calibrate --tool-prompt "
                        "smollm2), so it answers in text; the README's LangChain example calls through auto, and the "
