@@ -180,6 +180,7 @@ class EngineWorker:
         self._notify = notify
         self._log = logger
         self.state = "loading"
+        self.ready_at = 0.0             # time.time() when `state` became "ready" (0 until then)
         self.fault = ""
         self.context_tokens = 0
         self.weights = ""               # the engine's weight format once loaded (fp32, int8, int4)
@@ -445,6 +446,7 @@ class EngineWorker:
             self.context_tokens = self._session.num_tokens
             self.weights = engine.weights
             self.threads = torch.get_num_threads()
+            self.ready_at = time.time()
             self.state = "ready"
             self._log.info(f"engine ready in {time.perf_counter() - t0:.1f} s, {engine.weights} weights on {engine.device} "
                            f"({self.context_tokens} tokens of system prompt and tools); start-up stages from process "
