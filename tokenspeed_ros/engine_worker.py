@@ -118,6 +118,7 @@ class _Ahead:
     tool_choice: object
     checkpoint: object              # tokenspeed Checkpoint before the predicted state line
     book: tuple                     # the worker's bookkeeping at the checkpoint (`EngineWorker._book`)
+    answer: tuple                   # (Checkpoint, bookkeeping) after the state line, before its call
     result: tuple                   # (status, call, reason) of the decision
     tokens_in: int                  # state line + trigger tokens
     prefill_ms: float
@@ -205,6 +206,11 @@ class EngineWorker:
         # the context's last observation while no decision answered it: (source, Checkpoint before
         # it, the bookkeeping before it)
         self._unanswered: tuple | None = None
+        # the last call answered (the context's last answer): (decision_id, Checkpoint before the call,
+        # the bookkeeping before it, [(source, (text, kind, stamp_s)) observed after it]), until the
+        # next decision, decision ahead or episode; `not_executed` takes it back
+        self._answered: tuple | None = None
+        self._retract: int | None = None    # not_executed()'s decision id, for the engine thread
         self._out: list[Observed | ModelResult] = []
         self._stop = False
         self._loaded = threading.Event()
@@ -293,6 +299,17 @@ class EngineWorker:
                              restate, time.monotonic(), DecisionTrace(time.time()))
             self._cv.notify()
 
+    def not_executed(self, decision_id: int) -> None:
+        """The call answering decision `decision_id` was never executed (the deadline monitor
+        dropped it as late, or published the fallback in its place): before anything observed or
+        requested after this call, the session rolls back to before that call, as for a decision
+        that missed its deadline inside the engine (its state line is again unanswered), and what
+        was observed after the call is observed again. Nothing changes when a later decision,
+        decision ahead or episode came since (logged)."""
+        with self._cv:
+            self._retract = decision_id
+            self._cv.notify()
+
     def decide_ahead(self, restate: tuple[str, str, float], tool_choice) -> None:
         """Decide the next call ahead when the engine is idle: prefill `restate` ((source, text,
         stamp_s), the state line predicted for the next decision) on a checkpoint and decide with
@@ -349,10 +366,14 @@ class EngineWorker:
         while True:
             with self._cv:
                 while (not self._stop and not self._obs and self._request is None and self._threads is None
-                       and not self._new_episode and self._ahead_request is None):
+                       and not self._new_episode and self._ahead_request is None and self._retract is None):
                     self._cv.wait()
                 if self._stop:
                     return
+                if self._retract is not None:   # under the lock: before anything requested after not_executed()
+                    self._take_back(self._retract)
+                    self._retract = None
+                    continue
                 if self._new_episode:       # under the lock: what is observed next joins the new episode
                     self._new_episode = False
                     self._drop_ahead("dropped")
@@ -418,6 +439,8 @@ class EngineWorker:
     def _prefill_one(self, source: str, text: str, kind: str, stamp_s: float, since: tuple | None = None) -> None:
         t0 = time.monotonic()
         n, kept = self._observe(source, text, kind, since)
+        if self._answered is not None:
+            self._answered[3].append((source, (text, kind, stamp_s)))
         self._prefill[0] += n > 0
         self._prefill[1] += n
         self._prefill[2] += time.monotonic() - t0
@@ -472,7 +495,7 @@ class EngineWorker:
             self._log.error(f"engine fault in new_episode(): {type(e).__name__}: {e}")
             return
         self._previous.clear()              # nothing observed so far is in the context any more
-        self._unanswered = None
+        self._unanswered = self._answered = None
         self._prefill = [0, 0, 0.0, 0]
         self.context_tokens = self._session.num_tokens
         self._log.info(f"new episode: {dropped} tokens of the last one dropped, context {self.context_tokens} tokens")
@@ -521,6 +544,7 @@ class EngineWorker:
         if self._session is None:
             return
         self._drop_ahead("dropped")         # a newer prediction replaces it
+        self._answered = None               # predicted after a call the robot executes
         source, text, _ = restate
         cp, book = self._session.checkpoint(), self._book()
         t0 = time.perf_counter()
@@ -529,6 +553,7 @@ class EngineWorker:
             n, kept = self._observe(source, text, "sensor")
             if n:   # a miss goes back to where the line was observed (before the unanswered one it replaced)
                 cp, book = self._unanswered[1], self._unanswered[2]
+            answer = self._session.checkpoint(), self._book()
             t1 = time.perf_counter()
             d = self._session.decide(tool_choice=tool_choice, deadline_at=time.monotonic() + AHEAD_BUDGET_S)
             ok = d.status == "ok" and self._checker.problem(d.tool_call) is None
@@ -539,7 +564,7 @@ class EngineWorker:
             self.ahead_counts["failed"] += 1
             return
         self._unanswered = None
-        self._ahead = _Ahead(source, text, tool_choice, cp, book, (d.status, d.tool_call, ""),
+        self._ahead = _Ahead(source, text, tool_choice, cp, book, answer, (d.status, d.tool_call, ""),
                              n + d.prefill_tokens, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
         self.context_tokens = self._session.num_tokens
         self._log.info(f"decided ahead: {d.tool_call['name']} ({n - kept} tokens of predicted state prefilled in "
@@ -576,11 +601,28 @@ class EngineWorker:
         self._restore(ahead.checkpoint, ahead.book)
         return None
 
+    def _take_back(self, decision_id: int) -> None:
+        """not_executed(decision_id) on the engine thread (under the lock): roll the session back to
+        before that decision's call and queue again what was observed after it (a reading queued
+        since replaces its source's)."""
+        answered, self._answered = self._answered, None
+        if answered is None or answered[0] != decision_id:
+            self._log.warning(f"decision {decision_id} was not executed, but its call is no longer the context's "
+                              f"last answer: the context is left as it is")
+            return
+        _, cp, book, since = answered        # no decision ahead since: it would have ended `_answered`
+        tokens = self._session.num_tokens
+        self._restore(cp, book)
+        self._obs = {**dict(since), **self._obs}
+        self._log.info(f"decision {decision_id}: its call was not executed: rolled back ({tokens - self.context_tokens} "
+                       f"tokens), {len(since)} observations after it queued again")
+
     def _take_ahead(self, decision_id: int, deadline_at: float, tool_choice, restate, queued_at: float,
                     trace: DecisionTrace) -> ModelResult:
         """Answer a request with the call decided ahead for exactly its state line and tool choice."""
         ahead, self._ahead = self._ahead, None
         self.ahead_counts["hit"] += 1
+        self._answered = (decision_id, *ahead.answer, [])
         now = time.time()
         self._emit(Observed(restate[0], restate[1], restate[2], 0))     # the line is in the context now
         status, call, reason = ahead.result
@@ -602,8 +644,9 @@ class EngineWorker:
         started = time.monotonic()
         trace.decide_start = time.time()
         trace.context_tokens = self._session.num_tokens
+        self._answered = None
         try:
-            before = self._session.checkpoint()
+            before, book = self._session.checkpoint(), self._book()
             d = self._session.decide(tool_choice=tool_choice, deadline_at=deadline_at,
                                      abort=lambda: self._new_episode)
             status, call, reason = d.status, d.tool_call, d.reason or ""
@@ -613,6 +656,8 @@ class EngineWorker:
                 status, call, reason = "invalid", None, problem
             if status in ("ok", "text"):    # the answer stays in the context: the last observation is answered
                 self._unanswered = None
+            if status == "ok":
+                self._answered = (decision_id, before, book, [])
         except SessionAborted:     # the session is as before decide()
             self._log.info(f"decision {decision_id}: superseded by a new episode")
             return ModelResult(decision_id, "superseded", reason="a new episode began", trace=trace.as_dict())
