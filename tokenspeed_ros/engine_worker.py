@@ -25,6 +25,9 @@ gives. Anything else is a "miss": the state line of the request is observed on t
 instead (`Session.observe`'s since), so the predicted line's tokens up to the first one that
 differs keep their KV and only the rest is prefilled (a moved cube changes the line from its
 coordinates on); the context is then again token for token a fresh decision's.
+A call the node did not publish (`not_executed`: its deadline passed before it was out) is rolled
+back out of the context, as a decision that misses its deadline inside the engine is: the context
+never says the robot did what it did not do.
 Each result carries a `DecisionTrace` of its stages.
 """
 from __future__ import annotations
