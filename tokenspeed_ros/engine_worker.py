@@ -51,6 +51,7 @@ from tokenspeed_ros.launch_spec import help_requested
 from tokenspeed_ros.spin import SPIN_TIMEOUT_S, spin_once
 
 GIL_SWITCH_INTERVAL_S = 0.001     # CPython's thread switch interval in the node processes (s)
+TAKE_BACK_OBSERVATIONS = 32        # a call is taken back (`not_executed`) until this many observations followed it
 AHEAD_BUDGET_S = 10.0             # a decision decided ahead may take this long (no robot waits on it) (s)
 THREAD_DIED = "engine thread died"
 # What the engine thread's load imports (torch first), imported ahead on a thread from process start
@@ -308,7 +309,8 @@ class EngineWorker:
         requested after this call, the session rolls back to before that call, as for a decision
         that missed its deadline inside the engine (its state line is again unanswered), and what
         was observed after the call is observed again. Nothing changes when a later decision,
-        decision ahead or episode came since (logged)."""
+        decision ahead or episode, or more than TAKE_BACK_OBSERVATIONS observations came since
+        (logged): the node calls it as soon as the monitor resolved the result."""
         with self._cv:
             self._retract = decision_id
             self._cv.notify()
@@ -444,6 +446,8 @@ class EngineWorker:
         n, kept = self._observe(source, text, kind, since)
         if self._answered is not None:
             self._answered[3].append((source, (text, kind, stamp_s)))
+            if len(self._answered[3]) > TAKE_BACK_OBSERVATIONS:     # long resolved (published): not kept for ever
+                self._answered = None
         self._prefill[0] += n > 0
         self._prefill[1] += n
         self._prefill[2] += time.monotonic() - t0
