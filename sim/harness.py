@@ -459,7 +459,7 @@ def print_table(report: dict) -> None:
     if up is not None:
         ready = report["engine_ready_after_s"]
         stages = Table(title=f"agent start-up: process started {up['process_started_s']:.2f} s into the run, engine "
-                             f"ready seen {ready:.2f} s (CPU: the agent's process, every thread)")
+                             f"ready {ready:.2f} s (CPU: the agent's process, every thread)")
         for col in ("stage", "wall s", "CPU s"):
             stages.add_column(col, justify="left" if col == "stage" else "right")
         for st in up["stages"]:
