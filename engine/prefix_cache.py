@@ -50,14 +50,21 @@ def _code_digest() -> str:
     return h.hexdigest()
 
 
+_SAMPLE, _RUNS = 2048, 8  # values of each weight in the fingerprint, in runs of _SAMPLE // _RUNS
+
+
 def _weights_fingerprint(model) -> str:
-    """sha256 of every weight's name, dtype and shape and of a strided sample of its bytes (cheap:
-    a few KB per tensor), so that another model or weights format gives another digest."""
+    """sha256 of every weight's name, dtype and shape and of a sample of its values (cheap: a few
+    KB per tensor, in `_RUNS` contiguous runs spread over it), so that another model or weights
+    format gives another digest. Runs, not a stride: a stride maps in every page of a
+    memory-mapped weight (`tokenspeed.weights.load_quantized`), the 28 MB embedding table too,
+    of which a session otherwise reads only its tokens' rows."""
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
-        flat = t.detach().reshape(-1)
-        step = max(1, flat.numel() // 2048)
-        sample = flat[::step][:2048].to("cpu").contiguous()
+        flat, run = t.detach().reshape(-1), _SAMPLE // _RUNS
+        if flat.numel() > _SAMPLE:
+            flat = torch.cat([flat[a:a + run] for a in ((flat.numel() - run) * i // (_RUNS - 1) for i in range(_RUNS))])
+        sample = flat.to("cpu").contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(sample.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
