@@ -132,6 +132,7 @@ class Engine:
         self.speculation = SpecConfig.default(self.model)
         self.load_stages.done("draft model")
         _return_free_heap()
+        self.load_stages.done("free heap returned")
 
     @property
     def speculation(self) -> SpecConfig | None:
