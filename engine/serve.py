@@ -23,10 +23,12 @@ Source: OpenAI Chat Completions API reference (request, response, chunk and erro
 RFC 9110 section 10.2.3 (Retry-After).
 """
 import asyncio
+import contextlib
 import gc
 import json
 import logging
 import math
+import signal
 import socket
 import sys
 import threading
@@ -584,8 +586,8 @@ def listen(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
 
 def serve(engine: Engine, sock: socket.socket, model_name: str = "tokenspeed", queue_size: int = 8,
           cache_budget_bytes: int = 1 << 30, context: int = 4096, max_body_bytes: int = 8 << 20) -> None:
-    """Serve `engine` over HTTP on the listening socket `sock` (from `listen`) until interrupted
-    (see `Server` for the other arguments)."""
+    """Serve `engine` over HTTP on the listening socket `sock` (from `listen`) until SIGINT or SIGTERM,
+    then shut down gracefully, print one line and return (see `Server` for the other arguments)."""
     import uvicorn
 
     host, port = sock.getsockname()[:2]
@@ -596,6 +598,20 @@ def serve(engine: Engine, sock: socket.socket, model_name: str = "tokenspeed", q
             await super().startup(sockets)
             if not self.should_exit:
                 print(f"# tokenspeed serve: model {engine.source} serving on http://{host}:{port}/v1", flush=True)
+
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again, which ends
+        # the process with a KeyboardInterrupt traceback (SIGINT) or killed (SIGTERM): the graceful
+        # shutdown is the end here, one line and exit 0
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    if self._captured_signals:
+                        name = signal.Signals(self._captured_signals[0]).name
+                        print(f"# tokenspeed serve: stopped ({name})", flush=True)
+                    self._captured_signals.clear()
 
     server = Server(engine, model_name, queue_size, cache_budget_bytes, context, max_body_bytes)
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # the process is the server's

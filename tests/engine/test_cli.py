@@ -1,7 +1,8 @@
 """The `tokenspeed` command line: help lists every subcommand, `call` checks the tools before the
-model loads, `serve` on a port in use is one error line (exit 1) before the model loads; bad input (tools, `--device
-cuda` without CUDA, option values) is one error line with exit 2, as argparse's usage errors."""
+model loads, `serve` on a port in use is one error line (exit 1) before the model loads, SIGINT/SIGTERM end `serve`
+with one line and exit 0; bad input (tools, `--device cuda` without CUDA, option values) is one error line with exit 2, as argparse's usage errors."""
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -79,3 +80,21 @@ def test_device_and_dtype_settings_resolve():
         resolve_dtype("int4", cpu)
     args = build_parser().parse_args(["serve", "--device", "cpu", "--dtype", "bfloat16"])
     assert (args.device, args.dtype) == ("cpu", "bfloat16")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_stops_on_a_signal_with_one_line_and_exit_0(sig):
+    proc = subprocess.Popen([sys.executable, "-m", "tokenspeed.cli", "serve", "--model", "tiny-random", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        while line and "serving on" not in line:
+            line = proc.stdout.readline()
+        assert "serving on" in line, proc.stderr.read()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, (proc.returncode, err)
+    assert "Traceback" not in err, err
+    assert out.strip() == f"# tokenspeed serve: stopped ({sig.name})", out
