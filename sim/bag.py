@@ -10,8 +10,12 @@ Python rosbag2 library: no ros2 CLI needed).
   starts the agent (`tokenspeed_launch agent`, with --model / --set to try another model or
   setting; the recorded goal topic is listened to), replays the bag's sensor inputs (INPUTS)
   into it as if live (original timing and QoS, header stamps moved to now), records what it
-  decides, and compares the replayed run with the recorded one decision by decision. Open loop:
-  the robot's feedback is not replayed (it answered the recorded calls, not the new ones).
+  decides, and compares the replayed run with the recorded one decision by decision. The robot's
+  feedback (FEEDBACK), from which the agent learns what its calls did (a pick done: the gripper
+  holds the cube), answers the replayed agent's calls: the recorded feedback on a call goes to
+  the replayed agent's earliest call with the same tool and arguments not yet answered (its
+  decision id), as long after that call as it came after the recorded one; feedback on a
+  recorded call the replayed agent does not make is left out (counted in the report).
 
 Never imports `tokenspeed` internals; the agent is a separate process reached over DDS.
 """
@@ -49,6 +53,7 @@ TOPICS = {          # recorded topic (relative) -> ROS type
     "agent/observation": "tokenspeed_msgs/msg/Observation",
 }
 INPUTS = ("joint_states", "camera/image_raw", "camera/camera_info", "camera/pose", "goal", "sim/scenario_status")
+FEEDBACK = "sim/action_feedback"
 LATCHED_TOPICS = ("camera/pose", "goal", "sim/scenario_status")
 LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 MAX_SPAN_S = 7 * 24 * 3600.0     # receive times further apart than this are impossible in one recording (s)
@@ -225,7 +230,8 @@ def compare(recorded: list, replayed: list, recorded_obs: list, replayed_obs: li
 
 
 class _Replayer:
-    """Publishes INPUTS from a bag as if live and records the agent's outputs."""
+    """Publishes INPUTS from a bag as if live, answers the agent's calls with the bag's FEEDBACK
+    (see the module docstring) and records the agent's outputs."""
 
     def __init__(self, messages: list[tuple[int, str, bytes]], qos: dict[str, QoSProfile]):
         self._ctx = rclpy.Context()
@@ -234,13 +240,29 @@ class _Replayer:
         self.executor = SingleThreadedExecutor(context=self._ctx)
         self.executor.add_node(self.node)
         self.messages = [(t, topic, raw) for t, topic, raw in messages if topic in INPUTS]
-        self._types = {topic: message_class(TOPICS[topic]) for topic in INPUTS}
+        self._types = {topic: message_class(TOPICS[topic]) for topic in (*INPUTS, FEEDBACK)}
         self._pubs = {topic: self.node.create_publisher(self._types[topic], topic, qos.get(topic, _qos(topic)))
-                      for topic in INPUTS}
+                      for topic in self._types}
+        calls = {}      # recorded decision id -> (receive time ns, (tool, arguments))
+        for t, topic, raw in messages:
+            if topic == "agent/action":
+                c = deserialize_message(raw, message_class(TOPICS[topic]))
+                calls[c.decision_id] = (t, (c.tool_name, c.arguments_json))
+        # (recorded decision id, its call, seconds after the call, feedback) not published yet
+        self.feedback_waiting = [(fb.decision_id, calls[fb.decision_id][1], (t - calls[fb.decision_id][0]) * 1e-9, fb)
+                                 for t, topic, raw in messages if topic == FEEDBACK
+                                 for fb in [deserialize_message(raw, self._types[FEEDBACK])] if fb.decision_id in calls]
+        self.feedback_replayed = 0
+        self._onto: dict[int, int] = {}       # recorded decision id -> the replayed agent's same call
+        self._seen: dict[int, float] = {}     # replayed decision id -> when its call arrived (monotonic s)
         self.actions, self.observations = [], []
-        self.node.create_subscription(message_class(TOPICS["agent/action"]), "agent/action", self.actions.append, 100)
+        self.node.create_subscription(message_class(TOPICS["agent/action"]), "agent/action", self._on_action, 100)
         self.node.create_subscription(message_class(TOPICS["agent/observation"]), "agent/observation",
                                       self.observations.append, 100)
+
+    def _on_action(self, msg) -> None:
+        self.actions.append(msg)
+        self._seen.setdefault(msg.decision_id, time.monotonic())
 
     def spin_for(self, seconds: float, until=None) -> bool:
         end = time.monotonic() + seconds
@@ -248,6 +270,7 @@ class _Replayer:
             if until is not None and until():
                 return True
             self.executor.spin_once(timeout_sec=0.01)
+            self._publish_feedback()
         return until is not None and until()
 
     def play(self, stop) -> int:
@@ -269,6 +292,28 @@ class _Replayer:
             self._pubs[topic].publish(msg)
             sent += 1
         return sent
+
+    def _publish_feedback(self) -> None:
+        """Publish the recorded feedback that is due: onto the replayed agent's call with the
+        recorded call's tool and arguments (the earliest not answered by other recorded feedback),
+        as long after it as the recording had it after the recorded call, stamped now."""
+        now, waiting, self.feedback_waiting = time.monotonic(), self.feedback_waiting, []
+        for item in waiting:
+            recorded_id, call, after_s, msg = item
+            replayed_id = self._onto.get(recorded_id)
+            if replayed_id is None:
+                taken = set(self._onto.values())
+                replayed_id = next((a.decision_id for a in self.actions
+                                    if a.decision_id not in taken and (a.tool_name, a.arguments_json) == call), None)
+                if replayed_id is not None:
+                    self._onto[recorded_id] = replayed_id
+            if replayed_id is None or now < self._seen[replayed_id] + after_s:
+                self.feedback_waiting.append(item)
+                continue
+            msg.decision_id = replayed_id
+            msg.header.stamp = self.node.get_clock().now().to_msg()
+            self._pubs[FEEDBACK].publish(msg)
+            self.feedback_replayed += 1
 
     def close(self) -> None:
         self.executor.shutdown()
@@ -313,7 +358,8 @@ def replay(bag: Path, out_dir: Path, *, model: str = "", overrides: list[str] = 
                 os.killpg(launcher.pid, signal.SIGKILL)
                 launcher.wait()
             replayer.close()
-    result = {"bag": str(bag), "inputs_replayed": sent, "model": model, "overrides": list(overrides),
+    result = {"bag": str(bag), "inputs_replayed": sent, "feedback_replayed": replayer.feedback_replayed,
+              "feedback_left_out": len(replayer.feedback_waiting), "model": model, "overrides": list(overrides),
               **compare(recorded, replayer.actions, recorded_obs, replayer.observations)}
     (out_dir / "replay.json").write_text(json.dumps(result, indent=2))
     return result
@@ -336,9 +382,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenspeed_replay: {e}", file=sys.stderr)
         return 2
     rec, rep = result["recorded"], result["replayed"]
-    print(f"replayed {result['inputs_replayed']} inputs from {args.bag}\n"
-          f"recorded: {rec['model']} model decisions {rec['tools']}, latency p50 {rec['latency_p50_s']}\n"
-          f"replayed: {rep['model']} model decisions {rep['tools']}, latency p50 {rep['latency_p50_s']}\n"
+
+    def p50(s: float | None) -> str:
+        return "-" if s is None else f"{s * 1e3:.0f} ms"
+    print(f"replayed {result['inputs_replayed']} inputs and {result['feedback_replayed']} robot feedback messages "
+          f"from {args.bag} ({result['feedback_left_out']} feedback on calls the replayed agent did not make left out)\n"
+          f"recorded: {rec['model']} model decisions {rec['tools']}, latency p50 {p50(rec['latency_p50_s'])}\n"
+          f"replayed: {rep['model']} model decisions {rep['tools']}, latency p50 {p50(rep['latency_p50_s'])}\n"
           f"same tool in order: {result['same_tool_in_order']}/{result['compared']}, same call: "
           f"{result['same_call_in_order']}/{result['compared']}\nreport: {args.out / 'replay.json'}")
     return 0

@@ -1,11 +1,14 @@
 """rosbag2 record and replay: `tokenspeed_demo --record` writes a real MCAP bag of the project's
 own simulator and agent (tiny random model) over DDS; `tokenspeed_replay` plays its inputs into a
-fresh agent process as if live, and the replayed run decides on the same observations."""
+fresh agent process as if live, with the robot's recorded feedback answering the replayed agent's
+same calls, and the replayed run decides on the same observations."""
 import json
 import subprocess
 import sys
 
 import pytest
+from rclpy.serialization import deserialize_message
+from tokenspeed_msgs.msg import ActionCommand, ActionFeedback
 
 from support import BIN, ROOT
 from tokenspeed_sim.bag import INPUTS, BagError, Recorder, offered_qos, read_bag, typestore
@@ -89,6 +92,12 @@ def test_record_a_demo_run_then_replay_it_into_a_new_agent(ros_env, tmp_path):
     result = json.loads((tmp_path / "replay" / "replay.json").read_text())
     assert result["inputs_replayed"] > 100 and result["replayed"]["model"] >= 1
     assert result["replayed"]["tools"] == {"hold": result["replayed"]["model"]}      # the new setting
+    # the robot's recorded feedback on each recorded call either answered the replayed agent's same call or is counted out
+    messages = read_bag(bag)
+    calls = {deserialize_message(raw, ActionCommand).decision_id for _, topic, raw in messages if topic == "agent/action"}
+    answered = sum(deserialize_message(raw, ActionFeedback).decision_id in calls
+                   for _, topic, raw in messages if topic == "sim/action_feedback")
+    assert answered >= 1 and result["feedback_replayed"] + result["feedback_left_out"] == answered
     # the replayed agent saw the recorded scenes (perception of the replayed camera images); under
     # load a replayed frame can land between two recorded ones, so not every scene need match
     assert result["observed_scenes_replayed"] >= 1
