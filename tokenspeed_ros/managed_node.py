@@ -214,6 +214,20 @@ class ManagedNode(LifecycleNode):
         return self.cleanup(timeout_s)
 
     # ------------------------------------------------------------------ parameters
+    def set_parameters(self, parameter_list) -> list[SetParametersResult]:
+        """rclpy's, one parameter at a time, each as `set_parameters_atomically`."""
+        return [self.set_parameters_atomically([p]) for p in parameter_list]
+
+    def set_parameters_atomically(self, parameter_list) -> SetParametersResult:
+        """rclpy's (what the set_parameters services call), each value first given its field's
+        type (`NodeParams.typed`: an integer for a float parameter is that float; another type is
+        refused with one line naming the parameter and its range)."""
+        try:
+            parameter_list = [self.PARAMS.typed(p) for p in parameter_list]
+        except AgentParamsError as e:
+            return SetParametersResult(successful=False, reason=str(e))
+        return super().set_parameters_atomically(parameter_list)
+
     def _on_set_parameters(self, params) -> SetParametersResult:
         fields = self.PARAMS.model_fields
         changes = {p.name: p.value for p in params if p.name in fields}

@@ -150,6 +150,27 @@ class NodeParams(BaseModel):
         return cls.read(node)
 
     @classmethod
+    def typed(cls, param):
+        """A parameter being set (an rclpy Parameter) with its field's fixed type: an integer for a
+        float field becomes that float (`ros2 param set ... deadline_budget_s 2`); other names
+        and NOT_SET (rclpy's own refusal) pass unchanged.
+
+        Raises AgentParamsError (one line naming the parameter, both types and its range) for a
+        value of any other type, which rclpy's type check would refuse without the name."""
+        from rclpy.parameter import Parameter
+
+        field = cls.model_fields.get(param.name)
+        if field is None or param.type_ == Parameter.Type.NOT_SET:
+            return param
+        expected = Parameter.Type(_ros_type(field))
+        if param.type_ == expected:
+            return param
+        if expected == Parameter.Type.DOUBLE and param.type_ == Parameter.Type.INTEGER:
+            return Parameter(param.name, Parameter.Type.DOUBLE, float(param.value))
+        raise AgentParamsError(cls.refusal(param.name, param.value, f"{param.type_.name.lower()} given, "
+                                                                    f"{expected.name.lower()} expected"))
+
+    @classmethod
     def refusal(cls, name: str, value, why: str) -> str:
         """One line: "<name>=<value> refused: <why>; range <range>"."""
         field = cls.model_fields.get(name)
