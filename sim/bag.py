@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     def p50(s: float | None) -> str:
         return "-" if s is None else f"{s * 1e3:.0f} ms"
     print(f"replayed {result['inputs_replayed']} inputs and {result['feedback_replayed']} robot feedback messages "
-          f"from {args.bag} ({result['feedback_left_out']} feedback on calls the replayed agent did not make left out)\n"
+          f"from {args.bag} ({result['feedback_left_out']} on calls the replayed agent did not make left out)\n"
           f"recorded: {rec['model']} model decisions {rec['tools']}, latency p50 {p50(rec['latency_p50_s'])}\n"
           f"replayed: {rep['model']} model decisions {rep['tools']}, latency p50 {p50(rep['latency_p50_s'])}\n"
           f"same tool in order: {result['same_tool_in_order']}/{result['compared']}, same call: "

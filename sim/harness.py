@@ -134,6 +134,7 @@ class LatencyHarness(Node):
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
         self.decisions: dict[int, Decision] = {}
         self.deadlines: dict[int, DeadlineStatus] = {}
+        self._printed: set[int] = set()     # decisions whose live line is out
         self.duplicate_ids = 0
         self.scenario: dict | None = None
         self.first_success_at: float | None = None   # wall time the task was first achieved
@@ -224,10 +225,18 @@ class LatencyHarness(Node):
             decision_id=msg.decision_id, source=msg.source, tool=msg.tool_name, arguments=msg.arguments_json,
             capture=_secs(msg.observation_stamp), capture_ns=_ns(msg.observation_stamp),
             published=_secs(msg.header.stamp), received=time.time(), ttft_s=msg.ttft_s)
-        if self.live:
-            d = self.decisions[msg.decision_id]
-            print(f"[{d.received - self.started:6.1f} s] decision {d.decision_id:<4} {d.source:<8} "
-                  f"{d.tool}({d.arguments})  sensor->published {(d.published - d.capture) * 1e3:.0f} ms", flush=True)
+        self._print_decision(msg.decision_id)
+
+    def _print_decision(self, decision_id: int) -> None:
+        """The live line of a decision, once: a model call's at once, a fallback's once its
+        DeadlineStatus says why it went out (e.g. "task_done": the model called task_done)."""
+        d, status = self.decisions.get(decision_id), self.deadlines.get(decision_id)
+        if not self.live or d is None or decision_id in self._printed or (d.source != "model" and status is None):
+            return
+        self._printed.add(decision_id)
+        why = f" ({status.reason})" if d.source != "model" else ""
+        print(f"[{d.received - self.started:6.1f} s] decision {d.decision_id:<4} {d.source:<8} "
+              f"{d.tool}({d.arguments}){why}  sensor->published {(d.published - d.capture) * 1e3:.0f} ms", flush=True)
 
     def _on_trace(self, msg: String) -> None:
         try:
@@ -238,6 +247,7 @@ class LatencyHarness(Node):
 
     def _on_deadline(self, msg: DeadlineStatus) -> None:
         self.deadlines[msg.decision_id] = msg
+        self._print_decision(msg.decision_id)
 
     def _on_feedback(self, msg: ActionFeedback) -> None:
         self._feedback.setdefault(msg.decision_id, []).append((msg.state, _secs(msg.header.stamp), msg.detail))

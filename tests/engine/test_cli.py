@@ -1,6 +1,7 @@
 """The `tokenspeed` command line: help lists every subcommand, `call` checks the tools before the
 model loads, `serve` on a port in use is one error line (exit 1) before the model loads, SIGINT/SIGTERM end `serve`
-with one line and exit 0; bad input (tools, `--device cuda` without CUDA, option values) is one error line with exit 2, as argparse's usage errors."""
+with one line and exit 0; bad input (tools, `--device cuda` without CUDA, option values) is one error line with
+exit 2, as argparse's usage errors."""
 import json
 import signal
 import socket

@@ -92,9 +92,10 @@ def test_record_a_demo_run_then_replay_it_into_a_new_agent(ros_env, tmp_path):
     result = json.loads((tmp_path / "replay" / "replay.json").read_text())
     assert result["inputs_replayed"] > 100 and result["replayed"]["model"] >= 1
     assert result["replayed"]["tools"] == {"hold": result["replayed"]["model"]}      # the new setting
-    # the robot's recorded feedback on each recorded call either answered the replayed agent's same call or is counted out
+    # the robot's recorded feedback on each recorded call answered the replayed agent's same call or is counted out
     messages = read_bag(bag)
-    calls = {deserialize_message(raw, ActionCommand).decision_id for _, topic, raw in messages if topic == "agent/action"}
+    calls = {deserialize_message(raw, ActionCommand).decision_id for _, topic, raw in messages
+             if topic == "agent/action"}
     answered = sum(deserialize_message(raw, ActionFeedback).decision_id in calls
                    for _, topic, raw in messages if topic == "sim/action_feedback")
     assert answered >= 1 and result["feedback_replayed"] + result["feedback_left_out"] == answered

@@ -116,6 +116,29 @@ def test_hit_rate_leaves_out_task_done_and_start_up_holds(ros_node):
                   "not_decisions": {"no_sensor_data": 1, "task_done": 1, "superseded": 1}}
 
 
+def test_live_lines_say_why_a_fallback_went_out(ros_node, capsys):
+    """A model call's line is printed when it arrives; a fallback's once its DeadlineStatus says
+    why (a task_done hold reads "fallback hold({}) (task_done)", next to RunTask's "the model called
+    task_done"), whichever of the two DDS delivers first, and once."""
+    harness = LatencyHarness(live=True)
+    try:
+        harness._on_action(ActionCommand(decision_id=1, source="model", tool_name="pick",
+                                         arguments_json='{"object": "red_cube"}'))
+        first = capsys.readouterr().out
+        harness._on_action(ActionCommand(decision_id=2, source="fallback", tool_name="hold", arguments_json="{}"))
+        waiting = capsys.readouterr().out
+        harness._on_deadline(DeadlineStatus(decision_id=2, fallback_used=True, reason="task_done"))
+        harness._on_deadline(DeadlineStatus(decision_id=1, met=True, reason="ok"))
+        harness._on_deadline(DeadlineStatus(decision_id=3, fallback_used=True, reason="deadline_missed"))
+        harness._on_action(ActionCommand(decision_id=3, source="fallback", tool_name="hold", arguments_json="{}"))
+        later = capsys.readouterr().out.splitlines()
+    finally:
+        harness.destroy_node()
+    assert 'decision 1    model    pick({"object": "red_cube"})  sensor->published' in first and waiting == ""
+    assert len(later) == 2 and "decision 2    fallback hold({}) (task_done)  sensor->published" in later[0]
+    assert "decision 3    fallback hold({}) (deadline_missed)" in later[1]
+
+
 def test_harness_reports_a_short_closed_loop_run(sim_process, ros_node, spin, ros_env, tmp_path):
     harness = subprocess.Popen([sys.executable, "-m", "tokenspeed_sim.harness", "--duration", "6",
                                 "--wait-engine", "30", "--out", str(tmp_path)], env=ros_env, cwd=ROOT,
