@@ -725,7 +725,7 @@ def load_gguf(files: ModelFiles):
       weights, one projection at a time.
     The lm_head is an `Int8Linear` of its (or the tied embedding's) dequantized weights when quantized,
     fp32 `nn.Linear` when float; the embedding table an `Int8Embedding` when quantized (exact for
-    Q8_0), fp32 when float; norms fp32. Both tables are built from row blocks, never a whole fp32
+    Q8_0), fp32 when float; norms fp32 (Qwen3's per-head Q/K norms too). Both tables are built from row blocks, never a whole fp32
     copy. Pages of the file are dropped from memory after each layer.
 
     Args:
