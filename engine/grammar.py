@@ -73,9 +73,10 @@ class CallFormat:
 
 # Sources: SmolLM2-Instruct's function-calling prompt (model card); Qwen2.5's and Qwen3's chat
 # templates (tests/engine/data/chat_templates); SmolLM3's tool prompt (its Hugging Face template's
-# `xml_tools`: Hermes `<tool_call>` calls; the template llama.cpp keeps renders no tools at all); Llama 3.1/3.2's template for custom (JSON) tools - its
-# <|python_tag|> is written only for the built-in tools (brave_search, wolfram_alpha), which
-# TokenSpeed does not declare, so a custom call is the bare JSON; Mistral's v3 tekken template.
+# `xml_tools`: Hermes `<tool_call>` calls; the template llama.cpp keeps renders no tools at all);
+# Llama 3.1/3.2's template for custom (JSON) tools - its <|python_tag|> is written only for the
+# built-in tools (brave_search, wolfram_alpha), which TokenSpeed does not declare, so a custom call
+# is the bare JSON; Mistral's v3 tekken template.
 CALL_FORMATS = {
     "smollm2": CallFormat("smollm2", open="<tool_call>[", close="]</tool_call>", sep=", ",
                           tags=("<tool_call>", "</tool_call>")),

@@ -629,7 +629,8 @@ def _write_header(reader, path: Path, out: Path) -> None:
     if arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
     if arch == "smollm3":
-        config["no_rope_layers"] = [int((i + 1) % _SMOLLM3_NO_ROPE_STEP != 0) for i in range(config["num_hidden_layers"])]
+        config["no_rope_layers"] = [int((i + 1) % _SMOLLM3_NO_ROPE_STEP != 0)
+                                    for i in range(config["num_hidden_layers"])]
     from .tokenizer import tokenizer_files_from_gguf
 
     out.mkdir(parents=True, exist_ok=True)
@@ -725,8 +726,8 @@ def load_gguf(files: ModelFiles):
       weights, one projection at a time.
     The lm_head is an `Int8Linear` of its (or the tied embedding's) dequantized weights when quantized,
     fp32 `nn.Linear` when float; the embedding table an `Int8Embedding` when quantized (exact for
-    Q8_0), fp32 when float; norms fp32 (Qwen3's per-head Q/K norms too). Both tables are built from row blocks, never a whole fp32
-    copy. Pages of the file are dropped from memory after each layer.
+    Q8_0), fp32 when float; norms fp32 (Qwen3's per-head Q/K norms too). Both tables are built
+    from row blocks, never a whole fp32 copy. Pages of the file are dropped from memory after each layer.
 
     Args:
         files: a resolved GGUF model (`resolve_model`; `files.gguf` set).

@@ -1,14 +1,14 @@
 """`tokenspeed bench scale`: cost against model size and context, TokenSpeed beside llama.cpp on the same files.
 
-1. A random-weight model at the real shape of each size (`SHAPES`: hidden, layers, heads, KV heads,
-   FFN, vocabulary, rope theta, tied head, QKV bias of SmolLM2-135M, Qwen2.5-0.5B/1.5B and
+1. A random-weight model at the real shape of each size (`SHAPES`: hidden, layers, heads, KV
+   heads, FFN, vocabulary, rope theta, tied head, QKV bias of SmolLM2-135M, Qwen2.5-0.5B/1.5B and
    Llama-3.2-3B; and the test shapes of each family, `tiny*`) is written as an F16 GGUF with the
    `gguf` package's writer: weights N(0, 0.02) (N(0, std) where a shape sets it), biases 0, norms 1
-   (Qwen3's per-head Q/K norms 1 + N(0, 0.5)), and the embedded model's byte-level BPE tokenizer padded with unused tokens up
-   to the shape's vocabulary (ids are fed directly; only the shapes matter). Llama-3.2's rope scaling
-   is left out (it changes no cost). Then llama.cpp's own quantizer (`agreement.quantized_file`)
-   makes each format (default Q4_K_M and Q8_0). Both are cached under `<cache>/scale/`, keyed by the
-   shape's fields and the format.
+   (Qwen3's per-head Q/K norms 1 + N(0, 0.5)), and the embedded model's byte-level BPE tokenizer
+   padded with unused tokens up to the shape's vocabulary (ids are fed directly; only the shapes
+   matter). Llama-3.2's rope scaling is left out (it changes no cost). Then llama.cpp's own
+   quantizer (`agreement.quantized_file`) makes each format (default Q4_K_M and Q8_0). Both are
+   cached under `<cache>/scale/`, keyed by the shape's fields and the format.
 2. For each size x format x thread count, each engine runs in its own process (`worker`), on the
    same file, the same seeded random ids and threads: TokenSpeed `Engine.load(quantize="gguf")` (the
    file's own blocks; a first, untimed process loads it once so the timed load is the warm one users

@@ -1,13 +1,14 @@
 // Fused CPU decode step for tokenspeed.model.Transformer (see cpu_decode.py for the contract).
 //
 // One call runs every decoder layer for T (few) new tokens: RMSNorm, QKV projection, per-head Q/K
-// RMSNorm (Qwen3), rotary embedding (skipped in SmolLM3's NoPE layers), KV-cache write, grouped-query attention over the cached prefix (causal among the
-// new tokens), output projection, SwiGLU MLP and both residual adds. The projections call the
-// same kernels as the Python path (int4_matmul and int8_gemv below, fp32 GEMM); the elementwise work runs as
-// plain loops here, so a token costs a few ATen dispatches per layer instead of ~190 Python-level
-// ops. The GIL is released for the whole call. The numerical kernels live in the torch-free core
-// (cpu_kernels.h, compiled per instruction-set family); this file binds them to torch and splits
-// their work over torch's threads.
+// RMSNorm (Qwen3), rotary embedding (skipped in SmolLM3's NoPE layers), KV-cache write,
+// grouped-query attention over the cached prefix (causal among the new tokens), output projection,
+// SwiGLU MLP and both residual adds. The projections call the same kernels as the Python path
+// (int4_matmul and int8_gemv below, fp32 GEMM); the elementwise work runs as plain loops here, so a
+// token costs a few ATen dispatches per layer instead of ~190 Python-level ops. The GIL is released
+// for the whole call. The numerical kernels live in the torch-free core (cpu_kernels.h, compiled
+// per instruction-set family); this file binds them to torch and splits their work over torch's
+// threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
