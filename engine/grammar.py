@@ -71,10 +71,12 @@ class CallFormat:
         return (self.open + self.call_open + "{")[0]
 
 
-# Sources: SmolLM2-Instruct's function-calling prompt (model card); Qwen2.5's chat template
-# (tests/engine/data/chat_templates); Llama 3.1/3.2's template for custom (JSON) tools - its
-# <|python_tag|> is written only for the built-in tools (brave_search, wolfram_alpha), which
-# TokenSpeed does not declare, so a custom call is the bare JSON; Mistral's v3 tekken template.
+# Sources: SmolLM2-Instruct's function-calling prompt (model card); Qwen2.5's and Qwen3's chat
+# templates (tests/engine/data/chat_templates); SmolLM3's tool prompt (its Hugging Face template's
+# `xml_tools`: Hermes `<tool_call>` calls; the template llama.cpp keeps renders no tools at all);
+# Llama 3.1/3.2's template for custom (JSON) tools - its <|python_tag|> is written only for the
+# built-in tools (brave_search, wolfram_alpha), which TokenSpeed does not declare, so a custom call
+# is the bare JSON; Mistral's v3 tekken template.
 CALL_FORMATS = {
     "smollm2": CallFormat("smollm2", open="<tool_call>[", close="]</tool_call>", sep=", ",
                           tags=("<tool_call>", "</tool_call>")),
@@ -85,14 +87,18 @@ CALL_FORMATS = {
 }
 
 
+_SMOLLM3_HEADER = "Reasoning Mode: "  # every SmolLM3 template writes it (its tool-less llama.cpp edit too)
+
+
 def call_format_for(chat_template: str | None) -> CallFormat:
     """The `CallFormat` a chat template writes a tool call in: "[TOOL_CALLS]" -> mistral,
-    "<tool_call>" -> hermes, `"parameters": ` -> llama3; otherwise (no template, or one that
-    writes no tool calls, e.g. SmolLM2's ChatML) smollm2, the format SmolLM2 was trained on."""
+    "<tool_call>" or SmolLM3's "Reasoning Mode: " header -> hermes, `"parameters": ` -> llama3;
+    otherwise (no template, or one that writes no tool calls, e.g. SmolLM2's ChatML) smollm2, the
+    format SmolLM2 was trained on."""
     t = chat_template or ""
     if "[TOOL_CALLS]" in t:
         return CALL_FORMATS["mistral"]
-    if "<tool_call>" in t:
+    if "<tool_call>" in t or _SMOLLM3_HEADER in t:
         return CALL_FORMATS["hermes"]
     if '"parameters": ' in t:
         return CALL_FORMATS["llama3"]

@@ -1,8 +1,9 @@
 """Llama-family decoder with an explicit, pre-allocated KV cache (gpt-fast style).
 
-Covers Llama 2/3/3.1 (incl. Llama-3.1 RoPE scaling), SmolLM2, Mistral and Qwen2 (QKV bias):
-RMSNorm, rotary embeddings (Hugging Face "rotate half" layout), grouped-query attention,
-SwiGLU, tied or untied embeddings. The numerics follow Hugging Face `transformers`' Llama
+Covers Llama 2/3/3.1 (incl. Llama-3.1 RoPE scaling), SmolLM2, Mistral, Qwen2 (QKV bias), Qwen3
+(per-head RMSNorm of queries and keys before the rotation) and SmolLM3 (no rotation in every 4th
+layer, "NoPE"): RMSNorm, rotary embeddings (Hugging Face "rotate half" layout), grouped-query
+attention, SwiGLU, tied or untied embeddings. The numerics follow Hugging Face `transformers`' Llama
 implementation so logits match it for the same weights.
 
 Every projection is an `nn.Linear` that quantized linears replace (`tokenspeed.quant`; on the CPU the
@@ -51,7 +52,9 @@ class ModelArgs:
     Attributes (all ints unless noted): dim (hidden size), n_layers, n_heads, n_kv_heads,
     head_dim, hidden_dim (SwiGLU width), vocab_size, norm_eps (float), rope_theta (float),
     rope_scaling (dict, Hugging Face `rope_scaling` for Llama 3.1 or None), max_seq_len,
-    tie_embeddings (bool), qkv_bias (bool, Qwen2).
+    tie_embeddings (bool), qkv_bias (bool, Qwen2), qk_norm (bool, Qwen3: RMSNorm over each
+    query and key head, weights [head_dim], before the rotation), no_rope_layers (tuple of layer
+    indices whose queries and keys are not rotated, SmolLM3's NoPE layers).
     """
 
     dim: int = 576
@@ -67,10 +70,13 @@ class ModelArgs:
     max_seq_len: int = 8192
     tie_embeddings: bool = True
     qkv_bias: bool = False
+    qk_norm: bool = False
+    no_rope_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        """Build from a Hugging Face `config.json` dict (Llama, Mistral, Qwen2 model types)."""
+        """Build from a Hugging Face `config.json` dict (Llama, Mistral, Qwen2, Qwen3, SmolLM3 model
+        types; SmolLM3's `no_rope_layers` holds 1 for a layer that rotates, 0 for a NoPE layer)."""
         n_heads = cfg["num_attention_heads"]
         # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older `rope_scaling`.
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -89,6 +95,8 @@ class ModelArgs:
             max_seq_len=cfg.get("max_position_embeddings", 4096),
             tie_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=cfg.get("model_type") == "qwen2" or cfg.get("attention_bias", False),
+            qk_norm=cfg.get("model_type") == "qwen3",
+            no_rope_layers=tuple(i for i, rotates in enumerate(cfg.get("no_rope_layers") or ()) if not rotates),
         )
 
 
@@ -241,13 +249,20 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
         self.q_size, self.kv_size = q, kv
+        self.eps = args.norm_eps
+        self.rotates = layer not in args.no_rope_layers
         self.wqkv = nn.Linear(args.dim, q + 2 * kv, bias=args.qkv_bias)
         self.wo = nn.Linear(q, args.dim, bias=False)
+        if args.qk_norm:  # Qwen3: RMSNorm weights over each query / key head
+            self.q_norm = nn.Parameter(torch.ones(args.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(args.head_dim))
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, mask, slots=None, span: int = 0):
         # x: [1, T, dim]; cos/sin: [T, D]; writes KV slots [start, start + T) and attends over [0, start + T);
@@ -258,7 +273,10 @@ class Attention(nn.Module):
         q = q.view(1, T, self.n_heads, self.head_dim).transpose(1, 2)       # [1, H, T, D]
         k = k.view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)    # [1, Hkv, T, D]
         v = v.view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        if self.rotates:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if slots is None:
             end = start + T
             cache.k[layer, :, :, start:end] = k
@@ -288,9 +306,9 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
-        self.attention = Attention(args)
+        self.attention = Attention(args, layer)
         self.feed_forward = FeedForward(args)
         self.attention_norm = nn.Parameter(torch.ones(args.dim))
         self.ffn_norm = nn.Parameter(torch.ones(args.dim))
@@ -319,7 +337,7 @@ class Transformer(nn.Module):
         emb = torch.empty(args.vocab_size, args.dim)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim,
                                            _weight=emb if emb.is_meta else nn.init.normal_(emb))
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = nn.Parameter(torch.ones(args.dim))
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -453,7 +471,7 @@ class Transformer(nn.Module):
         return h
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face Llama/Qwen2 names into this module (fusing QKV and gate/up).
+        """Load Hugging Face Llama/Qwen2/Qwen3 names into this module (fusing QKV and gate/up).
 
         Raises:
             KeyError: a required tensor is missing; ValueError: a shape does not match.
@@ -477,6 +495,9 @@ class Transformer(nn.Module):
                 own[f"layers.{i}.attention.wqkv.bias"] = torch.cat(
                     [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
             own[f"layers.{i}.attention.wo.weight"] = take(a + "o_proj.weight")
+            if self.args.qk_norm:
+                own[f"layers.{i}.attention.q_norm"] = take(a + "q_norm.weight")
+                own[f"layers.{i}.attention.k_norm"] = take(a + "k_norm.weight")
             own[f"layers.{i}.feed_forward.w13.weight"] = torch.cat(
                 [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             own[f"layers.{i}.feed_forward.w2.weight"] = take(p + "mlp.down_proj.weight")

@@ -207,7 +207,8 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """Render chat messages ([{"role", "content"}]) with the model's own Jinja chat template.
+        """Render chat messages ([{"role", "content"}]) with the model's own Jinja chat template, in
+        the non-thinking mode of the templates that have one (`enable_thinking=False`: Qwen3, SmolLM3).
 
         Falls back to ChatML when the model ships no template.
 
@@ -229,8 +230,11 @@ class Tokenizer:
                 # (the session relies on a message rendering the same way every time).
                 env.globals["raise_exception"] = _raise_template_error
                 self._template = env.from_string(self.chat_template or _CHATML)
+            # enable_thinking=False: an agent's answer is the call itself. Qwen3's and SmolLM3's templates
+            # then write an empty `<think>\n\n</think>` block after the assistant header (their
+            # non-thinking mode), so the answer's prefix closes the reasoning before the grammar starts.
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token="", eos_token=self._eos_text)
+                                         bos_token="", eos_token=self._eos_text, enable_thinking=False)
         except (jinja2.TemplateError, TypeError, KeyError, AttributeError, IndexError, ZeroDivisionError,
                 OverflowError, RecursionError) as exc:
             # what a template's own code can raise (a ValueError from raise_exception passes as it is)

@@ -126,7 +126,8 @@ def model_args(cfg, folder: Path) -> ModelArgs:
 
     Features this engine does not implement are refused rather than run as something else: an
     activation other than SiLU (`hidden_act`), a rotary scaling other than none or Llama 3.1's
-    ("llama3"), MLP biases, a model_type outside the Llama family (llama, mistral, qwen2).
+    ("llama3"), MLP biases, a model_type outside the Llama family (llama, mistral, qwen2, qwen3,
+    smollm3), a `no_rope_layers` that is not one 0/1 flag per layer.
 
     Raises:
         ModelLoadError: a missing or non-integer size, a value out of range (sizes in
@@ -166,6 +167,10 @@ def model_args(cfg, folder: Path) -> ModelArgs:
     if cfg.get("model_type") is not None and cfg["model_type"] not in _MODEL_TYPES:
         raise ModelLoadError(f"{where}: model_type={cfg['model_type']!r:.40} is not supported "
                              f"(one of {', '.join(_MODEL_TYPES)})")
+    flags = cfg.get("no_rope_layers")
+    if flags is not None and (not isinstance(flags, list) or len(flags) != cfg["num_hidden_layers"]
+                              or any(f not in (0, 1) or isinstance(f, float) for f in flags)):
+        raise ModelLoadError(f"{where}: no_rope_layers must be a list of one 0 or 1 per layer")
     if cfg["num_attention_heads"] % (cfg.get("num_key_value_heads") or cfg["num_attention_heads"]):
         raise ModelLoadError(f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
     try:
@@ -175,7 +180,7 @@ def model_args(cfg, folder: Path) -> ModelArgs:
 
 
 _ACTIVATIONS = ("silu", "swish")  # the same function: SwiGLU MLPs
-_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 _ROPE_TYPES = ("default", "llama3")
 
 
@@ -388,7 +393,14 @@ def _file_digest(path: Path) -> str:
 # GGUF -> Hugging Face folder
 # ---------------------------------------------------------------------------------------------
 
-_GGUF_ARCHS = ("llama", "qwen2", "mistral")
+_GGUF_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "smollm3")
+# GGUF architecture -> (Hugging Face architectures[0], model_type); the others read as Llama
+_GGUF_HF = {"qwen2": ("Qwen2ForCausalLM", "qwen2"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+            "smollm3": ("SmolLM3ForCausalLM", "smollm3")}
+# llama.cpp's SmolLM3 skips the rotation in every 4th layer (`(il + 1) % 4 == 0`); no GGUF key states it
+_SMOLLM3_NO_ROPE_STEP = 4
+# model types whose Q/K rows llama.cpp's converter leaves in the Hugging Face rotary layout
+_UNPERMUTED = ("qwen2", "qwen3")
 
 
 def _converted_gguf(path: Path) -> Path:
@@ -473,6 +485,8 @@ _GGUF_BLOCK_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -591,15 +605,17 @@ def _write_header(reader, path: Path, out: Path) -> None:
     n_heads = g("attention.head_count")
     tokens = _field(reader, "tokenizer.ggml.tokens")
     has_output = any(t.name == "output.weight" for t in reader.tensors)
+    hf_arch, model_type = _GGUF_HF.get(arch, ("LlamaForCausalLM", "llama"))
     config = {
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
-        "model_type": "qwen2" if arch == "qwen2" else "llama",
+        "architectures": [hf_arch],
+        "model_type": model_type,
         "hidden_size": g("embedding_length"),
         "intermediate_size": g("feed_forward_length"),
         "num_hidden_layers": g("block_count"),
         "num_attention_heads": n_heads,
         "num_key_value_heads": g("attention.head_count_kv", n_heads),
-        "head_dim": g("rope.dimension_count", g("embedding_length") // n_heads),
+        # Qwen3's converter states the head size as the key length only (it differs from hidden / heads)
+        "head_dim": g("attention.key_length", g("rope.dimension_count", g("embedding_length") // n_heads)),
         "rms_norm_eps": g("attention.layer_norm_rms_epsilon", 1e-5),
         "rope_theta": g("rope.freq_base", 10000.0),
         "max_position_embeddings": g("context_length", 4096),
@@ -610,8 +626,11 @@ def _write_header(reader, path: Path, out: Path) -> None:
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         config["use_sliding_window"] = False
+    if arch == "smollm3":
+        config["no_rope_layers"] = [int((i + 1) % _SMOLLM3_NO_ROPE_STEP != 0)
+                                    for i in range(config["num_hidden_layers"])]
     from .tokenizer import tokenizer_files_from_gguf
 
     out.mkdir(parents=True, exist_ok=True)
@@ -633,11 +652,11 @@ def _hf_name(gguf_name: str) -> str | None:
 
 def _permuted_heads(files: ModelFiles) -> Callable[[str], int | None]:
     """name -> the head count whose rotary row permutation llama.cpp's converter applied to the
-    tensor of that Hugging Face name (Q/K weights and biases of non-Qwen2 architectures), or None."""
-    qwen2 = _read_json(files.folder / "config.json").get("model_type") == "qwen2"
+    tensor of that Hugging Face name (Q/K weights and biases of architectures other than Qwen2/3), or None."""
+    kept = _read_json(files.folder / "config.json").get("model_type") in _UNPERMUTED
 
     def heads(hf_name: str | None) -> int | None:
-        if qwen2 or not (hf_name or "").endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+        if kept or not (hf_name or "").endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             return None
         return files.args.n_heads if ".q_proj." in hf_name else files.args.n_kv_heads
     return heads
@@ -707,8 +726,8 @@ def load_gguf(files: ModelFiles):
       weights, one projection at a time.
     The lm_head is an `Int8Linear` of its (or the tied embedding's) dequantized weights when quantized,
     fp32 `nn.Linear` when float; the embedding table an `Int8Embedding` when quantized (exact for
-    Q8_0), fp32 when float; norms fp32. Both tables are built from row blocks, never a whole fp32
-    copy. Pages of the file are dropped from memory after each layer.
+    Q8_0), fp32 when float; norms fp32 (Qwen3's per-head Q/K norms too). Both tables are built
+    from row blocks, never a whole fp32 copy. Pages of the file are dropped from memory after each layer.
 
     Args:
         files: a resolved GGUF model (`resolve_model`; `files.gguf` set).
@@ -798,6 +817,9 @@ def load_gguf(files: ModelFiles):
         ffn.w2 = projection([b + "ffn_down.weight"], None, ffn.w2)
         layer.attention_norm = float_param(b + "attn_norm.weight", (args.dim,))
         layer.ffn_norm = float_param(b + "ffn_norm.weight", (args.dim,))
+        if args.qk_norm:
+            att.q_norm = float_param(b + "attn_q_norm.weight", (args.head_dim,))
+            att.k_norm = float_param(b + "attn_k_norm.weight", (args.head_dim,))
         _drop_pages(mapped)
     net.norm = float_param("output_norm.weight", (args.dim,))
     head = embed if args.tie_embeddings else table("output.weight")

@@ -1,13 +1,14 @@
 """`tokenspeed bench scale`: cost against model size and context, TokenSpeed beside llama.cpp on the same files.
 
-1. A random-weight model at the real shape of each size (`SHAPES`: hidden, layers, heads, KV heads,
-   FFN, vocabulary, rope theta, tied head, QKV bias of SmolLM2-135M, Qwen2.5-0.5B/1.5B and
-   Llama-3.2-3B) is written as an F16 GGUF with the `gguf` package's writer: weights N(0, 0.02),
-   biases 0, norms 1, and the embedded model's byte-level BPE tokenizer padded with unused tokens up
-   to the shape's vocabulary (ids are fed directly; only the shapes matter). Llama-3.2's rope scaling
-   is left out (it changes no cost). Then llama.cpp's own quantizer (`agreement.quantized_file`)
-   makes each format (default Q4_K_M and Q8_0). Both are cached under `<cache>/scale/`, keyed by the
-   shape's fields and the format.
+1. A random-weight model at the real shape of each size (`SHAPES`: hidden, layers, heads, KV
+   heads, FFN, vocabulary, rope theta, tied head, QKV bias of SmolLM2-135M, Qwen2.5-0.5B/1.5B and
+   Llama-3.2-3B; and the test shapes of each family, `tiny*`) is written as an F16 GGUF with the
+   `gguf` package's writer: weights N(0, 0.02) (N(0, std) where a shape sets it), biases 0, norms 1
+   (Qwen3's per-head Q/K norms 1 + N(0, 0.5)), and the embedded model's byte-level BPE tokenizer
+   padded with unused tokens up to the shape's vocabulary (ids are fed directly; only the shapes
+   matter). Llama-3.2's rope scaling is left out (it changes no cost). Then llama.cpp's own
+   quantizer (`agreement.quantized_file`) makes each format (default Q4_K_M and Q8_0). Both are
+   cached under `<cache>/scale/`, keyed by the shape's fields and the format.
 2. For each size x format x thread count, each engine runs in its own process (`worker`), on the
    same file, the same seeded random ids and threads: TokenSpeed `Engine.load(quantize="gguf")` (the
    file's own blocks; a first, untimed process loads it once so the timed load is the warm one users
@@ -54,9 +55,12 @@ ENGINES = ("tokenspeed", "llama.cpp")
 class Shape:
     """A decoder's shape as its GGUF metadata states it (Hugging Face config names in brackets).
 
-    Attributes: arch ("llama" or "qwen2": Qwen2 carries Q/K/V biases), dim (hidden_size), layers,
-    heads, kv_heads, ffn (intermediate_size), vocab, rope_theta (float), norm_eps (float), tied
-    (tie_word_embeddings; every shape here ties), head_dim (dim // heads).
+    Attributes: arch ("llama", "qwen2": Q/K/V biases, "qwen3": per-head Q/K norms, or "smollm3":
+    Llama's tensors, NoPE layers), dim (hidden_size), layers, heads, kv_heads, ffn
+    (intermediate_size), vocab, rope_theta (float), norm_eps (float), tied (tie_word_embeddings),
+    head_size (head_dim when it is not dim // heads, as in Qwen3-0.6B; None otherwise; the
+    `head_dim` property is the one in force), std (the weights' standard deviation when not 0.02:
+    larger makes attention sharp, so that the position and the Q/K norms decide its output).
     """
 
     arch: str
@@ -69,22 +73,26 @@ class Shape:
     rope_theta: float
     norm_eps: float
     tied: bool = True
+    head_size: int | None = None
+    std: float | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.heads
+        return self.head_size or self.dim // self.heads
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """(GGUF name, numpy shape [out, in] or [n]) of every tensor, in file order."""
-        d, kv = self.dim, self.kv_heads * self.head_dim
+        d, q, kv = self.dim, self.heads * self.head_dim, self.kv_heads * self.head_dim
         out = [("token_embd.weight", (self.vocab, d))]
         for i in range(self.layers):
             b = f"blk.{i}."
-            out += [(b + "attn_norm.weight", (d,)), (b + "attn_q.weight", (d, d)), (b + "attn_k.weight", (kv, d)),
+            out += [(b + "attn_norm.weight", (d,)), (b + "attn_q.weight", (q, d)), (b + "attn_k.weight", (kv, d)),
                     (b + "attn_v.weight", (kv, d))]
             if self.arch == "qwen2":
-                out += [(b + "attn_q.bias", (d,)), (b + "attn_k.bias", (kv,)), (b + "attn_v.bias", (kv,))]
-            out += [(b + "attn_output.weight", (d, d)), (b + "ffn_norm.weight", (d,)),
+                out += [(b + "attn_q.bias", (q,)), (b + "attn_k.bias", (kv,)), (b + "attn_v.bias", (kv,))]
+            if self.arch == "qwen3":
+                out += [(b + "attn_q_norm.weight", (self.head_dim,)), (b + "attn_k_norm.weight", (self.head_dim,))]
+            out += [(b + "attn_output.weight", (d, q)), (b + "ffn_norm.weight", (d,)),
                     (b + "ffn_gate.weight", (self.ffn, d)), (b + "ffn_up.weight", (self.ffn, d)),
                     (b + "ffn_down.weight", (d, self.ffn))]
         out.append(("output_norm.weight", (d,)))
@@ -103,13 +111,20 @@ class Shape:
         return n
 
     def key(self) -> str:
-        """A short digest of every field: the cache key of this shape's files."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        """A short digest of every field (those left None omitted: older shapes keep their files' key):
+        the cache key of this shape's files."""
+        fields = {k: v for k, v in asdict(self).items() if v is not None}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
 SHAPES = {
     # the test's shape: Qwen2 (biases), Q4_K-sized rows, two layers
     "tiny": Shape("qwen2", 256, 2, 4, 2, 512, 49152, 1e6, 1e-6),
+    # the other families' test shapes (tests/engine/test_families.py): Llama 3.x (GQA, untied head),
+    # Qwen3 (Q/K norms, head_dim 128 != 256 / 4 as in Qwen3-0.6B), SmolLM3 (layer 3 is NoPE)
+    "tiny-llama": Shape("llama", 256, 2, 4, 2, 512, 49152, 5e5, 1e-5, tied=False, std=0.1),
+    "tiny-qwen3": Shape("qwen3", 256, 2, 4, 2, 512, 49152, 1e6, 1e-6, head_size=128, std=0.1),
+    "tiny-smollm3": Shape("smollm3", 256, 4, 4, 2, 512, 49152, 5e6, 1e-6, std=0.1),
     "135m": Shape("llama", 576, 30, 9, 3, 1536, 49152, 1e5, 1e-5),          # SmolLM2-135M
     "0.5b": Shape("qwen2", 896, 24, 14, 2, 4864, 151936, 1e6, 1e-6),        # Qwen2.5-0.5B
     "1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960, 151936, 1e6, 1e-6),       # Qwen2.5-1.5B
@@ -155,7 +170,11 @@ def source_file(name: str, seed: int = 0) -> Path:
     w.add_feed_forward_length(shape.ffn)
     w.add_head_count(shape.heads)
     w.add_head_count_kv(shape.kv_heads)
-    w.add_rope_dimension_count(shape.head_dim)
+    if shape.head_size:  # as Qwen3's converter states it: key and value lengths, no rotary dimension count
+        w.add_key_length(shape.head_size)
+        w.add_value_length(shape.head_size)
+    else:
+        w.add_rope_dimension_count(shape.head_dim)
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(shape.norm_eps)
     w.add_vocab_size(shape.vocab)
@@ -179,13 +198,16 @@ def source_file(name: str, seed: int = 0) -> Path:
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for tname, tshape in shape.tensors():
+            if tname.endswith(("q_norm.weight", "k_norm.weight")):  # per-head norms 1 + N(0, 0.5): the order
+                w.write_tensor_data(1 + 0.5 * rng.standard_normal(tshape, dtype=np.float32))  # norm, rotate matters
+                continue
             if len(tshape) == 1:  # norms 1, biases 0
                 w.write_tensor_data(np.full(tshape, 1.0 if tname.endswith("norm.weight") else 0.0, np.float32))
                 continue
             t = np.empty(tshape, np.float16)
-            for r in range(0, tshape[0], 8192):  # N(0, 0.02) in row blocks: no whole fp32 temporary
+            for r in range(0, tshape[0], 8192):  # N(0, std) in row blocks: no whole fp32 temporary
                 block = rng.standard_normal((min(8192, tshape[0] - r), tshape[1]), dtype=np.float32)
-                t[r:r + len(block)] = block * 0.02
+                t[r:r + len(block)] = block * (shape.std or 0.02)
             w.write_tensor_data(t)
         w.close()
         tmp.replace(out)

@@ -1,13 +1,14 @@
 // Fused CPU decode step for tokenspeed.model.Transformer (see cpu_decode.py for the contract).
 //
-// One call runs every decoder layer for T (few) new tokens: RMSNorm, QKV projection, rotary
-// embedding, KV-cache write, grouped-query attention over the cached prefix (causal among the
-// new tokens), output projection, SwiGLU MLP and both residual adds. The projections call the
-// same kernels as the Python path (int4_matmul and int8_gemv below, fp32 GEMM); the elementwise work runs as
-// plain loops here, so a token costs a few ATen dispatches per layer instead of ~190 Python-level
-// ops. The GIL is released for the whole call. The numerical kernels live in the torch-free core
-// (cpu_kernels.h, compiled per instruction-set family); this file binds them to torch and splits
-// their work over torch's threads.
+// One call runs every decoder layer for T (few) new tokens: RMSNorm, QKV projection, per-head Q/K
+// RMSNorm (Qwen3), rotary embedding (skipped in SmolLM3's NoPE layers), KV-cache write,
+// grouped-query attention over the cached prefix (causal among the new tokens), output projection,
+// SwiGLU MLP and both residual adds. The projections call the same kernels as the Python path
+// (int4_matmul and int8_gemv below, fp32 GEMM); the elementwise work runs as plain loops here, so a
+// token costs a few ATen dispatches per layer instead of ~190 Python-level ops. The GIL is released
+// for the whole call. The numerical kernels live in the torch-free core (cpu_kernels.h, compiled
+// per instruction-set family); this file binds them to torch and splits their work over torch's
+// threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -119,19 +120,40 @@ inline void rope(const float* s, float* d, int64_t D, const float* cos, const fl
   }
 }
 
+// One query or key head s [D] into d [D]: RMS-normalised and scaled by w [D] first when w is given
+// (Qwen3's QK-norm, as rms_norm above), then rotated by cos/sin, or copied where the layer has no
+// rotation (SmolLM3's NoPE layers). tmp: D floats of scratch.
+inline void head_in(const float* s, float* d, int64_t D, const float* w, float eps, bool rotate, const float* cos,
+                    const float* sin, float* tmp) {
+  if (w) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < D; ++i) ss += s[i] * s[i];
+    const float inv = 1.f / std::sqrt(ss / D + eps);
+    for (int64_t i = 0; i < D; ++i) tmp[i] = w[i] * (s[i] * inv);
+    s = tmp;
+  }
+  if (rotate) {
+    rope(s, d, D, cos, sin);
+  } else {
+    std::memcpy(d, s, D * sizeof(float));
+  }
+}
+
 }  // namespace
 
 // h: [T, dim] fp32 embeddings of the new tokens (updated in place and returned: the hidden
 // states after the last layer, before the final norm). cos/sin: [T, head_dim] fp32.
 // k_cache/v_cache: [L, 1, Hkv, capacity, head_dim] fp32; slots [start, start + T) are written.
 // linears: 4 per layer (wqkv, wo, w13, w2), each as 3 tensors + kind (see Linear).
+// qk_norms: per layer the query and key heads' RMSNorm weights [head_dim] (Qwen3), or empty (none).
+// rotates: per layer 1 if its queries and keys are rotated, 0 for a NoPE layer (SmolLM3).
 // track: also return, per layer, the attention mass per slot (softmax probability summed over
 // heads and new tokens) [L, start + T], the log-sum-exp of the scaled scores [L, H, T] and the
 // rotated queries [L, H, T, D] (for KV relevance scoring); otherwise these are empty.
 std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> tensors,
-                         std::vector<int64_t> kinds, std::vector<at::Tensor> norms, at::Tensor k_cache,
-                         at::Tensor v_cache, int64_t start, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                         int64_t hidden, double eps, bool track) {
+                         std::vector<int64_t> kinds, std::vector<at::Tensor> norms, std::vector<at::Tensor> qk_norms,
+                         std::vector<int64_t> rotates, at::Tensor k_cache, at::Tensor v_cache, int64_t start,
+                         int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t hidden, double eps, bool track) {
   const int64_t L = k_cache.size(0), T = h.size(0), D = head_dim, H = n_heads, Hkv = n_kv_heads;
   const int64_t G = H / Hkv, end = start + T, cap = k_cache.size(3);
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
@@ -141,6 +163,10 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
   TORCH_CHECK(end <= cap, "KV cache full");
   TORCH_CHECK(static_cast<int64_t>(tensors.size()) == L * 12 && static_cast<int64_t>(norms.size()) == L * 2,
               "expected 12 tensors and 2 norms per layer");
+  TORCH_CHECK((qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == L * 2) &&
+                  static_cast<int64_t>(rotates.size()) == L,
+              "expected 2 Q/K norms (or none) and a rotation flag per layer");
+  std::vector<float> tmp(D);
   std::vector<Linear> lin(L * 4);
   for (int64_t i = 0; i < L * 4; ++i) lin[i] = Linear{tensors[3 * i], tensors[3 * i + 1], tensors[3 * i + 2], kinds[i]};
   const float* cp = cos.data_ptr<float>();
@@ -160,13 +186,18 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
     float* kc = k_cache.data_ptr<float>() + l * Hkv * cap * D;
     float* vc = v_cache.data_ptr<float>() + l * Hkv * cap * D;
     const int64_t row = (H + 2 * Hkv) * D;
+    const float* qn = qk_norms.empty() ? nullptr : qk_norms[2 * l].data_ptr<float>();
+    const float* kn = qk_norms.empty() ? nullptr : qk_norms[2 * l + 1].data_ptr<float>();
+    const bool rot = rotates[l] != 0;
+    const float fe = static_cast<float>(eps);
     for (int64_t t = 0; t < T; ++t) {
       const float* r = qp + t * row;
       const float* c = cp + t * D;
       const float* s = sp + t * D;
-      for (int64_t hh = 0; hh < H; ++hh) rope(r + hh * D, q.data_ptr<float>() + (hh * T + t) * D, D, c, s);
+      for (int64_t hh = 0; hh < H; ++hh)
+        head_in(r + hh * D, q.data_ptr<float>() + (hh * T + t) * D, D, qn, fe, rot, c, s, tmp.data());
       for (int64_t g = 0; g < Hkv; ++g) {
-        rope(r + (H + g) * D, kc + (g * cap + start + t) * D, D, c, s);
+        head_in(r + (H + g) * D, kc + (g * cap + start + t) * D, D, kn, fe, rot, c, s, tmp.data());
         std::memcpy(vc + (g * cap + start + t) * D, r + (H + Hkv + g) * D, D * sizeof(float));
       }
     }

@@ -1,7 +1,8 @@
 """Fused CPU decode step: every decoder layer for a few new tokens in one C++ call.
 
-`cpu_decode.cpp` runs the layer math of the Python path (RMSNorm, QKV, rotary, KV-cache write,
-grouped-query attention, output projection, SwiGLU) as loops around the same kernels, with the
+`cpu_decode.cpp` runs the layer math of the Python path (RMSNorm, QKV, Qwen3's per-head Q/K
+RMSNorm, rotary except in SmolLM3's NoPE layers, KV-cache write, grouped-query attention, output
+projection, SwiGLU) as loops around the same kernels, with the
 GIL released, so that a decode step pays no per-op framework dispatch (`tokenspeed bench profile`
 shows that cost). The numerical kernels (`cpu_kernels.cpp`, a torch-free C ABI: the W4A8
 `int4_matmul` and the lm_head's `int8_gemv`) are written once over a thin ISA layer (`cpu_isa.h`)
@@ -211,6 +212,10 @@ class FusedDecode:
                 self.tensors += [weight, lin.scales if kind else empty, bias]
                 self.kinds.append(kind)
             self.norms += [layer.attention_norm, layer.ffn_norm]
+        # Qwen3's per-head Q/K norms (none elsewhere) and which layers rotate (SmolLM3's NoPE ones do not)
+        self.qk_norms = [w for layer in model.layers for w in (layer.attention.q_norm, layer.attention.k_norm)
+                         if w is not None]
+        self.rotates = [int(layer.attention.rotates) for layer in model.layers]
 
     @staticmethod
     def supports(model) -> bool:
@@ -232,7 +237,8 @@ class FusedDecode:
         """
         a = self.args
         h, mass, lse, q = self.ext.decode_layers(
-            h, cos, sin, self.tensors, self.kinds, self.norms, cache.k, cache.v, start, a.n_heads, a.n_kv_heads,
+            h, cos, sin, self.tensors, self.kinds, self.norms, self.qk_norms, self.rotates, cache.k, cache.v, start,
+            a.n_heads, a.n_kv_heads,
             a.head_dim, a.hidden_dim, a.norm_eps, cache.tracks_attention)
         if cache.tracks_attention:
             for layer in range(a.n_layers):

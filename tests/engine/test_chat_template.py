@@ -23,9 +23,13 @@ TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 LLAMA3 = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
 # template file -> (the family's special tokens, eos token, expected assistant prefix, expected suffix)
 MISTRAL = "mistralai-Mistral-Nemo-Instruct-2407"
+QWEN3, SMOLLM3 = "Qwen-Qwen3-0.6B", "HuggingFaceTB-SmolLM3-3B"
+CHATML = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 FAMILIES = {
-    "Qwen-Qwen2.5-7B-Instruct": (["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
-                                 "<|im_end|>", "<|im_start|>assistant\n", "<|im_end|>\n"),
+    "Qwen-Qwen2.5-7B-Instruct": (CHATML, "<|im_end|>", "<|im_start|>assistant\n", "<|im_end|>\n"),
+    # non-thinking mode (enable_thinking=False): an empty reasoning block opens every answer
+    QWEN3: (CHATML, "<|im_end|>", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "<|im_end|>\n"),
+    SMOLLM3: (CHATML, "<|im_end|>", "<|im_start|>assistant\n<think>\n\n</think>\n", "<|im_end|>\n"),
     "meta-llama-Llama-3.1-8B-Instruct": (LLAMA3, "<|eot_id|>", "<|start_header_id|>assistant<|end_header_id|>\n\n",
                                          "<|eot_id|>"),
     "meta-llama-Llama-3.2-3B-Instruct": (LLAMA3, "<|eot_id|>", "<|start_header_id|>assistant<|end_header_id|>\n\n",
@@ -35,8 +39,10 @@ FAMILIES = {
                                               "[/TOOL_RESULTS]"], "</s>", "", "</s>"),
 }
 # Templates that render a message the same way whatever follows it (Mistral's puts the system
-# prompt into the last user message instead: test_mistral_writes_the_system_prompt_once).
-PREFIX_STABLE = ["Qwen-Qwen2.5-7B-Instruct", "meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct"]
+# prompt into the last user message instead: test_mistral_writes_the_system_prompt_once; Qwen3's
+# drops the reasoning block of answers before the last question: test_qwen3_keeps_the_empty_reasoning_block).
+PREFIX_STABLE = ["Qwen-Qwen2.5-7B-Instruct", "meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct",
+                 SMOLLM3]
 
 
 def family_tokenizer(folder: Path, name: str, call_tags: bool = False) -> Tokenizer:
@@ -85,12 +91,12 @@ def test_session_context_is_the_templates_own_rendering(name, tmp_path, robot_to
                     {"role": "assistant", "content": d.text},
                     {"role": "user", "content": "Now place it."}]
     assert tok.decode(session.tokens + session.pending) == tok.render_chat(conversation)
-    assert "<|im_start|>" not in tok.decode(session.tokens + session.pending) or name.startswith("Qwen")
+    assert "<|im_start|>" not in tok.decode(session.tokens + session.pending) or FAMILIES[name][0] == CHATML
 
 
 # template -> the call format it writes (tokenspeed.grammar.CALL_FORMATS)
 FORMATS = {"Qwen-Qwen2.5-7B-Instruct": "hermes", "meta-llama-Llama-3.1-8B-Instruct": "llama3",
-           "meta-llama-Llama-3.2-3B-Instruct": "llama3", MISTRAL: "mistral"}
+           "meta-llama-Llama-3.2-3B-Instruct": "llama3", MISTRAL: "mistral", QWEN3: "hermes", SMOLLM3: "hermes"}
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -104,8 +110,11 @@ def test_each_family_writes_and_parses_calls_its_own_way(name, tmp_path, robot_t
     # (Mistral's adds the call ids its template requires and sorts keys: the parser takes that too).
     probe = [{"role": "user", "content": "ping"}]
     head = tok.render_chat(probe, add_generation_prompt=True)
-    turn = tok.render_chat(probe + [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "abcdefghi", "type": "function", "function": c} for c in calls]}])
+    answer = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "abcdefghi", "type": "function", "function": c} for c in calls]}
+    if name == SMOLLM3:  # its template renders no tool_calls: the calls are the answer's text, as the model wrote them
+        answer = {"role": "assistant", "content": format_tool_calls(calls, fmt)}
+    turn = tok.render_chat(probe + [answer])
     assert turn.startswith(head) and turn.endswith(tok.assistant_suffix)
     written = turn[len(head):len(turn) - len(tok.assistant_suffix)]
     assert parse_tool_calls(written, fmt) == calls, written
@@ -125,6 +134,28 @@ def test_each_family_writes_and_parses_calls_its_own_way(name, tmp_path, robot_t
             assert tag_id[0] in session.tokens + session.pending
     session.observe("Now place it.")  # auto: a call or text, never a failure (Mistral: no answer header)
     assert session.decide(tool_choice="auto", max_tokens=8).status in ("ok", "text")
+
+
+def test_qwen3_keeps_the_empty_reasoning_block(tmp_path, robot_tools):
+    # Non-thinking mode: the answer opens with the empty <think> block (the generation prompt of
+    # enable_thinking=False), then the grammar's call. Qwen3's template writes that block only for
+    # answers after the last question, so once the conversation goes on the session's context (which
+    # cannot rewrite cached tokens) keeps it where a fresh rendering of the history would drop it.
+    tok = family_tokenizer(tmp_path, QWEN3, call_tags=True)
+    session = tiny_engine_for(tok, QWEN3).session(system="You control a robot arm.", tools=robot_tools)
+    session.observe("Pick up the red cube.")
+    d = session.decide(tool_choice={"name": "hold"}, max_tokens=80)
+    assert d.status == "ok" and d.text == '<tool_call>\n{"name": "hold", "arguments": {}}\n</tool_call>', d.reason
+    system = session._system_text
+    conversation = [{"role": "system", "content": system}, {"role": "user", "content": "Pick up the red cube."},
+                    {"role": "assistant", "content": d.text}]
+    assert tok.decode(session.tokens + session.pending) == tok.render_chat(conversation)
+    assert tok.decode(session.tokens + session.pending).endswith(f"<think>\n\n</think>\n\n{d.text}<|im_end|>\n")
+    session.observe("Now place it.")
+    context = tok.decode(session.tokens + session.pending)
+    later = tok.render_chat([*conversation, {"role": "user", "content": "Now place it."}])
+    assert context == later.replace("<|im_start|>assistant\n<tool_call>",
+                                    "<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>")
 
 
 def test_qwen_call_with_its_own_tool_call_token(tmp_path, robot_tools):

@@ -16,6 +16,7 @@ import tokenspeed
 from tokenspeed.kernels import cpu_decode
 from tokenspeed.kernels.cpu_decode import FUSED_ROWS, VARIANTS, cpu_features, native_variant
 from tokenspeed.kernels.cpu_harness import Harness, build
+from tokenspeed.model import ModelArgs, Transformer
 from tokenspeed.quant import Int4Linear, Int8Linear, fused_ext
 from tokenspeed.paths import cache_dir
 
@@ -147,6 +148,16 @@ def test_fused_step_of_each_variant_matches_python_path(monkeypatch, variant):
         assert model.fused_decode().ext is ext
         for a, b in zip(*_fused_vs_python(model, [1, 2, 5, FUSED_ROWS])):
             assert (a - b).abs().max() <= 1e-4
+    # Qwen3's per-head Q/K norms and a layer without rotation (SmolLM3's NoPE) in the same step
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=128,
+                                  vocab_size=1000, max_seq_len=256, qk_norm=True, no_rope_layers=(1,))).eval()
+    for layer in model.layers:
+        for w in (layer.attention.q_norm, layer.attention.k_norm):
+            w.data.uniform_(0.5, 1.5)
+    assert model.fused_decode().ext is ext
+    for a, b in zip(*_fused_vs_python(model, [1, 2, 5, FUSED_ROWS])):
+        assert (a - b).abs().max() <= 1e-4
     torch.manual_seed(0)
     lin, x = Int4Linear(torch.randn(64, 128)), torch.randn(5, 128)
     monkeypatch.delenv(cpu_decode.ISA_ENV)

@@ -125,19 +125,24 @@ def test_triton_add_rms_norm_matches_torch(dtype, residual):
         triton_add_rms_norm(h, None, w[:10], 1e-5)
 
 
-def test_model_dispatch_to_triton_kernels_keeps_logits_and_relevance(monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen3", "smollm3"])
+def test_model_dispatch_to_triton_kernels_keeps_logits_and_relevance(monkeypatch, family):
     """The CUDA dispatch of a pruned cache's forwards (Triton attention for decode and verification
     rows, fused norms), run on CPU tensors by the interpreter: this test adds "cpu" to the devices
-    the kernels take (the only fake: no GPU here). Logits and relevance scores match the torch path."""
+    the kernels take (the only fake: no GPU here). Logits and relevance scores match the torch path,
+    for Qwen3's Q/K norms and SmolLM3's NoPE layer too (torch code around the kernels, as in a CUDA graph)."""
     pytest.importorskip("triton")
     from tokenspeed.kernels import attention
     from tokenspeed.kv import KVConfig, TieredKVCache
     from tokenspeed.model import ModelArgs, Transformer
 
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128, vocab_size=256,
-                     max_seq_len=256)
+                     max_seq_len=256, qk_norm=family == "qwen3", no_rope_layers=(1,) if family == "smollm3" else ())
     torch.manual_seed(0)
     model = Transformer(args).eval()
+    for layer in model.layers if family == "qwen3" else ():
+        for w in (layer.attention.q_norm, layer.attention.k_norm):
+            w.data.uniform_(0.5, 1.5)
     model.use_fused = False
     ids = torch.randint(0, 256, (60,))
 

@@ -25,16 +25,17 @@ def _tiny_hf(kind="llama", **overrides):
                 rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
     base.update(overrides)
     torch.manual_seed(0)
-    if kind == "qwen2":
-        cfg = transformers.Qwen2Config(**base)
-        model = transformers.Qwen2ForCausalLM(cfg)
-    else:
-        cfg = transformers.LlamaConfig(**base)
-        model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # HF inits biases to zero: give them values so the test sees them
+    classes = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+               "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM)}
+    config, causal_lm = classes.get(kind, (transformers.LlamaConfig, transformers.LlamaForCausalLM))
+    model = causal_lm(config(**base))
+    with torch.no_grad():  # HF inits biases to zero and norms to one: give them values so the test sees them
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1, 0.3)
     return model.eval()
 
 
@@ -60,6 +61,8 @@ def _compare(model_path, hf_model, atol=1e-4):
     ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
     ("qwen2", {}),
+    ("qwen3", {"head_dim": 32}),              # Q/K norms; head_dim != hidden / heads (as Qwen3-0.6B)
+    ("smollm3", {"num_hidden_layers": 4, "pad_token_id": None}),  # layer 3 without rotation
 ])
 def test_safetensors_folder_sharded(tmp_path, kind, extra):
     hf_model = _tiny_hf(kind, **extra)
@@ -67,7 +70,8 @@ def test_safetensors_folder_sharded(tmp_path, kind, extra):
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     _copy_tokenizer(tmp_path)
     engine = _compare(tmp_path, hf_model)
-    assert engine.args.qkv_bias == (kind == "qwen2")
+    assert engine.args.qkv_bias == (kind == "qwen2") and engine.args.qk_norm == (kind == "qwen3")
+    assert engine.args.no_rope_layers == ((3,) if kind == "smollm3" else ())
 
 
 def _permute(w, n_head):

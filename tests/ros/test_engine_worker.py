@@ -369,3 +369,30 @@ def test_a_call_not_executed_leaves_the_context_and_what_followed_it_is_observed
         assert worker.close(timeout=30.0)
     assert taken_back == fresh
     assert after[:len(answered)] == answered and len(after) > len(answered)
+
+
+def test_the_model_parameter_takes_a_qwen3_q4_k_m_file(tmp_path, monkeypatch):
+    # The agent's `model` parameter with a Q4_K_M file of a 2026 family: Qwen3 (per-head Q/K norms,
+    # random weights, written by the scale bench's writer and quantized by llama.cpp's quantizer),
+    # run as the file's own blocks (`quantize: gguf`). tests/engine/test_families.py checks its logits.
+    import pytest
+
+    pytest.importorskip("llama_cpp")
+    from tokenspeed.bench import scale
+
+    monkeypatch.setattr(scale, "_folder", lambda: tmp_path)
+    woke = threading.Event()
+    worker = EngineWorker(model=str(scale.model_file("tiny-qwen3", "Q4_K_M", threads=1)), threads=0,
+                          system="You control a robot arm.", tools=TOOLS, tool_choice={"name": "hold"},
+                          kv_budget=1024, notify=woke.set, logger=get_logger("test"), quantize="gguf")
+    worker.start()
+    try:
+        assert collect(worker, woke, lambda _: worker.state != "loading", 180) == []
+        assert worker.state == "ready", worker.fault
+        worker.observe("goal", "goal: hold still", stamp_s=1.0, kind="text")
+        worker.decide(3, time.monotonic() + 60.0)
+        out = collect(worker, woke, lambda items: any(isinstance(i, ModelResult) for i in items), 120)
+    finally:
+        assert worker.close(timeout=30.0)
+    result = next(o for o in out if isinstance(o, ModelResult))
+    assert (result.decision_id, result.status, result.tool_call) == (3, "ok", {"name": "hold", "arguments": {}})

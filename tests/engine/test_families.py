@@ -1,0 +1,129 @@
+"""The families users run in 2026, from their GGUF files: Llama 3.x, Qwen2.5, Qwen3 (per-head Q/K
+RMSNorm) and SmolLM3 (no rotation in every 4th layer).
+
+Each family is a tiny random-weight model at its layout (`tokenspeed.bench.scale.SHAPES`: "tiny-llama",
+"tiny" for Qwen2.5, "tiny-qwen3", "tiny-smollm3"), written as an F16 GGUF by the `gguf` writer and
+quantized to Q4_K_M by llama.cpp's own quantizer. TokenSpeed runs the file's own blocks
+(`quantize="gguf"`, never an fp32 copy) and its logits are compared with llama.cpp's on the same file
+and ids. On the F16 file no quantization stands between the two engines, so the logits nearly agree
+only if the architecture is the same: a control model with the family's feature switched off (no
+Q/K norms, a rotation in every layer) is far from llama.cpp's there.
+"""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import tokenspeed
+from tokenspeed.bench import scale
+from tokenspeed.bench.agreement import compare
+from tokenspeed.weights import load_gguf, resolve_model
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+FAMILIES = {"tiny-llama": "llama", "tiny": "qwen2", "tiny-qwen3": "qwen3", "tiny-smollm3": "smollm3"}
+IDS = [int(i) for i in np.random.default_rng(1).integers(0, 49000, 40)]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """size name -> {"F16": source file, "Q4_K_M": llama.cpp's quantization of it} (written once)."""
+    folder = tmp_path_factory.mktemp("families")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scale, "_folder", lambda: folder)
+        yield {name: {"F16": scale.source_file(name), "Q4_K_M": scale.model_file(name, "Q4_K_M", threads=1)}
+               for name in FAMILIES}
+
+
+def _llama_cpp_logits(path) -> np.ndarray:
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, n_batch=64, n_threads=1, logits_all=True, seed=0,
+                          verbose=False)
+    llm.eval(IDS)
+    return np.array(llm.scores[:len(IDS)])
+
+
+def _logits(model, fused: bool, one_by_one: bool = False) -> torch.Tensor:
+    model.use_fused = fused
+    cache = model.new_cache(64)
+    if one_by_one:  # decode steps
+        return torch.cat([model(torch.tensor(IDS[i:i + 1]), i, cache, "all") for i in range(len(IDS))])
+    return model(torch.tensor(IDS), 0, cache, "all")
+
+
+def _distance(ours, theirs) -> float:
+    # |ours - theirs| / |theirs| of the logits, each centred per position (softmax ignores a shift)
+    a, b = (torch.as_tensor(x).double() for x in (ours, theirs))
+    a, b = a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True)
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_each_family_reads_as_llama_cpp_reads_it(name, made):
+    files = resolve_model(made[name]["Q4_K_M"])
+    assert json.loads((files.folder / "config.json").read_text())["model_type"] == FAMILIES[name]
+    args = files.args
+    assert args.qk_norm == (name == "tiny-qwen3") and args.qkv_bias == (name == "tiny")
+    assert args.no_rope_layers == ((3,) if name == "tiny-smollm3" else ())
+    assert args.head_dim == scale.SHAPES[name].head_dim  # Qwen3's 128 from attention.key_length, not 256 / 4
+    assert args.tie_embeddings == scale.SHAPES[name].tied
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_f16_logits_match_llama_cpp_and_the_family_feature_matters(name, made):
+    theirs = _llama_cpp_logits(made[name]["F16"])
+    model = load_gguf(resolve_model(made[name]["F16"]))
+    fused, python = _logits(model, True), _logits(model, False)
+    steps = _logits(model, True, one_by_one=True)
+    for ours in (fused, python, steps):
+        agree = compare(ours, theirs)
+        assert agree["top1"] >= 0.95 and agree["kl_mean"] < 1e-4, agree
+        assert _distance(ours, theirs) < 0.01
+    if name in ("tiny-qwen3", "tiny-smollm3"):  # the same weights without the family's feature: far off
+        for layer in model.layers:
+            layer.attention.q_norm = layer.attention.k_norm = None
+            layer.attention.rotates = True
+        model.invalidate_fused()
+        for fused in (True, False):
+            assert _distance(_logits(model, fused), theirs) > 0.1
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_q4_k_m_file_runs_natively_and_agrees_with_llama_cpp(name, made, monkeypatch):
+    # the file's own blocks through Engine.load (what `--quantize gguf` and the agent's model parameter
+    # load): no fp32 copy is ever written, and the fused step takes it
+    import tokenspeed.weights as weights
+
+    def no_fp32(*_):
+        raise AssertionError("an fp32 copy of the model was written")
+
+    monkeypatch.setattr(weights, "_write_fp32_weights", no_fp32)
+    engine = tokenspeed.Engine.load(made[name]["Q4_K_M"], quantize="gguf")
+    model = engine.model
+    assert model.fused_decode() is not None
+    theirs = _llama_cpp_logits(made[name]["Q4_K_M"])
+    for ours in (_logits(model, True), _logits(model, False)):
+        agree = compare(ours, theirs)
+        # random weights of std 0.1 make sharp logits, where the two engines' activation rounding
+        # (llama.cpp's Q8_K blocks, TokenSpeed's W4A8 groups and int8 Q6_K rows) shows
+        assert agree["top1"] >= 0.8 and agree["kl_mean"] < 0.02, agree
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-smollm3"])
+def test_cli_call_takes_the_q4_k_m_file(name, made, tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([
+        {"type": "function", "function": {"name": "hold", "parameters": {"type": "object", "properties": {}}}},
+        {"type": "function", "function": {"name": "grip", "parameters": {
+            "type": "object", "properties": {"state": {"type": "string", "enum": ["open", "close"]}},
+            "required": ["state"]}}}]))
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "call", "--model", str(made[name]["Q4_K_M"]),
+                        "--quantize", "gguf", "--tools", str(tools), "--prompt", "Close the gripper.",
+                        "--max-tokens", "64"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["status"] == "ok" and out["tool_call"]["name"] in ("hold", "grip"), out
+    if out["tool_call"]["name"] == "grip":
+        assert out["tool_call"]["arguments"]["state"] in ("open", "close")
