@@ -99,6 +99,7 @@ def test_a_call_list_cut_at_max_tokens_returns_its_complete_calls_as_length():
         "reason": "max_tokens", "detail": "the call list was cut at max_tokens"})
     d = Decision(status="invalid", reason="no complete call within max_tokens=5", text='<tool_call>[{"na')
     assert not keep_complete_calls(d, 5, 5) and d.status == "invalid"  # nothing complete: no call
+    assert d.finish_reason == "length" == finish(d, 5, 5)[0]  # cut, not a grammar failure
 
 
 def test_a_repeated_call_in_decoding_ends_the_answer(tiny_engine):
