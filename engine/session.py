@@ -412,7 +412,8 @@ class Session:
             tool_choice: "required", "auto" (call or text), "none" (text, no grammar), {"name":
                 tool}, or OpenAI's {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}
                 (see `ToolGrammar.build`).
-            deadline: seconds from now; or deadline_at: absolute `time.monotonic()` time.
+            deadline: seconds from now, > 0; or deadline_at: absolute `time.monotonic()` time (one
+                already past gives "deadline_missed").
             max_tokens: most tokens the answer may take.
             jump_forward: append forced tokens without a model call (off: one forward per token).
             parallel: the answer may hold several calls (`Decision.tool_calls`).
@@ -433,8 +434,8 @@ class Session:
         Raises:
             ToolSchemaError: tool_choice is malformed or names an unknown tool, or the response
                 format's schema is invalid.
-            SessionArgumentError: deadline or deadline_at not a finite number (NaN would disable
-                the deadline), max_tokens not a positive integer, temperature negative or not
+            SessionArgumentError: deadline not a positive finite number or deadline_at not a
+                finite number (NaN would disable the deadline), max_tokens not a positive integer, temperature negative or not
                 finite, top_p outside (0, 1], seed not None or an integer in [0, 2**64), on_text
                 or abort not callable, auto_threshold not None or a number in [0, 1].
             SessionAborted: abort() said so; the session is left as it was before the call.
@@ -442,6 +443,8 @@ class Session:
         """
         t0 = time.perf_counter()
         deadline = finite_arg(deadline, "deadline", " of seconds or None")
+        if deadline is not None and deadline <= 0:
+            raise SessionArgumentError(f"deadline must be a positive number of seconds or None, got {deadline!r}")
         deadline_at = finite_arg(deadline_at, "deadline_at", " (time.monotonic() seconds) or None")
         positive_int_arg(max_tokens, "max_tokens")
         sampling_args(temperature, top_p)
