@@ -435,9 +435,10 @@ class Session:
             ToolSchemaError: tool_choice is malformed or names an unknown tool, or the response
                 format's schema is invalid.
             SessionArgumentError: deadline not a positive finite number or deadline_at not a
-                finite number (NaN would disable the deadline), max_tokens not a positive integer, temperature negative or not
-                finite, top_p outside (0, 1], seed not None or an integer in [0, 2**64), on_text
-                or abort not callable, auto_threshold not None or a number in [0, 1].
+                finite number (NaN would disable the deadline), max_tokens not a positive integer,
+                temperature negative or not finite, top_p outside (0, 1], seed not None or an
+                integer in [0, 2**64), on_text or abort not callable, auto_threshold not None or a
+                number in [0, 1].
             SessionAborted: abort() said so; the session is left as it was before the call.
             ValueError: the KV cache is full; the session is left as it was before the call.
         """

@@ -44,8 +44,9 @@ def test_call_refuses_bad_tools_before_loading_the_model(tmp_path):
 @pytest.mark.parametrize("value", ["-1", "0", "ten"])
 def test_a_bad_max_tokens_is_refused_before_the_model_loads(tmp_path, command, value):
     extra = ["--tools", str(tmp_path / "none.json")] if command == "call" else []
-    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", command, *extra, "--prompt", "hi", "--max-tokens", value,
-                        "--model", str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", command, *extra, "--prompt", "hi",
+                        "--max-tokens", value, "--model", str(tmp_path / "missing.gguf")],
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--max-tokens" in r.stderr and "missing.gguf" not in r.stderr, r.stderr
 
 
