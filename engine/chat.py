@@ -278,15 +278,14 @@ def finish(d: Decision, completion_tokens: int, max_tokens: int) -> tuple[str, d
         (finish_reason, {"reason": TokenSpeed's reason, "detail": why, or ""}).
     """
     if d.status == "ok":
-        if d.reason == "max_tokens":  # the complete calls of a list cut there
+        if d.cut:  # the complete calls of a list cut there
             return "length", {"reason": "max_tokens", "detail": "the call list was cut at max_tokens"}
         return "tool_calls", {"reason": "tool_calls", "detail": ""}
     if d.status == "text":
-        cut = d.reason == "max_tokens"
-        return ("length" if cut else "stop"), {"reason": "max_tokens" if cut else "stop", "detail": d.reason}
+        return ("length" if d.cut else "stop"), {"reason": "max_tokens" if d.cut else "stop", "detail": d.reason}
     if d.status == "deadline_missed":
         return "length", {"reason": "deadline", "detail": d.reason}
-    if completion_tokens >= max_tokens or "max_tokens" in d.reason:
+    if completion_tokens >= max_tokens or d.cut:
         return "length", {"reason": "max_tokens", "detail": d.reason}
     return "content_filter", {"reason": "invalid", "detail": d.reason}
 

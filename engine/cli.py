@@ -35,6 +35,17 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer > 0 (e.g. --max-tokens), refused before the model loads."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
 def _engine(args):
     from . import Engine
 
@@ -49,7 +60,8 @@ def _engine(args):
 
 
 def cmd_call(args) -> int:
-    """Answer one prompt with one schema-valid tool call; print it and the timings as JSON."""
+    """Answer one prompt with one schema-valid tool call (or, under --tool-choice auto, a text
+    answer); print it and the timings as JSON. Exit status 0 for either, else 1."""
     from .grammar import normalize_tools
     from .tools import ToolsFileError, load_tools
 
@@ -68,7 +80,7 @@ def cmd_call(args) -> int:
               "text": decision.text if decision.status != "ok" else None,
               "timings": {"observe_prefill_ms": observe_s * 1e3, **decision.timings()}}
     print(json.dumps(report, indent=2))
-    return 0 if decision.status == "ok" else 1
+    return 0 if decision.status == "ok" or (decision.status == "text" and tool_choice == "auto") else 1
 
 
 def cmd_generate(args) -> int:
@@ -124,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "fp32 copy), int4 (4-bit groups of 32 re-derived from fp32), int8 or none (fp32)")
         p.add_argument("--system", default=None, help="system prompt")
         p.add_argument("--prompt", required=True, help="user message")
-        p.add_argument("--max-tokens", type=int, default=256, help="most new tokens (default 256)")
+        p.add_argument("--max-tokens", type=_positive_int, default=256, help="most new tokens (> 0, default 256)")
 
     p = sub.add_parser("call", help="answer a prompt with one schema-valid tool call")
     model_args(p)

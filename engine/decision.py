@@ -103,15 +103,22 @@ class Decision:
         return self.status == "ok"
 
     @property
+    def cut(self) -> bool:
+        """Whether `max_tokens` ended the answer: a text, the complete calls of a call list cut
+        there (reason "max_tokens"), or a call cut before it was complete (status "invalid")."""
+        return self.status != "deadline_missed" and "max_tokens" in self.reason
+
+    @property
     def finish_reason(self) -> str:
-        """OpenAI's finish_reason: "tool_calls", "stop", "length" (max_tokens: a text, or the
-        complete calls of a call list cut there), or TokenSpeed's "deadline" (deadline_missed) and
-        "invalid" (no valid call: see `reason`)."""
-        if self.status == "ok":
-            return "length" if self.reason == "max_tokens" else "tool_calls"
-        if self.status == "text":
-            return "length" if self.reason == "max_tokens" else "stop"
-        return "deadline" if self.status == "deadline_missed" else "invalid"
+        """OpenAI's finish_reason: "tool_calls", "stop", "length" (`cut` at max_tokens: a text, the
+        complete calls of a call list cut there, or a call cut before it was complete, status
+        "invalid"), or TokenSpeed's "deadline" (deadline_missed) and "invalid" (the grammar failed:
+        no valid call, see `reason`)."""
+        if self.status == "deadline_missed":
+            return "deadline"
+        if self.cut:
+            return "length"
+        return {"ok": "tool_calls", "text": "stop"}.get(self.status, "invalid")
 
     def openai_message(self, call_ids: list[str] | None = None) -> dict:
         """The answer as an OpenAI chat-completions assistant message.

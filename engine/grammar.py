@@ -27,7 +27,7 @@ __all__ = ["ToolSchemaError", "normalize_tools", "tools_system_prompt", "TOOL_PR
            "AUTO_TOOL_PROMPT",
            "call_schema", "ToolGrammar", "parse_tool_calls", "parse_tool_call", "format_tool_calls", "CallFormat",
            "CALL_FORMATS", "SMOLLM2", "call_format_for", "MAX_CALLS", "complete_tool_calls", "looping_string",
-           "LOOP_REPEATS", "LOOP_MIN_CHARS", "LOOP_MAX_UNIT"]
+           "looping_structure", "json_closings", "LOOP_REPEATS", "LOOP_MIN_CHARS", "LOOP_MAX_UNIT", "MAX_JSON_DEPTH"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 MAX_CALLS = 8  # calls one answer may hold with parallel calls (the grammar's cap; without them: 1)
@@ -37,6 +37,11 @@ MAX_CALLS = 8  # calls one answer may hold with parallel calls (the grammar's ca
 LOOP_REPEATS = 3
 LOOP_MIN_CHARS = 16
 LOOP_MAX_UNIT = 64
+# JSON nested deeper than this (objects and arrays) is a runaway (`looping_structure`): no call of the
+# BFCL answers or the shipped tool sets nests deeper than 5, markers included.
+MAX_JSON_DEPTH = 16
+# the shortest JSON values, shortest first: what `json_closings` offers where a value is expected
+_SHORT_VALUES = ("0", '""', "[]", "{}", "null", "true", "false")
 _STRING_TOKEN = re.compile(r'\\.|"')   # an escape sequence, or a quote that opens or closes a string
 _OPEN_UNICODE = re.compile(r'(u[0-9A-Fa-f]{0,3})?\Z')  # after a backslash: an unfinished \\uXXXX escape
 _DIGITS = re.compile(r"\d+")
@@ -324,6 +329,84 @@ def _repeats(s: str, min_chars: int, letter: bool) -> bool:
             return True
         i = s.rfind(s[-1], low, i)
     return False
+
+
+def _json_state(text: str) -> tuple[list[str], bool, str]:
+    # (open containers "{"/"[" outermost first, inside a string, what comes next outside strings:
+    # "value", "key", "colon" or "after" a complete value or key) of the start of a JSON answer;
+    # characters outside JSON (a CallFormat's markers) are skipped
+    stack, in_string, escape, expect = [], False, False, "value"
+    for c in text:
+        if in_string:
+            if escape:
+                escape = False
+            elif c == "\\":
+                escape = True
+            elif c == '"':
+                in_string = False
+                expect = "colon" if expect == "key" else "after"
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            stack.append(c)
+            expect = "key" if c == "{" else "value"
+        elif c in "}]":
+            if stack:
+                stack.pop()
+            expect = "after"
+        elif c == ":":
+            expect = "value"
+        elif c == ",":
+            expect = "key" if stack and stack[-1] == "{" else "value"
+        elif not c.isspace() and expect == "value":
+            expect = "after"  # a number or literal
+    return stack, in_string, expect
+
+
+def looping_structure(text: str) -> bool:
+    """Whether `text`, the start of a JSON answer (as for `looping_string`), has run away outside
+    its strings, which only `max_tokens` would otherwise end: it nests deeper than `MAX_JSON_DEPTH`,
+    or its tail (not inside a string) is one unit of at most `LOOP_MAX_UNIT` characters, opening
+    more objects/arrays than it closes, written `LOOP_REPEATS` times or more in a row over
+    `LOOP_MIN_CHARS` characters or more.
+    Seen from SmolLM2-135M under response_format json_object (issue 27):
+    `{"name": "Felix", "age": 10, "looks": {"cat": {"name": "Felix", "looks": {"cat": {"name": ...`.
+    No call of the BFCL answers or the shipped tool sets is one at any prefix.
+    """
+    stack, in_string, _ = _json_state(text)
+    if in_string:
+        return False
+    if len(stack) > MAX_JSON_DEPTH:
+        return True
+    s = text.rstrip()[-LOOP_MAX_UNIT * LOOP_REPEATS:]
+    end, low = len(s) - 1, max(0, len(s) - 1 - LOOP_MAX_UNIT)
+    i = s.rfind(s[-1], low, end) if s else -1
+    while i >= 0:  # n: a distance back to the same character, a candidate unit length
+        n, unit = end - i, s[i + 1:]
+        k = max(LOOP_REPEATS, -(-LOOP_MIN_CHARS // n))
+        if k * n <= len(s) and s.endswith(unit * k) and \
+                unit.count("{") + unit.count("[") > unit.count("}") + unit.count("]"):
+            return True
+        i = s.rfind(s[-1], low, i)
+    return False
+
+
+def json_closings(text: str) -> list[str]:
+    """The shortest texts that end `text`, the start of a JSON answer, as complete JSON: close an
+    open string, give an expected value (each of the shortest values, `_SHORT_VALUES`, in turn: a
+    grammar allows some of them) or key (`""` with a value), then close every open array and object.
+    Candidates, most preferred first; the caller keeps the first its grammar accepts.
+    """
+    stack, in_string, expect = _json_state(text)
+    close = "".join("}" if c == "{" else "]" for c in reversed(stack))
+    head = '"' if in_string else ""
+    if in_string:
+        expect = "colon" if expect == "key" else "after"
+    if expect == "after" or (expect == "key" and text.rstrip().endswith("{")) or \
+            (expect == "value" and text.rstrip().endswith("[")):
+        return [head + close]
+    lead = {"key": '"": ', "colon": ": "}.get(expect, "")
+    return [head + lead + v + close for v in _SHORT_VALUES]
 
 
 def parse_tool_call(text: str, fmt: CallFormat = SMOLLM2) -> dict | None:

@@ -22,7 +22,8 @@ from .decision import (Checkpoint, Decision, Segment, SessionArgumentError, fini
 from .auto import AutoRule
 from .decode import NonFiniteLogitsError, Target, decode
 from .device import DecodeGraphs
-from .grammar import DEFAULT_TOOL_PROMPT, TokenMask, complete_tool_calls, looping_string, tools_system_prompt
+from .grammar import (DEFAULT_TOOL_PROMPT, TokenMask, complete_tool_calls, json_closings, looping_string,
+                      looping_structure, tools_system_prompt)
 from .kv import KVConfig, TieredKVCache
 from .prefix_cache import prefill_system
 from .speculation import Speculator
@@ -411,7 +412,8 @@ class Session:
             tool_choice: "required", "auto" (call or text), "none" (text, no grammar), {"name":
                 tool}, or OpenAI's {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}
                 (see `ToolGrammar.build`).
-            deadline: seconds from now; or deadline_at: absolute `time.monotonic()` time.
+            deadline: seconds from now, > 0; or deadline_at: absolute `time.monotonic()` time (one
+                already past gives "deadline_missed").
             max_tokens: most tokens the answer may take.
             jump_forward: append forced tokens without a model call (off: one forward per token).
             parallel: the answer may hold several calls (`Decision.tool_calls`).
@@ -432,15 +434,18 @@ class Session:
         Raises:
             ToolSchemaError: tool_choice is malformed or names an unknown tool, or the response
                 format's schema is invalid.
-            SessionArgumentError: deadline or deadline_at not a finite number (NaN would disable
-                the deadline), max_tokens not a positive integer, temperature negative or not
-                finite, top_p outside (0, 1], seed not None or an integer in [0, 2**64), on_text
-                or abort not callable, auto_threshold not None or a number in [0, 1].
+            SessionArgumentError: deadline not a positive finite number or deadline_at not a
+                finite number (NaN would disable the deadline), max_tokens not a positive integer,
+                temperature negative or not finite, top_p outside (0, 1], seed not None or an
+                integer in [0, 2**64), on_text or abort not callable, auto_threshold not None or a
+                number in [0, 1].
             SessionAborted: abort() said so; the session is left as it was before the call.
             ValueError: the KV cache is full; the session is left as it was before the call.
         """
         t0 = time.perf_counter()
         deadline = finite_arg(deadline, "deadline", " of seconds or None")
+        if deadline is not None and deadline <= 0:
+            raise SessionArgumentError(f"deadline must be a positive number of seconds or None, got {deadline!r}")
         deadline_at = finite_arg(deadline_at, "deadline_at", " (time.monotonic() seconds) or None")
         positive_int_arg(max_tokens, "max_tokens")
         sampling_args(temperature, top_p)
@@ -482,7 +487,7 @@ class Session:
                                           jump_forward=jump_forward, max_tokens=max_tokens, deadline_at=deadline_at,
                                           t0=t0, temperature=temperature, top_p=top_p, generator=gen,
                                           on_token=on_step, auto=self._auto_rule(grammar, auto_threshold),
-                                          force=self._loop_guard(grammar) if grammar is not None else None)
+                                          force=self._loop_guard(grammar, matcher) if grammar is not None else None)
             if abort is not None and abort():
                 raise SessionAborted(f"aborted after {len(out)} answer tokens")
         except NonFiniteLogitsError as exc:  # never "ok" on garbage: the monitor's fallback applies
@@ -540,15 +545,26 @@ class Session:
 
         return repeated
 
-    def _loop_guard(self, grammar):
+    def _loop_guard(self, grammar, matcher):
         # decode()'s `force` callback: the quote that ends a JSON string of the answer once it runs in
-        # a loop (`looping_string`; else only its length cap would end it, at about max_tokens). Under
-        # "auto" only in a call: a text answer is free text.
+        # a loop (`looping_string`; else only its length cap would end it, at about max_tokens); once
+        # the answer runs away outside its strings (`looping_structure`: nested too deep, or one unit
+        # deepening it repeated) the first of `json_closings` the grammar accepts, which ends the
+        # JSON. Under "auto" only in a call: a text answer is free text.
         quote, first = self.tok.encode_text('"'), None if grammar.mode == "json" else self.engine.call_format.first
 
         def close(out: list[int]) -> list[int]:
             text = self.tok.decode(out)
-            return quote if (first is None or text.startswith(first)) and looping_string(text) else []
+            if first is not None and not text.startswith(first):
+                return []
+            if looping_string(text):
+                return quote
+            if looping_structure(text):
+                for closing in json_closings(text):
+                    ids = self.tok.encode_text(closing)
+                    if matcher.validate_tokens(ids) == len(ids):
+                        return ids
+            return []
 
         return close
 

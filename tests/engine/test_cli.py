@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ import torch
 from tokenspeed import DeviceError
 from tokenspeed.cli import build_parser
 from tokenspeed.device import resolve_device, resolve_dtype
+
+ROBOT_TOOLS = Path(__file__).resolve().parents[2] / "engine" / "data" / "tools" / "robot_tools.json"
 
 
 def test_help_lists_every_bench_subcommand():
@@ -37,6 +40,26 @@ def test_call_refuses_bad_tools_before_loading_the_model(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "call", "--tools", str(tmp_path / "none.json"),
                         "--prompt", "hi"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error: tools file") and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command", ["call", "generate"])
+@pytest.mark.parametrize("value", ["-1", "0", "ten"])
+def test_a_bad_max_tokens_is_refused_before_the_model_loads(tmp_path, command, value):
+    extra = ["--tools", str(tmp_path / "none.json")] if command == "call" else []
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", command, *extra, "--prompt", "hi",
+                        "--max-tokens", value, "--model", str(tmp_path / "missing.gguf")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--max-tokens" in r.stderr and "missing.gguf" not in r.stderr, r.stderr
+
+
+@pytest.mark.slow  # loads the real model (~30 s on 2 busy cores)
+def test_call_under_auto_that_answers_in_text_exits_0():
+    # a question no robot tool applies to: the model answers in text (status "text"), a valid outcome
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "call", "--tools", str(ROBOT_TOOLS), "--tool-choice",
+                        "auto", "--system", "You control a robot arm.", "--prompt", "What is the capital of France?",
+                        "--max-tokens", "32"], capture_output=True, text=True, timeout=600)
+    report = json.loads(r.stdout)
+    assert r.returncode == 0 and report["status"] == "text" and report["text"], (r.returncode, r.stdout, r.stderr)
 
 
 def test_serve_refuses_bad_option_values_with_exit_2():

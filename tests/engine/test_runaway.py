@@ -13,8 +13,8 @@ import pytest
 
 from tokenspeed.chat import finish
 from tokenspeed.decision import Decision, keep_complete_calls
-from tokenspeed.grammar import (LOOP_MIN_CHARS, MAX_CALLS, complete_tool_calls, format_tool_calls, looping_string,
-                                parse_tool_calls)
+from tokenspeed.grammar import (CALL_FORMATS, LOOP_MIN_CHARS, MAX_CALLS, MAX_JSON_DEPTH, complete_tool_calls,
+                                format_tool_calls, json_closings, looping_string, looping_structure, parse_tool_calls)
 from tokenspeed.schema import MAX_ARRAY_ITEMS, MAX_STRING_LENGTH, NUMBER_LIMIT, NUMBER_STEP, prepare
 
 
@@ -99,6 +99,7 @@ def test_a_call_list_cut_at_max_tokens_returns_its_complete_calls_as_length():
         "reason": "max_tokens", "detail": "the call list was cut at max_tokens"})
     d = Decision(status="invalid", reason="no complete call within max_tokens=5", text='<tool_call>[{"na')
     assert not keep_complete_calls(d, 5, 5) and d.status == "invalid"  # nothing complete: no call
+    assert d.finish_reason == "length" == finish(d, 5, 5)[0]  # cut, not a grammar failure
 
 
 def test_a_repeated_call_in_decoding_ends_the_answer(tiny_engine):
@@ -173,3 +174,54 @@ def test_a_string_in_a_loop_is_closed_and_the_forced_call_completes(engine):
     closed = [v for c in d.tool_calls for v in c["arguments"].values() if isinstance(v, str)
               and looping_string(DNA + json.dumps(v)[1:-1])]
     assert closed, d.text  # a string the guard ended
+
+
+# What SmolLM2-135M wrote under response_format json_object for "Give a JSON object describing a
+# cat." (issue 27): one object nested in the next until max_tokens=256, invalid JSON.
+CAT = '{"name": "Felix", "age": 10, "looks": ' + '{"cat": {"name": "Felix", "looks": ' * 6
+
+
+def test_a_structure_in_a_loop_is_seen_after_a_few_repeats_and_closed_as_valid_json():
+    seen = next(i for i in range(len(CAT) + 1) if looping_structure(CAT[:i]))
+    assert seen <= len('{"name": "Felix", "age": 10, "looks": ') + 4 * len('{"cat": {"name": "Felix", "looks": ')
+    for i in range(seen, len(CAT) + 1):  # wherever it shows, each closing ends the answer as valid JSON
+        closings = json_closings(CAT[:i])
+        assert closings and all(isinstance(json.loads(CAT[:i] + c), dict) for c in closings), CAT[:i]
+    assert not looping_structure('{"a": "' + '{"cat": {"name": "Felix", "looks": ' * 4)  # inside a string
+    assert not looping_structure("[" * 3 + "1" + "]" * 3)
+    deep = "".join(f'{{"k{i}": ' for i in range(MAX_JSON_DEPTH + 1))  # no unit repeats: the depth cap alone
+    assert looping_structure(deep) and not looping_structure(deep[:deep.rindex("{")])
+    assert json_closings('{"a": [1, {"b": 2, ') == [f'"": {v}}}]}}' for v in ("0", '""', "[]", "{}", "null", "true",
+                                                                            "false")]
+    assert json_closings('{"a": [1, {"b') == ['": 0}]}', '": ""}]}', '": []}]}', '": {}}]}', '": null}]}',
+                                             '": true}]}', '": false}]}']
+    assert json_closings('{"a": [') == [']}'] and json_closings('{"a": "x\\"') == ['"}']  # an escaped quote
+    assert json_closings('{"a": "x\\\\"') == ['}']  # an escaped backslash, then the closing quote
+
+
+def test_no_public_call_or_tool_set_looks_like_a_structure_in_a_loop():
+    # every prefix of every BFCL answer written as a call in each call format, and of the BFCL
+    # functions and the shipped tool sets written as JSON
+    data = Path(__file__).resolve().parents[2] / "engine" / "data"
+    texts = []
+    for line in (data / "bfcl" / "possible_answer_BFCL_v4_simple_python.json").read_text().splitlines():
+        calls = [{"name": name, "arguments": {k: v[0] for k, v in args.items()}}
+                 for call in json.loads(line)["ground_truth"] for name, args in call.items()]
+        texts += [format_tool_calls(calls, fmt) for fmt in CALL_FORMATS.values()]
+    for line in (data / "bfcl" / "BFCL_v4_simple_python.json").read_text().splitlines():
+        texts.append(json.dumps(json.loads(line)["function"]))
+    texts += [json.dumps(json.loads(path.read_text())) for path in (data / "tools").glob("*.json")]
+    assert len(texts) > 1000
+    for text in texts:
+        hit = next((text[:i] for i in range(1, len(text) + 1) if looping_structure(text[:i])), None)
+        assert hit is None, hit
+
+
+@pytest.mark.slow  # ~40 s of fp32 prefill and decoding on 2 busy cores
+def test_a_json_object_in_a_loop_is_closed_as_valid_json(engine):
+    # The issue-27 repro (CAT above): the answer now ends where its structure starts repeating.
+    s = engine.session()
+    s.observe([{"role": "user", "content": "Give a JSON object describing a cat."}])
+    d = s.decide(response_format={"type": "object"}, max_tokens=256)
+    assert d.status == "text" and d.finish_reason == "stop" and d.generated_tokens + d.forced_tokens < 256, d.text
+    assert isinstance(json.loads(d.text), dict)

@@ -7,6 +7,7 @@ import torch
 
 from tokenspeed import SessionAborted, SessionArgumentError, ToolSchemaError
 from tokenspeed.bfcl import load_bfcl
+from tokenspeed.chat import finish
 from tokenspeed.grammar import parse_tool_call
 
 SYSTEM = "You control a robot arm on a table with three cubes."
@@ -221,6 +222,9 @@ def test_invalid_when_max_tokens_too_small(engine, robot_tools):
     n = s.num_tokens
     d = s.decide(max_tokens=3, jump_forward=False)
     assert d.status == "invalid" and "max_tokens" in d.reason and s.num_tokens == n
+    # cut, not a grammar failure: finish "length", as the server says (issue 27)
+    assert d.cut and d.finish_reason == "length" and finish(d, 3, 3)[0] == "length"
+    assert d.openai_message() == {"role": "assistant", "content": None}
 
 
 def test_parse_tool_call_rejects_partial_output():
@@ -257,6 +261,16 @@ def test_bad_tool_choice(tiny_engine, robot_tools):
         s.decide(tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": []}})
     with pytest.raises(ToolSchemaError, match="needs tools"):
         tiny_engine.session().decide()
+
+
+def test_a_deadline_that_is_not_positive_is_refused(tiny_engine, robot_tools):
+    s = tiny_engine.session(tools=robot_tools)
+    s.observe("anything")
+    n = s.num_tokens
+    for deadline in (-1, 0, 0.0, -1e-9, float("nan")):
+        with pytest.raises(SessionArgumentError, match="deadline must be"):
+            s.decide(deadline=deadline)
+    assert s.num_tokens == n  # refused before any work
 
 
 def test_tiny_random_model_still_gives_schema_valid_calls(tiny_engine, robot_tools):
