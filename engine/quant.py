@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Int8Linear", "Int4Linear", "Int8Embedding", "Int4TinygemmLinear", "QUANTIZED", "q4_1_groups", "gguf_int4_groups",
+__all__ = ["Int8Linear", "Int4Linear", "Int8Embedding", "Int4TinygemmLinear", "QUANTIZED", "q4_1_groups", "gguf_int4_groups", "int8_groups",
            "GGUF_INT4_TYPES", "linear_bytes", "quantize", "linear_rows", "fused_ext", "choose_format", "cached_format",
            "FormatChoice", "MODES", "FORMATS", "PACKED_ROWS"]
 
@@ -137,46 +137,71 @@ def _uninitialised(cls, linear: nn.Linear, *weights: torch.Tensor) -> nn.Module:
     return layer
 
 
-class Int8Linear(nn.Module):
-    """Weight-only int8 linear layer with per-output-channel scales.
+def int8_groups(n: int, k: int, rows: Callable[[int, int], torch.Tensor], group: int, device=None,
+                chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes of a float [n, k] weight given by row blocks (`rows(a, b)` -> [b - a, k]), one
+    fp32 scale per `group` consecutive values of a row: scale = max |w| / 127 of the group, code =
+    round(w / scale) (GGML's Q8_0 rule; an all-zero group has scale 0 and codes 0). Values that came
+    from a Q8_0 block (code * fp16 scale, its largest code +-127) come back exactly.
 
-    Buffers: qweight [out, in] int8, scales [out] fp32, scales_bf16 [out] bf16 (packed kernel),
-    bias [out] or None (kept in the original dtype).
+    Returns:
+        (codes [n, k] int8, scales [n, k / group] fp32), made `chunk` rows at a time (no temporaries
+        of the whole weight).
+    Raises:
+        ValueError: k is not a multiple of `group`.
+    """
+    if k % group:
+        raise ValueError(f"int8 groups of {group} need a width divisible by {group}, got {k}")
+    q = torch.empty(n, k, dtype=torch.int8, device=device)
+    scales = torch.empty(n, k // group, device=device)
+    for r in range(0, n, chunk):
+        w = rows(r, min(r + chunk, n)).detach().float().unflatten(-1, (-1, group))
+        s = w.abs().amax(-1, keepdim=True) / 127.0
+        q[r:r + chunk] = torch.round(w / torch.where(s > 0, s, 1.0)).clamp_(-127, 127).flatten(-2).to(torch.int8)
+        scales[r:r + chunk] = s[..., 0]
+    return q, scales
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 linear layer: one scale per output channel (`group` None, what `quantize`
+    makes), or one per `group` input channels of a row (`load_gguf`: group 32 keeps a GGUF file's Q8_0
+    blocks exactly, and re-quantizes Q5/Q6 values with 8-bit codes per 32 instead of per row).
+    Codes and scales follow `int8_groups`.
+
+    Buffers: qweight [out, in] int8; scales [out] fp32 (per channel) or [out, in / group] fp32;
+    scales_bf16 [out] bf16 (the packed kernel, per channel only); bias [out] or None (kept in the
+    original dtype).
 
     forward(x [..., in]) -> [..., out] in x's dtype.
+
+    Raises (constructors): ValueError if `group` does not divide in_features.
     """
 
-    _ROWS = 4096  # rows quantized at a time
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int | None = None):
         super().__init__()
-        self._store(*self._quantized(*weight.shape, lambda a, b: weight[a:b], weight.device),
+        self._store(*self._quantized(*weight.shape, lambda a, b: weight[a:b], weight.device, group),
                     None if bias is None else bias.detach().clone())
 
     @classmethod
     def from_rows(cls, out_features: int, in_features: int, rows: Callable[[int, int], torch.Tensor],
-                  bias: torch.Tensor | None = None, device=None) -> "Int8Linear":
+                  bias: torch.Tensor | None = None, device=None, group: int | None = None) -> "Int8Linear":
         """A layer of a weight given by row blocks: `rows(a, b)` -> float [b - a, in_features] (output rows
         a..b-1, e.g. dequantized from a file), so no float copy of the whole weight is needed."""
         layer = _bare(cls)
-        layer._store(*cls._quantized(out_features, in_features, rows, device), bias)
+        layer._store(*cls._quantized(out_features, in_features, rows, device, group), bias)
         return layer
 
-    @classmethod
-    def _quantized(cls, n: int, k: int, rows: Callable[[int, int], torch.Tensor], device) -> tuple:
-        q = torch.empty(n, k, dtype=torch.int8, device=device)
-        scales = torch.empty(n, device=device)
-        for r in range(0, n, cls._ROWS):  # row blocks: temporaries of a block, not of the whole weight
-            w = rows(r, min(r + cls._ROWS, n)).detach().float()
-            scales[r:r + cls._ROWS] = s = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-            q[r:r + cls._ROWS] = torch.round(w / s[:, None]).clamp_(-127, 127)
-        return q, scales
+    @staticmethod
+    def _quantized(n: int, k: int, rows: Callable[[int, int], torch.Tensor], device, group: int | None) -> tuple:
+        q, scales = int8_groups(n, k, rows, group or k, device)
+        return q, scales if group else scales[:, 0]
 
     def _store(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = qweight.shape
+        self.group = None if scales.dim() == 1 else self.in_features // scales.shape[1]
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
-        self.register_buffer("scales_bf16", scales.to(torch.bfloat16))
+        self.register_buffer("scales_bf16", scales.to(torch.bfloat16) if self.group is None else None)
         self.register_buffer("bias", bias)
 
     @classmethod
@@ -185,23 +210,30 @@ class Int8Linear(nn.Module):
         return cls(linear.weight, linear.bias)
 
     @classmethod
-    def empty(cls, linear: nn.Linear) -> "Int8Linear":
-        """An uninitialised CPU layer of `linear`'s shape (`linear` may be on the meta device), for
-        `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
+    def empty(cls, linear: nn.Linear, group: int | None = None) -> "Int8Linear":
+        """An uninitialised CPU layer of `linear`'s shape (`linear` may be on the meta device) and `group`,
+        for `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
         n, k = linear.weight.shape
-        return _uninitialised(cls, linear, torch.empty(n, k, dtype=torch.int8), torch.empty(n))
+        scales = torch.empty(n) if group is None else torch.empty(n, k // group)
+        return _uninitialised(cls, linear, torch.empty(n, k, dtype=torch.int8), scales)
 
     def dequantized(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight as [out, in] of `dtype` (scales applied); with `rows` ([R] int64), only those
         output rows, [R, in]."""
         q, s = (self.qweight, self.scales) if rows is None else (self.qweight[rows], self.scales[rows])
-        return q.to(dtype) * s.to(dtype)[:, None]
+        if self.group is None:
+            return q.to(dtype) * s.to(dtype)[:, None]
+        return (q.to(dtype).unflatten(-1, (-1, self.group)) * s.to(dtype)[..., None]).flatten(-2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         packed = x2.shape[0] <= PACKED_ROWS and _has_int8pack(x.device.type)
-        if packed and x.device.type == "cuda":  # torch's CUDA kernel: fp32 accumulation, any activation dtype
+        if self.group is not None:  # the extension's grouped kernel on the CPU, else the dequantized weight
+            ext = fused_ext() if packed and x.device.type == "cpu" else None
+            y = (ext.int8_gemv(x2.float(), self.qweight, self.scales).to(x.dtype) if ext is not None
+                 else F.linear(x2, self.dequantized(x.dtype)))
+        elif packed and x.device.type == "cuda":  # torch's CUDA kernel: fp32 accumulation, any activation dtype
             y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
         elif packed and (ext := fused_ext()) is not None:
             y = ext.int8_gemv(x2.float(), self.qweight, self.scales).to(x.dtype)
@@ -214,7 +246,8 @@ class Int8Linear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+        kind = "per-channel" if self.group is None else f"groups of {self.group}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 {kind}"
 
 
 class Int4Linear(nn.Module):
@@ -401,7 +434,6 @@ class Int8Embedding(nn.Module):
     """
 
     GROUP = 32
-    _ROWS = 4096  # rows quantized at a time
 
     def __init__(self, weight: torch.Tensor):
         """Quantize a float table [num_embeddings, embedding_dim] (it is not modified)."""
@@ -421,14 +453,7 @@ class Int8Embedding(nn.Module):
     def _quantized(cls, n: int, k: int, rows: Callable[[int, int], torch.Tensor], device) -> tuple:
         if not cls.supports((n, k)):
             raise ValueError(f"Int8Embedding needs embedding_dim divisible by {cls.GROUP}, got {k}")
-        q = torch.empty(n, k, dtype=torch.int8, device=device)
-        scales = torch.empty(n, k // cls.GROUP, device=device)
-        for r in range(0, n, cls._ROWS):  # row blocks: temporaries of a block, not of the whole table
-            w = rows(r, min(r + cls._ROWS, n)).detach().float().unflatten(-1, (-1, cls.GROUP))
-            s = w.abs().amax(-1, keepdim=True) / 127.0
-            q[r:r + cls._ROWS] = torch.round(w / torch.where(s > 0, s, 1.0)).flatten(-2).to(torch.int8)
-            scales[r:r + cls._ROWS] = s[..., 0]
-        return q, scales
+        return int8_groups(n, k, rows, cls.GROUP, device)
 
     def _store(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
         self.num_embeddings, self.embedding_dim = qweight.shape
@@ -497,7 +522,9 @@ def linear_rows(linear: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch
     Raises:
         TypeError: `linear` is neither an `nn.Linear` nor an `Int8Linear`.
     """
-    if isinstance(linear, Int8Linear):
+    if isinstance(linear, Int8Linear) and linear.group is not None:
+        y = F.linear(x.float(), linear.dequantized(torch.float32, rows))
+    elif isinstance(linear, Int8Linear):
         y = F.linear(x.float(), linear.qweight.index_select(0, rows).float()) * linear.scales.index_select(0, rows)
     elif isinstance(linear, nn.Linear):
         y = F.linear(x, linear.weight.index_select(0, rows)).float()

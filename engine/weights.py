@@ -239,14 +239,16 @@ def _quantized_path(files: ModelFiles, fmt: str) -> Path:
 
 
 def _layer_kinds(model) -> dict[str, str]:
-    """{module name: "int4" | "int8" | "float" | "int8-embedding"} of every linear layer and of the
-    token embedding of `model`: which class `load_quantized` rebuilds before it fills the layers."""
+    """{module name: "int4" | "int8" | "int8-group<G>" | "float" | "int8-embedding"} of every linear layer
+    and of the token embedding of `model`: which class (and `Int8Linear` group) `load_quantized` rebuilds
+    before it fills the layers."""
     from torch import nn
 
     from .quant import Int4Linear, Int8Embedding, Int8Linear
 
     kinds = {Int4Linear: "int4", Int8Linear: "int8", nn.Linear: "float", Int8Embedding: "int8-embedding"}
-    return {name: kinds[type(m)] for name, m in model.named_modules() if type(m) in kinds}
+    return {name: kinds[type(m)] + (f"-group{m.group}" if getattr(m, "group", None) else "")
+            for name, m in model.named_modules() if type(m) in kinds}
 
 
 def load_quantized(files: ModelFiles, fmt: str):
@@ -279,7 +281,10 @@ def load_quantized(files: ModelFiles, fmt: str):
             for name, kind in kinds.items():
                 parent, _, child = name.rpartition(".")
                 owner = net.get_submodule(parent)
-                setattr(owner, child, empty[kind](getattr(owner, child)))
+                grouped = kind.startswith("int8-group")
+                layer = (Int8Linear.empty(getattr(owner, child), int(kind[len("int8-group"):])) if grouped
+                         else empty[kind](getattr(owner, child)))
+                setattr(owner, child, layer)
         state = load_file(str(path))
         check_finite(state, str(path))
         if files.args.tie_embeddings and kinds.get("output") == "float":
@@ -711,6 +716,7 @@ def _write_fp32_weights(files: ModelFiles, out: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+_GROUP = 32  # input channels per int8 scale of a quantized GGUF tensor that is not 4-bit (a Q8_0 block)
 
 
 def load_gguf(files: ModelFiles):
@@ -722,9 +728,10 @@ def load_gguf(files: ModelFiles):
       when all its tensors are Q4_0, Q4_1 or Q4_K: the same values, no re-quantization (scale and
       min rounded to bf16, the kernel's layout);
     - `nn.Linear` (fp32) when all are F32/F16/BF16;
-    - otherwise (Q8_0, Q6_K, Q5_*, ... or a mix) `Int8Linear` of that projection's dequantized
-      weights, one projection at a time.
-    The lm_head is an `Int8Linear` of its (or the tied embedding's) dequantized weights when quantized,
+    - otherwise (Q8_0, Q6_K, Q5_*, ... or a mix) `Int8Linear` with one scale per 32 input channels of
+      that projection's dequantized weights, one projection at a time: Q8_0 blocks are kept exactly
+      (`quant.int8_groups`), others get 8-bit codes per 32 values.
+    The lm_head is such an `Int8Linear` of its (or the tied embedding's) dequantized weights when quantized,
     fp32 `nn.Linear` when float; the embedding table an `Int8Embedding` when quantized (exact for
     Q8_0), fp32 when float; norms fp32 (Qwen3's per-head Q/K norms too). Both tables are built
     from row blocks, never a whole fp32 copy. Pages of the file are dropped from memory after each layer.
@@ -786,7 +793,7 @@ def load_gguf(files: ModelFiles):
             if bias is not None:
                 layer.bias = nn.Parameter(bias, requires_grad=False)
             return layer
-        return Int8Linear(weight, bias)
+        return Int8Linear(weight, bias, group=_GROUP)
 
     with torch.device("meta"):  # no init: every tensor comes from the file
         net = Transformer(args)
@@ -828,7 +835,7 @@ def load_gguf(files: ModelFiles):
         if not args.tie_embeddings:
             net.output.weight = float_param("output.weight", (args.vocab_size, args.dim))
     else:
-        net.output = Int8Linear.from_rows(args.vocab_size, args.dim, rows_of(head))
+        net.output = Int8Linear.from_rows(args.vocab_size, args.dim, rows_of(head), group=_GROUP)
     _drop_pages(mapped)
     net.rope_cos, net.rope_sin = rope_tables(args)
     net.tie_weights()

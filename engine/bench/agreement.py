@@ -12,6 +12,13 @@ GGUF files, teacher-forced over an agent's real context.
    (`tokenspeed.weights.load_gguf`, what `quantize="gguf"` loads), llama.cpp the file through
    `Llama(logits_all=True)`, same threads. Per position: whether the argmaxes agree, and
    KL(llama.cpp || TokenSpeed) of the softmaxed logits (nats).
+4. The floor: llama.cpp against itself with its KV cache in f32 instead of f16, the same file and ids.
+   llama.cpp quantizes activations to 8 bits per 32 values before each quantized matmul, so a change
+   that small re-rounds them all: on the embedded model re-quantized to Q8_0 (300 positions, 2026-12-05)
+   llama.cpp agreed with itself on 96.7% of top-1s (mean KL 0.0022), about as often as with exact fp32
+   arithmetic on the file's dequantized weights (97.7%, KL 0.0021): the workload's near-ties (8% of
+   positions have a top-2 margin under 0.1 nats) against logit noise of ~0.1 (std over the vocabulary)
+   from that activation rounding. TokenSpeed's agreement is read against this floor.
 
 Goal (issue 28): top-1 agreement >= 99% and mean KL <= 0.01 on each file.
 """
@@ -128,27 +135,35 @@ def _file_agreement(path: Path, context: list[tuple[list[int], list[int]]], thre
     torch.set_num_threads(threads)
     model = load_gguf(resolve_model(path))
     longest = max(len(s) + len(o) for s, o in context)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=longest + 8, n_batch=512, n_threads=threads,
-                          n_threads_batch=threads, logits_all=True, seed=0, verbose=False)
-    cache, system, parts, seconds = model.new_cache(longest + 8), None, [], {"tokenspeed": 0.0, "llama.cpp": 0.0}
+    llms = [llama_cpp.Llama(model_path=str(path), n_ctx=longest + 8, n_batch=512, n_threads=threads,
+                            n_threads_batch=threads, logits_all=True, seed=0, verbose=False, **kv)
+            for kv in ({}, {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32})]
+    cache, system, parts, floor = model.new_cache(longest + 8), None, [], []
+    seconds = {"tokenspeed": 0.0, "llama.cpp": 0.0}
     for sys_ids, obs in context:
         if sys_ids != system:  # a new workload's system prompt
             system = sys_ids
             cache.truncate(0)
             model(torch.tensor(system), 0, cache, "none")
-            llm.reset()
-            llm.eval(system)
+            for llm in llms:
+                llm.reset()
+                llm.eval(system)
         cache.truncate(len(system))
         t0 = time.perf_counter()
         ours = model(torch.tensor(obs), len(system), cache, "all")
         t1 = time.perf_counter()
-        llm.n_tokens = len(system)  # eval drops llama.cpp's KV past n_tokens: the system prompt stays
-        llm.eval(obs)
-        theirs = llm.scores[len(system):len(system) + len(obs)]
+        theirs = []
+        for llm in llms:
+            llm.n_tokens = len(system)  # eval drops llama.cpp's KV past n_tokens: the system prompt stays
+            llm.eval(obs)
+            theirs.append(llm.scores[len(system):len(system) + len(obs)])
+            if len(theirs) == 1:
+                seconds["llama.cpp"] += time.perf_counter() - t1
         seconds["tokenspeed"] += t1 - t0
-        seconds["llama.cpp"] += time.perf_counter() - t1
-        parts.append(compare(ours, theirs))
-    return {**_merge(parts), "seconds": seconds}
+        parts.append(compare(ours, theirs[0]))
+        floor.append(compare(theirs[1], theirs[0]))
+    merged = _merge(floor)
+    return {**_merge(parts), "seconds": seconds, "floor": {k: merged[k] for k in ("top1", "kl_mean")}}
 
 
 def run_agreement(out_dir: Path, formats: list[str] | None = None, positions: int = 2000, threads: int = 2) -> dict:
@@ -161,7 +176,8 @@ def run_agreement(out_dir: Path, formats: list[str] | None = None, positions: in
         threads: CPU threads of both engines and of the quantizer.
     Returns:
         {"command", "positions", "threads", "files": {format: {"file", "types" (GGUF tensor type -> count),
-        "positions", "top1", "kl_mean", "kl_max", "met", "seconds"}}, "goal"}.
+        "positions", "top1", "kl_mean", "kl_max", "met", "seconds", "floor" ({"top1", "kl_mean"} of llama.cpp
+        with an f32 KV cache against its default f16 one)}}, "goal"}.
     Raises:
         RuntimeError: llama-cpp-python missing or its quantizer failed. ValueError: an unknown format.
     """
@@ -179,7 +195,8 @@ def run_agreement(out_dir: Path, formats: list[str] | None = None, positions: in
         res = _file_agreement(path, context, threads)
         files[fmt] = {"file": str(path), "types": types, **res,
                       "met": res["top1"] >= TOP1_GOAL and res["kl_mean"] <= KL_GOAL}
-        print(f"#   {fmt}: top-1 {res['top1']:.2%}, mean KL {res['kl_mean']:.5f} over {res['positions']} positions",
+        print(f"#   {fmt}: top-1 {res['top1']:.2%}, mean KL {res['kl_mean']:.5f} over {res['positions']} positions "
+              f"(llama.cpp against itself: {res['floor']['top1']:.2%}, {res['floor']['kl_mean']:.5f})",
               file=sys.stderr, flush=True)
     report = {"command": f"tokenspeed bench agreement --formats {','.join(formats)} --positions {positions} "
                          f"--threads {threads}", "positions": positions, "threads": threads, "files": files,
@@ -190,10 +207,13 @@ def run_agreement(out_dir: Path, formats: list[str] | None = None, positions: in
 
 
 def print_table(report: dict) -> None:
-    """The report as text: one line per file, then MET/MISSED against the goal."""
-    print(f"{'format':8} {'tensor types':34} {'positions':>9} {'top-1':>8} {'mean KL':>9} {'max KL':>8}")
+    """The report as text: one line per file (the last two columns: llama.cpp against itself, f32 vs f16
+    KV cache), then MET/MISSED against the goal."""
+    print(f"{'format':8} {'tensor types':34} {'positions':>9} {'top-1':>8} {'mean KL':>9} {'max KL':>8} "
+          f"{'floor top-1':>11} {'floor KL':>9}")
     for fmt, r in report["files"].items():
         types = ", ".join(f"{k} {v}" for k, v in sorted(r["types"].items()))
-        print(f"{fmt:8} {types:34} {r['positions']:9d} {r['top1']:8.2%} {r['kl_mean']:9.5f} {r['kl_max']:8.4f}")
+        print(f"{fmt:8} {types:34} {r['positions']:9d} {r['top1']:8.2%} {r['kl_mean']:9.5f} {r['kl_max']:8.4f} "
+              f"{r['floor']['top1']:11.2%} {r['floor']['kl_mean']:9.5f}")
     for fmt, r in report["files"].items():
         print(f"  {'MET' if r['met'] else 'MISSED'}: {fmt}: {report['goal']}")

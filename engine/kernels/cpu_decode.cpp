@@ -31,20 +31,25 @@ inline int64_t grain_for(int64_t T, int64_t n, int64_t grain) { return T >= kBur
 
 }  // namespace
 
-// y[t, j] = scales[j] * sum_k x[t, k] * w[j, k] for int8 w [N, K], fp32 x [T, K] and scales [N]
-// (the lm_head: a memory-bound GEMV that reads the int8 weight once for all T rows).
+// y[t, j] = sum_g scales[j, g] * sum_{k in group g} x[t, k] * w[j, k] for int8 w [N, K], fp32 x [T, K]
+// and scales [N] (one per row) or [N, G] (groups of K / G input channels, a multiple of 16: a GGUF
+// file's Q8_0 blocks); a memory-bound GEMV that reads the int8 weight once for all T rows.
 at::Tensor int8_gemv(at::Tensor x, at::Tensor w, at::Tensor scales) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat,
               "int8_gemv needs fp32 x, int8 w, fp32 scales");
   x = x.contiguous();
   const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K && w.is_contiguous(), "weight must be contiguous [N, K]");
+  const int64_t G = scales.numel() / N;
+  TORCH_CHECK(scales.is_contiguous() && scales.size(0) == N && scales.numel() == N * G && K % G == 0 &&
+                  (G == 1 || (K / G) % 16 == 0),
+              "scales must be contiguous [N] or [N, G] with K / G a multiple of 16");
   at::Tensor y = at::empty({T, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, grain_for(T, N, 256), [&](int64_t lo, int64_t hi) { ts_int8_rows(xp, T, K, wp, sp, yp, N, lo, hi); });
+  at::parallel_for(0, N, grain_for(T, N, 256), [&](int64_t lo, int64_t hi) { ts_int8_rows(xp, T, K, wp, sp, G, yp, N, lo, hi); });
   return y;
 }
 
@@ -74,7 +79,7 @@ at::Tensor int4_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales) {
 namespace {
 
 // One projection: weight (dense [N, K] fp32, int8 [N, K], or int4 codes [N / 16, K / 8, 64]), its
-// scales (int8: fp32 [N]; int4: bf16 [N / 16, K / 32, 2, 16]) and an optional bias [N] (empty if none).
+// scales (int8: fp32 [N] or [N, G]; int4: bf16 [N / 16, K / 32, 2, 16]) and an optional bias [N] (empty if none).
 struct Linear {
   at::Tensor weight, scales, bias;
   int64_t kind;

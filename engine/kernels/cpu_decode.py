@@ -129,7 +129,7 @@ def load(cache: Path, variant: str | None = None, verbose: bool = False):
         verbose: print the compiler's output.
     Returns:
         a module with `decode_layers(...)`, `int4_matmul(x [T, K] fp32, codes, scales) -> [T, N] fp32` (the
-        `quant.Int4Linear` layout), `int8_gemv(x [T, K] fp32, w [N, K] int8, scales [N] fp32) -> [T, N] fp32`
+        `quant.Int4Linear` layout), `int8_gemv(x [T, K] fp32, w [N, K] int8, scales [N] or [N, K / group] fp32) -> [T, N] fp32`
         and `isa() -> str` (the variant's family name).
     Raises:
         CpuVariantError: unknown variant, or one this CPU cannot run.

@@ -66,10 +66,11 @@ class Harness:
         return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
 
     def int8_gemv(self, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """x [T, K] fp32, w [N, K] int8, scales [N] fp32 -> y [T, N] fp32."""
+        """x [T, K] fp32, w [N, K] int8, scales [N] or [N, G] fp32 (groups of K / G channels) -> y [T, N] fp32."""
         T, K = x.shape
         N = w.shape[0]
-        req = struct.pack("<i", 2) + _i64(T, K, N) + _raw(x.float()) + _raw(w) + _raw(scales.float())
+        G = scales.numel() // N
+        req = struct.pack("<i", 2) + _i64(T, K, N, G) + _raw(x.float()) + _raw(w) + _raw(scales.float())
         return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
 
     def attend(self, q: torch.Tensor, T: int, start: int, k: torch.Tensor, v: torch.Tensor,

@@ -170,16 +170,33 @@ void weighted_sum_of(const float* p, int64_t R, int64_t ld, const float* v, floa
 }
 
 // Rows t0 .. t0 + TT of the int8 product for output rows [j0, j1): each weight row is converted to
-// fp32 once per kW input channels for all TT activation rows (accumulators in registers).
+// fp32 once per kW input channels for all TT activation rows (accumulators in registers). G scales
+// per row: G = 1 scales the row's sum once; G > 1 (groups of K / G channels, a multiple of kW: the
+// Q8_0 blocks of a GGUF file) scales each group's partial sums and accumulates them per lane.
 template <int TT>
-void int8_block(const float* x, int64_t t0, int64_t K, const int8_t* w, const float* scales, float* y, int64_t N,
-                int64_t j0, int64_t j1) {
+void int8_block(const float* x, int64_t t0, int64_t K, const int8_t* w, const float* scales, int64_t G, float* y,
+                int64_t N, int64_t j0, int64_t j1) {
   for (int64_t j = j0; j < j1; ++j) {
     const int8_t* wr = w + j * K;
     float a[TT];
     int64_t k = 0;
     vf acc[TT];
     for (int t = 0; t < TT; ++t) acc[t] = zero();
+    if (G > 1) {
+      const int64_t S = K / G;
+      for (int64_t g = 0; g < G; ++g) {
+        vf part[TT];
+        for (int t = 0; t < TT; ++t) part[t] = zero();
+        for (k = g * S; k < (g + 1) * S; k += kW) {
+          const vf wv = load_i8(wr + k);
+          for (int t = 0; t < TT; ++t) part[t] = fmadd(load(x + (t0 + t) * K + k), wv, part[t]);
+        }
+        const vf s = set1(scales[j * G + g]);
+        for (int t = 0; t < TT; ++t) acc[t] = fmadd(part[t], s, acc[t]);
+      }
+      for (int t = 0; t < TT; ++t) y[(t0 + t) * N + j] = reduce_add(acc[t]);
+      continue;
+    }
     for (; k + kW <= K; k += kW) {
       const vf wv = load_i8(wr + k);
       for (int t = 0; t < TT; ++t) acc[t] = fmadd(load(x + (t0 + t) * K + k), wv, acc[t]);
@@ -300,12 +317,13 @@ void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, 
                      [&](auto tt) { ts::int4_block<decltype(tt)::value>(q, sx, xs, t0, K, codes, scales, y, N, nb0, nb1); });
 }
 
-void ts_int8_rows(const float* x, int64_t T, int64_t K, const int8_t* w, const float* scales, float* y, int64_t N,
-                  int64_t j0, int64_t j1) {
+void ts_int8_rows(const float* x, int64_t T, int64_t K, const int8_t* w, const float* scales, int64_t G, float* y,
+                  int64_t N, int64_t j0, int64_t j1) {
   int64_t t0 = 0;
-  for (; t0 + 4 <= T; t0 += 4) ts::int8_block<4>(x, t0, K, w, scales, y, N, j0, j1);
+  for (; t0 + 4 <= T; t0 += 4) ts::int8_block<4>(x, t0, K, w, scales, G, y, N, j0, j1);
   if (t0 < T)
-    ts::with_rows<4>(static_cast<int>(T - t0), [&](auto tt) { ts::int8_block<decltype(tt)::value>(x, t0, K, w, scales, y, N, j0, j1); });
+    ts::with_rows<4>(static_cast<int>(T - t0),
+                     [&](auto tt) { ts::int8_block<decltype(tt)::value>(x, t0, K, w, scales, G, y, N, j0, j1); });
 }
 
 void ts_attend_rows(const float* q, int64_t T, int64_t start, const float* k, const float* v, int64_t D, float scale,

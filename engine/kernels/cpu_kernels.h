@@ -24,10 +24,11 @@ void ts_quantize_rows(const float* x, int64_t T, int64_t K, int8_t* q, float* sx
 void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* codes,
                   const uint16_t* scales, float* y, int64_t N, int64_t nb0, int64_t nb1);
 
-// y[t, j] = scales[j] * sum_k x[t, k] * w[j, k] for output rows j in [j0, j1): x [T, K] fp32,
-// w [N, K] int8, scales [N] fp32, y [T, N] fp32 (one pass over the weight for all T rows).
-void ts_int8_rows(const float* x, int64_t T, int64_t K, const int8_t* w, const float* scales, float* y, int64_t N,
-                  int64_t j0, int64_t j1);
+// y[t, j] = sum_g scales[j, g] * sum_{k in group g} x[t, k] * w[j, k] for output rows j in [j0, j1):
+// x [T, K] fp32, w [N, K] int8, scales [N, G] fp32 (G = 1: one scale per row; G > 1: groups of K / G
+// input channels, K / G a multiple of 16), y [T, N] fp32 (one pass over the weight for all T rows).
+void ts_int8_rows(const float* x, int64_t T, int64_t K, const int8_t* w, const float* scales, int64_t G, float* y,
+                  int64_t N, int64_t j0, int64_t j1);
 
 // Attention of R query rows q [R, D] over one KV head's keys k and values v [>= start + T, D]:
 // row r sees slots [0, start + r % T] (the cached prefix, then causal among T new tokens; r =

@@ -84,6 +84,11 @@ def test_harness_kernels_match_reference(harnesses, variant):
     x = torch.randn(5, 70)
     ref = (x.double() @ lin8.qweight.double().T * lin8.scales.double()).float()
     torch.testing.assert_close(h.int8_gemv(x, lin8.qweight, lin8.scales), ref, rtol=1e-5, atol=1e-4)
+    # int8 in groups of 32 input channels (a GGUF file's Q8_0 blocks): each group's sum scaled by its own scale
+    lin8 = Int8Linear(torch.randn(40, 96) * torch.rand(40, 3).repeat_interleave(32, 1), group=32)
+    x = torch.randn(5, 96)
+    ref = (x.double() @ lin8.dequantized(torch.float64).T).float()
+    torch.testing.assert_close(h.int8_gemv(x, lin8.qweight, lin8.scales), ref, rtol=1e-5, atol=1e-4)
     # attention: decode (1 row per query head of a group of 3), a verification chain (T = 4), head
     # sizes of every specialised width and ones that are not (40, 20: the plain loops) and prefill
     # bursts (rows in several tiles of 32, causal bounds per tile, key tiles plus a tail)

@@ -49,6 +49,38 @@ def test_int8_embedding_keeps_a_q8_0_table_exactly_in_a_quarter_of_the_memory():
         Int8Embedding(torch.randn(4, 40))
 
 
+@pytest.mark.parametrize("rows", [1, 5, PACKED_ROWS + 5])  # the extension's grouped kernel and the dequantize path
+def test_int8_linear_in_groups_of_32_keeps_q8_0_blocks_and_matches_a_float64_reference(rows):
+    # group=32 (what load_gguf makes of a Q8_0 tensor): a weight of Q8_0 values (gguf's quantizer, as
+    # llama.cpp's) is held exactly (codes and fp16 scales of its blocks), and the product equals the float64
+    # product with those values; per-row int8 of the same values is not exact
+    import gguf
+    import numpy as np
+
+    torch.manual_seed(0)
+    w = torch.randn(160, 96) * torch.rand(160, 3).repeat_interleave(32, 1)  # groups of very different ranges
+    w[3] = 0
+    qt = gguf.GGMLQuantizationType.Q8_0
+    blocks = gguf.quants.quantize(w.numpy(), qt)
+    q8 = torch.from_numpy(gguf.quants.dequantize(blocks, qt).astype(np.float32))
+    bias = torch.randn(160)
+    lin = Int8Linear(q8, bias, group=32)
+    assert lin.group == 32 and lin.scales.shape == (160, 3) and lin.scales_bf16 is None
+    assert torch.equal(lin.dequantized(), q8)
+    file_scales = torch.from_numpy(blocks.reshape(160, 3, 34)[..., :2].copy().view(np.float16).astype(np.float32))
+    assert torch.equal(lin.scales, file_scales[..., 0])
+    assert not torch.equal(Int8Linear(q8).dequantized(), q8)
+    x = torch.randn(rows, 96)
+    ref = (x.double() @ q8.double().T + bias.double()).float()
+    torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
+    sel = torch.tensor([3, 17, 159, 0])
+    torch.testing.assert_close(linear_rows(lin, x, sel), ref[:, sel], rtol=1e-5, atol=1e-5)
+    built = Int8Linear.from_rows(160, 96, lambda a, b: q8[a:b], bias, group=32)
+    assert torch.equal(built.qweight, lin.qweight) and torch.equal(built.scales, lin.scales)
+    with pytest.raises(ValueError, match="divisible"):
+        Int8Linear(torch.randn(4, 40), group=32)
+
+
 def test_int4_linear_recovers_q4_1_codes_exactly():
     # Weights on a Q4_1 grid (per group of 32: code * d + m, codes spanning 0..15) come back exactly,
     # up to the bf16 rounding of the group scale/minimum; the forward adds the int8 rounding of the

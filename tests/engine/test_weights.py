@@ -213,7 +213,7 @@ _Q4_K_M = {"*": Q.Q4_K, "attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K}
 def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind, qtype):
     # quantize="gguf": weights read from the file without an fp32 copy; 4-bit blocks become Int4Linear
     # holding exactly the file's values (scales here are exact in bf16), other quantized projections
-    # Int8Linear of their dequantized values, float ones stay fp32; the embedding table int8 in groups
+    # Int8Linear of their dequantized values in groups of 32, float ones stay fp32; the embedding table int8 in groups
     # of 32 (exact for Q8_0) unless float. Logits agree with the fp32 reference on the same file (the
     # int4 kernel quantizes activations to int8: W4A8).
     from tokenspeed.quant import Int4Linear, Int8Embedding, Int8Linear
@@ -239,8 +239,8 @@ def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind,
             elif kinds.get(gname, kinds["*"]) == Q.F16:
                 assert type(ours) is torch.nn.Linear and torch.equal(ours.weight, theirs.weight)
             else:
-                assert isinstance(ours, Int8Linear)
-                assert torch.equal(ours.qweight, Int8Linear(theirs.weight).qweight)
+                assert isinstance(ours, Int8Linear) and ours.group == 32
+                assert torch.equal(ours.qweight, Int8Linear(theirs.weight, group=32).qweight)
             if theirs.bias is not None:
                 assert torch.equal(ours.bias, theirs.bias)
     table, ref_table = native.model.tok_embeddings(torch.arange(native.args.vocab_size)), ref.model.tok_embeddings.weight
@@ -290,16 +290,17 @@ def test_native_gguf_warm_load_reads_its_blocks_from_the_cache(tmp_path, monkeyp
 def test_native_q4_1_load_equals_dequantize_then_int4(tmp_path, monkeypatch):
     # a Q4_1 file from a min/max quantizer (gguf's, like llama.cpp's): re-quantizing its dequantized
     # weights (quantize="int4") finds the same codes, so the native load and int4 differ only by
-    # the rounding of scales and minimums; Q8_0 projections re-quantized to int8 are the same either way
+    # the rounding of scales and minimums; the Q8_0 head is the file's blocks exactly (int8 in groups of
+    # 32), where int4's head re-quantizes it to one scale per row
     monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
     _write_gguf(tmp_path / "tiny.gguf", _tiny_hf(), {"*": Q.Q4_1, "output": Q.Q8_0})
-    native, int4 = (tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize=q) for q in ("gguf", "int4"))
+    native, int4, ref = (tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize=q) for q in ("gguf", "int4", None))
     for a, b in zip(native.model.modules(), int4.model.modules()):
         assert type(a) is type(b)
         if hasattr(a, "codes"):
             assert torch.equal(a.codes, b.codes)
             assert torch.allclose(a.scales.float(), b.scales.float(), rtol=2 ** -7, atol=0)
-    assert torch.equal(native.model.output.qweight, int4.model.output.qweight)
+    assert native.model.output.group == 32 and torch.equal(native.model.output.dequantized(), ref.model.output.weight)
     ids = torch.tensor(native.tokenizer.encode("<|im_start|>user\nPick the red cube at x=0.42.<|im_end|>\n"))
     logits = [e.model(ids, torch.arange(len(ids)), e.model.new_cache(64), "all") for e in (native, int4)]
     assert (logits[0] - logits[1]).abs().max() <= 1e-2 * logits[1].abs().max()
