@@ -77,6 +77,7 @@ setup(
             "ros-ament-cmake-include-directories",
             "ros-ament-cmake-ros-core",
             "catkin-pkg",  # ament_cmake_core parses package.xml with it
+            "cmake>=3.22,<4",  # msgs/build.py runs the venv's own cmake (checked with 3.31; 4.x not tried)
         ],
         # `tokenspeed serve`: the OpenAI-compatible HTTP server
         "serve": ["fastapi>=0.110", "uvicorn>=0.29", "sse-starlette>=2.0", "prometheus-client>=0.20", "pydantic>=2.6"],

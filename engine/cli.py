@@ -50,28 +50,20 @@ def _engine(args):
 
 def cmd_call(args) -> int:
     """Answer one prompt with one schema-valid tool call; print it and the timings as JSON."""
-    from . import ToolSchemaError
-
     from .grammar import normalize_tools
     from .tools import ToolsFileError, load_tools
 
-    try:
-        tools = normalize_tools(load_tools(args.tools))  # before the model loads: a bad file fails at once
-    except (ToolSchemaError, ToolsFileError) as exc:
-        raise SystemExit(f"error: {exc}")
+    tools = normalize_tools(load_tools(args.tools))  # before the model loads: a bad file fails at once
     names = [t["function"]["name"] for t in tools]
     if args.tool is not None and args.tool not in names:
-        raise SystemExit(f"error: --tool {args.tool!r} is not in {args.tools} (tools: {', '.join(names)})")
+        raise ToolsFileError(f"--tool {args.tool!r} is not in {args.tools} (tools: {', '.join(names)})")
     engine = _engine(args)
-    try:
-        session = engine.session(system=args.system, tools=tools)
-        tool_choice = {"name": args.tool} if args.tool else args.tool_choice
-        t0 = time.perf_counter()
-        session.observe(args.prompt)
-        observe_s = time.perf_counter() - t0
-        decision = session.decide(tool_choice=tool_choice, deadline=args.deadline, max_tokens=args.max_tokens)
-    except ToolSchemaError as exc:
-        raise SystemExit(f"error: {exc}")
+    session = engine.session(system=args.system, tools=tools)
+    tool_choice = {"name": args.tool} if args.tool else args.tool_choice
+    t0 = time.perf_counter()
+    session.observe(args.prompt)
+    observe_s = time.perf_counter() - t0
+    decision = session.decide(tool_choice=tool_choice, deadline=args.deadline, max_tokens=args.max_tokens)
     report = {"status": decision.status, "tool_call": decision.tool_call, "reason": decision.reason or None,
               "text": decision.text if decision.status != "ok" else None,
               "timings": {"observe_prefill_ms": observe_s * 1e3, **decision.timings()}}
@@ -92,8 +84,10 @@ def cmd_generate(args) -> int:
 
 def cmd_serve(args) -> int:
     """Load the engine and serve the OpenAI-compatible API until interrupted."""
+    from . import EngineArgumentError
+
     if args.queue_size < 0 or args.context < 64 or args.cache_budget_mb <= 0 or args.max_body_mb <= 0:
-        raise SystemExit("error: --queue-size must be >= 0, --context >= 64, --cache-budget-mb and --max-body-mb > 0")
+        raise EngineArgumentError("--queue-size must be >= 0, --context >= 64, --cache-budget-mb and --max-body-mb > 0")
     try:
         from .serve import listen, serve
     except ImportError as exc:
@@ -177,8 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tokenspeed` console script."""
-    from . import DeviceError, EngineArgumentError, ModelLoadError, SessionArgumentError
+    from . import DeviceError, EngineArgumentError, ModelLoadError, SessionArgumentError, ToolSchemaError
     from .kernels.cpu_decode import CpuVariantError
+    from .tools import ToolsFileError
 
     args = build_parser().parse_args(argv)
     # the engine's own notices on stderr (the auto format's one-time measurement and its choice)
@@ -186,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("tokenspeed").setLevel(logging.INFO)
     try:
         return args.func(args)
-    except (ModelLoadError, CpuVariantError, DeviceError, EngineArgumentError, SessionArgumentError) as exc:
+    except (ModelLoadError, CpuVariantError, DeviceError, EngineArgumentError, SessionArgumentError, ToolSchemaError,
+            ToolsFileError) as exc:  # bad input (arguments, files, schemas, model, device): exit 2, as argparse's
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -50,14 +50,21 @@ def _code_digest() -> str:
     return h.hexdigest()
 
 
+_SAMPLE, _RUNS = 2048, 8  # values of each weight in the fingerprint, in runs of _SAMPLE // _RUNS
+
+
 def _weights_fingerprint(model) -> str:
-    """sha256 of every weight's name, dtype and shape and of a strided sample of its bytes (cheap:
-    a few KB per tensor), so that another model or weights format gives another digest."""
+    """sha256 of every weight's name, dtype and shape and of a sample of its values (cheap: a few
+    KB per tensor, in `_RUNS` contiguous runs spread over it), so that another model or weights
+    format gives another digest. Runs, not a stride: a stride maps in every page of a
+    memory-mapped weight (`tokenspeed.weights.load_quantized`), the 28 MB embedding table too,
+    of which a session otherwise reads only its tokens' rows."""
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
-        flat = t.detach().reshape(-1)
-        step = max(1, flat.numel() // 2048)
-        sample = flat[::step][:2048].to("cpu").contiguous()
+        flat, run = t.detach().reshape(-1), _SAMPLE // _RUNS
+        if flat.numel() > _SAMPLE:
+            flat = torch.cat([flat[a:a + run] for a in ((flat.numel() - run) * i // (_RUNS - 1) for i in range(_RUNS))])
+        sample = flat.to("cpu").contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(sample.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -137,42 +144,83 @@ def _save(path: Path, cache, ids: list[int], draft=None) -> None:
         old.unlink(missing_ok=True)
 
 
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
+
+
+class _Unreadable(Exception):
+    """An entry that is not the safetensors file `_save` writes (truncated, damaged, another layout)."""
+
+
+def _header(f) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
+    """The tensors of the safetensors file open as `f`: name -> (dtype, shape, byte offset in the file)."""
+    try:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n)) if 2 <= n <= 1 << 20 else None
+        header.pop("__metadata__", None)
+        return {name: (_DTYPES[t["dtype"]], tuple(t["shape"]), 8 + n + t["data_offsets"][0])
+                for name, t in header.items()}
+    except (AttributeError, KeyError, TypeError, IndexError, ValueError) as exc:
+        raise _Unreadable(f"no safetensors header ({type(exc).__name__}: {exc})") from exc
+
+
+def _read_into(f, tensors: dict, name: str, dst: torch.Tensor) -> None:
+    """Read tensor `name` of the open entry `f` (`_header`) into `dst` (a cache slice [..., n, D], or
+    [n]) block by block: from the file into the cache, with no copy of the entry in memory."""
+    dtype, shape, at = tensors[name]
+    if dtype != dst.dtype or shape != tuple(dst.shape):
+        raise _Unreadable(f"{name}: {dtype} {shape} in the entry, {dst.dtype} {tuple(dst.shape)} in the cache")
+    blocks = dst.view(-1, *dst.shape[-2:]) if dst.dim() > 2 else dst[None]  # each block contiguous
+    f.seek(at)
+    for block in blocks:
+        host = block if block.device.type == "cpu" else torch.empty_like(block, device="cpu")
+        raw = host.view(torch.uint8).numpy()
+        if f.readinto(memoryview(raw).cast("B")) != raw.nbytes:
+            raise _Unreadable(f"{name}: the file ends early")
+        if host is not block:
+            block.copy_(host)
+
+
+def _slots(buffer: torch.Tensor, n: int) -> torch.Tensor:
+    """The first `n` slots of a cache buffer: k/v [L, B, H, capacity, D] or pos/score [capacity]."""
+    return buffer[..., :n, :] if buffer.dim() > 1 else buffer[:n]
+
+
 def _load(path: Path, cache, ids: list[int], draft=None) -> tuple[bool, bool]:
     """Write the entry's KV into the empty `cache` (and its draft KV into the empty `draft`'s
-    cache); returns whether each was loaded (False: that cache untouched, it does not fit)."""
-    from safetensors.torch import load_file
-
-    try:
-        state = load_file(str(path))
-    except Exception as exc:  # noqa: BLE001 - whatever a damaged file raises (SafetensorError, OSError): a miss
-        log.warning("system prompt KV cache entry %s unreadable (%s): prefilling", path, exc)
-        return False, False
+    cache); returns whether each was loaded (False: that cache is left empty, its entry does not
+    fit or is unreadable). The file is read straight into the caches (a whole-file read first
+    held the entry twice: its size again on the session's peak RSS)."""
     n = len(ids)
-    shape = (*cache.k.shape[:3], n, cache.k.shape[4])
-    ids_t = torch.tensor(ids, dtype=torch.long, device="cpu")
-    if (not torch.equal(state.get("ids", torch.empty(0, device="cpu")), ids_t)
-            or tuple(state["k"].shape) != shape or tuple(state["v"].shape) != shape
-            or (cache.tracks_attention and "score" not in state) or cache.n or n > cache.capacity):
-        return False, False
-    cache.k[:, :, :, :n] = state["k"].to(cache.k.device)
-    cache.v[:, :, :, :n] = state["v"].to(cache.v.device)
-    cache.pos[:n] = state["pos"].to(cache.pos.device)
-    if cache.tracks_attention:
-        cache.score[:n] = state["score"].to(cache.score.device)
-    cache.advance(n, int(state["pos"][-1]) + 1 if n else 0)
-    if draft is None or "draft_k" not in state:
+    try:
+        with open(path, "rb") as f:
+            tensors = _header(f)
+            if "ids" not in tensors or tensors["ids"][1] != (n,) or cache.n or n > cache.capacity \
+                    or (cache.tracks_attention and "score" not in tensors):
+                return False, False
+            stored = torch.empty(n, dtype=torch.long)
+            _read_into(f, tensors, "ids", stored)
+            if not torch.equal(stored, torch.tensor(ids, dtype=torch.long)):
+                return False, False
+            for name in ["k", "v", "pos"] + (["score"] if cache.tracks_attention else []):
+                _read_into(f, tensors, name, _slots(getattr(cache, name), n))
+            cache.advance(n, int(cache.pos[n - 1]) + 1 if n else 0)
+            c = draft.cache if draft is not None else None
+            if (c is None or "draft_k" not in tensors or c.n or draft.offset or draft.anchor
+                    or n > c.capacity or not n):
+                return True, False
+            try:
+                for name in ("k", "v", "pos"):
+                    _read_into(f, tensors, f"draft_{name}", _slots(getattr(c, name), n))
+            except _Unreadable:
+                return True, False  # the draft's cache stays empty (c.n == 0): it is prefilled
+            c.advance(n, int(c.pos[n - 1]) + 1)
+            draft.tokens[:n] = np.asarray(ids, dtype=np.int64)
+            return True, True
+    except (OSError, _Unreadable) as exc:
+        if not cache.n:  # (the target's KV is not in; what was read into its slots is overwritten)
+            log.warning("system prompt KV cache entry %s unreadable (%s): prefilling", path, exc)
+            return False, False
         return True, False
-    c = draft.cache
-    dshape = (*c.k.shape[:3], n, c.k.shape[4])
-    if (tuple(state["draft_k"].shape) != dshape or tuple(state["draft_v"].shape) != dshape or c.n
-            or draft.offset or draft.anchor or n > c.capacity or not n):
-        return True, False
-    c.k[:, :, :, :n] = state["draft_k"].to(c.k.device)
-    c.v[:, :, :, :n] = state["draft_v"].to(c.v.device)
-    c.pos[:n] = state["draft_pos"].to(c.pos.device)
-    c.advance(n, int(state["draft_pos"][-1]) + 1)
-    draft.tokens[:n] = np.asarray(ids, dtype=np.int64)
-    return True, True
 
 
 def prefill_system(session) -> bool:

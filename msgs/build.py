@@ -8,7 +8,9 @@ configuring, every `<venv>/share/**/*.cmake` file is rewritten to name this inte
 include dir (`sysconfig.get_paths()['include']`) and `numpy.get_include()` instead; running it
 again changes nothing (idempotent). Then `cmake` configures, builds and installs the package with
 `CMAKE_INSTALL_PREFIX=<venv>`, so `from tokenspeed_msgs.msg import ActionCommand` works in the
-venv's Python with nothing to source. Takes ~40 s on 2 cores.
+venv's Python with nothing to source. Takes ~40 s on 2 cores. CMake is the venv's own (the `cmake`
+wheel of the `msgs-build` extra) where it has one, else the one on PATH; the generated C/C++ needs
+a compiler (`cc`/`c++`).
 
 The venv is the one this script runs in (`sys.prefix`). Raises SystemExit with cmake's exit
 status when a step fails.
@@ -16,6 +18,7 @@ status when a step fails.
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -63,16 +66,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     prefix = Path(sys.prefix)
+    cmake = str(prefix / "bin" / "cmake") if (prefix / "bin" / "cmake").exists() else shutil.which("cmake")
+    if cmake is None:
+        raise SystemExit("msgs/build.py: no cmake (install the msgs-build extra, or cmake >= 3.22 on PATH)")
     print(f"repointed {repoint_cmake_files(prefix)} CMake files to {sys.executable}'s includes")
     env_prefix = str(prefix)
     os.environ["AMENT_PREFIX_PATH"] = env_prefix
     _run([
-        "cmake", "-S", str(HERE), "-B", str(args.build_dir),
+        cmake, "-S", str(HERE), "-B", str(args.build_dir),
         f"-DCMAKE_PREFIX_PATH={env_prefix}", f"-DCMAKE_INSTALL_PREFIX={env_prefix}",
         "-DBUILD_TESTING=OFF", f"-DPython3_EXECUTABLE={prefix / 'bin' / 'python3'}",
     ])
-    _run(["cmake", "--build", str(args.build_dir), "-j", str(args.jobs)])
-    _run(["cmake", "--install", str(args.build_dir)])
+    _run([cmake, "--build", str(args.build_dir), "-j", str(args.jobs)])
+    _run([cmake, "--install", str(args.build_dir)])
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ from `sim/scenario_status`. Outputs: report.json, latency.png and a printed tabl
 
 The measured window can start when the agent's engine reports "ready" on /diagnostics
 (`--wait-engine`), so model loading does not fill the statistics with "engine_loading"
-fallbacks; those are summarised separately. The agent's start-up stages from its process start
+fallbacks; those are summarised separately. The engine's ready time is the one its status carries
+("ready at"), and /diagnostics is subscribed transient-local (latched, as the agents publish it),
+so a status published before DDS discovery matched this listener still arrives, with its time. The agent's start-up stages from its process start
 to the engine ready (its "startup: ..." values on /diagnostics) are reported beside it.
 """
 from __future__ import annotations
@@ -150,7 +152,8 @@ class LatencyHarness(Node):
         self.create_subscription(DeadlineStatus, "agent/deadline_status", self._on_deadline, 100)
         self.create_subscription(ActionFeedback, "sim/action_feedback", self._on_feedback, 100)
         self.create_subscription(String, "sim/scenario_status", self._on_status, latched)
-        self.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 10)
+        # latched, as the agents publish it: the latest status arrives however late this listener is matched
+        self.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, latched)
         self.create_subscription(String, "goal", self._on_goal, latched)
         self.goal_text = ""                     # the task the simulator asks for (its goal topic)
         self.run_task: dict | None = None       # the RunTask goal sent to the agent and its result
@@ -256,11 +259,14 @@ class LatencyHarness(Node):
         self.scenario = status
 
     def _on_diagnostics(self, msg: DiagnosticArray) -> None:
-        """Notes when an agent's engine first reports state "ready" (status "<node>: engine")."""
+        """Notes when an agent's engine first reports state "ready" (status "<node>: engine"): at its
+        "ready at" value (epoch seconds: when it became ready, however late this status arrives), or
+        when the status arrives for an agent that sends none."""
         for st in msg.status:
             if self.engine_ready_at is None and st.name.endswith(": engine") and \
                     any(kv.key == "state" and kv.value == "ready" for kv in st.values):
-                self.engine_ready_at = time.time()
+                ready_at = next((kv.value for kv in st.values if kv.key == "ready at"), None)
+                self.engine_ready_at = time.time() if ready_at is None else float(ready_at)
                 self.startup = startup_stages(st.values, self.started)
                 if self.live:
                     print(f"[{self.engine_ready_at - self.started:6.1f} s] {st.name.split(':')[0]} engine ready", flush=True)
@@ -453,7 +459,7 @@ def print_table(report: dict) -> None:
     if up is not None:
         ready = report["engine_ready_after_s"]
         stages = Table(title=f"agent start-up: process started {up['process_started_s']:.2f} s into the run, engine "
-                             f"ready seen {ready:.2f} s (CPU: the agent's process, every thread)")
+                             f"ready {ready:.2f} s (CPU: the agent's process, every thread)")
         for col in ("stage", "wall s", "CPU s"):
             stages.add_column(col, justify="left" if col == "stage" else "right")
         for st in up["stages"]:

@@ -7,7 +7,10 @@ a time. While the engine
 works on one, a caller may leave one request waiting (`defer`): a newer request replaces it (the
 replaced one is told, e.g. to answer "superseded"), and it runs when the engine is free again.
 `on_engine_output` (the worker's guard-condition callback) drains the worker, hands prefilled
-observations to the node, resolves results in the monitor and then runs the waiting request.
+observations to the node, resolves results in the monitor and then runs the waiting request. A
+valid call the monitor did not publish (it came after the deadline, e.g. a call decided ahead
+taken late, or after a stop) is taken back out of the context (`EngineWorker.not_executed`), so
+that the context never says it ran.
 """
 from __future__ import annotations
 
@@ -122,6 +125,8 @@ class DecisionLoop:
             if self._check_result is not None:
                 item = self._check_result(item)
             cmd = self.monitor.resolve(item)
+            if cmd is None and item.status == "ok":     # a call that never reached the robot leaves the context
+                self.worker.not_executed(item.decision_id)
             if self._on_resolved is not None:
                 self._on_resolved(item, cmd)
         if self.outstanding is None and self._waiting is not None:

@@ -25,6 +25,9 @@ gives. Anything else is a "miss": the state line of the request is observed on t
 instead (`Session.observe`'s since), so the predicted line's tokens up to the first one that
 differs keep their KV and only the rest is prefilled (a moved cube changes the line from its
 coordinates on); the context is then again token for token a fresh decision's.
+A call the node did not publish (`not_executed`: its deadline passed before it was out) is rolled
+back out of the context, as a decision that misses its deadline inside the engine is: the context
+never says the robot did what it did not do.
 Each result carries a `DecisionTrace` of its stages.
 """
 from __future__ import annotations
@@ -48,6 +51,7 @@ from tokenspeed_ros.launch_spec import help_requested
 from tokenspeed_ros.spin import SPIN_TIMEOUT_S, spin_once
 
 GIL_SWITCH_INTERVAL_S = 0.001     # CPython's thread switch interval in the node processes (s)
+TAKE_BACK_OBSERVATIONS = 32        # a call is taken back (`not_executed`) until this many observations followed it
 AHEAD_BUDGET_S = 10.0             # a decision decided ahead may take this long (no robot waits on it) (s)
 THREAD_DIED = "engine thread died"
 # What the engine thread's load imports (torch first), imported ahead on a thread from process start
@@ -118,6 +122,7 @@ class _Ahead:
     tool_choice: object
     checkpoint: object              # tokenspeed Checkpoint before the predicted state line
     book: tuple                     # the worker's bookkeeping at the checkpoint (`EngineWorker._book`)
+    answer: tuple                   # (Checkpoint, bookkeeping) after the state line, before its call
     result: tuple                   # (status, call, reason) of the decision
     tokens_in: int                  # state line + trigger tokens
     prefill_ms: float
@@ -180,6 +185,7 @@ class EngineWorker:
         self._notify = notify
         self._log = logger
         self.state = "loading"
+        self.ready_at = 0.0             # time.time() when `state` became "ready" (0 until then)
         self.fault = ""
         self.context_tokens = 0
         self.weights = ""               # the engine's weight format once loaded (fp32, int8, int4)
@@ -204,6 +210,11 @@ class EngineWorker:
         # the context's last observation while no decision answered it: (source, Checkpoint before
         # it, the bookkeeping before it)
         self._unanswered: tuple | None = None
+        # the last call answered (the context's last answer): (decision_id, Checkpoint before the call,
+        # the bookkeeping before it, [(source, (text, kind, stamp_s)) observed after it]), until the
+        # next decision, decision ahead or episode; `not_executed` takes it back
+        self._answered: tuple | None = None
+        self._retract: int | None = None    # not_executed()'s decision id, for the engine thread
         self._out: list[Observed | ModelResult] = []
         self._stop = False
         self._loaded = threading.Event()
@@ -292,6 +303,18 @@ class EngineWorker:
                              restate, time.monotonic(), DecisionTrace(time.time()))
             self._cv.notify()
 
+    def not_executed(self, decision_id: int) -> None:
+        """The call answering decision `decision_id` was never executed (the deadline monitor
+        dropped it as late, or published the fallback in its place): before anything observed or
+        requested after this call, the session rolls back to before that call, as for a decision
+        that missed its deadline inside the engine (its state line is again unanswered), and what
+        was observed after the call is observed again. Nothing changes when a later decision,
+        decision ahead or episode, or more than TAKE_BACK_OBSERVATIONS observations came since
+        (logged): the node calls it as soon as the monitor resolved the result."""
+        with self._cv:
+            self._retract = decision_id
+            self._cv.notify()
+
     def decide_ahead(self, restate: tuple[str, str, float], tool_choice) -> None:
         """Decide the next call ahead when the engine is idle: prefill `restate` ((source, text,
         stamp_s), the state line predicted for the next decision) on a checkpoint and decide with
@@ -348,10 +371,14 @@ class EngineWorker:
         while True:
             with self._cv:
                 while (not self._stop and not self._obs and self._request is None and self._threads is None
-                       and not self._new_episode and self._ahead_request is None):
+                       and not self._new_episode and self._ahead_request is None and self._retract is None):
                     self._cv.wait()
                 if self._stop:
                     return
+                if self._retract is not None:   # under the lock: before anything requested after not_executed()
+                    self._take_back(self._retract)
+                    self._retract = None
+                    continue
                 if self._new_episode:       # under the lock: what is observed next joins the new episode
                     self._new_episode = False
                     self._drop_ahead("dropped")
@@ -417,6 +444,10 @@ class EngineWorker:
     def _prefill_one(self, source: str, text: str, kind: str, stamp_s: float, since: tuple | None = None) -> None:
         t0 = time.monotonic()
         n, kept = self._observe(source, text, kind, since)
+        if self._answered is not None:
+            self._answered[3].append((source, (text, kind, stamp_s)))
+            if len(self._answered[3]) > TAKE_BACK_OBSERVATIONS:     # long resolved (published): not kept for ever
+                self._answered = None
         self._prefill[0] += n > 0
         self._prefill[1] += n
         self._prefill[2] += time.monotonic() - t0
@@ -445,6 +476,7 @@ class EngineWorker:
             self.context_tokens = self._session.num_tokens
             self.weights = engine.weights
             self.threads = torch.get_num_threads()
+            self.ready_at = time.time()
             self.state = "ready"
             self._log.info(f"engine ready in {time.perf_counter() - t0:.1f} s, {engine.weights} weights on {engine.device} "
                            f"({self.context_tokens} tokens of system prompt and tools); start-up stages from process "
@@ -470,7 +502,7 @@ class EngineWorker:
             self._log.error(f"engine fault in new_episode(): {type(e).__name__}: {e}")
             return
         self._previous.clear()              # nothing observed so far is in the context any more
-        self._unanswered = None
+        self._unanswered = self._answered = None
         self._prefill = [0, 0, 0.0, 0]
         self.context_tokens = self._session.num_tokens
         self._log.info(f"new episode: {dropped} tokens of the last one dropped, context {self.context_tokens} tokens")
@@ -519,6 +551,7 @@ class EngineWorker:
         if self._session is None:
             return
         self._drop_ahead("dropped")         # a newer prediction replaces it
+        self._answered = None               # predicted after a call the robot executes
         source, text, _ = restate
         cp, book = self._session.checkpoint(), self._book()
         t0 = time.perf_counter()
@@ -527,6 +560,7 @@ class EngineWorker:
             n, kept = self._observe(source, text, "sensor")
             if n:   # a miss goes back to where the line was observed (before the unanswered one it replaced)
                 cp, book = self._unanswered[1], self._unanswered[2]
+            answer = self._session.checkpoint(), self._book()
             t1 = time.perf_counter()
             d = self._session.decide(tool_choice=tool_choice, deadline_at=time.monotonic() + AHEAD_BUDGET_S)
             ok = d.status == "ok" and self._checker.problem(d.tool_call) is None
@@ -537,7 +571,7 @@ class EngineWorker:
             self.ahead_counts["failed"] += 1
             return
         self._unanswered = None
-        self._ahead = _Ahead(source, text, tool_choice, cp, book, (d.status, d.tool_call, ""),
+        self._ahead = _Ahead(source, text, tool_choice, cp, book, answer, (d.status, d.tool_call, ""),
                              n + d.prefill_tokens, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
         self.context_tokens = self._session.num_tokens
         self._log.info(f"decided ahead: {d.tool_call['name']} ({n - kept} tokens of predicted state prefilled in "
@@ -574,11 +608,28 @@ class EngineWorker:
         self._restore(ahead.checkpoint, ahead.book)
         return None
 
+    def _take_back(self, decision_id: int) -> None:
+        """not_executed(decision_id) on the engine thread (under the lock): roll the session back to
+        before that decision's call and queue again what was observed after it (a reading queued
+        since replaces its source's)."""
+        answered, self._answered = self._answered, None
+        if answered is None or answered[0] != decision_id:
+            self._log.warning(f"decision {decision_id} was not executed, but its call is no longer the context's "
+                              f"last answer: the context is left as it is")
+            return
+        _, cp, book, since = answered        # no decision ahead since: it would have ended `_answered`
+        tokens = self._session.num_tokens
+        self._restore(cp, book)
+        self._obs = {**dict(since), **self._obs}
+        self._log.info(f"decision {decision_id}: its call was not executed: rolled back ({tokens - self.context_tokens} "
+                       f"tokens), {len(since)} observations after it queued again")
+
     def _take_ahead(self, decision_id: int, deadline_at: float, tool_choice, restate, queued_at: float,
                     trace: DecisionTrace) -> ModelResult:
         """Answer a request with the call decided ahead for exactly its state line and tool choice."""
         ahead, self._ahead = self._ahead, None
         self.ahead_counts["hit"] += 1
+        self._answered = (decision_id, *ahead.answer, [])
         now = time.time()
         self._emit(Observed(restate[0], restate[1], restate[2], 0))     # the line is in the context now
         status, call, reason = ahead.result
@@ -600,8 +651,9 @@ class EngineWorker:
         started = time.monotonic()
         trace.decide_start = time.time()
         trace.context_tokens = self._session.num_tokens
+        self._answered = None
         try:
-            before = self._session.checkpoint()
+            before, book = self._session.checkpoint(), self._book()
             d = self._session.decide(tool_choice=tool_choice, deadline_at=deadline_at,
                                      abort=lambda: self._new_episode)
             status, call, reason = d.status, d.tool_call, d.reason or ""
@@ -611,6 +663,8 @@ class EngineWorker:
                 status, call, reason = "invalid", None, problem
             if status in ("ok", "text"):    # the answer stays in the context: the last observation is answered
                 self._unanswered = None
+            if status == "ok":
+                self._answered = (decision_id, before, book, [])
         except SessionAborted:     # the session is as before decide()
             self._log.info(f"decision {decision_id}: superseded by a new episode")
             return ModelResult(decision_id, "superseded", reason="a new episode began", trace=trace.as_dict())

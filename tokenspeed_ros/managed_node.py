@@ -35,6 +35,7 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.duration import Duration
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy
 
 from tokenspeed.stages import LoadStages, process_age_s
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor
@@ -43,6 +44,10 @@ from tokenspeed_ros.engine_worker import EngineWorker
 from tokenspeed_ros.params import AgentParamsError, NodeParams
 
 KINDS = ("publishers", "subscriptions", "timers", "guards", "clients", "services")
+# /diagnostics as a latched topic: a listener that joins late (or before DDS discovery has matched it,
+# which on localhost can take seconds) gets the latest status at once. Transient-local offered is
+# compatible with the volatile, reliable subscriptions of diagnostic_aggregator and rqt.
+DIAGNOSTICS_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 QUERY_POLL_S = 0.05     # while configure waits, lifecycle queries are answered within this (s)
 
 
@@ -255,7 +260,7 @@ class EngineNode(ManagedNode):
         wait for it, answering the lifecycle queries (`answer_lifecycle_queries`). Raises
         ConfigureError when the model did not load."""
         p = self.p
-        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", DIAGNOSTICS_QOS)
         stages, self.startup = self.startup or LoadStages(), None
         stages.done("configure: parameters, topics, tools")
         if tools is not None:
@@ -276,12 +281,14 @@ class EngineNode(ManagedNode):
     def startup_values(self) -> list[KeyValue]:
         """/diagnostics values of the engine's start-up once it is ready (else none): "startup:
         <stage>" = "<wall s> <CPU s>" for each stage from process start to the engine ready
-        (`EngineWorker.stages`), and "startup: process started" = when this process started
-        (seconds since the epoch), so a listener can place them on its own clock."""
+        (`EngineWorker.stages`), "startup: process started" = when this process started and
+        "ready at" = when the engine became ready (both seconds since the epoch), so a listener
+        can place them on its own clock, however late it hears them."""
         w = self.worker
         if w is None or w.state != "ready":
             return []
-        return ([KeyValue(key="startup: process started", value=f"{time.time() - process_age_s():.3f}")]
+        return ([KeyValue(key="ready at", value=f"{w.ready_at:.3f}"),
+                 KeyValue(key="startup: process started", value=f"{time.time() - process_age_s():.3f}")]
                 + [KeyValue(key=f"startup: {name}", value=f"{wall:.3f} {cpu:.3f}")
                    for name, (wall, cpu) in w.stages.items()])
 

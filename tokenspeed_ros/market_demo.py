@@ -52,7 +52,8 @@ def summary(node: MarketBridgeNode, received: int, replay_stats: dict) -> str:
         f"({feed['book_snapshots']} snapshots, {feed['book_deltas']} deltas, {feed['trades']} trades, "
         f"{feed['tickers']} tickers), {counts['coalesced']} coalesced into batches (largest batch "
         f"{counts['max_batch_seen']}), {feed['resyncs']} book resyncs",
-        f"bad records handled: {sum(bad.values())} " + json.dumps(bad)
+        f"bad input ignored and counted, the bridge still running: {sum(bad.values())} "
+        "(one count per bad message, book level or crossed episode; kinds: market_feed.BAD_INPUT_KINDS) " + json.dumps(bad)
         + f"; feed-gap alarms: {feed['feed_gap']} (the replay's end included)",
         "triggers: " + json.dumps({k[8:]: v for k, v in counts.items() if k.startswith("trigger_")})
         + f", {counts['triggers_coalesced']} coalesced before the executor took them; "

@@ -52,6 +52,8 @@ class DraftModel(nn.Module):
         # torch.empty, not `to_empty`: empty_like of a meta tensor runs torch's Python reference
         # implementation, whose first use imports sympy (~0.5 s of every engine start)
         net = net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=target.device)).to(target.dtype)
+        # the same rotary arguments as the target's: its tables, not a second copy (4 MB at 8K positions)
+        net.rope_cos, net.rope_sin = target.rope_cos, target.rope_sin
         with torch.no_grad():
             for w in net.parameters():  # small random init (loaded or copied later)
                 if w.dim() == 1:

@@ -1,6 +1,6 @@
 """The `tokenspeed` command line: help lists every subcommand, `call` checks the tools before the
-model loads, `serve` on a port in use is one error line (exit 1) before the model loads, `--device cuda` without
-CUDA is one error line (exit 2)."""
+model loads, `serve` on a port in use is one error line (exit 1) before the model loads; bad input (tools, `--device
+cuda` without CUDA, option values) is one error line with exit 2, as argparse's usage errors."""
 import json
 import socket
 import subprocess
@@ -25,12 +25,22 @@ def test_call_refuses_bad_tools_before_loading_the_model(tmp_path):
     # A model path that does not exist: had the model been loaded first, the error would be about it.
     r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "call", "--tools", str(tools), "--prompt", "hi",
                         "--model", str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "bad name!" in r.stderr and "missing.gguf" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "bad name!" in r.stderr and "missing.gguf" not in r.stderr, r.stderr
     tools.write_text(json.dumps([{"type": "function", "function": {"name": "hold", "parameters": {}}}]))
     r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "call", "--tools", str(tools), "--prompt", "hi",
                         "--tool", "grasp", "--model", str(tmp_path / "missing.gguf")],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "'grasp' is not in" in r.stderr and "missing.gguf" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "'grasp' is not in" in r.stderr and "missing.gguf" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: --tool 'grasp'") and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "call", "--tools", str(tmp_path / "none.json"),
+                        "--prompt", "hi"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: tools file") and "Traceback" not in r.stderr, r.stderr
+
+
+def test_serve_refuses_bad_option_values_with_exit_2():
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "serve", "--model", "tiny-random", "--context", "8"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("error: --queue-size must be"), r.stderr
 
 
 def test_serve_on_a_port_in_use_is_one_clear_error_line():

@@ -58,12 +58,17 @@ def test_changed_prompt_tools_or_model_misses(engine, tiny_engine, robot_tools, 
     assert len(list(prefix_dir.glob("*.safetensors"))) == 4
 
 
-def test_corrupt_entry_is_a_miss_and_is_replaced(engine, robot_tools, prefix_dir):
-    engine.session(system=SYSTEM, tools=robot_tools[:2])
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_entry_is_a_miss_and_is_replaced(engine, robot_tools, prefix_dir, damage):
+    fresh = engine.session(system=SYSTEM, tools=robot_tools[:2])
     (entry,) = prefix_dir.glob("*.safetensors")
-    entry.write_bytes(b"not a safetensors file")
+    data = entry.read_bytes()
+    # a truncated entry fails while its KV is read into the cache: the session prefills it all the same
+    entry.write_bytes(b"not a safetensors file" if damage == "garbage" else data[:len(data) // 2])
     s = engine.session(system=SYSTEM, tools=robot_tools[:2])
-    assert not s.system_from_disk
+    assert not s.system_from_disk and s.cache.n == fresh.cache.n
+    n = s.cache.n
+    assert torch.equal(s.cache.k[:, :, :, :n], fresh.cache.k[:, :, :, :n])
     assert engine.session(system=SYSTEM, tools=robot_tools[:2]).system_from_disk
 
 

@@ -16,7 +16,7 @@ import torch
 
 import tokenspeed
 from tokenspeed.bfcl import load_bfcl
-from tokenspeed.model import ModelArgs, Transformer
+from tokenspeed.model import ModelArgs, Transformer, rope_tables
 from tokenspeed.decode import Target, decode
 from tokenspeed.speculation import (AdaptiveLength, DraftModel, ForcedText, MessageMatch, PromptLookup, SpecConfig,
                                     Speculator, copy_source)
@@ -111,6 +111,16 @@ def test_greedy_equal_with_shipped_draft(engine):
     if engine.speculation is None or engine.speculation.draft is None:
         pytest.skip("no shipped draft for this target")
     _assert_same(engine, engine.speculation)
+
+
+def test_shipped_draft_shares_the_targets_embedding_and_rotary_tables(engine):
+    if engine.speculation is None or engine.speculation.draft is None:
+        pytest.skip("no shipped draft for this target")
+    net, target = engine.speculation.draft.net, engine.model
+    assert net.tok_embeddings is target.tok_embeddings
+    assert net.rope_cos is target.rope_cos and net.rope_sin is target.rope_sin
+    cos, sin = rope_tables(net.args, length=net.rope_cos.shape[0])  # what the draft would compute itself
+    assert torch.equal(cos, net.rope_cos) and torch.equal(sin, net.rope_sin)
 
 
 def test_kv_consistent_after_rejections_and_rollback(engine):

@@ -4,6 +4,7 @@ comes from the probe, as a robot would publish it: the task is done only once it
 and the model then calls the completion tool; cancel stops the agent with the arm holding."""
 import json
 
+import pytest
 from action_msgs.msg import GoalStatus
 from rclpy.action import ActionClient
 from std_msgs.msg import String
@@ -119,3 +120,66 @@ def test_decide_service_answers_one_decision(probe, start_agent):
     bad = client.call_async(Decide.Request(tools=["fly"]))
     assert probe.spin_until(bad.done, 10)
     assert not bad.result().success and "fly" in bad.result().reason
+
+
+# The injected fault: the engine thread is held up for 1.5 s while it hands over a call decided
+# ahead. A hit is handed over within a millisecond of its request, so it is late only when that
+# thread is starved (CPU, GIL); nothing outside the process can cause that on cue.
+LATE_HIT = r'''
+import sys
+import time
+from tokenspeed_ros import engine_worker
+take = engine_worker.EngineWorker._take_ahead
+def late_take(self, *a, **k):
+    time.sleep(1.5)
+    return take(self, *a, **k)
+engine_worker.EngineWorker._take_ahead = late_take
+from tokenspeed_ros.agent_node import main
+sys.exit(main())
+'''
+
+
+@pytest.mark.slow
+def test_a_call_decided_ahead_and_dropped_as_late_leaves_the_context(probe, start_agent):
+    """The embedded model (SmolLM2-135M). The task's first call is decided ahead, but handed over
+    after its deadline (0.5 s budget, the injected hold-up above): the monitor publishes the
+    fallback and drops the call as late. The call must not stay in the context as if the robot had
+    executed it: the session rolls back to before it (its state line unanswered again), so the next
+    decision, on the same frame, decides in the context the dropped call was decided in (fewer
+    tokens than with the call) and, greedy, gives the same call."""
+    actions = probe.listen(ActionCommand, "agent/action")
+    statuses = probe.listen(DeadlineStatus, "agent/deadline_status")
+    traces = probe.listen(String, "agent/action/trace")
+    SensorFeed(probe)
+    agent = start_agent(code=LATE_HIT, deadline_budget_s=0.5, decision_period_s=0.5, goal_topic="''")
+    client = ActionClient(probe.node, RunTask, "run_task")
+    assert probe.spin_until(client.server_is_ready, ENGINE_TIMEOUT), agent.log_path.read_text()
+    handle = None
+    while handle is None or not handle.accepted:      # accepted once the agent is active
+        sent = client.send_goal_async(RunTask.Goal(task=TASK, tools=["pick", "hold"]))
+        assert probe.spin_until(sent.done, 30)
+        handle = sent.result()
+        probe.spin_until(lambda: False, 0.2)
+
+    def record(i):
+        return next((json.loads(t.data) for t in traces if json.loads(t.data)["decision_id"] == i), None)
+
+    def dropped():
+        return next((s.decision_id for s in statuses if s.reason == "late_result_dropped"), None)
+
+    assert probe.spin_until(lambda: dropped() is not None and record(dropped()) is not None, 60), agent.log_path.read_text()
+    late = record(dropped())
+    assert late["ahead"] == "hit" and late["status"] == "ok" and late["tool"] == "pick", late
+    assert not any(a.decision_id == late["decision_id"] and a.source == "model" for a in actions)
+
+    def after(status=None):     # the engine's first decision after the dropped one (with `status`)
+        return next((r for r in map(json.loads, (t.data for t in traces))
+                     if r["decision_id"] > late["decision_id"] and r["times"].get("queued")
+                     and status in (None, r["status"])), None)
+
+    assert probe.spin_until(lambda: after("ok") is not None, 60), agent.log_path.read_text()
+    nxt, ok = after(), after("ok")      # the same unless nxt missed its own deadline (rolled back too)
+    assert nxt["ahead"] == "" and nxt["prefill_tokens"] == 0, nxt    # the state line is still the last message
+    assert nxt["context_tokens"] < late["context_tokens"], (nxt, late)  # without the dropped call
+    assert ok["context_tokens"] == nxt["context_tokens"] and ok["tool"] == late["tool"], (ok, nxt)
+    assert f"decision {late['decision_id']}: its call was not executed: rolled back" in agent.log_path.read_text()

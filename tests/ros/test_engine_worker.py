@@ -328,3 +328,44 @@ def test_a_dead_engine_thread_is_a_fault_never_ready(monkeypatch):
     result = next(o for o in out if isinstance(o, ModelResult))
     assert (result.decision_id, result.status) == (9, "engine_fault") and "thread died" in result.reason
     assert worker.state == "fault" and "cannot use 3 threads" in worker.fault
+
+
+def test_a_call_not_executed_leaves_the_context_and_what_followed_it_is_observed_again():
+    """not_executed (the node's deadline monitor did not publish the call): the session goes back
+    to before the call, its state line unanswered again, and the reading observed after the call
+    enters again: the context is token for token the one without the decision. The decision's
+    call is not taken back once a later decision answered."""
+    woke = threading.Event()
+    worker = make_worker("tiny-random", woke)
+    line, reading = ("state", "objects red_cube=(0.50,0.10); gripper empty", 1.0), ("robot", "robot: note", 2.0)
+
+    def observed(source, text, stamp_s):
+        worker.observe(source, text, stamp_s)
+        collect(worker, woke, lambda items: any(isinstance(i, Observed) for i in items), 120)
+
+    def decided(decision_id):
+        worker.decide(decision_id, time.monotonic() + 60.0, restate=line)
+        out = collect(worker, woke, lambda items: any(isinstance(i, ModelResult) for i in items), 120)
+        return next(i for i in out if isinstance(i, ModelResult))
+
+    worker.start()
+    try:
+        assert collect(worker, woke, lambda _: worker.state != "loading", 120) == []
+        assert decided(1).status == "ok"
+        observed(*reading)
+        worker.not_executed(1)
+        collect(worker, woke, lambda items: any(isinstance(i, Observed) for i in items), 120)   # the reading again
+        taken_back = worker._session.tokens + worker._session.pending
+        worker.new_episode()
+        observed(*line)
+        observed(*reading)
+        fresh = worker._session.tokens + worker._session.pending
+        assert decided(2).status == "ok" and decided(3).status == "ok"
+        answered = worker._session.tokens + worker._session.pending
+        worker.not_executed(2)          # decision 3 answered since: nothing changes
+        observed("robot", "robot: another note", 3.0)
+        after = worker._session.tokens + worker._session.pending
+    finally:
+        assert worker.close(timeout=30.0)
+    assert taken_back == fresh
+    assert after[:len(answered)] == answered and len(after) > len(answered)

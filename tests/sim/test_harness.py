@@ -11,7 +11,8 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from sensor_msgs.msg import Image
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, Observation
 
-from support import ROOT, stop
+from support import BIN, ROOT, spin_until, stop
+from tokenspeed_ros.managed_node import DIAGNOSTICS_QOS
 from tokenspeed_sim.harness import LatencyHarness, percentiles, startup_stages
 
 
@@ -41,6 +42,46 @@ def test_engine_ready_brings_the_agents_start_up_stages_into_the_report(ros_node
     assert up["process_started_s"] == pytest.approx(0.25, abs=2e-3)
     assert up["stages"] == [{"stage": "process start to main (Python, the node's imports)", "wall_s": 0.8, "cpu_s": 0.7},
                             {"stage": "engine imports (torch; begun at process start)", "wall_s": 1.1, "cpu_s": 0.9}]
+
+
+def test_a_harness_that_joins_late_places_engine_ready_at_the_agents_ready_time(ros_node, ros_env, tmp_path):
+    """The real agent (tiny-random) in its own process, /diagnostics only every 60 s: in this test
+    only the status published when configure ends says "ready". A harness that starts listening
+    well after that still hears it (the agent's /diagnostics is latched, transient-local) and puts
+    the engine's ready time where the agent's own log says the engine became ready, not when the
+    status arrived. (In the demo the harness listens from the start, but DDS discovery can match
+    it only after the agent's first "ready" went out, which a volatile topic loses.)"""
+    import re
+
+    from rclpy.executors import SingleThreadedExecutor
+
+    log = tmp_path / "agent.log"
+    agent = subprocess.Popen([str(BIN / "tokenspeed_agent"), "--ros-args", "--params-file",
+                              str(ROOT / "tokenspeed_ros" / "config" / "agent.yaml"), "-p", "model:=tiny-random",
+                              "-p", "diagnostics_period_s:=60.0"], env=ros_env, cwd=ROOT, stdout=open(log, "w"),
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    harness = executor = None
+    try:
+        deadline = time.monotonic() + 60
+        while "engine ready in" not in log.read_text() and agent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ready = re.search(r"\[INFO\] \[(\d+\.\d+)\] \[tokenspeed_agent\]: engine ready in", log.read_text())
+        assert ready, log.read_text()
+        time.sleep(1.5)
+        harness = LatencyHarness()
+        executor = SingleThreadedExecutor()
+        executor.add_node(harness)
+        assert spin_until(executor, lambda: harness.engine_ready_at is not None, 20), log.read_text()
+        heard = time.time()
+    finally:
+        if executor is not None:
+            executor.shutdown()
+        stop(agent)
+    assert harness.started > float(ready.group(1)) + 1.0 and heard - harness.started < 20     # long before the next period
+    # the engine's own "ready at" is taken just before its log line
+    assert harness.engine_ready_at == pytest.approx(float(ready.group(1)), abs=0.05)
+    assert harness.report()["engine_ready_after_s"] < -1.0
+    harness.destroy_node()
 
 
 def test_hit_rate_leaves_out_task_done_and_start_up_holds(ros_node):
@@ -85,7 +126,7 @@ def test_harness_reports_a_short_closed_loop_run(sim_process, ros_node, spin, ro
         obs_pub = ros_node.create_publisher(Observation, "agent/observation", 10)
         act_pub = ros_node.create_publisher(ActionCommand, "agent/action", 10)
         dl_pub = ros_node.create_publisher(DeadlineStatus, "agent/deadline_status", 10)
-        diag_pub = ros_node.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        diag_pub = ros_node.create_publisher(DiagnosticArray, "/diagnostics", DIAGNOSTICS_QOS)    # as agents publish it
         # the sim and the harness both listen to agent/action; the harness to the other three
         assert spin(lambda: act_pub.get_subscription_count() >= 2 and obs_pub.get_subscription_count() >= 1
                     and dl_pub.get_subscription_count() >= 1 and diag_pub.get_subscription_count() >= 1 and images, 30)
