@@ -165,7 +165,8 @@ def int8_groups(n: int, k: int, rows: Callable[[int, int], torch.Tensor], group:
 class Int8Linear(nn.Module):
     """Weight-only int8 linear layer: one scale per output channel (`group` None, what `quantize`
     makes), or one per `group` input channels of a row (`load_gguf`: group 32 keeps a GGUF file's Q8_0
-    blocks exactly, and re-quantizes Q5/Q6 values with 8-bit codes per 32 instead of per row).
+    blocks exactly, and re-quantizes Q5/Q6 values with 8-bit codes per 32 instead of per row; `tied`:
+    a tied lm_head on an `Int8Embedding`'s groups).
     Codes and scales follow `int8_groups`.
 
     Buffers: qweight [out, in] int8; scales [out] fp32 (per channel) or [out, in / group] fp32;
