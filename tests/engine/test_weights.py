@@ -345,6 +345,8 @@ def test_quantized_weights_are_cached_and_a_bad_entry_is_rebuilt(tmp_path, monke
     assert list(warm.load_stages)[2] == f"{fmt} weights from the quantized cache" and warm.weights == fmt
     assert torch.equal(warm_logits, cold_logits)
     assert all(torch.equal(t, warm.model.state_dict()[k]) for k, t in cold.model.state_dict().items())
+    # the tied head is the table's int8 groups in both loads (the entry holds them once)
+    assert all(e.model.output.qweight is e.model.tok_embeddings.qweight for e in (cold, warm))
     entries[0].write_bytes(entries[0].read_bytes()[:1000])
     again, again_logits = load()
     assert f"quantize {fmt}" in again.load_stages and torch.equal(again_logits, cold_logits)
