@@ -357,10 +357,19 @@ class Transformer(nn.Module):
         return self.norm.dtype
 
     def tie_weights(self) -> None:
-        """Share the embedding matrix with the output projection when the model ties them (and
-        the output is still an `nn.Linear`: a quantized lm_head keeps its own weights)."""
-        if self.args.tie_embeddings and isinstance(self.output, nn.Linear):
-            self.output.weight = self.tok_embeddings.weight
+        """Share the embedding matrix with the output projection when the model ties them: the float
+        weight of an `nn.Linear` head, or the int8 codes and group scales of an `Int8Embedding` with an
+        `Int8Linear` head of the same groups (`Int8Linear.tied`); any other quantized head keeps its own."""
+        from .quant import Int8Embedding, Int8Linear
+
+        out, emb = self.output, self.tok_embeddings
+        if not self.args.tie_embeddings:
+            return
+        if isinstance(out, nn.Linear):
+            out.weight = emb.weight
+        elif (isinstance(out, Int8Linear) and isinstance(emb, Int8Embedding) and out.group == emb.GROUP
+              and out.qweight.shape == emb.qweight.shape and out.scales.dtype == emb.scales.dtype):
+            out.qweight, out.scales = emb.qweight, emb.scales
 
     def _apply(self, fn, recurse=True):
         # Keep rotary tables fp32 on any dtype cast, and rebuild them after `to_empty()` from meta.

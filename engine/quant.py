@@ -165,7 +165,8 @@ def int8_groups(n: int, k: int, rows: Callable[[int, int], torch.Tensor], group:
 class Int8Linear(nn.Module):
     """Weight-only int8 linear layer: one scale per output channel (`group` None, what `quantize`
     makes), or one per `group` input channels of a row (`load_gguf`: group 32 keeps a GGUF file's Q8_0
-    blocks exactly, and re-quantizes Q5/Q6 values with 8-bit codes per 32 instead of per row).
+    blocks exactly, and re-quantizes Q5/Q6 values with 8-bit codes per 32 instead of per row; `tied`:
+    a tied lm_head on an `Int8Embedding`'s groups).
     Codes and scales follow `int8_groups`.
 
     Buffers: qweight [out, in] int8; scales [out] fp32 (per channel) or [out, in / group] fp32;
@@ -203,6 +204,19 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)
         self.register_buffer("scales_bf16", scales.to(torch.bfloat16) if self.group is None else None)
         self.register_buffer("bias", bias)
+
+    @classmethod
+    def tied(cls, embedding: "Int8Embedding") -> "Int8Linear":
+        """The lm_head of a model that ties it to its `Int8Embedding`: the table's own int8 codes and
+        group scales (the same tensors, no copy), so the head runs exactly the table a GGUF file's Q8_0
+        blocks or `int8_groups` made, and the model holds the tied weight once (SmolLM2-135M: 27 MB less).
+
+        Returns:
+            an `Int8Linear` [embedding_dim -> num_embeddings] with `group` = `Int8Embedding.GROUP`, no bias.
+        """
+        layer = _bare(cls)
+        layer._store(embedding.qweight, embedding.scales, None)
+        return layer
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
@@ -539,7 +553,8 @@ def quantize(model: nn.Module, mode: str = "int8", empty: bool = False) -> nn.Mo
     """Replace every `nn.Linear` inside `model` (in place) with its quantized version, and on the CPU
     its token embedding table (`model.tok_embeddings`, an `nn.Embedding`) with an `Int8Embedding`
     (a quantized head never shares the float table, so keeping it would only cost memory; elsewhere
-    the table stays float).
+    the table stays float). A head tied to that table (`model.output`, the same weight) becomes
+    `Int8Linear.tied` to the `Int8Embedding`: its int8 groups, held once, in either mode.
 
     Call it after moving the model to its device and dtype.
 
@@ -547,7 +562,7 @@ def quantize(model: nn.Module, mode: str = "int8", empty: bool = False) -> nn.Mo
         model: a `tokenspeed.Transformer` (any module works).
         mode: "int8" (every linear `Int8Linear`) or "int4" (where the shape fits, `Int4Linear` on the
             CPU and `Int4TinygemmLinear` on other devices; the lm_head - a child named "output" - and
-            any other linear `Int8Linear`).
+            any other linear `Int8Linear`, per output channel unless tied as above).
         empty: uninitialised layers of the same shapes instead (`Int4Linear.empty`; the model may be
             on the meta device; inside `torch.device("meta")` the layers are on meta too and take no
             memory), for `load_state_dict(..., assign=True)` to fill with weights quantized earlier.
@@ -563,6 +578,10 @@ def quantize(model: nn.Module, mode: str = "int8", empty: bool = False) -> nn.Mo
             and Int8Embedding.supports(emb.weight.shape)):
         # (scales in the table's dtype: rows come out in the activations' dtype)
         model.tok_embeddings = Int8Embedding.empty(emb) if empty else Int8Embedding(emb.weight).to(emb.weight.dtype)
+        head = getattr(model, "output", None)
+        if (isinstance(head, nn.Linear) and head.weight is emb.weight and head.bias is None
+                and model.tok_embeddings.scales.dtype == torch.float32):  # the grouped kernel's scales
+            model.output = Int8Linear.tied(model.tok_embeddings)  # tied: the table's int8 groups, no copy
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):

@@ -287,8 +287,9 @@ def load_quantized(files: ModelFiles, fmt: str):
                 setattr(owner, child, layer)
         state = load_file(str(path))
         check_finite(state, str(path))
-        if files.args.tie_embeddings and kinds.get("output") == "float":
-            state.setdefault("output.weight", state["tok_embeddings.weight"])    # tied: left out by save_quantized
+        if files.args.tie_embeddings:  # a tied head's tensors are the table's: left out by save_quantized
+            for key in [k for k in state if k.startswith("tok_embeddings.")]:
+                state.setdefault("output." + key.partition(".")[2], state[key])
         net.load_state_dict(state, strict=True, assign=True)
     except Exception as exc:  # truncated, corrupt or stale entry: the caller quantizes again (and rewrites it)
         log.warning("quantized weights cache unusable, quantizing again: %s: %s", type(exc).__name__,
@@ -303,15 +304,16 @@ def load_quantized(files: ModelFiles, fmt: str):
 def save_quantized(model, files: ModelFiles, fmt: str) -> None:
     """Write `model` (quantized to `fmt` from the checkpoint in `files`, or the file's own blocks
     for "gguf") to the quantized weights cache for `load_quantized`, with each layer's class
-    (atomic rename; a failure to write is logged, not raised). A tied float lm_head is left out
-    (`Transformer.tie_weights` ties it again)."""
+    (atomic rename; a failure to write is logged, not raised). A tied lm_head's tensors (the float
+    weight, or `Int8Linear.tied`'s int8 groups) are the embedding's and are left out
+    (`Transformer.tie_weights` ties them again)."""
     from safetensors.torch import save_file
 
     path = _quantized_path(files, fmt)
-    tied = (model.output.weight.data_ptr() if isinstance(model.output, torch.nn.Linear)
-            and isinstance(model.tok_embeddings, torch.nn.Embedding)
-            and model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr() else None)
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (k == "output.weight" and tied)}
+    state = model.state_dict()
+    table = {t.data_ptr() for k, t in state.items() if k.startswith("tok_embeddings.")}
+    state = {k: v.contiguous() for k, v in state.items()
+             if not (k.startswith("output.") and v.data_ptr() in table)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -731,10 +733,11 @@ def load_gguf(files: ModelFiles):
     - otherwise (Q8_0, Q6_K, Q5_*, ... or a mix) `Int8Linear` with one scale per 32 input channels of
       that projection's dequantized weights, one projection at a time: Q8_0 blocks are kept exactly
       (`quant.int8_groups`), others get 8-bit codes per 32 values.
-    The lm_head is such an `Int8Linear` of its (or the tied embedding's) dequantized weights when quantized,
-    fp32 `nn.Linear` when float; the embedding table an `Int8Embedding` when quantized (exact for
-    Q8_0), fp32 when float; norms fp32 (Qwen3's per-head Q/K norms too). Both tables are built
-    from row blocks, never a whole fp32 copy. Pages of the file are dropped from memory after each layer.
+    The lm_head is such an `Int8Linear` of its dequantized weights when quantized (a tied one is
+    `Int8Linear.tied` to the embedding: the same int8 tensors), fp32 `nn.Linear` when float; the
+    embedding table an `Int8Embedding` when quantized (exact for Q8_0), fp32 when float; norms fp32
+    (Qwen3's per-head Q/K norms too). Both tables are built from row blocks, never a whole fp32
+    copy. Pages of the file are dropped from memory after each layer.
 
     Args:
         files: a resolved GGUF model (`resolve_model`; `files.gguf` set).
@@ -834,6 +837,8 @@ def load_gguf(files: ModelFiles):
         net.output = nn.Linear(args.dim, args.vocab_size, bias=False, device="meta")
         if not args.tie_embeddings:
             net.output.weight = float_param("output.weight", (args.vocab_size, args.dim))
+    elif args.tie_embeddings:  # the Int8Embedding's groups (the file's Q8_0 blocks exactly), held once
+        net.output = Int8Linear.tied(net.tok_embeddings)
     else:
         net.output = Int8Linear.from_rows(args.vocab_size, args.dim, rows_of(head), group=_GROUP)
     _drop_pages(mapped)

@@ -17,7 +17,7 @@ from tokenspeed.kernels import cpu_decode
 from tokenspeed.kernels.cpu_decode import FUSED_ROWS, VARIANTS, cpu_features, native_variant
 from tokenspeed.kernels.cpu_harness import Harness, build
 from tokenspeed.model import ModelArgs, Transformer
-from tokenspeed.quant import Int4Linear, Int8Linear, fused_ext
+from tokenspeed.quant import Int4Linear, Int8Embedding, Int8Linear, fused_ext
 from tokenspeed.paths import cache_dir
 
 ARCH = platform.machine()
@@ -89,6 +89,11 @@ def test_harness_kernels_match_reference(harnesses, variant):
     x = torch.randn(5, 96)
     ref = (x.double() @ lin8.dequantized(torch.float64).T).float()
     torch.testing.assert_close(h.int8_gemv(x, lin8.qweight, lin8.scales), ref, rtol=1e-5, atol=1e-4)
+    # a tied lm_head (`Int8Linear.tied`): the embedding table's own groups, logits = its dequantized rows @ h
+    table = Int8Embedding(torch.randn(50, 64) * torch.rand(50, 2).repeat_interleave(32, 1))
+    head, x = Int8Linear.tied(table), torch.randn(3, 64)
+    ref = (x.double() @ table(torch.arange(50)).double().T).float()
+    torch.testing.assert_close(h.int8_gemv(x, head.qweight, head.scales), ref, rtol=1e-5, atol=1e-4)
     # attention: decode (1 row per query head of a group of 3), a verification chain (T = 4), head
     # sizes of every specialised width and ones that are not (40, 20: the plain loops) and prefill
     # bursts (rows in several tiles of 32, causal bounds per tile, key tiles plus a tail)

@@ -155,6 +155,26 @@ def test_linear_rows_equals_selected_columns():
         linear_rows(nn.Identity(), x, rows)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_tied_head_runs_the_embeddings_int8_groups(mode):
+    # a model that ties its lm_head to the embedding holds the int8 table once: the quantized head is
+    # the Int8Embedding's codes and group scales (the same tensors), and its logits are the table's
+    # dequantized rows @ h (the grouped kernel for a decode row, the dequantized weight for many rows,
+    # `linear_rows` for a grammar's few); a cast of the model ties them again
+    model = tokenspeed.Engine.load("tiny-random").model
+    assert model.args.tie_embeddings
+    quantize(model, mode)
+    head, table = model.output, model.tok_embeddings
+    assert head.qweight is table.qweight and head.scales is table.scales and head.group == Int8Embedding.GROUP
+    rows = table(torch.arange(model.args.vocab_size)).double()
+    for h in (torch.randn(1, model.args.dim), torch.randn(40, model.args.dim)):
+        torch.testing.assert_close(head(h).double(), h.double() @ rows.T, rtol=1e-5, atol=1e-4)
+    pick = torch.tensor([7, 0, 101])
+    torch.testing.assert_close(linear_rows(head, h, pick).double(), h.double() @ rows[pick].T, rtol=1e-5, atol=1e-4)
+    model.to(torch.float32)
+    assert model.output.qweight is model.tok_embeddings.qweight and model.output.scales is model.tok_embeddings.scales
+
+
 @pytest.mark.parametrize("mode,tol", [("int8", 0.05), ("int4", 0.2)])  # random weights: int4 is coarse
 def test_quantize_swaps_every_linear_and_rejects_unknown_mode(mode, tol):
     model = tokenspeed.Engine.load("tiny-random").model

@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
 import tokenspeed
 from tokenspeed.weights import ModelLoadError, _file_digest, resolve_model
@@ -255,13 +256,14 @@ def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind,
     assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].abs().max()
 
 
-@pytest.mark.parametrize("qtype,tied", [({"*": Q.Q4_1, "output": Q.Q8_0}, False), (Q.F16, True)],
-                         ids=["Q4_1+Q8_0-head", "F16-tied"])
+@pytest.mark.parametrize("qtype,tied", [({"*": Q.Q4_1, "output": Q.Q8_0}, False), (Q.F16, True),
+                                        ({"*": Q.Q4_1, "token_embd": Q.Q8_0}, True)],
+                         ids=["Q4_1+Q8_0-head", "F16-tied", "Q4_1+Q8_0-tied"])
 def test_native_gguf_warm_load_reads_its_blocks_from_the_cache(tmp_path, monkeypatch, qtype, tied):
     # the first quantize="gguf" load reads the file and writes the layers as the kernels hold them
     # to the quantized weights cache; a warm load reads that entry: the same layer classes and
-    # tensors (a tied float lm_head tied again), the same logits; a truncated entry is read from
-    # the file again and rewritten
+    # tensors (a tied lm_head tied again: the float table, or the Int8Embedding's int8 groups, which
+    # the entry holds once), the same logits; a truncated entry is read from the file again and rewritten
     monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
     _write_gguf(tmp_path / "tiny.gguf", _tiny_hf(tie_word_embeddings=tied), qtype)
     ids = torch.tensor([1, 5, 9, 300, 4000, 17])
@@ -279,7 +281,15 @@ def test_native_gguf_warm_load_reads_its_blocks_from_the_cache(tmp_path, monkeyp
     assert [type(m) for m in warm.model.modules()] == [type(m) for m in cold.model.modules()]
     assert all(torch.equal(t, warm.model.state_dict()[k]) for k, t in cold.model.state_dict().items())
     emb = getattr(warm.model.tok_embeddings, "weight", None)  # an Int8Embedding has no float weight
-    assert (emb is not None and getattr(warm.model.output, "weight", None) is emb) == tied
+    codes = getattr(warm.model.tok_embeddings, "qweight", None)  # ... but int8 groups
+    for model in (cold.model, warm.model):
+        shared = [getattr(model.output, "weight", None) is getattr(model.tok_embeddings, "weight", 0),
+                  getattr(model.output, "qweight", None) is getattr(model.tok_embeddings, "qweight", 0)
+                  and model.output.scales is model.tok_embeddings.scales]
+        assert any(shared) == tied and shared[0] == (emb is not None and tied)
+    if codes is not None and tied:  # the head is the file's Q8_0 table, stored once in the entry
+        with safe_open(str(entries[0]), "pt") as f:
+            assert not any(k.startswith("output.") for k in f.keys())
     assert torch.equal(warm_logits, cold_logits)
     entries[0].write_bytes(entries[0].read_bytes()[:1000])
     again, again_logits = load()
@@ -339,6 +349,8 @@ def test_quantized_weights_are_cached_and_a_bad_entry_is_rebuilt(tmp_path, monke
     assert list(warm.load_stages)[2] == f"{fmt} weights from the quantized cache" and warm.weights == fmt
     assert torch.equal(warm_logits, cold_logits)
     assert all(torch.equal(t, warm.model.state_dict()[k]) for k, t in cold.model.state_dict().items())
+    # the tied head is the table's int8 groups in both loads (the entry holds them once)
+    assert all(e.model.output.qweight is e.model.tok_embeddings.qweight for e in (cold, warm))
     entries[0].write_bytes(entries[0].read_bytes()[:1000])
     again, again_logits = load()
     assert f"quantize {fmt}" in again.load_stages and torch.equal(again_logits, cold_logits)
