@@ -185,6 +185,15 @@ def _slots(buffer: torch.Tensor, n: int) -> torch.Tensor:
     return buffer[..., :n, :] if buffer.dim() > 1 else buffer[:n]
 
 
+def _read_positions(f, tensors: dict, name: str, pos: torch.Tensor, n: int) -> int:
+    """Read the entry's `n` positions `name` into the cache's `pos` buffer [capacity] through a host
+    copy, and return the next position (last + 1, 0 when n == 0), read on the host: no device sync."""
+    host = torch.empty(n, dtype=pos.dtype, device="cpu")
+    _read_into(f, tensors, name, host)
+    _slots(pos, n).copy_(host)
+    return int(host[-1]) + 1 if n else 0
+
+
 def _load(path: Path, cache, ids: list[int], draft=None) -> tuple[bool, bool]:
     """Write the entry's KV into the empty `cache` (and its draft KV into the empty `draft`'s
     cache); returns whether each was loaded (False: that cache is left empty, its entry does not
@@ -197,23 +206,25 @@ def _load(path: Path, cache, ids: list[int], draft=None) -> tuple[bool, bool]:
             if "ids" not in tensors or tensors["ids"][1] != (n,) or cache.n or n > cache.capacity \
                     or (cache.tracks_attention and "score" not in tensors):
                 return False, False
-            stored = torch.empty(n, dtype=torch.long)
+            # host tensors on the CPU explicitly (a meta or CUDA default device is the cache's, not theirs)
+            stored = torch.empty(n, dtype=torch.long, device="cpu")
             _read_into(f, tensors, "ids", stored)
-            if not torch.equal(stored, torch.tensor(ids, dtype=torch.long)):
+            if not torch.equal(stored, torch.tensor(ids, dtype=torch.long, device="cpu")):
                 return False, False
-            for name in ["k", "v", "pos"] + (["score"] if cache.tracks_attention else []):
+            for name in ["k", "v"] + (["score"] if cache.tracks_attention else []):
                 _read_into(f, tensors, name, _slots(getattr(cache, name), n))
-            cache.advance(n, int(cache.pos[n - 1]) + 1 if n else 0)
+            cache.advance(n, _read_positions(f, tensors, "pos", cache.pos, n))
             c = draft.cache if draft is not None else None
             if (c is None or "draft_k" not in tensors or c.n or draft.offset or draft.anchor
                     or n > c.capacity or not n):
                 return True, False
             try:
-                for name in ("k", "v", "pos"):
+                for name in ("k", "v"):
                     _read_into(f, tensors, f"draft_{name}", _slots(getattr(c, name), n))
+                end = _read_positions(f, tensors, "draft_pos", c.pos, n)
             except _Unreadable:
                 return True, False  # the draft's cache stays empty (c.n == 0): it is prefilled
-            c.advance(n, int(c.pos[n - 1]) + 1)
+            c.advance(n, end)
             draft.tokens[:n] = np.asarray(ids, dtype=np.int64)
             return True, True
     except (OSError, _Unreadable) as exc:
