@@ -122,6 +122,23 @@ class SensorFeed:
         self.info_pub.publish(info)
 
 
+def delayed_agent(module: str, owner: str, method: str, seconds: float) -> str:
+    """Python source of a tokenspeed_agent process in which `module`.`owner`.`method` first sleeps
+    `seconds` s, for `start_agent(code=...)`: an injected fault (a slow load, a hung forward, a
+    starved engine thread) for what nothing outside the process causes on cue."""
+    return f"""
+import sys, time
+import {module} as target
+real = target.{owner}.{method}
+def delayed(self, *args, **kwargs):
+    time.sleep({seconds!r})
+    return real(self, *args, **kwargs)
+target.{owner}.{method} = delayed
+from tokenspeed_ros.agent_node import main
+sys.exit(main())
+"""
+
+
 def diagnostics(msg) -> dict[str, dict[str, str]]:
     """diagnostic_msgs/DiagnosticArray -> {status name: {key: value}}."""
     return {s.name: {kv.key: kv.value for kv in s.values} for s in msg.status}

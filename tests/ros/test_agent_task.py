@@ -13,7 +13,7 @@ from std_msgs.msg import Header
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus
 from tokenspeed_msgs.srv import Decide
 
-from agent_support import SensorFeed
+from agent_support import SensorFeed, delayed_agent
 from test_agent_node import ENGINE_TIMEOUT, LATCHED
 
 TASK = "Put the red cube on the yellow target at x=0.53 y=0.11."
@@ -125,18 +125,7 @@ def test_decide_service_answers_one_decision(probe, start_agent):
 # The injected fault: the engine thread is held up for 1.5 s while it hands over a call decided
 # ahead. A hit is handed over within a millisecond of its request, so it is late only when that
 # thread is starved (CPU, GIL); nothing outside the process can cause that on cue.
-LATE_HIT = r'''
-import sys
-import time
-from tokenspeed_ros import engine_worker
-take = engine_worker.EngineWorker._take_ahead
-def late_take(self, *a, **k):
-    time.sleep(1.5)
-    return take(self, *a, **k)
-engine_worker.EngineWorker._take_ahead = late_take
-from tokenspeed_ros.agent_node import main
-sys.exit(main())
-'''
+LATE_HIT = delayed_agent("tokenspeed_ros.engine_worker", "EngineWorker", "_take_ahead", 1.5)
 
 
 @pytest.mark.slow

@@ -10,20 +10,11 @@ from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters
 from tokenspeed_msgs.msg import ActionCommand
 
-from agent_support import Lifecycle, SensorFeed
+from agent_support import Lifecycle, SensorFeed, delayed_agent
 from test_agent_node import ENGINE_TIMEOUT, listen_all
 
-SLOW_LOAD = r'''
-import sys, time
-from tokenspeed_ros.engine_worker import EngineWorker
-real = EngineWorker._load
-def load(self):
-    time.sleep(8.0)      # a model load that takes a while (the embedded model takes 10-45 s here)
-    real(self)
-EngineWorker._load = load
-from tokenspeed_ros.agent_node import main
-sys.exit(main())
-'''
+# a model load that takes a while (the embedded model takes 10-45 s here), on cue
+SLOW_LOAD = delayed_agent("tokenspeed_ros.engine_worker", "EngineWorker", "_load", 8.0)
 
 
 def set_parameter(probe, name: str, value: str):

@@ -13,7 +13,7 @@ from tokenspeed_msgs.action import RunTask
 from tokenspeed_msgs.msg import ActionCommand
 from tokenspeed_msgs.srv import Decide
 
-from agent_support import Lifecycle, SensorFeed
+from agent_support import Lifecycle, SensorFeed, delayed_agent
 from test_agent_node import ENGINE_TIMEOUT, LATCHED
 
 TASK = "Put the red cube on the yellow target at x=0.53 y=0.11."
@@ -22,17 +22,7 @@ HEARTBEAT_GAP_S = 0.2           # the robot's command timeout must never see a l
 # The one injected fault, because it cannot be caused from outside the process: an engine that
 # takes longer than the whole deadline budget (a hung forward). Decide then waits the full budget
 # for the deadline monitor's fallback.
-STALLED_ENGINE = r'''
-import sys, time
-import tokenspeed.session as s
-real = s.Session.decide
-def decide(self, *a, **k):
-    time.sleep(10.0)
-    return real(self, *a, **k)
-s.Session.decide = decide
-from tokenspeed_ros.agent_node import main
-sys.exit(main())
-'''
+STALLED_ENGINE = delayed_agent("tokenspeed.session", "Session", "decide", 10.0)
 
 
 def beats(probe, topic: str, stamps: list | None = None) -> list[float]:
