@@ -312,12 +312,12 @@ def looping_string(text: str) -> bool:
     if (len(head) - len(head.rstrip("\\"))) % 2:  # an odd run of backslashes opens an escape sequence
         return False
     near = _DIGITS.sub("0", value)
-    return _repeats(value, LOOP_MIN_CHARS, False) or (near != value and _repeats(near, 2 * LOOP_MIN_CHARS, True))
+    return _repeats(value, LOOP_MIN_CHARS) or (near != value and _repeats(near, 2 * LOOP_MIN_CHARS, _LETTER.search))
 
 
-def _repeats(s: str, min_chars: int, letter: bool) -> bool:
-    # whether `s` ends in one unit of 1 to LOOP_MAX_UNIT characters (holding a letter if `letter`)
-    # written LOOP_REPEATS times or more, over `min_chars` characters or more
+def _repeats(s: str, min_chars: int, unit_ok=None) -> bool:
+    # whether `s` ends in one unit of 1 to LOOP_MAX_UNIT characters (one `unit_ok(unit)` accepts,
+    # when given) written LOOP_REPEATS times or more, over `min_chars` characters or more
     end = len(s) - 1
     low = max(0, end - LOOP_MAX_UNIT)
     i = s.rfind(s[-1], low, end) if s else -1
@@ -325,10 +325,15 @@ def _repeats(s: str, min_chars: int, letter: bool) -> bool:
         n = end - i
         k = max(LOOP_REPEATS, -(-min_chars // n))
         if k * n <= len(s) and s.endswith(s[-n:], 0, end + 1 - n) and s.endswith(s[-n:] * k) \
-                and (not letter or _LETTER.search(s[-n:])):
+                and (unit_ok is None or unit_ok(s[-n:])):
             return True
         i = s.rfind(s[-1], low, i)
     return False
+
+
+def _deepens(unit: str) -> bool:
+    # a unit that opens more objects/arrays than it closes
+    return unit.count("{") + unit.count("[") > unit.count("}") + unit.count("]")
 
 
 def _json_state(text: str) -> tuple[list[str], bool, str]:
@@ -378,17 +383,7 @@ def looping_structure(text: str) -> bool:
         return False
     if len(stack) > MAX_JSON_DEPTH:
         return True
-    s = text.rstrip()[-LOOP_MAX_UNIT * LOOP_REPEATS:]
-    end, low = len(s) - 1, max(0, len(s) - 1 - LOOP_MAX_UNIT)
-    i = s.rfind(s[-1], low, end) if s else -1
-    while i >= 0:  # n: a distance back to the same character, a candidate unit length
-        n, unit = end - i, s[i + 1:]
-        k = max(LOOP_REPEATS, -(-LOOP_MIN_CHARS // n))
-        if k * n <= len(s) and s.endswith(unit * k) and \
-                unit.count("{") + unit.count("[") > unit.count("}") + unit.count("]"):
-            return True
-        i = s.rfind(s[-1], low, i)
-    return False
+    return _repeats(text.rstrip()[-LOOP_MAX_UNIT * LOOP_REPEATS:], LOOP_MIN_CHARS, _deepens)
 
 
 def json_closings(text: str) -> list[str]:
