@@ -197,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
             ToolsFileError) as exc:  # bad input (arguments, files, schemas, model, device): exit 2, as argparse's
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the command finished (e.g. while the model loads): one line
+        print(f"# tokenspeed {args.command}: interrupted (SIGINT)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

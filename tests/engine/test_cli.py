@@ -1,12 +1,15 @@
 """The `tokenspeed` command line: help lists every subcommand, `call` checks the tools before the
 model loads, `serve` on a port in use is one error line (exit 1) before the model loads, SIGINT/SIGTERM end `serve`
-with one line and exit 0; bad input (tools, `--device cuda` without CUDA, option values) is one error line with
+with one line and exit 0 (Ctrl-C while the model loads: one line and exit 130); bad input (tools, `--device cuda` without CUDA, option values) is one error line with
 exit 2, as argparse's usage errors."""
+import errno
 import json
+import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +125,34 @@ def test_serve_stops_on_a_signal_with_one_line_and_exit_0(sig):
     assert proc.returncode == 0, (proc.returncode, err)
     assert "Traceback" not in err, err
     assert out.strip() == f"# tokenspeed serve: stopped ({sig.name})", out
+
+
+def test_serve_interrupted_while_the_model_loads_is_one_line_and_exit_130(tmp_path):
+    # The "model" is a named pipe: the load blocks reading it (hashing the file) until the test
+    # interrupts it. The test knows the load reached the file when opening the pipe's write end
+    # without blocking succeeds (it fails with ENXIO while no reader has it open).
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-m", "tokenspeed.cli", "serve", "--model", str(fifo), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TOKENSPEED_CACHE": str(tmp_path / "cache")})
+    writer = None
+    try:
+        deadline = time.monotonic() + 120
+        while writer is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as exc:
+                assert exc.errno == errno.ENXIO
+                time.sleep(0.05)
+        assert writer is not None, proc.communicate(timeout=10)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        if writer is not None:
+            os.close(writer)
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "# tokenspeed serve: interrupted (SIGINT)", err
+    assert "serving on" not in out
