@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenspeed_ros.launch_spec import LAUNCH_ARGUMENTS, LAUNCHES, NodeSpec, params_path
+from tokenspeed_ros.launch_spec import LAUNCH_ARGUMENTS, LAUNCHES, NodeSpec, dds_profile_env, params_path
 
 POLL_S = 0.1
 SERVICE_POLL_S = 0.02   # how often a transition looks whether the node's lifecycle service is discovered yet
@@ -169,6 +169,7 @@ def run(launch: str, *, duration_s: float | None = None, overrides: list[str] = 
     missing executable.
     """
     specs = LAUNCHES[launch]
+    dds_profile_env(os.environ)     # the children's and this process's participants (the lifecycle driver)
     per_node = parse_overrides(list(overrides), specs)
     cmds = [command(s, per_node[s.name], args) for s in specs]
     ns = f"/{args.namespace.strip('/')}" if args.namespace.strip("/") else ""
