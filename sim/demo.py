@@ -11,7 +11,8 @@ report.json, latency.png and launch.log (the nodes' output) to `--out`.
 
 Discovery is limited to localhost, the ROS domain is `ROS_DOMAIN_ID` (default 0) and Fast DDS
 participants announce themselves every 0.5 s (tokenspeed_ros/config/fastdds.xml, see
-`launch_spec.dds_profile_env`) unless the environment says otherwise. Exits 0 when the run completed and every node exited cleanly.
+`launch_spec.dds_profile_env`) unless the environment says otherwise. Exits 0 when the run
+completed and every node exited cleanly.
 
 Examples:
     tokenspeed_demo                         # embedded SmolLM2-135M, 60 s after it loads

@@ -161,7 +161,8 @@ def stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
 def run(launch: str, *, duration_s: float | None = None, overrides: list[str] = (), grace_s: float = 5.0,
         args: LaunchArgs = LaunchArgs()) -> int:
     """Run a launch until a child exits, a managed node fails to configure, `duration_s` passes
-    or a signal arrives.
+    or a signal arrives. Its processes (this one included) get the package's Fast DDS discovery
+    profile unless the environment names one (`launch_spec.dds_profile_env`).
 
     Returns 0 when every child exited with 0 (or was stopped by the launcher and exited
     cleanly), 1 when a managed node could not be brought up, else the first non-zero exit status.
