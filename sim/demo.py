@@ -9,8 +9,10 @@ measures `--duration` seconds of closed loop, stops the launch (which deactivate
 stops every node) and prints the latency table, the task outcome and the action's result; writes
 report.json, latency.png and launch.log (the nodes' output) to `--out`.
 
-Discovery is limited to localhost and the ROS domain is `ROS_DOMAIN_ID` (default 0) unless the
-environment says otherwise. Exits 0 when the run completed and every node exited cleanly.
+Discovery is limited to localhost, the ROS domain is `ROS_DOMAIN_ID` (default 0) and Fast DDS
+participants announce themselves every 0.5 s (tokenspeed_ros/config/fastdds.xml, see
+`launch_spec.dds_profile_env`) unless the environment says otherwise. Exits 0 when the run
+completed and every node exited cleanly.
 
 Examples:
     tokenspeed_demo                         # embedded SmolLM2-135M, 60 s after it loads
@@ -28,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from tokenspeed_ros.launch_spec import dds_profile_env
 from tokenspeed_sim.bag import BagError, Recorder
 from tokenspeed_sim.harness import listen
 
@@ -71,7 +74,7 @@ def run(duration_s: float, out_dir: Path, overrides: list[str], ready_timeout_s:
     record the run's topics into (tokenspeed_sim.bag). Raises OSError when the launcher cannot be
     started, BagError when `record` exists."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    env = dds_profile_env(dict(os.environ))      # the launch's processes and the harness: see launch_spec
     env.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
     os.environ.update(env)                       # the harness in this process joins the same domain
     log_path = out_dir / "launch.log"

@@ -141,6 +141,7 @@ class LatencyHarness(Node):
         self.started = time.time()
         self.window_start = self.started        # decisions received before this are not in the stats
         self.engine_ready_at: float | None = None
+        self.agent_active = False               # the agent's engine status says "active": it accepts tasks
         self.startup: dict | None = None        # the agent's start-up stages (see `startup_stages`)
         self._echoes: dict[int, float] = {}     # observation stamp (ns) -> receive time here
         self._echo_keys: list[int] = []         # the same stamps, sorted
@@ -164,17 +165,17 @@ class LatencyHarness(Node):
         self.goal_text = msg.data
 
     def send_task(self) -> bool:
-        """Send the simulator's goal to the agent as a RunTask action goal (once the agent's
-        action server and the goal are known), again every TASK_RESEND_S while the agent rejects
-        it (its action server exists once the model is loaded, but it accepts goals only once it
-        is active, a moment later); returns whether the agent accepted it. Its feedback and
-        result are recorded in `run_task` ("rejected": goals rejected before)."""
+        """Send the simulator's goal to the agent as a RunTask action goal once the goal, the
+        agent's action server and its "active" status on /diagnostics are known (an agent accepts
+        goals only once active, a moment after its engine is ready; it says so at once), again
+        every TASK_RESEND_S while the agent rejects it; returns whether the agent accepted it. Its
+        feedback and result are recorded in `run_task` ("rejected": goals rejected before)."""
         run = self.run_task
         if run is not None and run["accepted"]:
             return True
         if run is not None and (run["accepted"] is None or time.time() - self.started - run["sent_s"] < TASK_RESEND_S):
             return False
-        if not self.goal_text or not self._task_client.server_is_ready():
+        if not self.goal_text or not self.agent_active or not self._task_client.server_is_ready():
             return False
         self.run_task = {"task": self.goal_text, "sent_s": time.time() - self.started, "feedback": 0,
                          "accepted": None, "outcome": None, "rejected": 0 if run is None else run["rejected"] + 1}
@@ -271,8 +272,11 @@ class LatencyHarness(Node):
     def _on_diagnostics(self, msg: DiagnosticArray) -> None:
         """Notes when an agent's engine first reports state "ready" (status "<node>: engine"): at its
         "ready at" value (epoch seconds: when it became ready, however late this status arrives), or
-        when the status arrives for an agent that sends none."""
+        when the status arrives for an agent that sends none; and whether the agent is active (its
+        latest engine status's "active")."""
         for st in msg.status:
+            if st.name.endswith(": engine"):
+                self.agent_active = any(kv.key == "active" and kv.value == "true" for kv in st.values)
             if self.engine_ready_at is None and st.name.endswith(": engine") and \
                     any(kv.key == "state" and kv.value == "ready" for kv in st.values):
                 ready_at = next((kv.value for kv in st.values if kv.key == "ready at"), None)

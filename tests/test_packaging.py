@@ -94,7 +94,7 @@ def test_tool_lists_and_parameter_files_ship_in_the_wheel(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     (wheel,) = tmp_path.glob("tokenspeed_ros-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for name in ("agent.yaml", "cobot_sim.yaml", "market_bridge.yaml"):
+    for name in ("agent.yaml", "cobot_sim.yaml", "market_bridge.yaml", "fastdds.xml"):
         assert f"tokenspeed_ros/config/{name}" in names, name
     for name in ("robot_tools.json", "trading_tools.json"):
         assert f"tokenspeed/data/tools/{name}" in names, name

@@ -107,13 +107,17 @@ class AgentNode(EngineNode):
         sensor_qos = QoSProfile(depth=1, reliability=ReliabilityPolicy.BEST_EFFORT
                                 if p.sensor_reliability == "best_effort" else ReliabilityPolicy.RELIABLE)
         self.create_subscription(JointState, p.joint_states_topic, self._on_joint_state, sensor_qos)
-        self.create_subscription(Image, p.image_topic, self._on_image, sensor_qos)
+        # the camera model before the images: the executor takes ready subscriptions in the order they
+        # were made, so the frame that waited while the model loaded is located as soon as configure
+        # ends, with the intrinsics and pose that waited beside it, instead of failing "no_camera_model"
+        # and leaving the task's first call to wait for the next frame
         self.create_subscription(CameraInfo, p.camera_info_topic,
                                  lambda m: self._camera_msg(self.camera.on_info, m, p.camera_info_topic), sensor_qos)
         latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
                              durability=DurabilityPolicy.TRANSIENT_LOCAL)
         self.create_subscription(PoseStamped, p.camera_pose_topic,
                                  lambda m: self._camera_msg(self.camera.on_pose, m, p.camera_pose_topic), latched)
+        self.create_subscription(Image, p.image_topic, self._on_image, sensor_qos)
         if p.goal_topic:
             self.create_subscription(String, p.goal_topic, self._on_goal, latched)
         if p.action_feedback_topic:
@@ -137,6 +141,11 @@ class AgentNode(EngineNode):
         self.get_logger().info(f"tokenspeed_agent configured: budget {p.deadline_budget_s} s, fallback {p.fallback}, "
                                f"decision period {p.decision_period_s} s, model {p.model or 'embedded'}")
         self._publish_diagnostics()   # the engine's "ready" now, not up to diagnostics_period_s later
+
+    def activate(self) -> None:
+        """Say on /diagnostics at once that the node is active (its engine status's "active"), so
+        that a task sender (the demo's harness) sends its goal now, not at the next period."""
+        self._publish_diagnostics()
 
     def deactivate(self) -> None:
         """The safe fallback goes out (for the decision in progress, or on its own) and nothing
@@ -419,8 +428,9 @@ class AgentNode(EngineNode):
 
     # ------------------------------------------------------------------ diagnostics
     def _publish_diagnostics(self) -> None:
-        """/diagnostics: decisions, inputs and engine, named "<fully qualified node name>: ..."
-        with that name as hardware_id, so that two agents are told apart."""
+        """/diagnostics: decisions, inputs and engine (its state, and "active": "true" while the
+        node is active, i.e. accepts tasks), named "<fully qualified node name>: ..." with that name
+        as hardware_id, so that two agents are told apart."""
         now = self.get_clock().now()
         fqn = self.get_fully_qualified_name()
         bad = sum(self.health.counts.values())
@@ -436,7 +446,8 @@ class AgentNode(EngineNode):
         engine = DiagnosticStatus(
             name=f"{fqn}: engine", message=w.fault or w.state,
             level={"ready": DiagnosticStatus.OK, "loading": DiagnosticStatus.WARN}.get(w.state, DiagnosticStatus.ERROR),
-            values=[KeyValue(key="state", value=w.state), KeyValue(key="weights", value=w.weights),
+            values=[KeyValue(key="state", value=w.state), KeyValue(key="active", value=str(self.active).lower()),
+                    KeyValue(key="weights", value=w.weights),
                     KeyValue(key="context_tokens", value=str(w.context_tokens)),
                     KeyValue(key="triggers_skipped_busy", value=str(self._skipped_busy)),
                     KeyValue(key="triggers_skipped_executing", value=str(self._skipped_executing))]

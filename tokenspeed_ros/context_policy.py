@@ -177,10 +177,13 @@ class ContextPolicy:
 
     def queue_state(self, p, stamp_s: float) -> None:
         """Stream the state line in when it changed, so that between decisions it is prefilled
-        ahead of the next decision, which then restates it for free (not before the camera's first
-        reading: nothing decides without it)."""
+        ahead of the next decision, which then restates it for free; not before the camera's first
+        reading (nothing decides without it), nor while no task runs unless decide_without_task:
+        nothing decides then, and the next task's new episode would drop the line, so the engine
+        stays free for that task's first call instead of prefilling lines no decision reads."""
         text = self.state_text(p)
-        if p.restate_before_decisions and text != self._state_queued and "camera" in self.texts:
+        deciding = (self.task is not None and self.task.running) or p.decide_without_task
+        if p.restate_before_decisions and deciding and text != self._state_queued and "camera" in self.texts:
             self._state_queued = text
             self.worker.observe("state", text, stamp_s)
 

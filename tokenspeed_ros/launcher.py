@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenspeed_ros.launch_spec import LAUNCH_ARGUMENTS, LAUNCHES, NodeSpec, params_path
+from tokenspeed_ros.launch_spec import LAUNCH_ARGUMENTS, LAUNCHES, NodeSpec, dds_profile_env, params_path
 
 POLL_S = 0.1
 SERVICE_POLL_S = 0.02   # how often a transition looks whether the node's lifecycle service is discovered yet
@@ -161,7 +161,8 @@ def stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
 def run(launch: str, *, duration_s: float | None = None, overrides: list[str] = (), grace_s: float = 5.0,
         args: LaunchArgs = LaunchArgs()) -> int:
     """Run a launch until a child exits, a managed node fails to configure, `duration_s` passes
-    or a signal arrives.
+    or a signal arrives. Its processes (this one included) get the package's Fast DDS discovery
+    profile unless the environment names one (`launch_spec.dds_profile_env`).
 
     Returns 0 when every child exited with 0 (or was stopped by the launcher and exited
     cleanly), 1 when a managed node could not be brought up, else the first non-zero exit status.
@@ -169,6 +170,7 @@ def run(launch: str, *, duration_s: float | None = None, overrides: list[str] = 
     missing executable.
     """
     specs = LAUNCHES[launch]
+    dds_profile_env(os.environ)     # the children's and this process's participants (the lifecycle driver)
     per_node = parse_overrides(list(overrides), specs)
     cmds = [command(s, per_node[s.name], args) for s in specs]
     ns = f"/{args.namespace.strip('/')}" if args.namespace.strip("/") else ""

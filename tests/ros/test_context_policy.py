@@ -47,7 +47,8 @@ def params(**changes):
     values = dict(restate_before_decisions=True, observe_while_executing=False, decide_while_executing=False,
                   execution_timeout_s=30.0, tools_when_empty=["pick", "move_to", "hold", "stop"],
                   tools_when_holding=["place", "move_to", "hold", "stop"], tool_choice="required",
-                  task_status_topic="sim/scenario_status", action_feedback_topic="sim/action_feedback", decide_ahead=True)
+                  task_status_topic="sim/scenario_status", action_feedback_topic="sim/action_feedback", decide_ahead=True,
+                  decide_without_task=False)
     return SimpleNamespace(**{**values, **changes})
 
 
@@ -97,6 +98,24 @@ def test_a_task_starts_a_new_episode_with_the_goal_in_the_state_line():
     assert worker.calls == [("new_episode",), ("observe", "state", line)]
     assert ctx.before_decision(p, 1.0) == ("state", line, 1.0)
     assert allowed(ctx.tool_choice(p)) == ["pick", "move_to", "hold", "stop"]
+
+
+def test_no_state_line_is_prefilled_while_no_task_runs_unless_deciding_without_one():
+    """Before the first task nothing decides and the task's new episode drops whatever was prefilled:
+    the camera's readings leave the engine free for the task's first call (which restates the line
+    with the goal); with decide_without_task they stream in as state lines, as during a task."""
+    p = params()
+    worker = Recorder()
+    ctx = ContextPolicy(worker, TOOLS)
+    assert ctx.submit(p, "camera", OBJECTS, 0.0, 0.0)
+    assert worker.calls == []
+    ctx.start_task(p, Task(GOAL, None), 1.0)
+    assert worker.calls == [("new_episode",), ("observe", "state", state_line(OBJECTS, None, GOAL, False))]
+    deciding = params(decide_without_task=True)
+    worker = Recorder()
+    ctx = ContextPolicy(worker, TOOLS)
+    assert ctx.submit(deciding, "camera", OBJECTS, 0.0, 0.0)
+    assert worker.calls == [("observe", "state", state_line(OBJECTS, None, None, False))]
 
 
 def test_readings_wait_while_the_robot_executes_and_go_in_after_the_decision():

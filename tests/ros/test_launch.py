@@ -121,6 +121,21 @@ def test_dry_run_prints_the_table():
     assert lines[1].endswith("-p model:=tiny-random")       # --set overrides come last
 
 
+def test_the_launch_processes_get_the_packaged_dds_profile_unless_one_is_named():
+    """tokenspeed_launch and tokenspeed_demo set FASTDDS_DEFAULT_PROFILES_FILE to the packaged
+    discovery profile (a file Fast DDS parses: announcements every 0.5 s), and leave a user's own."""
+    import xml.etree.ElementTree as ET
+
+    from tokenspeed_ros.launch_spec import config_dir, dds_profile_env
+
+    env = dds_profile_env({})
+    assert env["FASTDDS_DEFAULT_PROFILES_FILE"] == str(config_dir() / "fastdds.xml")
+    ns = {"d": "http://www.eprosima.com"}
+    lease = ET.parse(env["FASTDDS_DEFAULT_PROFILES_FILE"]).find(".//d:leaseAnnouncement", ns)
+    assert (lease.find("d:sec", ns).text, lease.find("d:nanosec", ns).text) == ("0", "500000000")
+    assert dds_profile_env({"FASTDDS_DEFAULT_PROFILES_FILE": "/mine.xml"}) == {"FASTDDS_DEFAULT_PROFILES_FILE": "/mine.xml"}
+
+
 def test_bad_override_is_a_clear_error():
     out = subprocess.run([str(BIN / "tokenspeed_launch"), "agent", "--set", "nobody.x=1"], capture_output=True, text=True)
     assert out.returncode == 2 and "NODE.PARAM=VALUE" in out.stderr

@@ -5,12 +5,13 @@ cannot load the model or the tool file fails cleanly with the reason, and the no
 import signal
 import time
 
+from diagnostic_msgs.msg import DiagnosticArray
 from lifecycle_msgs.msg import Transition
 from rcl_interfaces.msg import Parameter, ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters
 from tokenspeed_msgs.msg import ActionCommand
 
-from agent_support import Lifecycle, SensorFeed, delayed_agent
+from agent_support import Lifecycle, SensorFeed, delayed_agent, diagnostics
 from test_agent_node import ENGINE_TIMEOUT, listen_all
 
 # a model load that takes a while (the embedded model takes 10-45 s here), on cue
@@ -28,18 +29,27 @@ def set_parameter(probe, name: str, value: str):
 
 
 def test_transitions_drive_decisions(probe, start_agent):
+    """...and the engine status on /diagnostics says "active" as the node becomes active (a task
+    sender waits for it), not at the next diagnostics period (60 s here)."""
     actions, statuses, _, _ = listen_all(probe)
+    diags = probe.listen(DiagnosticArray, "/diagnostics")
     SensorFeed(probe)
     agent = start_agent(autostart="false", model="tiny-random", tool_choice="hold", deadline_budget_s=30.0,
-                        decision_period_s=0.3, decide_without_task="true")
+                        decision_period_s=0.3, decide_without_task="true", diagnostics_period_s=60.0)
     life = Lifecycle(probe)
+
+    def active() -> str | None:
+        engine = [d["/tokenspeed_agent: engine"] for d in map(diagnostics, diags) if "/tokenspeed_agent: engine" in d]
+        return engine[-1]["active"] if engine else None
+
     assert life.state() == "unconfigured"
     assert life.change(Transition.TRANSITION_CONFIGURE, ENGINE_TIMEOUT), agent.log_path.read_text()
     assert life.state() == "inactive"
     probe.spin_until(lambda: False, 1.5)          # configured but inactive: nothing decides
-    assert actions == []
+    assert actions == [] and active() == "false"   # the engine's "ready", published as configure ends
 
     assert life.change(Transition.TRANSITION_ACTIVATE)
+    assert probe.spin_until(lambda: active() == "true", 5)
     assert probe.spin_until(lambda: any(a.source == "model" for a in actions), 30), agent.log_path.read_text()
 
     assert life.change(Transition.TRANSITION_DEACTIVATE)

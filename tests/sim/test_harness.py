@@ -9,6 +9,7 @@ import pytest
 from rclpy.time import Time
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from sensor_msgs.msg import Image
+from std_msgs.msg import String
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, Observation
 
 from support import BIN, ROOT, spin_until, stop
@@ -42,6 +43,28 @@ def test_engine_ready_brings_the_agents_start_up_stages_into_the_report(ros_node
     assert up["process_started_s"] == pytest.approx(0.25, abs=2e-3)
     assert up["stages"] == [{"stage": "process start to main (Python, the node's imports)", "wall_s": 0.8, "cpu_s": 0.7},
                             {"stage": "engine imports (torch; begun at process start)", "wall_s": 1.1, "cpu_s": 0.9}]
+
+
+def test_the_task_waits_for_the_agent_to_say_it_is_active(ros_node):
+    """An engine status "ready" but not "active" (configure ended, activate not yet) sends no goal:
+    the agent would reject it, and the harness would resend it only TASK_RESEND_S later. The
+    agent's status saying "active" (published as it activates) lets the goal go."""
+    def engine(active: str) -> DiagnosticArray:
+        return DiagnosticArray(status=[DiagnosticStatus(name="/tokenspeed_agent: engine", values=[
+            KeyValue(key="state", value="ready"), KeyValue(key="active", value=active)])])
+
+    harness = LatencyHarness()
+    try:
+        harness._on_goal(String(data="Put the red cube on the yellow target."))
+        harness._on_diagnostics(engine("false"))
+        assert harness.engine_ready_at is not None and not harness.agent_active
+        assert not harness.send_task() and harness.run_task is None
+        harness._on_diagnostics(engine("true"))
+        assert harness.agent_active
+        harness._on_diagnostics(engine("false"))        # deactivated: the latest status counts
+        assert not harness.agent_active
+    finally:
+        harness.destroy_node()
 
 
 def test_a_harness_that_joins_late_places_engine_ready_at_the_agents_ready_time(ros_node, ros_env, tmp_path):
