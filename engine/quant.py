@@ -6,8 +6,9 @@
   (llama.cpp's Q4_1 x Q8_1 scheme); on CUDA `Int4TinygemmLinear` runs torch's int4 kernel.
   The lm_head becomes an `Int8Linear` (GGUF files usually keep it at 8 bits).
 - "int8": every projection, the lm_head included, gets int8 weights with one fp32 scale per output
-  channel (`Int8Linear`); decode-sized inputs run torch's `_weight_int8pack_mm` (CPU and CUDA) or the
-  fused extension's `int8_gemv`, larger ones dequantize once per call.
+  channel (`Int8Linear`); on the CPU the fused extension's `int8_gemv` multiplies them with
+  int8-quantized activations (llama.cpp's Q8_0 x Q8_0 scheme); elsewhere decode-sized inputs run
+  torch's `_weight_int8pack_mm`, larger ones dequantize once per call.
 On the CPU the token embedding table becomes an `Int8Embedding` in both modes (int8 in groups of 32,
 the GGUF Q8_0 layout: exact for a Q8_0 table, a quarter of fp32's memory).
 `linear_rows` projects onto a subset of output rows (the lm_head logits of the ids a grammar allows).
@@ -173,7 +174,12 @@ class Int8Linear(nn.Module):
     scales_bf16 [out] bf16 (the packed kernel, per channel only); bias [out] or None (kept in the
     original dtype).
 
-    forward(x [..., in]) -> [..., out] in x's dtype.
+    forward(x [..., in]) -> [..., out] in x's dtype. On the CPU it runs the fused extension's
+    `int8_gemv`: each row's activations quantized to int8 per group of 32 and multiplied with the codes
+    in int32 (llama.cpp's Q8_0 x Q8_0 scheme, `reference` in torch); a row's result does not depend on
+    the other rows in the call, as in the fused decode step. Elsewhere (CUDA, or no extension)
+    decode-sized inputs (<= `PACKED_ROWS` rows) run torch's `_weight_int8pack_mm`, larger ones
+    dequantize once per call.
 
     Raises (constructors): ValueError if `group` does not divide in_features.
     """
@@ -239,18 +245,32 @@ class Int8Linear(nn.Module):
             return q.to(dtype) * s.to(dtype)[:, None]
         return (q.to(dtype).unflatten(-1, (-1, self.group)) * s.to(dtype)[..., None]).flatten(-2)
 
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] fp32 -> [M, out] fp32 (bias not added): the W8A8 arithmetic of `int8_gemv` in torch.
+        Each row of x is quantized per group of 32 channels (the last one shorter when in_features is
+        not a multiple of 32) to q = round(x * 127 / max|x|) with scale max|x| / 127, as the kernel
+        does in fp32; the products with the codes are summed exactly per group, then scaled (float64)."""
+        m, k = x.shape
+        pad = -k % 32
+        xg = F.pad(x.float(), (0, pad)).reshape(m, -1, 32)
+        amax = xg.abs().amax(-1, keepdim=True)
+        q = torch.round(xg * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+        w = F.pad(self.qweight.double(), (0, pad)).reshape(self.out_features, -1, 32)
+        sums = torch.einsum("mgk,ngk->mng", q.double(), w)  # exact: |sum| < 2^53
+        ws = self.scales.double().reshape(self.out_features, -1)  # [out, 1] or [out, groups]
+        return (sums * ws * (amax / 127)[..., 0].double()[:, None, :]).sum(-1).float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        ext = fused_ext() if x.device.type == "cpu" else None
         packed = x2.shape[0] <= PACKED_ROWS and _has_int8pack(x.device.type)
-        if self.group is not None:  # the extension's grouped kernel on the CPU, else the dequantized weight
-            ext = fused_ext() if packed and x.device.type == "cpu" else None
-            y = (ext.int8_gemv(x2.float(), self.qweight, self.scales).to(x.dtype) if ext is not None
-                 else F.linear(x2, self.dequantized(x.dtype)))
+        if ext is not None:  # W8A8 for any number of rows: a row's result never depends on the others
+            y = ext.int8_gemv(x2.float(), self.qweight, self.scales).to(x.dtype)
+        elif self.group is not None:
+            y = F.linear(x2, self.dequantized(x.dtype))
         elif packed and x.device.type == "cuda":  # torch's CUDA kernel: fp32 accumulation, any activation dtype
             y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
-        elif packed and (ext := fused_ext()) is not None:
-            y = ext.int8_gemv(x2.float(), self.qweight, self.scales).to(x.dtype)
         elif packed:
             y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.scales_bf16).to(x.dtype)
         else:
@@ -531,12 +551,16 @@ def linear_rows(linear: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch
     """Project x [M, in] onto the output rows `rows` [K] int64 of an `nn.Linear` or `Int8Linear`.
 
     Returns [M, K] fp32. Reads K rows of the weight instead of all of them (lm_head logits for
-    the token ids a grammar allows).
+    the token ids a grammar allows); an `Int8Linear` on the CPU runs the same W8A8 kernel as its
+    `forward` (`int8_gemv`), so the selected logits equal the full head's columns.
 
     Raises:
         TypeError: `linear` is neither an `nn.Linear` nor an `Int8Linear`.
     """
-    if isinstance(linear, Int8Linear) and linear.group is not None:
+    ext = fused_ext() if isinstance(linear, Int8Linear) and x.device.type == "cpu" else None
+    if ext is not None:
+        y = ext.int8_gemv(x.float(), linear.qweight.index_select(0, rows), linear.scales.index_select(0, rows))
+    elif isinstance(linear, Int8Linear) and linear.group is not None:
         y = F.linear(x.float(), linear.dequantized(torch.float32, rows))
     elif isinstance(linear, Int8Linear):
         y = F.linear(x.float(), linear.qweight.index_select(0, rows).float()) * linear.scales.index_select(0, rows)

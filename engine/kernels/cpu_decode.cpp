@@ -31,9 +31,9 @@ inline int64_t grain_for(int64_t T, int64_t n, int64_t grain) { return T >= kBur
 
 }  // namespace
 
-// y[t, j] = sum_g scales[j, g] * sum_{k in group g} x[t, k] * w[j, k] for int8 w [N, K], fp32 x [T, K]
-// and scales [N] (one per row) or [N, G] (groups of K / G input channels, a multiple of 16: a GGUF
-// file's Q8_0 blocks); a memory-bound GEMV that reads the int8 weight once for all T rows.
+// y [T, N] fp32 = x [T, K] fp32 times int8 w [N, K] with scales [N] (one per row) or [N, K / 32] (a
+// GGUF file's Q8_0 blocks): W8A8, x quantized to int8 per group of 32 and multiplied in int32 (Q8_0 x
+// Q8_0, see cpu_kernels.h); a memory-bound GEMV that reads the weight once per kMaxRows rows of x.
 at::Tensor int8_gemv(at::Tensor x, at::Tensor w, at::Tensor scales) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat,
               "int8_gemv needs fp32 x, int8 w, fp32 scales");
@@ -41,15 +41,18 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor w, at::Tensor scales) {
   const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K && w.is_contiguous(), "weight must be contiguous [N, K]");
   const int64_t G = scales.numel() / N;
-  TORCH_CHECK(scales.is_contiguous() && scales.size(0) == N && scales.numel() == N * G && K % G == 0 &&
-                  (G == 1 || (K / G) % 16 == 0),
-              "scales must be contiguous [N] or [N, G] with K / G a multiple of 16");
+  TORCH_CHECK(scales.is_contiguous() && scales.size(0) == N && scales.numel() == N * G && (G == 1 || K == 32 * G),
+              "scales must be contiguous [N] or [N, K / 32]");
   at::Tensor y = at::empty({T, N}, x.options());
-  const float* xp = x.data_ptr<float>();
+  std::vector<int8_t> q(T * K);
+  std::vector<float> sx(T * ((K + 31) / 32));
+  ts_quantize_rows(x.data_ptr<float>(), T, K, q.data(), sx.data(), nullptr);
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, grain_for(T, N, 256), [&](int64_t lo, int64_t hi) { ts_int8_rows(xp, T, K, wp, sp, G, yp, N, lo, hi); });
+  at::parallel_for(0, N, grain_for(T, N, 256), [&](int64_t lo, int64_t hi) {
+    ts_int8_rows(q.data(), sx.data(), T, K, wp, sp, G, yp, N, lo, hi);
+  });
   return y;
 }
 
@@ -256,5 +259,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_matmul", &int4_matmul, "int4 weight x int8-quantized activations (W4A8)",
         py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(ts_isa_name()); }, "the instruction-set family of this build");
-  m.def("int8_gemv", &int8_gemv, "int8 weight x fp32 activations (lm_head)", py::call_guard<py::gil_scoped_release>());
+  m.def("int8_gemv", &int8_gemv, "int8 weight x int8-quantized activations (W8A8)", py::call_guard<py::gil_scoped_release>());
 }

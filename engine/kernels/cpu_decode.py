@@ -5,7 +5,7 @@ RMSNorm, rotary except in SmolLM3's NoPE layers, KV-cache write, grouped-query a
 projection, SwiGLU) as loops around the same kernels, with the
 GIL released, so that a decode step pays no per-op framework dispatch (`tokenspeed bench profile`
 shows that cost). The numerical kernels (`cpu_kernels.cpp`, a torch-free C ABI: the W4A8
-`int4_matmul` and the lm_head's `int8_gemv`) are written once over a thin ISA layer (`cpu_isa.h`)
+`int4_matmul` and the W8A8 `int8_gemv`) are written once over a thin ISA layer (`cpu_isa.h`)
 and compiled for one variant (`VARIANTS`): the best this CPU runs, or `TOKENSPEED_CPU_ISA`.
 The build goes to `<cache>/ext/<variant>-<hash>`, the hash covering sources, torch, flags and the
 CPU's feature set, so a shared cache never loads a build the CPU cannot run. Without a compiler
@@ -129,7 +129,8 @@ def load(cache: Path, variant: str | None = None, verbose: bool = False):
         verbose: print the compiler's output.
     Returns:
         a module with `decode_layers(...)`, `int4_matmul(x [T, K] fp32, codes, scales) -> [T, N] fp32` (the
-        `quant.Int4Linear` layout), `int8_gemv(x [T, K] fp32, w [N, K] int8, scales [N] or [N, K / group] fp32) -> [T, N] fp32`
+        `quant.Int4Linear` layout), `int8_gemv(x [T, K] fp32, w [N, K] int8, scales [N] or [N, K / 32] fp32) -> [T, N] fp32` (W8A8,
+        `quant.Int8Linear.reference`)
         and `isa() -> str` (the variant's family name).
     Raises:
         CpuVariantError: unknown variant, or one this CPU cannot run.

@@ -66,7 +66,7 @@ class Harness:
         return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
 
     def int8_gemv(self, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """x [T, K] fp32, w [N, K] int8, scales [N] or [N, G] fp32 (groups of K / G channels) -> y [T, N] fp32."""
+        """x [T, K] fp32, w [N, K] int8, scales [N] or [N, K / 32] fp32 -> y [T, N] fp32 (W8A8, as the extension's)."""
         T, K = x.shape
         N = w.shape[0]
         G = scales.numel() // N

@@ -13,6 +13,10 @@
 //
 // The int4 kernel sums one group of 32 codes per row as dsum(dot4(... dot4(izero(), u, s) ...)) with at
 // most 8 dot4 calls before dsum; dsum gives the int32 lanes (the identity where dot4 adds int32).
+// The int8 kernel (signed weights x signed activations) sums a group of 32 bytes in int32 lanes
+// as dot4s over iload_s8 vectors (kGroupBytes = min(32, 4 kI) bytes each; avx512 fills only its
+// low half): x86 multiplies |w| (u8) by q with w's sign (the sign trick of llama.cpp's Q8_0 dot)
+// in vpdpbusd, or vpmaddubsw + vpmaddwd without VNNI; NEON uses sdot or smull; generic plain C.
 //
 // Every family computes the same exact int32 sums and the same per-lane float operations (fused
 // multiply-adds) for the int4 matmul, so its results are bit-identical across families; float
@@ -58,7 +62,7 @@ inline int32_t load_i32(const void* p) {
 constexpr const char* kName = "avx512";
 using vf = __m512;   // kW floats
 using vi = __m512i;  // kI int32 lanes (= kW)
-constexpr int kW = 16, kI = 16, kMaxRows = 8, kRegs = 32;  // kMaxRows: int4 rows per block
+constexpr int kW = 16, kI = 16, kMaxRows = 8, kRegs = 32;  // kMaxRows: activation rows per int4/int8 block
 inline vf zero() { return _mm512_setzero_ps(); }
 inline vf set1(float a) { return _mm512_set1_ps(a); }
 inline vf load(const float* p) { return _mm512_loadu_ps(p); }
@@ -96,6 +100,15 @@ inline vi bcast4(int32_t q) { return _mm512_set1_epi32(q); }
 inline vi dot4(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
 inline vi dsum(vi acc) { return acc; }
 inline vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
+constexpr int kGroupBytes = 32;  // bytes iload_s8 reads: one group into the low 8 lanes, the high 8 zero
+inline vi iload_s8(const int8_t* p) {
+  return _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 0);
+}
+// acc[lane] += sum_b w[lane, b] * q[lane, b] over its 4 bytes, both signed (|q| <= 127): |w| x q * sign(w)
+inline vi dot4s(vi acc, vi w, vi q) {
+  return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(w),
+                             _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(w), _mm512_setzero_si512(), q));
+}
 
 #elif TS_ISA_AVX2
 #if defined(__AVXVNNI__)
@@ -146,14 +159,25 @@ inline vi iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<c
 inline vi nibbles_lo(vi v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline vi nibbles_hi(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 inline vi bcast4(int32_t q) { return _mm256_set1_epi32(q); }
+constexpr int kGroupBytes = 32;
+inline vi iload_s8(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 #if defined(__AVXVNNI__)
 inline vi dot4(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 inline vi dsum(vi acc) { return acc; }
+inline vi dot4s(vi acc, vi w, vi q) {  // signed w and q (|q| <= 127): |w| x q * sign(w)
+  return _mm256_dpbusd_avx_epi32(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w));
+}
 #else
 // acc holds int16 lanes (two per 32-bit lane): u <= 15, |s| <= 127, so a pair sum is at most
 // 2 * 15 * 127 = 3810 and 8 of them 30480 < 2^15: no saturation, the sums stay exact.
 inline vi dot4(vi acc, vi u, vi s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
 inline vi dsum(vi acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+// signed w and q (|q| <= 127): |w| x q * sign(w) in int16 pairs (at most 2 * 128 * 127 = 32512, no
+// saturation), widened to int32 at once
+inline vi dot4s(vi acc, vi w, vi q) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
 #endif
 inline vf to_float(vi v) { return _mm256_cvtepi32_ps(v); }
 
@@ -195,16 +219,20 @@ inline vi iload(const uint8_t* p) { return vreinterpretq_s32_u8(vld1q_u8(p)); }
 inline vi nibbles_lo(vi v) { return vreinterpretq_s32_u8(vandq_u8(vreinterpretq_u8_s32(v), vdupq_n_u8(0x0F))); }
 inline vi nibbles_hi(vi v) { return vreinterpretq_s32_u8(vshrq_n_u8(vreinterpretq_u8_s32(v), 4)); }
 inline vi bcast4(int32_t q) { return vdupq_n_s32(q); }
+constexpr int kGroupBytes = 16;
+inline vi iload_s8(const int8_t* p) { return vreinterpretq_s32_s8(vld1q_s8(p)); }
+// acc[lane] += sum_b w[lane, b] * q[lane, b] over its 4 bytes, both signed
 #if defined(__ARM_FEATURE_DOTPROD)
-inline vi dot4(vi acc, vi u, vi s) { return vdotq_s32(acc, vreinterpretq_s8_s32(u), vreinterpretq_s8_s32(s)); }
+inline vi dot4s(vi acc, vi w, vi q) { return vdotq_s32(acc, vreinterpretq_s8_s32(w), vreinterpretq_s8_s32(q)); }
 #else
-inline vi dot4(vi acc, vi u, vi s) {  // codes 0..15 are valid signed bytes
-  const int8x16_t a = vreinterpretq_s8_s32(u), b = vreinterpretq_s8_s32(s);
+inline vi dot4s(vi acc, vi w, vi q) {  // products of at most 128 * 128 fit int16
+  const int8x16_t a = vreinterpretq_s8_s32(w), b = vreinterpretq_s8_s32(q);
   const int32x4_t lo = vpaddlq_s16(vmull_s8(vget_low_s8(a), vget_low_s8(b)));
   const int32x4_t hi = vpaddlq_s16(vmull_high_s8(a, b));
   return vaddq_s32(acc, vpaddq_s32(lo, hi));
 }
 #endif
+inline vi dot4(vi acc, vi u, vi s) { return dot4s(acc, u, s); }  // codes 0..15 are valid signed bytes
 inline vi dsum(vi acc) { return acc; }
 inline vf to_float(vi v) { return vcvtq_f32_s32(v); }
 
@@ -242,6 +270,14 @@ inline vi dot4(vi acc, vi u, vi s) {
 }
 inline vi dsum(vi acc) { return acc; }
 inline vf to_float(vi v) { return static_cast<float>(v); }
+constexpr int kGroupBytes = 4;
+inline vi iload_s8(const int8_t* p) { return load_i32(p); }
+inline vi dot4s(vi acc, vi w, vi q) {
+  for (int b = 0; b < 4; ++b)
+    acc += static_cast<int8_t>((static_cast<uint32_t>(w) >> (8 * b)) & 0xFF) *
+           static_cast<int8_t>((static_cast<uint32_t>(q) >> (8 * b)) & 0xFF);
+  return acc;
+}
 #endif
 
 // e^x for x <= 0 (softmax; below -87 it returns ~1e-38): Cody-Waite range reduction x = n ln2 + r

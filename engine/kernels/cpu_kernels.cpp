@@ -169,42 +169,44 @@ void weighted_sum_of(const float* p, int64_t R, int64_t ld, const float* v, floa
     }
 }
 
-// Rows t0 .. t0 + TT of the int8 product for output rows [j0, j1): each weight row is converted to
-// fp32 once per kW input channels for all TT activation rows (accumulators in registers). G scales
-// per row: G = 1 scales the row's sum once; G > 1 (groups of K / G channels, a multiple of kW: the
-// Q8_0 blocks of a GGUF file) scales each group's partial sums and accumulates them per lane.
+// ---- int8 weights x int8 activations (W8A8, the Q8_0 x Q8_0 scheme of GGML/llama.cpp)
+//
+// Weight rows as stored, w [N, K] int8 row-major (a GGUF file's Q8_0 codes; the same tensor a tied
+// lm_head shares with the embedding's row lookups), scales [N, G] fp32: G = 1 one per row, G = K / 32
+// one per Q8_0 block. Activations quantized per group of 32 (ts_quantize_rows: q, sx; the last group
+// may be shorter when K is not a multiple of 32). Rows t0 .. t0 + TT for output rows [j0, j1):
+// y[t, j] = sum_g (s_w(j, g) * sx[t, g]) * sum_{k in g} w[j, k] q[t, k], the inner sums exact int32
+// (dot4s), the outer ones fused multiply-adds per lane in ascending g, then one horizontal sum: a
+// row's result is its own data's alone, whatever TT and T (verification == plain decoding, bit for
+// bit). Each weight vector is loaded once for the TT rows.
 template <int TT>
-void int8_block(const float* x, int64_t t0, int64_t K, const int8_t* w, const float* scales, int64_t G, float* y,
-                int64_t N, int64_t j0, int64_t j1) {
+void int8_block(const int8_t* q, const float* sx, int64_t t0, int64_t K, const int8_t* w, const float* scales,
+                int64_t G, float* y, int64_t N, int64_t j0, int64_t j1) {
+  const int64_t full = K / kQGroup, groups = (K + kQGroup - 1) / kQGroup;
   for (int64_t j = j0; j < j1; ++j) {
     const int8_t* wr = w + j * K;
-    float a[TT];
-    int64_t k = 0;
+    const float* sw = scales + j * G;
     vf acc[TT];
     for (int t = 0; t < TT; ++t) acc[t] = zero();
-    if (G > 1) {
-      const int64_t S = K / G;
-      for (int64_t g = 0; g < G; ++g) {
-        vf part[TT];
-        for (int t = 0; t < TT; ++t) part[t] = zero();
-        for (k = g * S; k < (g + 1) * S; k += kW) {
-          const vf wv = load_i8(wr + k);
-          for (int t = 0; t < TT; ++t) part[t] = fmadd(load(x + (t0 + t) * K + k), wv, part[t]);
-        }
-        const vf s = set1(scales[j * G + g]);
-        for (int t = 0; t < TT; ++t) acc[t] = fmadd(part[t], s, acc[t]);
+    for (int64_t g = 0; g < full; ++g) {
+      vi d[TT];
+      for (int t = 0; t < TT; ++t) d[t] = izero();
+      for (int64_t k = g * kQGroup; k < (g + 1) * kQGroup; k += kGroupBytes) {
+        const vi wv = iload_s8(wr + k);
+        for (int t = 0; t < TT; ++t) d[t] = dot4s(d[t], wv, iload_s8(q + (t0 + t) * K + k));
       }
-      for (int t = 0; t < TT; ++t) y[(t0 + t) * N + j] = reduce_add(acc[t]);
-      continue;
+      const float s = sw[G == 1 ? 0 : g];
+      for (int t = 0; t < TT; ++t) acc[t] = fmadd(to_float(d[t]), set1(s * sx[(t0 + t) * groups + g]), acc[t]);
     }
-    for (; k + kW <= K; k += kW) {
-      const vf wv = load_i8(wr + k);
-      for (int t = 0; t < TT; ++t) acc[t] = fmadd(load(x + (t0 + t) * K + k), wv, acc[t]);
-    }
-    for (int t = 0; t < TT; ++t) a[t] = reduce_add(acc[t]);
     for (int t = 0; t < TT; ++t) {
-      for (int64_t kk = k; kk < K; ++kk) a[t] += x[(t0 + t) * K + kk] * static_cast<float>(wr[kk]);
-      y[(t0 + t) * N + j] = a[t] * scales[j];
+      float a = reduce_add(acc[t]);
+      if (full < groups) {  // a shorter last group (G = 1 only: K / G groups are whole)
+        const int8_t* qt = q + (t0 + t) * K;
+        int32_t d = 0;
+        for (int64_t k = full * kQGroup; k < K; ++k) d += static_cast<int32_t>(wr[k]) * qt[k];
+        a += static_cast<float>(d) * (sw[0] * sx[(t0 + t) * groups + full]);
+      }
+      y[(t0 + t) * N + j] = a;
     }
   }
 }
@@ -289,21 +291,22 @@ extern "C" {
 const char* ts_isa_name(void) { return ts::isa::kName; }
 
 void ts_quantize_rows(const float* x, int64_t T, int64_t K, int8_t* q, float* sx, float* xs) {
-  const int64_t G = K / ts::kQGroup;
+  const int64_t G = (K + ts::kQGroup - 1) / ts::kQGroup;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t g = 0; g < G; ++g) {
+      const int64_t n = std::min(ts::kQGroup, K - g * ts::kQGroup);
       const float* xg = x + t * K + g * ts::kQGroup;
       int8_t* qg = q + t * K + g * ts::kQGroup;
       float amax = 0.f;
-      for (int64_t i = 0; i < ts::kQGroup; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xg[i]));
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       int32_t sum = 0;
-      for (int64_t i = 0; i < ts::kQGroup; ++i) {
+      for (int64_t i = 0; i < n; ++i) {
         qg[i] = static_cast<int8_t>(std::nearbyint(xg[i] * inv));
         sum += qg[i];
       }
       sx[t * G + g] = amax / 127.f;
-      xs[t * G + g] = sx[t * G + g] * static_cast<float>(sum);
+      if (xs != nullptr) xs[t * G + g] = sx[t * G + g] * static_cast<float>(sum);
     }
 }
 
@@ -317,13 +320,14 @@ void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, 
                      [&](auto tt) { ts::int4_block<decltype(tt)::value>(q, sx, xs, t0, K, codes, scales, y, N, nb0, nb1); });
 }
 
-void ts_int8_rows(const float* x, int64_t T, int64_t K, const int8_t* w, const float* scales, int64_t G, float* y,
-                  int64_t N, int64_t j0, int64_t j1) {
+void ts_int8_rows(const int8_t* q, const float* sx, int64_t T, int64_t K, const int8_t* w, const float* scales,
+                  int64_t G, float* y, int64_t N, int64_t j0, int64_t j1) {
+  constexpr int M = ts::isa::kMaxRows;
   int64_t t0 = 0;
-  for (; t0 + 4 <= T; t0 += 4) ts::int8_block<4>(x, t0, K, w, scales, G, y, N, j0, j1);
+  for (; t0 + M <= T; t0 += M) ts::int8_block<M>(q, sx, t0, K, w, scales, G, y, N, j0, j1);
   if (t0 < T)
-    ts::with_rows<4>(static_cast<int>(T - t0),
-                     [&](auto tt) { ts::int8_block<decltype(tt)::value>(x, t0, K, w, scales, G, y, N, j0, j1); });
+    ts::with_rows<M>(static_cast<int>(T - t0),
+                     [&](auto tt) { ts::int8_block<decltype(tt)::value>(q, sx, t0, K, w, scales, G, y, N, j0, j1); });
 }
 
 void ts_attend_rows(const float* q, int64_t T, int64_t start, const float* k, const float* v, int64_t D, float scale,

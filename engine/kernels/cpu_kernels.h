@@ -13,8 +13,9 @@ extern "C" {
 // "neon-dotprod", "neon" or "generic"; see cpu_isa.h).
 const char* ts_isa_name(void);
 
-// Activations x [T, K] fp32 (K a multiple of 32) -> per group of 32: int8 codes q [T, K]
-// (round(x * 127 / max|x|)), scale sx [T, K / 32] (max|x| / 127) and sx * sum(q) xs [T, K / 32].
+// Activations x [T, K] fp32 -> per group of 32 (the last one shorter when K is not a multiple of
+// 32; G = ceil(K / 32) groups per row): int8 codes q [T, K] (round(x * 127 / max|x|)), scale sx
+// [T, G] (max|x| / 127) and sx * sum(q) xs [T, G] (xs may be NULL: not written).
 void ts_quantize_rows(const float* x, int64_t T, int64_t K, int8_t* q, float* sx, float* xs);
 
 // y [T, N] fp32, output blocks [nb0, nb1) of 16 channels: the W4A8 product of the quantized
@@ -24,11 +25,14 @@ void ts_quantize_rows(const float* x, int64_t T, int64_t K, int8_t* q, float* sx
 void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* codes,
                   const uint16_t* scales, float* y, int64_t N, int64_t nb0, int64_t nb1);
 
-// y[t, j] = sum_g scales[j, g] * sum_{k in group g} x[t, k] * w[j, k] for output rows j in [j0, j1):
-// x [T, K] fp32, w [N, K] int8, scales [N, G] fp32 (G = 1: one scale per row; G > 1: groups of K / G
-// input channels, K / G a multiple of 16), y [T, N] fp32 (one pass over the weight for all T rows).
-void ts_int8_rows(const float* x, int64_t T, int64_t K, const int8_t* w, const float* scales, int64_t G, float* y,
-                  int64_t N, int64_t j0, int64_t j1);
+// y [T, N] fp32, output rows [j0, j1): the W8A8 product of the quantized activations (ts_quantize_rows:
+// q [T, K], sx [T, ceil(K / 32)]) with int8 weights w [N, K] (row-major) and fp32 scales [N, G]: G = 1
+// one per row, or G = K / 32 one per 32 input channels (a GGUF file's Q8_0 blocks):
+// y[t, j] = sum_g s_w(j, g) * sx[t, g] * sum_{k in group g} q[t, k] * w[j, k], the inner sums exact int32.
+// Each row's result is bit-identical whatever T is; across instruction-set families it agrees to
+// rounding (the float sum over groups runs in the vector's lanes).
+void ts_int8_rows(const int8_t* q, const float* sx, int64_t T, int64_t K, const int8_t* w, const float* scales,
+                  int64_t G, float* y, int64_t N, int64_t j0, int64_t j1);
 
 // Attention of R query rows q [R, D] over one KV head's keys k and values v [>= start + T, D]:
 // row r sees slots [0, start + r % T] (the cached prefix, then causal among T new tokens; r =

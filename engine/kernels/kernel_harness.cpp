@@ -53,8 +53,10 @@ int main() {
         auto x = take<float>(T * K);
         auto w = take<int8_t>(N * K);
         auto s = take<float>(N * G);
-        std::vector<float> y(T * N);
-        ts_int8_rows(x.data(), T, K, w.data(), s.data(), G, y.data(), N, 0, N);
+        std::vector<int8_t> q(T * K);
+        std::vector<float> sx(T * ((K + 31) / 32)), y(T * N);
+        ts_quantize_rows(x.data(), T, K, q.data(), sx.data(), nullptr);
+        ts_int8_rows(q.data(), sx.data(), T, K, w.data(), s.data(), G, y.data(), N, 0, N);
         give(y);
       } else if (op == 3) {
         const int64_t R = size(), T = size(), start = size(), D = size();

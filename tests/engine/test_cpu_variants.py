@@ -79,21 +79,25 @@ def test_harness_kernels_match_reference(harnesses, variant):
     y = h.int4_matmul(x, lin.codes, lin.scales)
     torch.testing.assert_close(y, lin.reference(x), rtol=1e-5, atol=1e-4)
     assert torch.equal(y, native.int4_matmul(x, lin.codes, lin.scales))
-    # int8 GEMV (K not a multiple of any vector width: the scalar tail runs too)
-    lin8 = Int8Linear(torch.randn(40, 70))
-    x = torch.randn(5, 70)
-    ref = (x.double() @ lin8.qweight.double().T * lin8.scales.double()).float()
-    torch.testing.assert_close(h.int8_gemv(x, lin8.qweight, lin8.scales), ref, rtol=1e-5, atol=1e-4)
-    # int8 in groups of 32 input channels (a GGUF file's Q8_0 blocks): each group's sum scaled by its own scale
-    lin8 = Int8Linear(torch.randn(40, 96) * torch.rand(40, 3).repeat_interleave(32, 1), group=32)
-    x = torch.randn(5, 96)
-    ref = (x.double() @ lin8.dequantized(torch.float64).T).float()
-    torch.testing.assert_close(h.int8_gemv(x, lin8.qweight, lin8.scales), ref, rtol=1e-5, atol=1e-4)
-    # a tied lm_head (`Int8Linear.tied`): the embedding table's own groups, logits = its dequantized rows @ h
+    # W8A8 (Q8_0 x Q8_0): int8 codes times activations quantized per group of 32, exact integer sums
+    # (`Int8Linear.reference`); per-row scales with K not a multiple of 32 (a shorter last group),
+    # Q8_0 groups of 32, and a tied lm_head on the embedding table's own groups
     table = Int8Embedding(torch.randn(50, 64) * torch.rand(50, 2).repeat_interleave(32, 1))
-    head, x = Int8Linear.tied(table), torch.randn(3, 64)
-    ref = (x.double() @ table(torch.arange(50)).double().T).float()
-    torch.testing.assert_close(h.int8_gemv(x, head.qweight, head.scales), ref, rtol=1e-5, atol=1e-4)
+    for lin8, K in ((Int8Linear(torch.randn(40, 70)), 70),
+                    (Int8Linear(torch.randn(40, 96) * torch.rand(40, 3).repeat_interleave(32, 1), group=32), 96),
+                    (Int8Linear.tied(table), 64)):
+        x = torch.randn(9, K)
+        x[1, :32] = 0  # an all-zero group: scale 0, codes 0
+        y = h.int8_gemv(x, lin8.qweight, lin8.scales)
+        torch.testing.assert_close(y, lin8.reference(x), rtol=1e-5, atol=1e-4)
+        # a row's result does not depend on the rows beside it (decode == verification, bit for bit)
+        assert all(torch.equal(h.int8_gemv(x[r:r + n], lin8.qweight, lin8.scales), y[r:r + n])
+                   for r, n in ((0, 1), (4, 1), (8, 1), (1, 3), (3, 5)))
+    # the largest products: codes -128 and 127 against activations of +-127 (avx2 sums byte pairs in int16)
+    lin8 = Int8Linear(torch.randn(16, 64))
+    lin8.qweight[:8], lin8.qweight[8:] = -128, 127
+    x = torch.where(torch.rand(4, 64) > 0.5, 1.0, -1.0)
+    torch.testing.assert_close(h.int8_gemv(x, lin8.qweight, lin8.scales), lin8.reference(x), rtol=1e-5, atol=1e-4)
     # attention: decode (1 row per query head of a group of 3), a verification chain (T = 4), head
     # sizes of every specialised width and ones that are not (40, 20: the plain loops) and prefill
     # bursts (rows in several tiles of 32, causal bounds per tile, key tiles plus a tail)
