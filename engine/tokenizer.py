@@ -252,8 +252,8 @@ def grammar_tokenizer(tok: Tokenizer):
     """llguidance's tokenizer for `tok` (grammar compilation and token masks): an `llguidance.LLTokenizer`.
 
     llguidance builds it from the tokenizer.json text: a second parse of the vocabulary and merges,
-    then each token's bytes, then its token trie and mask slices (0.67 s at Qwen2.5's 152k tokens,
-    0.2 s at SmolLM2's 49k). The first build writes each token's bytes as llguidance made them (added
+    then each token's bytes, then its token trie and mask slices (0.67 s at Qwen2.5's 152k tokens on
+    one AVX2 core). The first build writes each token's bytes as llguidance made them (added
     tokens with its special marker) and its EOS to a cache entry keyed on the tokenizer.json text, the
     vocabulary size, the EOS id and llguidance's version (`tokenspeed.paths.cache_entry`); later builds
     hand those bytes to llguidance through its `TokenizerWrapper`, with `tok.encode` as the text
