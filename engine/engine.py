@@ -18,7 +18,7 @@ from .quant import MODES
 from .session import Session
 from .stages import LoadStages
 from .speculation import SpecConfig
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, grammar_tokenizer
 from .weights import ModelLoadError, load_gguf, load_model_files, load_quantized, resolve_model, save_quantized
 
 __all__ = ["Engine", "EngineArgumentError", "LoadStages"]
@@ -39,7 +39,7 @@ _AUTO_PROBES = ("The red cube is at x=0.42 y=-0.10 on the table. Pick it up and"
 def _return_free_heap() -> None:
     """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`), at the end of a load.
 
-    Parsing tokenizer.json twice (ours and llguidance's) and the draft model's conversion leave
+    Parsing tokenizer.json (ours, and llguidance's on a first load) and the draft model's conversion leave
     ~25 MB of freed temporaries that glibc keeps mapped, under every later stage's RSS (bench aal's
     peak included); the call takes ~1 ms. A no-op where the C library has no `malloc_trim`.
     """
@@ -121,8 +121,7 @@ class Engine:
         self.device = model.device
         self.pipeline = resolve_pipeline(self.device, pipeline)
         self.weight_choice = weight_choice
-        self.ll_tokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,
-                                                   eos_token=tokenizer.eos_id)
+        self.ll_tokenizer = grammar_tokenizer(tokenizer)
         self.mask_executor = llguidance.LLExecutor(1)  # the sessions' grammar masks along draft chains
         self.call_format = call_format_for(tokenizer.chat_template)  # the family's tool-call format
         self.load_stages.done("grammar tokenizer")

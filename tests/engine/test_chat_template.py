@@ -8,15 +8,16 @@ tokens, 2 layers of random weights built as `Engine.load("tiny-random")` builds 
 import json
 from pathlib import Path
 
+import llguidance
 import pytest
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 import tokenspeed
-from tokenspeed.grammar import call_format_for, format_tool_calls, parse_tool_calls
+from tokenspeed.grammar import ToolGrammar, call_format_for, format_tool_calls, normalize_tools, parse_tool_calls
 from tokenspeed.model import ModelArgs
 from tokenspeed.engine import _tiny_random
-from tokenspeed.tokenizer import Tokenizer
+from tokenspeed.tokenizer import Tokenizer, grammar_tokenizer
 from tokenspeed.weights import resolve_model
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
@@ -172,6 +173,61 @@ def test_qwen_call_with_its_own_tool_call_token(tmp_path, robot_tools):
         assert d.text == '<tool_call>\n{"name": "hold", "arguments": {}}\n</tool_call>'
         assert tok.encode("<tool_call>")[0] in session.tokens + session.pending
         session.rollback(cp)
+
+
+@pytest.mark.parametrize("name", [None, "Qwen-Qwen2.5-7B-Instruct"])
+def test_grammar_tokenizer_from_the_cache_is_llguidances_own(name, tmp_path, monkeypatch, robot_tools):
+    # The embedded tokenizer, and a Qwen2.5-shaped one (ChatML specials, <tool_call> added tokens): the
+    # grammar tokenizer built from the cached token bytes is the one llguidance builds from tokenizer.json.
+    monkeypatch.setenv("TOKENSPEED_CACHE", str(tmp_path / "cache"))
+    tok = Tokenizer(resolve_model(None).folder) if name is None else family_tokenizer(tmp_path, name, call_tags=True)
+    wrapped = []
+    monkeypatch.setattr(llguidance, "TokenizerWrapper",
+                        lambda v, real=llguidance.TokenizerWrapper: wrapped.append(v) or real(v))
+    native = llguidance.LLTokenizer(tok.json, n_vocab=tok.vocab_size, eos_token=tok.eos_id)
+    assert grammar_tokenizer(tok) is not None and not wrapped  # first build: from the text, entry written
+    assert len(list((tmp_path / "cache" / "grammar_tokens").iterdir())) == 1
+    cached = grammar_tokenizer(tok)
+    assert len(wrapped) == 1  # from the entry
+    assert (cached.vocab_size, cached.eos_token, cached.is_canonical) == (native.vocab_size, native.eos_token,
+                                                                          native.is_canonical)
+    for i in range(native.vocab_size):
+        assert cached.decode_bytes([i]) == native.decode_bytes([i]), i
+        assert cached.is_special_token(i) == native.is_special_token(i), i
+    texts = ["<tool_call>\n{\"name\": \"hold\"}\n</tool_call>", "<|im_end|>\n<|im_start|>assistant", "x=0.42 y=-0.10",
+             "Déjà vu: 12345 naïve 👋 日本語", "  \n\t  trailing  ", ""]
+    for text in texts:
+        for special in (False, True):
+            assert cached.tokenize_str(text, parse_special=special) == native.tokenize_str(text, parse_special=special)
+    # the same masks along a call
+    fmt = call_format_for(tok.chat_template)
+    tools = normalize_tools(robot_tools)
+    matchers = [ToolGrammar.build(ll, tok.vocab_size, tools, "required", False, fmt).matcher() for ll in (native, cached)]
+    ids = tok.encode(format_tool_calls([{"name": "hold", "arguments": {}}], fmt))
+    for t in ids:
+        assert matchers[0].compute_bitmask() == matchers[1].compute_bitmask()
+        assert all(m.consume_token(t) for m in matchers)
+
+
+def test_a_changed_or_damaged_tokenizer_never_hits_a_stale_grammar_entry(tmp_path, monkeypatch):
+    # Qwen2.5's tokenizer without and with its <tool_call> added tokens: one entry each, each its own bytes;
+    # a truncated entry is built again from the text and rewritten.
+    monkeypatch.setenv("TOKENSPEED_CACHE", str(tmp_path / "cache"))
+    entries = tmp_path / "cache" / "grammar_tokens"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    plain = family_tokenizer(tmp_path / "a", "Qwen-Qwen2.5-7B-Instruct")
+    tagged = family_tokenizer(tmp_path / "b", "Qwen-Qwen2.5-7B-Instruct", call_tags=True)
+    for tok in (plain, tagged, plain, tagged):
+        ids = tok.encode("<tool_call>")
+        assert grammar_tokenizer(tok).tokenize_str("<tool_call>") == ids
+        assert grammar_tokenizer(tok).is_special_token(ids[0]) == (tok is tagged)
+    assert len(list(entries.iterdir())) == 2
+    (entry,) = [e for e in entries.iterdir() if e.stat().st_size == max(f.stat().st_size for f in entries.iterdir())]
+    whole = entry.read_bytes()
+    entry.write_bytes(whole[:-7])
+    assert grammar_tokenizer(tagged).decode_bytes(tagged.encode("<tool_call>")) == b"<tool_call>"
+    assert entry.read_bytes() == whole
 
 
 def test_mistral_writes_the_system_prompt_once(tmp_path, robot_tools):
