@@ -285,8 +285,8 @@ class Attention(nn.Module):
             cache.v[layer, :, :, start:end] = v
         else:
             end = span
-            cache.k[layer, 0].index_copy_(1, slots, k[0])
-            cache.v[layer, 0].index_copy_(1, slots, v[0])
+            cache.k[layer, 0].index_copy_(1, slots, k[0].to(cache.k.dtype))  # (an fp16 CPU cache: rounded here)
+            cache.v[layer, 0].index_copy_(1, slots, v[0].to(cache.v.dtype))
         if cache.tracks_attention:
             out, mass, lse = attention_mass(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], mask)
             cache.record_attention(layer, q, mass, lse)

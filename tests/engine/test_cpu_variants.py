@@ -134,6 +134,8 @@ def test_harness_half_kv_matches_reference(harnesses, variant):
         k, v = torch.randn(start + T, D).half(), torch.randn(start + T, D).half()
         got = h.attend(q, T, start, k, v, D ** -0.5)
         assert all(torch.equal(a, b) for a, b in zip(got, h.attend(q, T, start, k.float(), v.float(), D ** -0.5)))
+        alone = h.attend(q[:T], T, start, k, v, D ** -0.5)  # verification rows == decode rows, bit for bit
+        assert all(torch.equal(a, b[:T]) for a, b in zip(alone, got))
         for a, b in zip(got, _attention_reference(q, T, start, k.float(), v.float(), D ** -0.5)):
             torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
 
