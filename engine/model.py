@@ -102,7 +102,9 @@ class ModelArgs:
 
 def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     mask: torch.Tensor | None) -> torch.Tensor:
-    # q: [1, H, T, D], k/v: [1, Hkv, S, D], mask: [T, S] bool (True = attend) or None (all)
+    # q: [1, H, T, D], k/v: [1, Hkv, S, D] (an fp16 CPU cache is read as q's dtype), mask: [T, S] bool
+    # (True = attend) or None (all)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -283,8 +285,8 @@ class Attention(nn.Module):
             cache.v[layer, :, :, start:end] = v
         else:
             end = span
-            cache.k[layer, 0].index_copy_(1, slots, k[0])
-            cache.v[layer, 0].index_copy_(1, slots, v[0])
+            cache.k[layer, 0].index_copy_(1, slots, k[0].to(cache.k.dtype))  # (an fp16 CPU cache: rounded here)
+            cache.v[layer, 0].index_copy_(1, slots, v[0].to(cache.v.dtype))
         if cache.tracks_attention:
             out, mass, lse = attention_mass(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], mask)
             cache.record_attention(layer, q, mass, lse)
@@ -352,7 +354,7 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The activations' dtype (the norms' weights'; a new KV cache's by default). The embedding
+        """The activations' dtype (the norms' weights'; a new KV cache's is `kv_dtype`). The embedding
         table may be stored otherwise (`tokenspeed.quant.Int8Embedding`): read these, not its weight."""
         return self.norm.dtype
 
@@ -403,9 +405,18 @@ class Transformer(nn.Module):
             return rope_tables(self.args, device=self.rope_cos.device, positions=positions)
         return self.rope_cos[positions], self.rope_sin[positions]
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of a new KV cache: float16 on the CPU where the fused step runs (`fused_decode`,
+        whether or not `use_fused` is on: both paths share the cache), half the memory of fp32, as
+        llama.cpp's f16 cache; keys and values are rounded once on write and attention reads them as
+        fp32. Elsewhere (CUDA, bf16, no compiler) the activations' dtype."""
+        return torch.float16 if self.fused_decode() is not None else self.dtype
+
     def new_cache(self, capacity: int | None = None, dtype=None) -> KVCache:
-        """A KV cache for up to `capacity` tokens (default: the model's max_seq_len)."""
-        return KVCache(self.args, capacity or self.args.max_seq_len, dtype or self.dtype, self.device)
+        """A KV cache for up to `capacity` tokens (default: the model's max_seq_len) of `dtype`
+        (default: `kv_dtype`)."""
+        return KVCache(self.args, capacity or self.args.max_seq_len, dtype or self.kv_dtype, self.device)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: int | torch.Tensor, cache: KVCache,
@@ -438,8 +449,8 @@ class Transformer(nn.Module):
         cos, sin = self.rope_at(positions, end)
         cache.pos[start:start + T] = positions
         eps = self.args.norm_eps
-        fused = (self.fused_decode() if self.use_fused and T <= FUSED_PREFILL_ROWS and cache.k.dtype == torch.float32
-                 else None)
+        fused = (self.fused_decode() if self.use_fused and T <= FUSED_PREFILL_ROWS
+                 and cache.k.dtype in (torch.float16, torch.float32) else None)
         if fused is not None:  # blocks of FUSED_ROWS new tokens, each attending over the ones before it
             x = self.tok_embeddings(tokens)  # [T, dim]
             h = torch.cat([fused(x[i:i + FUSED_ROWS], cos[i:i + FUSED_ROWS], sin[i:i + FUSED_ROWS], cache, start + i)

@@ -5,8 +5,10 @@ off) so that a warm start reads them instead of prefilling them.
 An entry is keyed by everything its keys and values depend on: the system prompt's token ids
 (prompt, tools, tool prompt and chat template), a fingerprint of the loaded weights (the model
 and its weights format), the engine's numerics (the source of the model, kernel and quantization
-code, torch's version, the CPU kernel variant, fused or Python path, thread count) and the device
-and dtype. So a restored session holds the same KV, bit for bit, as one prefilled here, and any
+code, torch's version, the CPU kernel variant, fused or Python path, thread count), the device,
+the model's dtype and the KV cache's (fp16 on the CPU since the fused step stores it so; an entry
+of another KV dtype is another key, and reading one into a cache of another dtype is refused as
+unreadable). So a restored session holds the same KV, bit for bit, as one prefilled here, and any
 change misses. Entries are safetensors files (no pickle), written atomically; the newest
 `KEEP` stay. An unreadable or mismatched entry is treated as a miss (and overwritten).
 
@@ -32,7 +34,7 @@ from .paths import cache_dir
 __all__ = ["prefill_system", "entry_path", "folder", "KEEP", "PREFIX_ENV"]
 
 PREFIX_ENV = "TOKENSPEED_PREFIX_CACHE"
-KEEP = 8  # entries kept (each ~46 KB per token for SmolLM2-135M)
+KEEP = 8  # entries kept (each ~23 KB per token for SmolLM2-135M's fp16 KV)
 _HERE = Path(__file__).parent
 # The code whose changes change the numbers of a prefill (an "engine version" finer than the release).
 _NUMERICS = ("model.py", "quant.py", "kernels/cpu_kernels.cpp", "kernels/cpu_kernels.h", "kernels/cpu_isa.h",
@@ -82,7 +84,7 @@ def _key(session, ids: list[int]) -> str:
         variant = selected_variant()
     parts = {"ids": hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest(),
              "weights": _FINGERPRINTS[model], "format": engine.weights, "code": _code_digest(),
-             "device": str(engine.device), "dtype": str(model.dtype),
+             "device": str(engine.device), "dtype": str(model.dtype), "kv_dtype": str(session.cache.k.dtype),
              "fused": fused, "variant": variant, "threads": torch.get_num_threads(),
              "cache": type(session.cache).__name__}
     draft = _draft(session)

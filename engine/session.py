@@ -172,7 +172,7 @@ class Session:
             if len(system_ids) >= kv.budget:
                 raise ValueError(f"kv_budget {kv.budget} tokens cannot hold the pinned system prompt and tools "
                                  f"({len(system_ids)} tokens)")
-            cache, window = TieredKVCache(self.model.args, kv, self.model.dtype, self.model.device), kv.budget
+            cache, window = TieredKVCache(self.model.args, kv, self.model.kv_dtype, self.model.device), kv.budget
         self._mask = TokenMask(self.tok.vocab_size, engine.device, engine.mask_executor)
         graphs = DecodeGraphs(self.model, cache) if engine.device.type == "cuda" and kv_budget is None else None
         self.target = Target(self.model, cache, self._mask, graphs, engine.host_worker, engine.pipeline)

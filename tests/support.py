@@ -39,12 +39,13 @@ def spin_until(executor, predicate, timeout: float) -> bool:
     return bool(predicate())
 
 
-def decide_each(engine, tools: list[dict], prompts: list[str], system: str = "You control a robot arm.") -> list:
-    """One `decide()` per prompt, each in a fresh session with `tools`; asserts every status is "ok"
-    and returns the Decisions."""
+def decide_each(engine, tools: list[dict], prompts: list[str], system: str = "You control a robot arm.",
+                **session_args) -> list:
+    """One `decide()` per prompt, each in a fresh session with `tools` (and `session_args`, e.g.
+    kv_budget); asserts every status is "ok" and returns the Decisions."""
     decisions = []
     for prompt in prompts:
-        session = engine.session(system=system, tools=tools)
+        session = engine.session(system=system, tools=tools, **session_args)
         session.observe(prompt)
         decisions.append(session.decide())
         assert decisions[-1].status == "ok", decisions[-1].reason

@@ -225,7 +225,7 @@ def measure(model: Transformer, context: int, decode_tokens: int, device: torch.
     if kv is None:
         cache, chunk = model.new_cache(context + decode_tokens + 3), context
     else:
-        cache, chunk = TieredKVCache(args, kv, model.dtype, model.device), min(512, kv.reserve)
+        cache, chunk = TieredKVCache(args, kv, model.kv_dtype, model.device), min(512, kv.reserve)
     gen = torch.Generator(device="cpu").manual_seed(0)
     prompt = torch.randint(0, args.vocab_size, (context,), generator=gen).to(device)
     warm = model.new_cache(64)

@@ -68,7 +68,7 @@ def _worker_tokenspeed(job: dict, kv_budget: int | None) -> dict:
         cache = model.new_cache(max(job["prefixes"]) + max(job["new"]) + 8)
         cut = cache.truncate
     else:  # the pruned hot set, as a session with kv_budget keeps it: trimmed to the budget after each prefill
-        cache = TieredKVCache(model.args, KVConfig(budget=kv_budget), device=dev)
+        cache = TieredKVCache(model.args, KVConfig(budget=kv_budget), model.kv_dtype, dev)
         marks = {}
 
         def cut(n):

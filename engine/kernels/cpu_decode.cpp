@@ -151,7 +151,9 @@ inline void head_in(const float* s, float* d, int64_t D, const float* w, float e
 
 // h: [T, dim] fp32 embeddings of the new tokens (updated in place and returned: the hidden
 // states after the last layer, before the final norm). cos/sin: [T, head_dim] fp32.
-// k_cache/v_cache: [L, 1, Hkv, capacity, head_dim] fp32; slots [start, start + T) are written.
+// k_cache/v_cache: [L, 1, Hkv, capacity, head_dim] fp16 (the CPU default: each key and value
+// rounded to nearest-even on write, read back exactly as fp32) or fp32; slots [start, start + T)
+// are written.
 // linears: 4 per layer (wqkv, wo, w13, w2), each as 3 tensors + kind (see Linear).
 // qk_norms: per layer the query and key heads' RMSNorm weights [head_dim] (Qwen3), or empty (none).
 // rotates: per layer 1 if its queries and keys are rotated, 0 for a NoPE layer (SmolLM3).
@@ -166,15 +168,17 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
   const int64_t G = H / Hkv, end = start + T, cap = k_cache.size(3);
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   TORCH_CHECK(h.is_contiguous() && h.scalar_type() == at::kFloat, "h must be contiguous fp32");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "KV cache must be contiguous fp32");
+  const bool half = k_cache.scalar_type() == at::kHalf;
+  TORCH_CHECK((half || k_cache.scalar_type() == at::kFloat) && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "KV cache must be contiguous fp16 or fp32");
   TORCH_CHECK(end <= cap, "KV cache full");
   TORCH_CHECK(static_cast<int64_t>(tensors.size()) == L * 12 && static_cast<int64_t>(norms.size()) == L * 2,
               "expected 12 tensors and 2 norms per layer");
   TORCH_CHECK((qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == L * 2) &&
                   static_cast<int64_t>(rotates.size()) == L,
               "expected 2 Q/K norms (or none) and a rotation flag per layer");
-  std::vector<float> tmp(D);
+  std::vector<float> tmp(D), kv_row(D);
   std::vector<Linear> lin(L * 4);
   for (int64_t i = 0; i < L * 4; ++i) lin[i] = Linear{tensors[3 * i], tensors[3 * i + 1], tensors[3 * i + 2], kinds[i]};
   const float* cp = cos.data_ptr<float>();
@@ -191,8 +195,12 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
     at::Tensor q = q_all[track ? l : 0];
     at::Tensor qkv = linear(lin[4 * l], rms_norm(h, norms[2 * l], eps)).contiguous();  // [T, (H+2Hkv)D]
     const float* qp = qkv.data_ptr<float>();
-    float* kc = k_cache.data_ptr<float>() + l * Hkv * cap * D;
-    float* vc = v_cache.data_ptr<float>() + l * Hkv * cap * D;
+    // this layer's keys and values: fp32 (kc, vc) or half (kh, vh), [Hkv, cap, D]
+    const int64_t layer_at = l * Hkv * cap * D;
+    float* kc = half ? nullptr : k_cache.data_ptr<float>() + layer_at;
+    float* vc = half ? nullptr : v_cache.data_ptr<float>() + layer_at;
+    uint16_t* kh = half ? reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::Half>()) + layer_at : nullptr;
+    uint16_t* vh = half ? reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::Half>()) + layer_at : nullptr;
     const int64_t row = (H + 2 * Hkv) * D;
     const float* qn = qk_norms.empty() ? nullptr : qk_norms[2 * l].data_ptr<float>();
     const float* kn = qk_norms.empty() ? nullptr : qk_norms[2 * l + 1].data_ptr<float>();
@@ -205,8 +213,16 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
       for (int64_t hh = 0; hh < H; ++hh)
         head_in(r + hh * D, q.data_ptr<float>() + (hh * T + t) * D, D, qn, fe, rot, c, s, tmp.data());
       for (int64_t g = 0; g < Hkv; ++g) {
-        head_in(r + (H + g) * D, kc + (g * cap + start + t) * D, D, kn, fe, rot, c, s, tmp.data());
-        std::memcpy(vc + (g * cap + start + t) * D, r + (H + Hkv + g) * D, D * sizeof(float));
+        const int64_t slot = (g * cap + start + t) * D;
+        const float* value = r + (H + Hkv + g) * D;
+        if (half) {
+          head_in(r + (H + g) * D, kv_row.data(), D, kn, fe, rot, c, s, tmp.data());
+          ts_to_half(kv_row.data(), D, kh + slot);
+          ts_to_half(value, D, vh + slot);
+        } else {
+          head_in(r + (H + g) * D, kc + slot, D, kn, fe, rot, c, s, tmp.data());
+          std::memcpy(vc + slot, value, D * sizeof(float));
+        }
       }
     }
     // per KV head g: its G query heads x T new tokens form R = G * T rows q_g [R, D] (row
@@ -223,8 +239,12 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
         const int64_t g = i / tiles, r0 = (i % tiles) * kAttendRows, r1 = std::min(R, r0 + kAttendRows);
         float* lg = track ? lse.data_ptr<float>() + (l * H + g * G) * T : nullptr;  // [G, T] = rows r
         float* og = cx + g * R * D;
-        ts_attend_rows(qh + g * R * D, T, start, kc + g * cap * D, vc + g * cap * D, D, scale, sc + g * R * end, og,
-                       lg, r0, r1);
+        if (half)
+          ts_attend_rows_half(qh + g * R * D, T, start, kh + g * cap * D, vh + g * cap * D, D, scale, sc + g * R * end,
+                              og, lg, r0, r1);
+        else
+          ts_attend_rows(qh + g * R * D, T, start, kc + g * cap * D, vc + g * cap * D, D, scale, sc + g * R * end, og,
+                         lg, r0, r1);
         for (int64_t r = r0; r < r1; ++r)  // to token-major [T, H * D]
           std::memcpy(ap + (r % T) * H * D + (g * G + r / T) * D, og + r * D, D * sizeof(float));
       }

@@ -1,7 +1,7 @@
 """Fused CPU decode step: every decoder layer for a few new tokens in one C++ call.
 
 `cpu_decode.cpp` runs the layer math of the Python path (RMSNorm, QKV, Qwen3's per-head Q/K
-RMSNorm, rotary except in SmolLM3's NoPE layers, KV-cache write, grouped-query attention, output
+RMSNorm, rotary except in SmolLM3's NoPE layers, KV-cache write (fp16 or fp32), grouped-query attention, output
 projection, SwiGLU) as loops around the same kernels, with the
 GIL released, so that a decode step pays no per-op framework dispatch (`tokenspeed bench profile`
 shows that cost). The numerical kernels (`cpu_kernels.cpp`, a torch-free C ABI: the W4A8
@@ -230,7 +230,8 @@ class FusedDecode:
         Args:
             h: [T, dim] fp32 token embeddings (overwritten).
             cos, sin: [T, head_dim] fp32 rotary tables at the tokens' positions.
-            cache: a fp32 `KVCache` (slots [start, start + T) are written). If it tracks attention,
+            cache: a `KVCache` of fp16 (the CPU default, `Transformer.kv_dtype`) or fp32 (slots [start,
+                start + T) are written; attention reads the keys and values as fp32). If it tracks attention,
                 each layer's mass [start + T], log-sum-exp [H, T] and rotated queries [1, H, T, D] are
                 handed to `cache.record_attention` after the step, layer by layer, as the Python path does.
         Returns:

@@ -49,9 +49,9 @@ class Harness:
     def __init__(self, exe: Path, runner: tuple[str, ...] = ()):
         self.cmd = [*runner, str(exe)]
 
-    def _call(self, request: bytes, n_floats: int) -> np.ndarray:
+    def _call(self, request: bytes, n: int, dtype=np.float32) -> np.ndarray:
         out = subprocess.run(self.cmd, input=request, capture_output=True, check=True, timeout=120).stdout
-        return np.frombuffer(out, dtype=np.float32, count=n_floats)
+        return np.frombuffer(out, dtype=dtype, count=n)
 
     def isa(self) -> str:
         """The family name the build reports (as the extension's `isa()`)."""
@@ -75,11 +75,18 @@ class Harness:
 
     def attend(self, q: torch.Tensor, T: int, start: int, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [R, D] (row r = head-in-group * T + token), k and v [start + T, D] fp32 -> (probabilities
-        [R, start + T], out [R, D], log-sum-exp [R]); row r sees slots [0, start + r % T]."""
+        """q [R, D] (row r = head-in-group * T + token), k and v [start + T, D] fp32, or fp16 (the
+        half-float kernel, `ts_attend_rows_half`) -> (probabilities [R, start + T], out [R, D],
+        log-sum-exp [R]); row r sees slots [0, start + r % T]."""
         R, D = q.shape
         end = start + T
-        req = (struct.pack("<i", 3) + _i64(R, T, start, D) + struct.pack("<f", scale) + _raw(q.float())
-               + _raw(k[:end].float()) + _raw(v[:end].float()))
+        kv = torch.float16 if k.dtype == torch.float16 else torch.float32
+        req = (struct.pack("<i", 4 if kv == torch.float16 else 3) + _i64(R, T, start, D) + struct.pack("<f", scale)
+               + _raw(q.float()) + _raw(k[:end].to(kv)) + _raw(v[:end].to(kv)))
         flat = torch.from_numpy(self._call(req, R * end + R * D + R).copy())
         return flat[:R * end].view(R, end), flat[R * end:R * end + R * D].view(R, D), flat[R * end + R * D:]
+
+    def to_half(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n] fp32 rounded to IEEE half floats by the kernels' KV write (`ts_to_half`) -> [n] fp16."""
+        n = x.numel()
+        return torch.from_numpy(self._call(struct.pack("<i", 5) + _i64(n) + _raw(x.float()), n, np.float16).copy())

@@ -11,6 +11,10 @@
 //   neon          float32x4 (4)    smull + pairwise adds
 //   generic       float (1)        scalar
 //
+// The KV cache may hold IEEE half floats (binary16, as raw uint16_t bits): load_half widens kW of
+// them to fp32 exactly, store_half rounds kW floats to nearest-even (F16C on x86, fcvt on ARM, the
+// portable half_from_float / half_to_float in the generic variant; all give the same bits).
+//
 // The int4 kernel sums one group of 32 codes per row as dsum(dot4(... dot4(izero(), u, s) ...)) with at
 // most 8 dot4 calls before dsum; dsum gives the int32 lanes (the identity where dot4 adds int32).
 // The int8 kernel (signed weights x signed activations) sums a group of 32 bytes in int32 lanes
@@ -32,7 +36,7 @@
 #elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TS_ISA_AVX512 1
 #include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TS_ISA_AVX2 1
 #include <immintrin.h>
 #elif defined(__ARM_NEON) && defined(__aarch64__)
@@ -45,11 +49,39 @@
 namespace ts {
 namespace isa {
 
-inline float bf16_to_float(uint16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
+// Scalar conversions: bf16 -> fp32, and IEEE half <-> fp32 without hardware support (Dukhan's FP16
+// library, fp16_ieee_to_fp32_value and fp16_ieee_from_fp32_value): exact widening; rounding to
+// nearest-even with subnormals, inf and NaN kept.
+inline float f32_of_bits(uint32_t u) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
+}
+
+inline uint32_t bits_of_f32(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+inline float bf16_to_float(uint16_t v) { return f32_of_bits(static_cast<uint32_t>(v) << 16); }
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16, sign = w & 0x80000000u, two_w = w + w;
+  const float normal = f32_of_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float subnormal = f32_of_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+  return f32_of_bits(sign | (two_w < (1u << 27) ? bits_of_f32(subnormal) : bits_of_f32(normal)));
+}
+
+inline uint16_t half_from_float(float f) {
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = bits_of_f32(f), shl1_w = w + w, sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = f32_of_bits((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = bits_of_f32(base);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
 inline int32_t load_i32(const void* p) {
@@ -82,6 +114,10 @@ inline vf load_i8(const int8_t* p) {  // kW int8 -> fp32
 inline vf load_bf16(const uint16_t* p) {  // kI bf16 -> fp32
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline vf load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void store_half(uint16_t* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 // The four horizontal sums of a, b, c, d into out[0..3].
 inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
@@ -150,6 +186,10 @@ inline vf load_bf16(const uint16_t* p) {
   return _mm256_castsi256_ps(
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
+inline vf load_half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void store_half(uint16_t* p, vf v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
@@ -211,6 +251,8 @@ inline vf load_i8(const int8_t* p) {
   return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(b))));
 }
 inline vf load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+inline vf load_half(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+inline void store_half(uint16_t* p, vf v) { vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(v))); }
 inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
   vst1q_f32(out, vpaddq_f32(vpaddq_f32(a, b), vpaddq_f32(c, d)));
 }
@@ -256,6 +298,8 @@ inline vf round(vf v) { return std::nearbyint(v); }
 inline vf scale_pow2(vf p, vf n) { return std::ldexp(p, static_cast<int>(n)); }
 inline vf load_i8(const int8_t* p) { return static_cast<float>(*p); }
 inline vf load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
+inline vf load_half(const uint16_t* p) { return half_to_float(*p); }
+inline void store_half(uint16_t* p, vf v) { *p = half_from_float(v); }
 inline void hsum4(vf a, vf b, vf c, vf d, float* out) { out[0] = a, out[1] = b, out[2] = c, out[3] = d; }
 inline vi izero() { return 0; }
 inline vi iload(const uint8_t* p) { return load_i32(p); }

@@ -27,15 +27,22 @@ inline void with_rows(int n, F&& f) {
   f(std::integral_constant<int, M>{});
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// KV cache elements: fp32, or IEEE half as raw bits (uint16_t); the kernels read both as fp32.
+inline vf load_kv(const float* p) { return load(p); }
+inline vf load_kv(const uint16_t* p) { return load_half(p); }
+inline float kv_float(float x) { return x; }
+inline float kv_float(uint16_t h) { return half_to_float(h); }
+
+template <typename KV>
+inline float dot(const float* a, const KV* b, int64_t n) {
   int64_t i = 0;
   float acc = 0.f;
   if constexpr (kW > 1) {
     vf v = zero();
-    for (; i + kW <= n; i += kW) v = fmadd(load(a + i), load(b + i), v);
+    for (; i + kW <= n; i += kW) v = fmadd(load(a + i), load_kv(b + i), v);
     acc = reduce_add(v);
   }
-  for (; i < n; ++i) acc += a[i] * b[i];
+  for (; i < n; ++i) acc = std::fma(a[i], kv_float(b[i]), acc);  // explicit: fp32 and half contract alike
   return acc;
 }
 
@@ -45,10 +52,10 @@ constexpr int kSumRows = 4;                                    // probability ro
 constexpr int kSumVecs = kRegs >= 32 ? 4 : 2;                  // value vectors per block (of a row's C)
 
 // s[r, j .. j + 4) = q_r . k_{j .. j + 4) for RB rows q [RB, kW C] (row stride kW C) and 4 keys k
-// [4, kW C]: lane-wise fused multiply-adds over the C vectors, then one lane of `hsum4` per key,
-// so a row's scores do not depend on the rows beside it.
-template <int C, int RB>
-inline void scores_block(const float* q, const float* k, float* s, int64_t ld) {
+// [4, kW C] (fp32 or half, see load_kv): lane-wise fused multiply-adds over the C vectors, then
+// one lane of `hsum4` per key, so a row's scores do not depend on the rows beside it.
+template <int C, int RB, typename KV>
+inline void scores_block(const float* q, const KV* k, float* s, int64_t ld) {
   constexpr int64_t D = kW * C;
   vf p[RB][4];
   for (int r = 0; r < RB; ++r)
@@ -57,7 +64,7 @@ inline void scores_block(const float* q, const float* k, float* s, int64_t ld) {
     vf qc[RB];
     for (int r = 0; r < RB; ++r) qc[r] = load(q + r * D + kW * c);
     for (int i = 0; i < 4; ++i) {
-      const vf kc = load(k + i * D + kW * c);
+      const vf kc = load_kv(k + i * D + kW * c);
       for (int r = 0; r < RB; ++r) p[r][i] = fmadd(qc[r], kc, p[r][i]);
     }
   }
@@ -67,23 +74,23 @@ inline void scores_block(const float* q, const float* k, float* s, int64_t ld) {
 // s[r, j] = q_r . k_j for R query rows q [R, kW C] and the n keys k [n, kW C]; row r of s starts
 // at s + r * ld. Each block of 4 keys is read once for all R rows (L1-resident meanwhile); every
 // score is one lane of `hsum4` wherever it falls, so a row's scores depend neither on R nor on n.
-template <int C>
-void scores_rows(const float* q, int64_t R, const float* k, float* s, int64_t ld, int64_t n) {
+template <int C, typename KV>
+void scores_rows(const float* q, int64_t R, const KV* k, float* s, int64_t ld, int64_t n) {
   constexpr int64_t D = kW * C;
   constexpr int RB = kScoreRows;
   const vf z = zero();
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     int64_t r = 0;
-    for (; r + RB <= R; r += RB) scores_block<C, RB>(q + r * D, k + j * D, s + r * ld + j, ld);
+    for (; r + RB <= R; r += RB) scores_block<C, RB, KV>(q + r * D, k + j * D, s + r * ld + j, ld);
     if (r < R)
       with_rows<RB>(static_cast<int>(R - r),
-                    [&](auto rr) { scores_block<C, decltype(rr)::value>(q + r * D, k + j * D, s + r * ld + j, ld); });
+                    [&](auto rr) { scores_block<C, decltype(rr)::value, KV>(q + r * D, k + j * D, s + r * ld + j, ld); });
   }
   for (; j < n; ++j)
     for (int64_t r = 0; r < R; ++r) {
       vf p = z;
-      for (int c = 0; c < C; ++c) p = fmadd(load(q + r * D + kW * c), load(k + j * D + kW * c), p);
+      for (int c = 0; c < C; ++c) p = fmadd(load(q + r * D + kW * c), load_kv(k + j * D + kW * c), p);
       float out[4];
       hsum4(p, z, z, z, out);
       s[r * ld + j] = out[0];
@@ -94,8 +101,8 @@ void scores_rows(const float* q, int64_t R, const float* k, float* s, int64_t ld
 // stride ld) and values v [n, kW C] (row stride kW C); first: start from zero instead of o. Each
 // value vector is loaded once for the RB rows; j ascends, so the sum is the same whatever the
 // blocking: one chain of fused multiply-adds per output lane, from j = 0 up.
-template <int C, int RB, int CC>
-void weighted_block(const float* p, int64_t ld, const float* v, float* o, int64_t j0, int64_t j1, int c0, bool first) {
+template <int C, int RB, int CC, typename KV>
+void weighted_block(const float* p, int64_t ld, const KV* v, float* o, int64_t j0, int64_t j1, int c0, bool first) {
   constexpr int64_t D = kW * C;
   vf acc[RB][CC];
   for (int r = 0; r < RB; ++r)
@@ -104,7 +111,7 @@ void weighted_block(const float* p, int64_t ld, const float* v, float* o, int64_
     vf pj[RB];
     for (int r = 0; r < RB; ++r) pj[r] = set1(p[r * ld + j]);
     for (int c = 0; c < CC; ++c) {
-      const vf vj = load(v + j * D + (c0 + c) * kW);
+      const vf vj = load_kv(v + j * D + (c0 + c) * kW);
       for (int r = 0; r < RB; ++r) acc[r][c] = fmadd(pj[r], vj, acc[r][c]);
     }
   }
@@ -115,8 +122,8 @@ void weighted_block(const float* p, int64_t ld, const float* v, float* o, int64_
 // o [R, kW C] = p [R, ld] v over the first n values v [n, kW C], in tiles of keys whose values
 // (~16 KB) stay in L1 while every row block and value-vector block of the R rows uses them: the
 // values are read from memory once per call, however many rows. Results as `weighted_block`'s.
-template <int C>
-void weighted_rows(const float* p, int64_t R, int64_t ld, const float* v, float* o, int64_t n) {
+template <int C, typename KV>
+void weighted_rows(const float* p, int64_t R, int64_t ld, const KV* v, float* o, int64_t n) {
   constexpr int64_t D = kW * C;
   constexpr int RB = kSumRows, CC = std::min(C, kSumVecs);
   static_assert(C % CC == 0, "value vectors per block must divide the row");
@@ -130,22 +137,23 @@ void weighted_rows(const float* p, int64_t R, int64_t ld, const float* v, float*
     const bool first = j0 == 0;
     int64_t r = 0;
     for (; r + RB <= R; r += RB)
-      for (int c0 = 0; c0 < C; c0 += CC) weighted_block<C, RB, CC>(p + r * ld, ld, v, o + r * D, j0, j1, c0, first);
+      for (int c0 = 0; c0 < C; c0 += CC) weighted_block<C, RB, CC, KV>(p + r * ld, ld, v, o + r * D, j0, j1, c0, first);
     if (r < R)
       with_rows<RB>(static_cast<int>(R - r), [&](auto rr) {
         for (int c0 = 0; c0 < C; c0 += CC)
-          weighted_block<C, decltype(rr)::value, CC>(p + r * ld, ld, v, o + r * D, j0, j1, c0, first);
+          weighted_block<C, decltype(rr)::value, CC, KV>(p + r * ld, ld, v, o + r * D, j0, j1, c0, first);
       });
   }
 }
 
 // s [R, ld] = q [R, D] k^T over the first n keys k [n, D].
-void scores_of(const float* q, int64_t R, const float* k, float* s, int64_t ld, int64_t n, int64_t D) {
+template <typename KV>
+void scores_of(const float* q, int64_t R, const KV* k, float* s, int64_t ld, int64_t n, int64_t D) {
   switch (D) {
-    case 16: return scores_rows<16 / kW>(q, R, k, s, ld, n);
-    case 32: return scores_rows<32 / kW>(q, R, k, s, ld, n);
-    case 64: return scores_rows<64 / kW>(q, R, k, s, ld, n);
-    case 128: return scores_rows<128 / kW>(q, R, k, s, ld, n);
+    case 16: return scores_rows<16 / kW, KV>(q, R, k, s, ld, n);
+    case 32: return scores_rows<32 / kW, KV>(q, R, k, s, ld, n);
+    case 64: return scores_rows<64 / kW, KV>(q, R, k, s, ld, n);
+    case 128: return scores_rows<128 / kW, KV>(q, R, k, s, ld, n);
     default: break;
   }
   for (int64_t r = 0; r < R; ++r)
@@ -153,19 +161,20 @@ void scores_of(const float* q, int64_t R, const float* k, float* s, int64_t ld, 
 }
 
 // o [R, D] = p [R, ld] v over the first n values v [n, D].
-void weighted_sum_of(const float* p, int64_t R, int64_t ld, const float* v, float* o, int64_t n, int64_t D) {
+template <typename KV>
+void weighted_sum_of(const float* p, int64_t R, int64_t ld, const KV* v, float* o, int64_t n, int64_t D) {
   switch (D) {
-    case 16: return weighted_rows<16 / kW>(p, R, ld, v, o, n);
-    case 32: return weighted_rows<32 / kW>(p, R, ld, v, o, n);
-    case 64: return weighted_rows<64 / kW>(p, R, ld, v, o, n);
-    case 128: return weighted_rows<128 / kW>(p, R, ld, v, o, n);
+    case 16: return weighted_rows<16 / kW, KV>(p, R, ld, v, o, n);
+    case 32: return weighted_rows<32 / kW, KV>(p, R, ld, v, o, n);
+    case 64: return weighted_rows<64 / kW, KV>(p, R, ld, v, o, n);
+    case 128: return weighted_rows<128 / kW, KV>(p, R, ld, v, o, n);
     default: break;
   }
   std::fill(o, o + R * D, 0.f);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < n; ++j) {
       const float a = p[r * ld + j];
-      for (int64_t i = 0; i < D; ++i) o[r * D + i] += a * v[j * D + i];
+      for (int64_t i = 0; i < D; ++i) o[r * D + i] = std::fma(a, kv_float(v[j * D + i]), o[r * D + i]);
     }
 }
 
@@ -283,6 +292,30 @@ float softmax_row(float* s, int64_t n, float scale) {
   return m + std::log(sum);
 }
 
+// ts_attend_rows over fp32 or half keys and values (see cpu_kernels.h).
+template <typename KV>
+void attend_rows(const float* q, int64_t T, int64_t start, const KV* k, const KV* v, int64_t D, float scale, float* scores,
+                 float* out, float* lse, int64_t r0, int64_t r1) {
+  const int64_t end = start + T;
+  // Tiles of kAttendTile rows: each key and value is read once per tile (scores and
+  // probabilities of the tile stay in L2), and only up to the tile's last visible slot; a row's
+  // result depends neither on the tile nor on R (see scores_rows and weighted_rows).
+  for (int64_t a = r0; a < r1; a += kAttendTile) {
+    const int64_t b = std::min(r1, a + kAttendTile);
+    int64_t n = 0;
+    for (int64_t r = a; r < b; ++r) n = std::max(n, start + r % T + 1);
+    scores_of(q + a * D, b - a, k, scores + a * end, end, n, D);
+    for (int64_t r = a; r < b; ++r) {
+      const int64_t visible = start + r % T + 1;
+      float* srow = scores + r * end;
+      const float row_lse = softmax_row(srow, visible, scale);
+      std::fill(srow + visible, srow + end, 0.f);
+      if (lse != nullptr) lse[r] = row_lse;
+    }
+    weighted_sum_of(scores + a * end, b - a, end, v, out + a * D, n, D);
+  }
+}
+
 }  // namespace
 }  // namespace ts
 
@@ -332,24 +365,18 @@ void ts_int8_rows(const int8_t* q, const float* sx, int64_t T, int64_t K, const 
 
 void ts_attend_rows(const float* q, int64_t T, int64_t start, const float* k, const float* v, int64_t D, float scale,
                     float* scores, float* out, float* lse, int64_t r0, int64_t r1) {
-  const int64_t end = start + T;
-  // Tiles of ts::kAttendTile rows: each key and value is read once per tile (scores and
-  // probabilities of the tile stay in L2), and only up to the tile's last visible slot; a row's
-  // result depends neither on the tile nor on R (see scores_rows and weighted_rows).
-  for (int64_t a = r0; a < r1; a += ts::kAttendTile) {
-    const int64_t b = std::min(r1, a + ts::kAttendTile);
-    int64_t n = 0;
-    for (int64_t r = a; r < b; ++r) n = std::max(n, start + r % T + 1);
-    ts::scores_of(q + a * D, b - a, k, scores + a * end, end, n, D);
-    for (int64_t r = a; r < b; ++r) {
-      const int64_t visible = start + r % T + 1;
-      float* srow = scores + r * end;
-      const float row_lse = ts::softmax_row(srow, visible, scale);
-      std::fill(srow + visible, srow + end, 0.f);
-      if (lse != nullptr) lse[r] = row_lse;
-    }
-    ts::weighted_sum_of(scores + a * end, b - a, end, v, out + a * D, n, D);
-  }
+  ts::attend_rows(q, T, start, k, v, D, scale, scores, out, lse, r0, r1);
+}
+
+void ts_attend_rows_half(const float* q, int64_t T, int64_t start, const uint16_t* k, const uint16_t* v, int64_t D,
+                         float scale, float* scores, float* out, float* lse, int64_t r0, int64_t r1) {
+  ts::attend_rows(q, T, start, k, v, D, scale, scores, out, lse, r0, r1);
+}
+
+void ts_to_half(const float* x, int64_t n, uint16_t* y) {
+  int64_t i = 0;
+  for (; i + ts::isa::kW <= n; i += ts::isa::kW) ts::isa::store_half(y + i, ts::isa::load(x + i));
+  for (; i < n; ++i) y[i] = ts::isa::half_from_float(x[i]);
 }
 
 void ts_attend(const float* q, int64_t R, int64_t T, int64_t start, const float* k, const float* v, int64_t D,

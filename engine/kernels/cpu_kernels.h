@@ -48,6 +48,15 @@ void ts_attend(const float* q, int64_t R, int64_t T, int64_t start, const float*
 void ts_attend_rows(const float* q, int64_t T, int64_t start, const float* k, const float* v, int64_t D, float scale,
                     float* scores, float* out, float* lse, int64_t r0, int64_t r1);
 
+// ts_attend_rows over keys k and values v stored as IEEE half floats (binary16 bits, the CPU KV
+// cache's format): read exactly as fp32, every computation as there, so the results equal
+// ts_attend_rows over the same values widened to fp32, bit for bit.
+void ts_attend_rows_half(const float* q, int64_t T, int64_t start, const uint16_t* k, const uint16_t* v, int64_t D,
+                         float scale, float* scores, float* out, float* lse, int64_t r0, int64_t r1);
+
+// y [n] = x [n] rounded to IEEE half floats (to nearest-even, as torch's .half()): a KV cache write.
+void ts_to_half(const float* x, int64_t n, uint16_t* y);
+
 #ifdef __cplusplus
 }
 #endif

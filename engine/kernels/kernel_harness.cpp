@@ -6,6 +6,8 @@
 //   op 2 (int8):   T K N G, x [T, K] f32, w [N, K] i8, scales [N, G] f32 -> y [T, N] f32
 //   op 3 (attend): R T start D, scale f32, q [R, D], k and v [start + T, D] f32
 //                  -> scores [R, start + T], out [R, D], lse [R] f32
+//   op 4 (attend over half K/V): as op 3 with k and v [start + T, D] as IEEE half bits (u16)
+//   op 5 (to half): n, x [n] f32 -> y [n] u16 (IEEE half bits)
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -58,15 +60,28 @@ int main() {
         ts_quantize_rows(x.data(), T, K, q.data(), sx.data(), nullptr);
         ts_int8_rows(q.data(), sx.data(), T, K, w.data(), s.data(), G, y.data(), N, 0, N);
         give(y);
-      } else if (op == 3) {
+      } else if (op == 3 || op == 4) {
         const int64_t R = size(), T = size(), start = size(), D = size();
         const float scale = take<float>(1)[0];
         auto q = take<float>(R * D);
-        auto k = take<float>((start + T) * D);
-        auto v = take<float>((start + T) * D);
         std::vector<float> scores(R * (start + T)), out(R * D), lse(R);
-        ts_attend(q.data(), R, T, start, k.data(), v.data(), D, scale, scores.data(), out.data(), lse.data());
+        if (op == 3) {
+          auto k = take<float>((start + T) * D);
+          auto v = take<float>((start + T) * D);
+          ts_attend(q.data(), R, T, start, k.data(), v.data(), D, scale, scores.data(), out.data(), lse.data());
+        } else {
+          auto k = take<uint16_t>((start + T) * D);
+          auto v = take<uint16_t>((start + T) * D);
+          ts_attend_rows_half(q.data(), T, start, k.data(), v.data(), D, scale, scores.data(), out.data(), lse.data(), 0,
+                              R);
+        }
         give(scores), give(out), give(lse);
+      } else if (op == 5) {
+        const int64_t n = size();
+        auto x = take<float>(n);
+        std::vector<uint16_t> y(n);
+        ts_to_half(x.data(), n, y.data());
+        give(y);
       } else {
         std::fprintf(stderr, "unknown op %d\n", op);
         return 2;

@@ -119,6 +119,31 @@ def test_harness_kernels_match_reference(harnesses, variant):
             assert torch.equal(p1[0], p[r, :seen + 1]) and torch.equal(out1[0], out[r]) and torch.equal(lse1[0], lse[r])
 
 
+@pytest.mark.parametrize("variant", ALL)
+def test_harness_half_kv_matches_reference(harnesses, variant):
+    # the fp16 KV cache: the kernels' write rounds like torch's .half() (nearest-even, ties, subnormals,
+    # overflow to inf, NaN), and attention over half keys and values equals attention over the same
+    # values widened to fp32 bit for bit (the kernel reads them exactly; the math is the fp32 one)
+    h = _harness(harnesses, variant)
+    torch.manual_seed(0)
+    ulp = torch.tensor([2.0 ** -10, 2.0 ** -24, 2.0 ** -14])  # at 1, the smallest subnormal, the smallest normal
+    x = torch.cat([torch.randn(997) * 4, torch.randn(64) * 1e-5, torch.rand(64) * 7e4,
+                   torch.tensor([0.0, -0.0, 1 + ulp[0] / 2, 1 + 3 * ulp[0] / 2, ulp[1] / 2, 3 * ulp[1] / 2,
+                                 ulp[2] - ulp[1] / 2, 65504.0, 65519.0, 65520.0, -1e9, float("inf"),
+                                 float("-inf"), float("nan")])])
+    ours, ref = h.to_half(x), x.half()
+    assert torch.equal(ours.view(torch.int16)[:-1], ref.view(torch.int16)[:-1]) and ours[-1].isnan()
+    for D, T, start in ((64, 1, 37), (64, 4, 30), (32, 5, 3), (40, 2, 7), (20, 3, 11), (64, 45, 70)):
+        q = torch.randn(3 * T, D)
+        k, v = torch.randn(start + T, D).half(), torch.randn(start + T, D).half()
+        got = h.attend(q, T, start, k, v, D ** -0.5)
+        assert all(torch.equal(a, b) for a, b in zip(got, h.attend(q, T, start, k.float(), v.float(), D ** -0.5)))
+        alone = h.attend(q[:T], T, start, k, v, D ** -0.5)  # verification rows == decode rows, bit for bit
+        assert all(torch.equal(a, b[:T]) for a, b in zip(alone, got))
+        for a, b in zip(got, _attention_reference(q, T, start, k.float(), v.float(), D ** -0.5)):
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
 def test_variant_selection(monkeypatch):
     monkeypatch.setenv(cpu_decode.ISA_ENV, "avx3")
     with pytest.raises(ValueError, match="unknown variant"):

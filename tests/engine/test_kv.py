@@ -134,7 +134,7 @@ def test_recalled_kv_equals_original(tiny_engine):
     assert 14 in c.cold.slot_of and not bool(((c.pos[:c.n] // 16) == 14).any())
     # A query aligned with one of the page's keys, in every layer and head, asks for it back.
     L, H = c.args.n_layers, c.args.n_heads
-    key = want_k[:, 0, :, 3]                                      # [L, Hkv, D]
+    key = want_k[:, 0, :, 3].float()                              # [L, Hkv, D] (queries are fp32)
     q = key.repeat_interleave(H // c.args.n_kv_heads, dim=1).unsqueeze(2) * 50.0
     c._q, c._lse = list(q), list(torch.zeros(L, H, 1))
     c._prefetch()
@@ -263,7 +263,7 @@ def test_recall_brings_an_observation_back_whole_or_not_at_all(tiny_engine):
     assert pages <= set(c.cold.slot_of)
     size = int(sum(int(c.cold.count[c.cold.slot_of[p]]) for p in pages))
     L, H = c.args.n_layers, c.args.n_heads
-    q = key.repeat_interleave(H // c.args.n_kv_heads, dim=1).unsqueeze(2) * 50.0
+    q = key.float().repeat_interleave(H // c.args.n_kv_heads, dim=1).unsqueeze(2) * 50.0  # fp32 queries
 
     def recall(room):
         c.config.recall_room = c.n - c.config.budget + room       # exactly `room` tokens free

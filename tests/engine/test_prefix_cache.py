@@ -77,3 +77,25 @@ def test_off_writes_nothing(tiny_engine, prefix_dir, monkeypatch):
     assert not tiny_engine.session(system=SYSTEM).system_from_disk
     assert not tiny_engine.session(system=SYSTEM).system_from_disk
     assert not list(prefix_dir.iterdir())
+
+
+def test_an_entry_of_another_kv_dtype_is_never_read(engine, robot_tools, prefix_dir, monkeypatch):
+    # the KV dtype is part of the key: an fp32-KV entry (an fp32 cache's, or one written before the CPU
+    # cache became fp16) misses for the fp16 cache; put under the fp16 entry's name, it is refused
+    # (the dtypes differ), prefilled and replaced, never read as fp16
+    from tokenspeed.model import Transformer
+
+    with monkeypatch.context() as m:
+        m.setattr(Transformer, "kv_dtype", property(lambda self: torch.float32))
+        old = engine.session(system=SYSTEM, tools=robot_tools[:2])
+    assert not old.system_from_disk and old.cache.k.dtype == torch.float32
+    (fp32_entry,) = prefix_dir.glob("*.safetensors")
+    s = engine.session(system=SYSTEM, tools=robot_tools[:2])
+    assert not s.system_from_disk and s.cache.k.dtype == engine.model.kv_dtype == torch.float16
+    (entry,) = set(prefix_dir.glob("*.safetensors")) - {fp32_entry}
+    entry.write_bytes(fp32_entry.read_bytes())
+    again = engine.session(system=SYSTEM, tools=robot_tools[:2])
+    n = s.cache.n
+    assert not again.system_from_disk and again.cache.n == n
+    assert torch.equal(again.cache.k[:, :, :, :n], s.cache.k[:, :, :, :n])
+    assert engine.session(system=SYSTEM, tools=robot_tools[:2]).system_from_disk

@@ -105,7 +105,9 @@ def test_observe_since_keeps_the_common_prefix_and_decides_as_a_fresh_session(en
     assert fresh.kept_tokens == 0
     assert (s.tokens, s.pending, _segments(s)) == (fresh.tokens, fresh.pending, _segments(fresh))
     a, b = _next_logits(s), _next_logits(fresh)
-    assert (a - b).abs().max().item() < 1e-3 and int(a.argmax()) == int(b.argmax())
+    # (< 1e-3 over an fp32 cache; the fp16 one rounds the two histories' ~1e-6-apart entries to
+    # values up to one half-float ulp apart: 1.5e-3 measured)
+    assert (a - b).abs().max().item() < 5e-3 and int(a.argmax()) == int(b.argmax())
     d, f = s.decide(), fresh.decide()
     assert d.status == f.status == "ok" and d.tool_call == f.tool_call and d.text == f.text
     assert s.tokens + s.pending == fresh.tokens + fresh.pending

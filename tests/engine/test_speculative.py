@@ -141,8 +141,12 @@ def test_kv_consistent_after_rejections_and_rollback(engine):
         s.observe("Done. Now place it at x=0.40 y=0.12.")  # prefills the answer's tail after the KV
     assert spec.tokens == plain.tokens and spec.cache.n == plain.cache.n == len(plain.tokens)
     n = plain.cache.n
-    assert torch.allclose(spec.cache.k[:, :, :, :n], plain.cache.k[:, :, :, :n], atol=1e-4)
-    assert torch.allclose(spec.cache.v[:, :, :, :n], plain.cache.v[:, :, :, :n], atol=1e-4)
+    # Not bit for bit: the dense fp32 GEMM's sums depend on its row count (verification rows vs one
+    # decode row), ~1e-6 apart; in the fp16 CPU cache a key or value that close to a rounding boundary
+    # lands one half-float ulp (<= 2^-10 relative) away, and the layers after it read that: measured,
+    # 0.1% of the entries one ulp apart, 43 of 3.6M more than two, at most 0.006 (fp32 cache: 1e-4).
+    for a, b in ((spec.cache.k, plain.cache.k), (spec.cache.v, plain.cache.v)):
+        torch.testing.assert_close(a[:, :, :, :n].float(), b[:, :, :, :n].float(), rtol=2 ** -9, atol=1e-2)
     assert torch.equal(spec.cache.pos[:n], plain.cache.pos[:n])
     # Roll back over the speculative turn and decide again: same call, same cache length.
     spec.rollback(cp)
@@ -246,7 +250,8 @@ def test_windowed_draft_attends_over_the_recent_tokens_only(engine):
         assert out is not None and state.cache.n <= 97 and n - state.offset <= 96
     assert state.anchor == 0 < state.offset  # slid, never refilled
     fresh = draft.new_state(1024).logits(stream[state.offset:300])
-    torch.testing.assert_close(out, fresh, rtol=1e-4, atol=1e-4)
+    # (its fp16 KV: keys rotated at other positions round otherwise, ~1e-3 relative on the logits)
+    torch.testing.assert_close(out, fresh, rtol=1e-2, atol=2e-3)
     state.logits(stream[:50])  # rolled back before the window
     assert state.offset == state.anchor == 0 and state.cache.n == 50
 
