@@ -100,7 +100,7 @@ def check_kv_capacity(engine, capacity, kv_budget=None) -> None:
                                    f"got {kv_budget!r:.40}")
     tokens = (kv_budget.budget if isinstance(kv_budget, KVConfig) else kv_budget) if kv_budget is not None \
         else capacity or most
-    need, free = kv_bytes(engine.model.args, tokens, engine.model.dtype), _available_memory(engine.model.device)
+    need, free = kv_bytes(engine.model.args, tokens, engine.model.kv_dtype), _available_memory(engine.model.device)
     if need > free:
         what = "kv_budget" if kv_budget is not None else "capacity" if capacity is not None else \
             "capacity (default: max_position_embeddings)"
