@@ -153,14 +153,11 @@ def _decisions(engine, tools, dtype, monkeypatch, **session_args):
         monkeypatch.undo()
 
 
-@pytest.mark.parametrize("quant", [None, pytest.param("int8", marks=pytest.mark.slow)])
-def test_fp16_kv_cache_keeps_real_model_decisions(ext, engine, robot_tools, monkeypatch, quant):
+def test_fp16_kv_cache_keeps_real_model_decisions(ext, engine, robot_tools, monkeypatch):
     # the CPU default KV cache is fp16 (half the memory; attention reads it as fp32): the real
-    # model's tool calls on the robot tools (fp32 and int8 weights) equal those decided over an fp32
-    # cache, in a plain session and a pruned one (the demo's kv_budget). Teacher-forced over these
-    # calls the logits move by <= 0.03 (mean KL ~6e-7); int4: the next test.
-    if quant:
-        engine = tokenspeed.Engine.load(quantize=quant)
+    # model's tool calls on the robot tools (fp32 weights) equal those decided over an fp32 cache,
+    # in a plain session and a pruned one (the demo's kv_budget). Teacher-forced over these calls
+    # the logits move by <= 0.03 (mean KL ~6e-7); int4 and int8 weights: the next test.
     assert engine.model.kv_dtype == torch.float16
     for args in ({}, {"kv_budget": 1024}):
         assert (_decisions(engine, robot_tools, torch.float16, monkeypatch, **args)
@@ -179,15 +176,16 @@ def _forced(model, ids, dtype, fused=True):
 
 
 @pytest.mark.slow
-def test_fp16_kv_cache_within_int4_noise(ext, robot_tools, monkeypatch):
-    # int4 weights (W4A8, as `bench aal` runs them) round every row's activations to int8 per group, so
-    # any perturbation of ~1e-6 (the Python path's attention instead of the fused one, over the same
-    # fp32 KV) flips roundings and moves logits by up to ~1.5: close greedy choices flip with it
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_fp16_kv_cache_within_activation_rounding_noise(ext, robot_tools, monkeypatch, quant):
+    # int4 and int8 weights (W4A8 as `bench aal` runs them, W8A8) round every row's activations to
+    # int8 per group, so any perturbation of ~1e-6 (the Python path's attention instead of the fused
+    # one, over the same fp32 KV) flips roundings and moves logits by up to ~1.5: close greedy choices flip with it
     # ("Move the gripper 5 cm up" picks the red cube over fp32 KV, moves over fp16 KV: a 0.08-logit
     # margin). So here the fp16 cache is held to that floor, teacher-forced over the robot prompts and
     # their decisions: measured top-1 agreement 97.4% and mean KL 0.0023 against fp32 KV, where the
     # fused and Python paths over fp32 KV agree 98.3% with mean KL 0.0022.
-    engine = tokenspeed.Engine.load(quantize="int4")
+    engine = tokenspeed.Engine.load(quantize=quant)
     model, tok = engine.model, engine.tokenizer
     system = engine.session(system="You control a robot arm.", tools=robot_tools)._system_text
     texts = _decisions(engine, robot_tools, torch.float32, monkeypatch)
