@@ -108,9 +108,6 @@ inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
 inline float reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
 inline vf round(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf scale_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
-inline vf load_i8(const int8_t* p) {  // kW int8 -> fp32
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
 inline vf load_bf16(const uint16_t* p) {  // kI bf16 -> fp32
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
@@ -179,9 +176,6 @@ inline vf scale_pow2(vf p, vf n) {  // n in [-126, 127]: build 2^n in the expone
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
-inline vf load_i8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
 inline vf load_bf16(const uint16_t* p) {
   return _mm256_castsi256_ps(
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
@@ -246,10 +240,6 @@ inline vf scale_pow2(vf p, vf n) {
   const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
   return vmulq_f32(p, vreinterpretq_f32_s32(e));
 }
-inline vf load_i8(const int8_t* p) {
-  const int8x8_t b = vreinterpret_s8_s32(vdup_n_s32(load_i32(p)));
-  return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(b))));
-}
 inline vf load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
 inline vf load_half(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
 inline void store_half(uint16_t* p, vf v) { vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(v))); }
@@ -296,7 +286,6 @@ inline float reduce_add(vf v) { return v; }
 inline float reduce_max(vf v) { return v; }
 inline vf round(vf v) { return std::nearbyint(v); }
 inline vf scale_pow2(vf p, vf n) { return std::ldexp(p, static_cast<int>(n)); }
-inline vf load_i8(const int8_t* p) { return static_cast<float>(*p); }
 inline vf load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
 inline vf load_half(const uint16_t* p) { return half_to_float(*p); }
 inline void store_half(uint16_t* p, vf v) { *p = half_from_float(v); }
