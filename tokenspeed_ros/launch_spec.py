@@ -62,16 +62,20 @@ def launch_description(launch: str):
     `use_sim_time`, the managed node with `params_file` (default: its packaged file) and `model`
     (when given) and `autostart`; when any node exits, the launch shuts down. With autostart true
     (default) the managed node brings itself up; `tokenspeed_launch` drives the transitions itself
-    instead."""
+    instead. The nodes get the packaged Fast DDS profile unless FASTDDS_DEFAULT_PROFILES_FILE names
+    one (as `dds_profile_env` gives the launcher's processes)."""
     from launch import LaunchDescription
-    from launch.actions import DeclareLaunchArgument, Shutdown
+    from launch.actions import DeclareLaunchArgument, SetEnvironmentVariable, Shutdown
     from launch.conditions import IfCondition
-    from launch.substitutions import LaunchConfiguration, PythonExpression
+    from launch.substitutions import EnvironmentVariable, LaunchConfiguration, PythonExpression
     from launch_ros.actions import Node
 
     arg = LaunchConfiguration
     declared = [DeclareLaunchArgument(name, default_value=default, description=text)
                 for name, default, text in LAUNCH_ARGUMENTS]
+    profile = dds_profile_env({})["FASTDDS_DEFAULT_PROFILES_FILE"]
+    dds = SetEnvironmentVariable("FASTDDS_DEFAULT_PROFILES_FILE",
+                                 EnvironmentVariable("FASTDDS_DEFAULT_PROFILES_FILE", default_value=profile))
     nodes = []
     for spec in LAUNCHES[launch]:
         common = dict(package=PACKAGE, executable=spec.executable, name=spec.name, namespace=arg("namespace"),
@@ -86,7 +90,7 @@ def launch_description(launch: str):
                           parameters=[params, {**launched, "model": arg("model")}]))
         nodes.append(Node(**common, condition=IfCondition(PythonExpression(["not ", given])),
                           parameters=[params, launched]))
-    return LaunchDescription(declared + nodes)
+    return LaunchDescription([*declared, dds, *nodes])
 
 
 def config_dir() -> Path:

@@ -58,6 +58,7 @@ def test_launch_arguments_are_declared_and_accepted_by_the_launcher():
     source = inspect.getsource(launch_spec.launch_description)
     assert "DeclareLaunchArgument(name" in source and "LAUNCH_ARGUMENTS" in source
     assert '"autostart": arg("autostart")' in source        # the managed node gets it as its parameter
+    assert 'SetEnvironmentVariable("FASTDDS_DEFAULT_PROFILES_FILE"' in source and "dds_profile_env({})" in source
     out = subprocess.run([str(BIN / "tokenspeed_launch"), "--help"], capture_output=True, text=True, check=True).stdout
     for name, _, _ in LAUNCH_ARGUMENTS:
         assert "--" + name.replace("_", "-") in out
