@@ -6,14 +6,14 @@ not the other cubes), what the gripper holds, and the task last: SmolLM2-135M re
 reliably only when it comes after the state, so the goal is not a line of its own. With the
 gripper empty the line carries the whole task statement (`task_brief`: without the user's steps
 after the goal the model picks the right cube less often); while it holds an object the line
-restates the goal alone (`goal_brief`; the whole statement is in the context already): "arm
-holding red_cube; Put the red cube on the yellow target at x=.53 y=.11" is 23 tokens, 32 into
-the context with the chat wrapper and the assistant's turn opening (49 as "gripper holding
-red_cube; task: <task_brief>"). On SmolLM2-135M, over 18 scenes x 3 target cubes, the place
-decided on it hits the target 54/54, as on the longer line; "holding red_cube" without a subject
-makes the model call hold instead. Once the robot reports the task achieved, the line says only
-that. The robot's "done" feedback on a call is not a line of its own either: its effect is in
-the next state line.
+restates the goal alone (`goal_brief`; the whole statement is in the context already):
+"carrying red_cube; Put the red cube on the yellow target at x=.53 y=.11" is 22 tokens (23 with a
+negative coordinate), 31-32 into the context with the chat wrapper and the assistant's turn
+opening (49 as "gripper holding red_cube; task: <task_brief>"). On SmolLM2-135M, over 18 scenes x
+3 target cubes, the place decided on it hits the target 54/54, as on the longer line ("holding
+red_cube" alone makes the model call hold instead; "arm holding", "held" and "carrying" do not).
+Once the robot reports the task achieved, the line says only that. The robot's "done" feedback on
+a call is not a line of its own either: its effect is in the next state line.
 
 Each robot tool declares its effect on the gripper when it succeeds (`effect`: pick(x) -> holding
 x, place -> empty), so while the robot executes a call the agent can write the state line it will
@@ -71,7 +71,7 @@ def effect(tool: str, arguments: dict, holding: str | None) -> str | None:
 
 def state_line(objects: str, holding: str | None, goal: str | None, achieved: bool) -> str:
     """The state line: "<objects>; gripper empty; task: <task_brief>" with the gripper empty,
-    "arm holding <x>; <goal_brief>" while it holds x, and only "the robot reports the task
+    "carrying <x>; <goal_brief>" while it holds x, and only "the robot reports the task
     achieved" once the robot says so (the agent then offers the completion tool alone, whose call
     the grammar fixes). objects: perception's text ("objects red_cube=(...)"); goal: the task
     text or None (then no task part)."""
@@ -80,7 +80,7 @@ def state_line(objects: str, holding: str | None, goal: str | None, achieved: bo
     if holding is None:
         parts = [objects, "gripper empty"] + (["task: " + task_brief(goal)] if goal else [])
     else:
-        parts = [f"arm holding {holding}"] + ([goal_brief(goal)] if goal else [])
+        parts = [f"carrying {holding}"] + ([goal_brief(goal)] if goal else [])
     return "; ".join(parts)
 
 

@@ -70,7 +70,7 @@ def test_allowed_tools_follow_the_gripper_state(probe, start_agent):
     assert {a.tool_name for a in model_after(0)} == {"pick"}
     assert state_echoed(f"objects blue_cube=(0.40,-0.10) red_cube=(0.50,0.10); gripper empty; task: {task_brief(GOAL)}")
     held = json.loads(model_after(0)[-1].arguments_json)["object"]
-    next_state(f"arm holding {held}; {goal_brief(GOAL)}", "pick", "place")
+    next_state(f"carrying {held}; {goal_brief(GOAL)}", "pick", "place")
     next_state("gripper empty; task: ", "place", "pick")
     assert agent.poll() is None
 

@@ -16,10 +16,10 @@ OBJECTS = "objects blue_cube=(0.59,0.21) red_cube=(0.54,-0.12)"
 
 def test_the_state_line_has_objects_only_while_the_gripper_is_empty_and_the_task_last():
     assert state_line(OBJECTS, None, GOAL, False) == f"{OBJECTS}; gripper empty; task: {task_brief(GOAL)}"
-    assert state_line(OBJECTS, "red_cube", GOAL, False) == f"arm holding red_cube; {goal_brief(GOAL)}"
+    assert state_line(OBJECTS, "red_cube", GOAL, False) == f"carrying red_cube; {goal_brief(GOAL)}"
     assert state_line(OBJECTS, None, GOAL, True) == ACHIEVED
     assert state_line(OBJECTS, None, None, False) == f"{OBJECTS}; gripper empty"
-    assert state_line(OBJECTS, "red_cube", None, False) == "arm holding red_cube"
+    assert state_line(OBJECTS, "red_cube", None, False) == "carrying red_cube"
 
 
 def test_while_holding_the_line_restates_the_goal_alone_in_fewer_tokens():
