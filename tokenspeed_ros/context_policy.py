@@ -53,8 +53,8 @@ def goal_brief(goal: str) -> str:
     """The goal as the state line restates it while the gripper holds an object: `task_brief` up
     to its first ':' or the end of its first sentence (what follows is the user's steps, in the
     context since the task's first state line), its numbers without a leading zero ("x=0.53" ->
-    "x=.53": SmolLM2's tokenizer writes every digit and the point alone, so 1 token less each at
-    the same rounding; the model still writes 0.53 in its call)."""
+    "x=.53": SmolLM2's tokenizer writes every digit alone, and "=." is one token, so 1-2 tokens
+    less each at the same rounding; the model still writes 0.53 in its call)."""
     goal = re.split(r":(?:\s|$)|\.(?=\s+[A-Z]|\s*$)", task_brief(goal), maxsplit=1)[0]
     return re.sub(r"(?<![\d.])0\.(?=\d)", ".", goal)
 
