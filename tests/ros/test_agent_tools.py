@@ -9,7 +9,7 @@ from std_msgs.msg import String
 from tokenspeed_msgs.msg import ActionCommand, ActionFeedback, Observation
 
 from agent_support import SensorFeed
-from tokenspeed_ros.context_policy import GripperState, task_brief
+from tokenspeed_ros.context_policy import GripperState, goal_brief, task_brief
 
 LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 ENGINE_TIMEOUT = 90.0          # process start + model load on a busy 2-core machine, seconds
@@ -55,12 +55,12 @@ def test_allowed_tools_follow_the_gripper_state(probe, start_agent):
     def state_echoed(text):
         return any(o.source == "state" and text in o.text for o in observations)
 
-    def next_state(gripper_text, tool, expect):
+    def next_state(line, tool, expect):
         """Report `tool` done for the newest model call, wait for the state line to say
-        `gripper_text`, then check the next model decisions (opened after it) call `expect`."""
+        `line`, then check the next model decisions (opened after it) call `expect`."""
         last = model_after(0)[-1]
         feedback.publish(ActionFeedback(decision_id=last.decision_id, tool_name=tool, state="done", detail="ok"))
-        assert probe.spin_until(lambda: state_echoed(gripper_text), 30), agent.log_path.read_text()
+        assert probe.spin_until(lambda: state_echoed(line), 30), agent.log_path.read_text()
         first = max(a.decision_id for a in actions) + 2      # topics are not ordered with each other
         assert probe.spin_until(lambda: len(model_after(first)) >= 3, 60), agent.log_path.read_text()
         assert {a.tool_name for a in model_after(first)} == {expect}
@@ -70,7 +70,7 @@ def test_allowed_tools_follow_the_gripper_state(probe, start_agent):
     assert {a.tool_name for a in model_after(0)} == {"pick"}
     assert state_echoed(f"objects blue_cube=(0.40,-0.10) red_cube=(0.50,0.10); gripper empty; task: {task_brief(GOAL)}")
     held = json.loads(model_after(0)[-1].arguments_json)["object"]
-    next_state(f"gripper holding {held}; task: ", "pick", "place")
+    next_state(f"carrying {held}; {goal_brief(GOAL)}", "pick", "place")
     next_state("gripper empty; task: ", "place", "pick")
     assert agent.poll() is None
 

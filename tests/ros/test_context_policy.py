@@ -5,7 +5,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from tokenspeed_ros.context_policy import (ACHIEVED, APPLY_WAIT_S, ContextPolicy, GripperState, effect,
+from tokenspeed_ros.context_policy import (ACHIEVED, APPLY_WAIT_S, ContextPolicy, GripperState, effect, goal_brief,
                                            predicted_state, state_line, task_brief)
 from tokenspeed_ros.task import Task
 
@@ -16,9 +16,18 @@ OBJECTS = "objects blue_cube=(0.59,0.21) red_cube=(0.54,-0.12)"
 
 def test_the_state_line_has_objects_only_while_the_gripper_is_empty_and_the_task_last():
     assert state_line(OBJECTS, None, GOAL, False) == f"{OBJECTS}; gripper empty; task: {task_brief(GOAL)}"
-    assert state_line(OBJECTS, "red_cube", GOAL, False) == f"gripper holding red_cube; task: {task_brief(GOAL)}"
+    assert state_line(OBJECTS, "red_cube", GOAL, False) == f"carrying red_cube; {goal_brief(GOAL)}"
     assert state_line(OBJECTS, None, GOAL, True) == ACHIEVED
     assert state_line(OBJECTS, None, None, False) == f"{OBJECTS}; gripper empty"
+    assert state_line(OBJECTS, "red_cube", None, False) == "carrying red_cube"
+
+
+def test_while_holding_the_line_restates_the_goal_alone_in_fewer_tokens():
+    """The goal up to its first ':' or sentence end, numbers without a leading zero (same rounding)."""
+    assert goal_brief(GOAL) == "Put the red cube on the yellow target at x=.53 y=.11"
+    assert goal_brief("Go to x=10.05 y=-0.20. Then stop.") == "Go to x=10.05 y=-.20"
+    assert goal_brief("Stack the blue cube on the red one, e.g. at x=0.5.") == "Stack the blue cube on the red one, e.g. at x=.5"
+    assert goal_brief("hold still") == "hold still"
 
 
 def test_each_tool_declares_its_effect_on_the_gripper():
