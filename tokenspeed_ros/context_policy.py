@@ -6,12 +6,9 @@ not the other cubes), what the gripper holds, and the task last: SmolLM2-135M re
 reliably only when it comes after the state, so the goal is not a line of its own. With the
 gripper empty the line carries the whole task statement (`task_brief`: without the user's steps
 after the goal the model picks the right cube less often); while it holds an object the line
-restates the goal alone (`goal_brief`; the whole statement is in the context already):
-"carrying red_cube; Put the red cube on the yellow target at x=.53 y=.11" is 22 tokens (23 with a
-negative coordinate), 31-32 into the context with the chat wrapper and the assistant's turn
-opening (49 as "gripper holding red_cube; task: <task_brief>"). On SmolLM2-135M, over 18 scenes x
-3 target cubes, the place decided on it hits the target 54/54, as on the longer line ("holding
-red_cube" alone makes the model call hold instead; "arm holding", "held" and "carrying" do not).
+restates the goal alone (`goal_brief`; the whole statement is in the context already), about half
+the tokens ("holding red_cube" alone makes SmolLM2-135M call hold instead of place; "carrying"
+does not; the README gives the probe's figures).
 Once the robot reports the task achieved, the line says only that. The robot's "done" feedback on
 a call is not a line of its own either: its effect is in the next state line.
 
