@@ -19,7 +19,8 @@ from .session import Session
 from .stages import LoadStages
 from .speculation import SpecConfig
 from .tokenizer import Tokenizer, grammar_tokenizer
-from .weights import ModelLoadError, load_gguf, load_model_files, load_quantized, resolve_model, save_quantized
+from .weights import (ModelLoadError, gguf_quantized, load_gguf, load_model_files, load_quantized, resolve_model,
+                      save_quantized)
 
 __all__ = ["Engine", "EngineArgumentError", "LoadStages"]
 
@@ -168,9 +169,10 @@ class Engine:
                 CPU), a name of `tokenspeed.device.DTYPES` ("float32", "bfloat16", ...) or a torch dtype.
             device: "auto" (default: CUDA when `torch.cuda.is_available()`, else the CPU), "cpu",
                 "cuda" or "cuda:N" (or a torch.device). Every tensor of the engine's sessions lives there.
-            quantize: "auto" (default: the fastest format on this machine whose greedy tokens agree
-                with fp32's - "gguf" among them for a GGUF file - measured once and cached, see
-                `tokenspeed.quant.choose_format`; the
+            quantize: "auto" (default: a GGUF file with quantized blocks runs them, "gguf", with nothing
+                measured and no fp32 copy - the user's quantization is the one that runs; other models
+                get the fastest format on this machine whose greedy tokens agree with fp32's, measured
+                once and cached, see `tokenspeed.quant.choose_format`; the
                 unquantized dtype where the model is not fp32 on the CPU, and for "tiny-random"), None
                 (unquantized weights, the reference), "int8" or "int4" for weight-only quantized
                 linears (`tokenspeed.quant`; on CUDA through torch's int8 and int4 kernels, bf16
@@ -216,6 +218,9 @@ class Engine:
         tok = Tokenizer(files.folder)
         stages.done("tokenizer")
         on_cpu = device.type == "cpu" and dtype == torch.float32 and model != "tiny-random"
+        if quantize == "auto" and on_cpu and gguf_quantized(files):
+            quantize = "gguf"   # the user's quantization runs: nothing to measure against, no fp32 copy
+            stages.done("auto weights: the GGUF file's own blocks")
         if quantize == "gguf" and not (on_cpu and files.gguf):
             raise EngineArgumentError(
                 f"quantize='gguf' runs a GGUF file's own blocks on the CPU in float32; {model or 'embedded'} is "
@@ -247,9 +252,7 @@ class Engine:
             if quantize == "auto" and on_cpu and choice is None:
                 from .quant import choose_format
 
-                # a GGUF file's own blocks compete too (loaded natively, `load_gguf`)
-                loaders = {"gguf": lambda: load_gguf(files)} if files.gguf else None
-                net, choice = choose_format(net, probes, identity, cache_dir() / "auto_quant.json", loaders)
+                net, choice = choose_format(net, probes, identity, cache_dir() / "auto_quant.json")
                 fmt = choice.format
                 stages.done("auto weights: format measured")
             elif fmt in MODES:

@@ -631,7 +631,7 @@ class FormatChoice:
     """The weight format `quantize="auto"` picked and the measurements behind it.
 
     Attributes:
-        format: "fp32", "int8", "int4", or a format of `choose_format`'s loaders ("gguf").
+        format: "fp32", "int8" or "int4".
         timings: format -> {"decode_ms": median one-token decode step, "prefill_ms": median
             `PREFILL_ROWS`-token prefill chunk, "cost_ms": DECODE_STEPS * decode_ms + prefill_ms,
             "agrees": greedy tokens on the probe set equal fp32's} (ms, this process's threads).
@@ -707,11 +707,11 @@ def cached_format(probes: list[list[int]], identity: str, cache_file: Path) -> F
     return None if known is None else FormatChoice(**{**known, "cached": True})
 
 
-def choose_format(model: nn.Module, probes: list[list[int]], identity: str, cache_file: Path,
-                  loaders: dict | None = None) -> tuple[nn.Module, FormatChoice]:
+def choose_format(model: nn.Module, probes: list[list[int]], identity: str,
+                  cache_file: Path) -> tuple[nn.Module, FormatChoice]:
     """Pick the fastest weight format whose greedy tokens agree with fp32's, and return the model in it.
 
-    Each format in `FORMATS` (and in `loaders`) is timed on this machine (`_time_format`: a decode step and a prefill
+    Each format in `FORMATS` is timed on this machine (`_time_format`: a decode step and a prefill
     chunk, about a second per format) and greedy-decodes `PROBE_TOKENS` tokens after each probe;
     the cheapest format (DECODE_STEPS decode steps + one prefill chunk) whose tokens equal fp32's
     wins, so the pick is never slower than fp32 in its own timing. The choice and timings are
@@ -723,30 +723,25 @@ def choose_format(model: nn.Module, probes: list[list[int]], identity: str, cach
         probes: token-id lists (prompts) for the agreement check.
         identity: names the model's weights (e.g. its converted folder).
         cache_file: JSON file holding earlier choices.
-        loaders: more formats, name -> a function returning the model in that format loaded its own
-            way (e.g. "gguf": `tokenspeed.weights.load_gguf`, a GGUF file's own blocks).
     Returns:
         (the model in the chosen format, the `FormatChoice`).
     """
     from .kernels.cpu_decode import selected_variant
 
-    loaders = loaders or {}
     choice = cached_format(probes, identity, cache_file)
     if choice is not None:
-        if choice.format in loaders:
-            model = loaders[choice.format]()
-        elif choice.format != "fp32":
+        if choice.format != "fp32":
             quantize(model, choice.format)
         log.info("%s", choice.describe())
         return model, choice
     variant = selected_variant()
     log.info("auto weights: measuring %s on this machine, once (about 10-60 s on two cores; cached in %s)",
-             ", ".join((*FORMATS, *loaders)), cache_file)
+             ", ".join(FORMATS), cache_file)
     timings, models, reference = {}, {}, None
-    for fmt in (*FORMATS, *loaders):
+    for fmt in FORMATS:
         if fmt != "fp32":
             model.invalidate_fused()  # the fused step's handle to the extension does not copy
-        m = model if fmt == "fp32" else loaders[fmt]() if fmt in loaders else quantize(copy.deepcopy(model), fmt)
+        m = model if fmt == "fp32" else quantize(copy.deepcopy(model), fmt)
         tokens = [_greedy(m, ids, PROBE_TOKENS) for ids in probes]
         reference = tokens if fmt == "fp32" else reference
         decode_ms, prefill_ms = _time_format(m)

@@ -721,6 +721,17 @@ _FLOAT_TYPES = ("F32", "F16", "BF16")
 _GROUP = 32  # input channels per int8 scale of a quantized GGUF tensor that is not 4-bit (a Q8_0 block)
 
 
+def gguf_quantized(files: ModelFiles) -> bool:
+    """Whether a resolved GGUF model's block projections (`blk.*` weights of two or more
+    dimensions) are quantized, i.e. not all F32/F16/BF16: reads the file's tensor index only (no
+    tensor data). False for a model that is not a GGUF file."""
+    if files.gguf is None:
+        return False
+    tensors, _ = _gguf_tensors(files.gguf)
+    return any(t.tensor_type.name not in _FLOAT_TYPES for name, t in tensors.items()
+               if name.startswith("blk.") and len(t.shape) > 1)
+
+
 def load_gguf(files: ModelFiles):
     """The model of a GGUF file with its own quantization, read tensor by tensor from the
     memory-mapped file (no fp32 copy of the model, in memory or on disk).

@@ -404,21 +404,22 @@ def test_bad_model_paths(tmp_path, monkeypatch, make, needle):
         tokenspeed.Engine.load(str(make(tmp_path)))
 
 
-def test_auto_measures_the_gguf_files_own_blocks_too(tmp_path, monkeypatch):
-    # quantize="auto" on a GGUF file times its own blocks ("gguf") beside fp32/int8/int4; a warm
-    # load reads the chosen format without measuring: from the file itself when "gguf" won
+def test_auto_runs_a_quantized_gguf_files_own_blocks_without_an_fp32_copy(tmp_path, monkeypatch):
+    # quantize="auto" on a GGUF file with quantized blocks runs them ("gguf"): no format measured,
+    # no fp32 conversion written to the cache (cold or warm); a float GGUF file is measured as before
     monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
     monkeypatch.setattr(tokenspeed.engine, "cache_dir", lambda: tmp_path / "cache")
     _write_gguf(tmp_path / "tiny.gguf", _tiny_hf(), Q.Q4_1)
-    cold = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"))
-    choice = cold.weight_choice
-    assert set(choice.timings) == {"fp32", "int8", "int4", "gguf"}
-    assert cold.weights == choice.format and "auto weights: format measured" in cold.load_stages
-    warm = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"))
-    assert warm.weights == choice.format and warm.weight_choice.cached
-    source = {"gguf": "gguf weights from the file", "fp32": "fp32 weights"}.get(
-        choice.format, f"{choice.format} weights from the quantized cache")
-    assert source in warm.load_stages and "auto weights: format measured" not in warm.load_stages
+    for _ in range(2):
+        engine = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"))
+        assert engine.weights == "gguf" and engine.weight_choice is None
+        assert "auto weights: the GGUF file's own blocks" in engine.load_stages
+        assert "auto weights: format measured" not in engine.load_stages
+    assert not list((tmp_path / "cache").rglob("model.safetensors"))     # the fp32 conversion's file
+    _write_gguf(tmp_path / "float.gguf", _tiny_hf(), Q.F32)
+    floating = tokenspeed.Engine.load(str(tmp_path / "float.gguf"))
+    assert set(floating.weight_choice.timings) == {"fp32", "int8", "int4"}
+    assert "auto weights: format measured" in floating.load_stages
 
 
 def test_embedded_model_runs_its_own_q4_1_blocks(engine):
