@@ -236,8 +236,11 @@ class LatencyHarness(Node):
             return
         self._printed.add(decision_id)
         why = f" ({status.reason})" if d.source != "model" else ""
-        print(f"[{d.received - self.started:6.1f} s] decision {d.decision_id:<4} {d.source:<8} "
-              f"{d.tool}({d.arguments}){why}  sensor->published {(d.published - d.capture) * 1e3:.0f} ms", flush=True)
+        source, call = d.source, f"{d.tool}({d.arguments}){why}"
+        if d.source != "model" and status.reason == "task_done":   # the model's own call; the arm holds
+            source, call = "model", f"task_done -> {d.tool}({d.arguments})"
+        print(f"[{d.received - self.started:6.1f} s] decision {d.decision_id:<4} {source:<8} "
+              f"{call}  sensor->published {(d.published - d.capture) * 1e3:.0f} ms", flush=True)
 
     def _on_trace(self, msg: String) -> None:
         try:

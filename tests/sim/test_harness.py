@@ -141,8 +141,8 @@ def test_hit_rate_leaves_out_task_done_and_start_up_holds(ros_node):
 
 def test_live_lines_say_why_a_fallback_went_out(ros_node, capsys):
     """A model call's line is printed when it arrives; a fallback's once its DeadlineStatus says
-    why (a task_done hold reads "fallback hold({}) (task_done)", next to RunTask's "the model called
-    task_done"), whichever of the two DDS delivers first, and once."""
+    why (a task_done hold is the model's call: "model task_done -> hold({})", next to RunTask's "the
+    model called task_done"), whichever of the two DDS delivers first, and once."""
     harness = LatencyHarness(live=True)
     try:
         harness._on_action(ActionCommand(decision_id=1, source="model", tool_name="pick",
@@ -158,7 +158,7 @@ def test_live_lines_say_why_a_fallback_went_out(ros_node, capsys):
     finally:
         harness.destroy_node()
     assert 'decision 1    model    pick({"object": "red_cube"})  sensor->published' in first and waiting == ""
-    assert len(later) == 2 and "decision 2    fallback hold({}) (task_done)  sensor->published" in later[0]
+    assert len(later) == 2 and "decision 2    model    task_done -> hold({})  sensor->published" in later[0]
     assert "decision 3    fallback hold({}) (deadline_missed)" in later[1]
 
 
