@@ -10,7 +10,7 @@ the model's dtype and the KV cache's (fp16 on the CPU since the fused step store
 of another KV dtype is another key, and reading one into a cache of another dtype is refused as
 unreadable). So a restored session holds the same KV, bit for bit, as one prefilled here, and any
 change misses. Entries are safetensors files (no pickle), written atomically; the newest
-`KEEP` stay. An unreadable or mismatched entry is treated as a miss (and overwritten).
+`KEEP` stay (within `KEEP_BYTES`). An unreadable or mismatched entry is treated as a miss (and overwritten).
 
 A session with a draft model (`tokenspeed.speculation.DraftState`) stores the draft's KV of the
 same tokens in the entry too (its weights are in the key), so a warm start prefills neither; an
@@ -34,7 +34,8 @@ from .paths import cache_dir
 __all__ = ["prefill_system", "entry_path", "folder", "KEEP", "PREFIX_ENV"]
 
 PREFIX_ENV = "TOKENSPEED_PREFIX_CACHE"
-KEEP = 8  # entries kept (each ~23 KB per token for SmolLM2-135M's fp16 KV)
+KEEP = 32  # entries kept, most recently used first (each ~23 KB per token for SmolLM2-135M's fp16 KV)
+KEEP_BYTES = 512 << 20  # and while they fit in this many bytes (the newest entry always stays)
 _HERE = Path(__file__).parent
 # The code whose changes change the numbers of a prefill (an "engine version" finer than the release).
 _NUMERICS = ("model.py", "quant.py", "kernels/cpu_kernels.cpp", "kernels/cpu_kernels.h", "kernels/cpu_isa.h",
@@ -141,9 +142,21 @@ def _save(path: Path, cache, ids: list[int], draft=None) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     save_file(_state(cache, len(ids), ids, draft), str(tmp))
     os.replace(tmp, path)
-    entries = sorted(path.parent.glob("*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in entries[KEEP:]:
-        old.unlink(missing_ok=True)
+    entries = sorted((st.st_mtime, st.st_size, p) for p in path.parent.glob("*.safetensors")
+                     if (st := _stat(p)) is not None)
+    total = 0
+    for i, (_, size, old) in enumerate(reversed(entries)):   # most recently used first
+        total += size
+        if i >= KEEP or (i and total > KEEP_BYTES):
+            old.unlink(missing_ok=True)
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    # None when another process removed the entry meanwhile
+    try:
+        return path.stat()
+    except OSError:
+        return None
 
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}

@@ -99,3 +99,24 @@ def test_an_entry_of_another_kv_dtype_is_never_read(engine, robot_tools, prefix_
     assert not again.system_from_disk and again.cache.n == n
     assert torch.equal(again.cache.k[:, :, :, :n], s.cache.k[:, :, :, :n])
     assert engine.session(system=SYSTEM, tools=robot_tools[:2]).system_from_disk
+
+
+def test_the_most_recently_used_entries_stay_within_the_count_and_bytes(tiny_engine, prefix_dir, monkeypatch):
+    import time
+
+    from tokenspeed import prefix_cache
+
+    def entry(system):      # a session's entry, written now (mtimes one tick apart)
+        time.sleep(0.02)
+        return tiny_engine.session(system=system).system_from_disk
+
+    monkeypatch.setattr(prefix_cache, "KEEP", 2)
+    entry("a")
+    entry("b")
+    assert entry("a")                                   # a hit: "a" is now the most recently used
+    entry("c")                                          # evicts "b", the least recently used
+    assert len(list(prefix_dir.glob("*.safetensors"))) == 2
+    assert entry("a") and entry("c") and not entry("b")
+    monkeypatch.setattr(prefix_cache, "KEEP_BYTES", 1)  # fewer bytes than any entry: the newest stays alone
+    entry("d")
+    assert len(list(prefix_dir.glob("*.safetensors"))) == 1 and entry("d")
