@@ -46,6 +46,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port, 0..65535 (0: any free port), refused before the model loads."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a port number (0-65535; 0: any free port)")
+    return value
+
+
 def _engine(args):
     from . import Engine
 
@@ -169,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "int8 or none (fp32)")
     device_args(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="TCP port, 0-65535 (default 8000; 0: any free port)")
     p.add_argument("--served-model-name", default="tokenspeed", help="the model id clients use (default tokenspeed)")
     p.add_argument("--queue-size", type=int, default=8, help="requests that may wait behind the running one (more: 429)")
     p.add_argument("--context", type=int, default=4096, help="KV capacity per conversation, tokens")

@@ -71,6 +71,15 @@ def test_serve_refuses_bad_option_values_with_exit_2():
     assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("error: --queue-size must be"), r.stderr
 
 
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_serve_refuses_a_port_out_of_range_with_one_usage_error(tmp_path, port):
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "serve", "--port", port,
+                        "--model", str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+    assert r.stderr.strip().splitlines()[-1].startswith("tokenspeed serve: error: argument --port:"), r.stderr
+    assert "missing.gguf" not in r.stderr, r.stderr
+
+
 def test_serve_on_a_port_in_use_is_one_clear_error_line():
     with socket.socket() as taken:  # a real listener holds the port: serve cannot bind it
         taken.bind(("127.0.0.1", 0))
