@@ -21,8 +21,6 @@ import logging
 import sys
 import time
 
-from .device import DTYPES
-
 
 def _positive_seconds(text: str) -> float:
     """argparse type: a finite number of seconds > 0."""
@@ -126,6 +124,8 @@ def cmd_serve(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with all subcommands."""
+    from .device import DTYPES  # imports torch: inside main's Ctrl-C handling, as the other heavy imports
+
     parser = argparse.ArgumentParser(prog="tokenspeed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -193,7 +193,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `tokenspeed` console script."""
+    """Entry point of the `tokenspeed` console script. Bad input: one `error:` line, exit 2; Ctrl-C at any
+    point (the first seconds import torch): one `# tokenspeed <command>: interrupted (SIGINT)` line, exit 130."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # before the command finished (importing torch, loading the model...): one line
+        name = " ".join(["tokenspeed", *[a for a in argv if not a.startswith("-")][:1]])  # + the subcommand
+        print(f"# {name}: interrupted (SIGINT)", file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str]) -> int:
+    """Parse `argv` and run its subcommand; bad input (arguments, files, schemas, model, device) is one
+    `error:` line and exit 2, as argparse's usage errors."""
     from . import DeviceError, EngineArgumentError, ModelLoadError, SessionArgumentError, ToolSchemaError
     from .kernels.cpu_decode import CpuVariantError
     from .tools import ToolsFileError
@@ -205,12 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ModelLoadError, CpuVariantError, DeviceError, EngineArgumentError, SessionArgumentError, ToolSchemaError,
-            ToolsFileError) as exc:  # bad input (arguments, files, schemas, model, device): exit 2, as argparse's
+            ToolsFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C before the command finished (e.g. while the model loads): one line
-        print(f"# tokenspeed {args.command}: interrupted (SIGINT)", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The `tokenspeed` command line: help lists every subcommand, `call` checks the tools before the
 model loads, `serve` on a port in use is one error line (exit 1) before the model loads, SIGINT/SIGTERM end `serve`
-with one line and exit 0 (Ctrl-C while the model loads: one line and exit 130); bad input (tools, `--device cuda` without CUDA, option values) is one error line with
+with one line and exit 0 (Ctrl-C while torch imports or the model loads: one line and exit 130); bad input (tools, `--device cuda` without CUDA, option values) is one error line with
 exit 2, as argparse's usage errors."""
 import errno
 import json
@@ -136,6 +136,36 @@ def test_serve_stops_on_a_signal_with_one_line_and_exit_0(sig):
     assert out.strip() == f"# tokenspeed serve: stopped ({sig.name})", out
 
 
+def _default_sigint():
+    """preexec_fn: SIGINT's default action in the child. A pytest started with `&` from a non-interactive
+    shell ignores SIGINT, the child would inherit that and never see the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_ctrl_c_while_torch_imports_is_one_line_and_exit_130(tmp_path, command):
+    # -X importtime prints a line as each module finishes importing: the first torch submodule's line
+    # means `import torch` is under way (it takes seconds), so the SIGINT lands inside it.
+    extra = ["--prompt", "hi"] if command == "generate" else []
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "tokenspeed.cli", command, *extra,
+                             "--model", str(tmp_path / "missing.gguf")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if line.split("|")[-1].strip().startswith("torch."):
+                break
+        assert proc.poll() is None, "".join(seen)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    own = [line for line in err.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 130 and out == "", (proc.returncode, err)
+    assert own == [f"# tokenspeed {command}: interrupted (SIGINT)"], own
+
+
 def test_serve_interrupted_while_the_model_loads_is_one_line_and_exit_130(tmp_path):
     # The "model" is a named pipe: the load blocks reading it (hashing the file) until the test
     # interrupts it. The test knows the load reached the file when opening the pipe's write end
@@ -143,7 +173,7 @@ def test_serve_interrupted_while_the_model_loads_is_one_line_and_exit_130(tmp_pa
     fifo = tmp_path / "model.gguf"
     os.mkfifo(fifo)
     proc = subprocess.Popen([sys.executable, "-m", "tokenspeed.cli", "serve", "--model", str(fifo), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint,
                             env={**os.environ, "TOKENSPEED_CACHE": str(tmp_path / "cache")})
     writer = None
     try:
