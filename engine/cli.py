@@ -75,6 +75,8 @@ def cmd_call(args) -> int:
     from .tools import ToolsFileError, load_tools
 
     tools = normalize_tools(load_tools(args.tools))  # before the model loads: a bad file fails at once
+    if not tools:
+        raise ToolsFileError(f"--tools {args.tools} holds no tools: `call` answers with one of them")
     names = [t["function"]["name"] for t in tools]
     if args.tool is not None and args.tool not in names:
         raise ToolsFileError(f"--tool {args.tool!r} is not in {args.tools} (tools: {', '.join(names)})")
@@ -139,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(p):
         p.add_argument("--model", default=None,
                        help="a .gguf file or safetensors folder (default: embedded SmolLM2-135M-Instruct)")
-        p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+        p.add_argument("--threads", type=_positive_int, default=None,
+                       help="torch threads (> 0, default: torch's choice)")
         device_args(p)
         p.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int4", "int8", "none"],
                        help="weights: auto (default: the fastest format on this CPU whose greedy tokens agree with "
@@ -174,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, tools, streaming)")
     p.add_argument("--model", default=None,
                    help="a .gguf file, a safetensors folder or tiny-random (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch threads (> 0, default: torch's choice)")
     p.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int4", "int8", "none"],
                    help="weights: auto (default: the measured fastest format), gguf (the .gguf file's own), int4, "
                         "int8 or none (fp32)")

@@ -43,6 +43,10 @@ def test_call_refuses_bad_tools_before_loading_the_model(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "call", "--tools", str(tmp_path / "none.json"),
                         "--prompt", "hi"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error: tools file") and "Traceback" not in r.stderr, r.stderr
+    tools.write_text("[]")  # no tools: refused before the model loads, in the CLI's terms
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "call", "--tools", str(tools), "--prompt", "hi",
+                        "--model", str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith(f"error: --tools {tools} holds no tools"), r.stderr
 
 
 @pytest.mark.parametrize("command", ["call", "generate"])
@@ -53,6 +57,16 @@ def test_a_bad_max_tokens_is_refused_before_the_model_loads(tmp_path, command, v
                         "--max-tokens", value, "--model", str(tmp_path / "missing.gguf")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--max-tokens" in r.stderr and "missing.gguf" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command", ["call", "generate", "serve"])
+def test_a_bad_threads_is_a_usage_error_before_the_model_loads(tmp_path, command):
+    extra = {"call": ["--tools", str(ROBOT_TOOLS), "--prompt", "hi"], "generate": ["--prompt", "hi"], "serve": []}
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", command, *extra[command], "--threads", "0",
+                        "--model", str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "missing.gguf" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == f"tokenspeed {command}: error: argument --threads: 0 is not a positive integer", r.stderr
 
 
 @pytest.mark.slow  # loads the real model (~30 s on 2 busy cores)
