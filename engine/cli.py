@@ -21,8 +21,6 @@ import logging
 import sys
 import time
 
-from .device import DTYPES
-
 
 def _positive_seconds(text: str) -> float:
     """argparse type: a finite number of seconds > 0."""
@@ -46,6 +44,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    """argparse type: a TCP port, 0..65535 (0: any free port), refused before the model loads."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is not a port number (0-65535; 0: any free port)")
+    return value
+
+
 def _engine(args):
     from . import Engine
 
@@ -66,6 +75,8 @@ def cmd_call(args) -> int:
     from .tools import ToolsFileError, load_tools
 
     tools = normalize_tools(load_tools(args.tools))  # before the model loads: a bad file fails at once
+    if not tools:
+        raise ToolsFileError(f"--tools {args.tools} holds no tools: `call` answers with one of them")
     names = [t["function"]["name"] for t in tools]
     if args.tool is not None and args.tool not in names:
         raise ToolsFileError(f"--tool {args.tool!r} is not in {args.tools} (tools: {', '.join(names)})")
@@ -115,6 +126,8 @@ def cmd_serve(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with all subcommands."""
+    from .device import DTYPES  # imports torch: inside main's Ctrl-C handling, as the other heavy imports
+
     parser = argparse.ArgumentParser(prog="tokenspeed", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(p):
         p.add_argument("--model", default=None,
                        help="a .gguf file or safetensors folder (default: embedded SmolLM2-135M-Instruct)")
-        p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+        p.add_argument("--threads", type=_positive_int, default=None,
+                       help="torch threads (> 0, default: torch's choice)")
         device_args(p)
         p.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int4", "int8", "none"],
                        help="weights: auto (default: the fastest format on this CPU whose greedy tokens agree with "
@@ -163,13 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, tools, streaming)")
     p.add_argument("--model", default=None,
                    help="a .gguf file, a safetensors folder or tiny-random (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch threads (> 0, default: torch's choice)")
     p.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int4", "int8", "none"],
                    help="weights: auto (default: the measured fastest format), gguf (the .gguf file's own), int4, "
                         "int8 or none (fp32)")
     device_args(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="TCP port, 0-65535 (default 8000; 0: any free port)")
     p.add_argument("--served-model-name", default="tokenspeed", help="the model id clients use (default tokenspeed)")
     p.add_argument("--queue-size", type=int, default=8, help="requests that may wait behind the running one (more: 429)")
     p.add_argument("--context", type=int, default=4096, help="KV capacity per conversation, tokens")
@@ -182,7 +197,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `tokenspeed` console script."""
+    """Entry point of the `tokenspeed` console script. Bad input: one `error:` line, exit 2; Ctrl-C at any
+    point (the first seconds import torch): one `# tokenspeed <command>: interrupted (SIGINT)` line, exit 130."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # before the command finished (importing torch, loading the model...): one line
+        name = " ".join(["tokenspeed", *[a for a in argv if not a.startswith("-")][:1]])  # + the subcommand
+        print(f"# {name}: interrupted (SIGINT)", file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str]) -> int:
+    """Parse `argv` and run its subcommand; bad input (arguments, files, schemas, model, device) is one
+    `error:` line and exit 2, as argparse's usage errors."""
     from . import DeviceError, EngineArgumentError, ModelLoadError, SessionArgumentError, ToolSchemaError
     from .kernels.cpu_decode import CpuVariantError
     from .tools import ToolsFileError
@@ -194,12 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ModelLoadError, CpuVariantError, DeviceError, EngineArgumentError, SessionArgumentError, ToolSchemaError,
-            ToolsFileError) as exc:  # bad input (arguments, files, schemas, model, device): exit 2, as argparse's
+            ToolsFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C before the command finished (e.g. while the model loads): one line
-        print(f"# tokenspeed {args.command}: interrupted (SIGINT)", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The `tokenspeed` command line: help lists every subcommand, `call` checks the tools before the
 model loads, `serve` on a port in use is one error line (exit 1) before the model loads, SIGINT/SIGTERM end `serve`
-with one line and exit 0 (Ctrl-C while the model loads: one line and exit 130); bad input (tools, `--device cuda` without CUDA, option values) is one error line with
+with one line and exit 0 (Ctrl-C while torch imports or the model loads: one line and exit 130); bad input (tools, `--device cuda` without CUDA, option values) is one error line with
 exit 2, as argparse's usage errors."""
 import errno
 import json
@@ -43,6 +43,10 @@ def test_call_refuses_bad_tools_before_loading_the_model(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "call", "--tools", str(tmp_path / "none.json"),
                         "--prompt", "hi"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error: tools file") and "Traceback" not in r.stderr, r.stderr
+    tools.write_text("[]")  # no tools: refused before the model loads, in the CLI's terms
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "call", "--tools", str(tools), "--prompt", "hi",
+                        "--model", str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith(f"error: --tools {tools} holds no tools"), r.stderr
 
 
 @pytest.mark.parametrize("command", ["call", "generate"])
@@ -53,6 +57,16 @@ def test_a_bad_max_tokens_is_refused_before_the_model_loads(tmp_path, command, v
                         "--max-tokens", value, "--model", str(tmp_path / "missing.gguf")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--max-tokens" in r.stderr and "missing.gguf" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command", ["call", "generate", "serve"])
+def test_a_bad_threads_is_a_usage_error_before_the_model_loads(tmp_path, command):
+    extra = {"call": ["--tools", str(ROBOT_TOOLS), "--prompt", "hi"], "generate": ["--prompt", "hi"], "serve": []}
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", command, *extra[command], "--threads", "0",
+                        "--model", str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "missing.gguf" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == f"tokenspeed {command}: error: argument --threads: 0 is not a positive integer", r.stderr
 
 
 @pytest.mark.slow  # loads the real model (~30 s on 2 busy cores)
@@ -69,6 +83,15 @@ def test_serve_refuses_bad_option_values_with_exit_2():
     r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "serve", "--model", "tiny-random", "--context", "8"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("error: --queue-size must be"), r.stderr
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_serve_refuses_a_port_out_of_range_with_one_usage_error(tmp_path, port):
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", "serve", "--port", port,
+                        "--model", str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, (r.returncode, r.stderr)
+    assert r.stderr.strip().splitlines()[-1].startswith("tokenspeed serve: error: argument --port:"), r.stderr
+    assert "missing.gguf" not in r.stderr, r.stderr
 
 
 def test_serve_on_a_port_in_use_is_one_clear_error_line():
@@ -127,6 +150,36 @@ def test_serve_stops_on_a_signal_with_one_line_and_exit_0(sig):
     assert out.strip() == f"# tokenspeed serve: stopped ({sig.name})", out
 
 
+def _default_sigint():
+    """preexec_fn: SIGINT's default action in the child. A pytest started with `&` from a non-interactive
+    shell ignores SIGINT, the child would inherit that and never see the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_ctrl_c_while_torch_imports_is_one_line_and_exit_130(tmp_path, command):
+    # -X importtime prints a line as each module finishes importing: the first torch submodule's line
+    # means `import torch` is under way (it takes seconds), so the SIGINT lands inside it.
+    extra = ["--prompt", "hi"] if command == "generate" else []
+    proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "tokenspeed.cli", command, *extra,
+                             "--model", str(tmp_path / "missing.gguf")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if line.split("|")[-1].strip().startswith("torch."):
+                break
+        assert proc.poll() is None, "".join(seen)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    own = [line for line in err.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == 130 and out == "", (proc.returncode, err)
+    assert own == [f"# tokenspeed {command}: interrupted (SIGINT)"], own
+
+
 def test_serve_interrupted_while_the_model_loads_is_one_line_and_exit_130(tmp_path):
     # The "model" is a named pipe: the load blocks reading it (hashing the file) until the test
     # interrupts it. The test knows the load reached the file when opening the pipe's write end
@@ -134,7 +187,7 @@ def test_serve_interrupted_while_the_model_loads_is_one_line_and_exit_130(tmp_pa
     fifo = tmp_path / "model.gguf"
     os.mkfifo(fifo)
     proc = subprocess.Popen([sys.executable, "-m", "tokenspeed.cli", "serve", "--model", str(fifo), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint,
                             env={**os.environ, "TOKENSPEED_CACHE": str(tmp_path / "cache")})
     writer = None
     try:
@@ -147,6 +200,12 @@ def test_serve_interrupted_while_the_model_loads_is_one_line_and_exit_130(tmp_pa
                 time.sleep(0.05)
         assert writer is not None, proc.communicate(timeout=10)
         proc.send_signal(signal.SIGINT)
+        # The kernel may hand SIGINT to any thread of the process (torch starts several): Python's handler
+        # then only flags it, and the main thread stays blocked reading the pipe (the test hung 3 times in
+        # ~11 tries). End that read (EOF) a moment later, as a real file's read ends: the flag is raised there.
+        time.sleep(0.5)
+        os.close(writer)
+        writer = None
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
