@@ -220,6 +220,64 @@ void int8_block(const int8_t* q, const float* sx, int64_t t0, int64_t K, const i
   }
 }
 
+// ---- Q6_K weights x int8 activations (W6A8: ggml's Q6_K blocks as stored x Q8 activations per 32)
+//
+// A Q6_K block holds 256 weights in 210 bytes: ql [128] (low 4 bits), qh [64] (high 2 bits), scales
+// [16] int8 (one per 16 weights), d fp16; weight i = d * scales[i / 16] * (code_i - 32), code_i =
+// (ql[64 h + l] >> 4 (c / 2) & 15) | (qh[32 h + l'] >> 2 c & 3) << 4 for i = 128 h + 32 c + l',
+// l = 32 (c % 2) + l' (ggml's dequantize_row_q6_K; gguf.quants.Q6_K).
+constexpr int64_t kQ6Block = 256, kQ6Bytes = 210;
+constexpr int kQ6Chunks = kQ6Block / 4 + 16;  // per 4-byte chunk scales, padded for a 16-lane vector read
+
+// One block b [210] -> its weights w [256] int8 (code - 32, in -32..31) and the scale of each
+// 4-byte chunk ls [kQ6Chunks] (d * scales[chunk / 4]; the padding 0): plain loops the compiler vectorises.
+inline void q6k_unpack(const uint8_t* b, int8_t* w, float* ls) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_to_float(static_cast<uint16_t>(b[208] | b[209] << 8));
+  for (int h = 0; h < 2; ++h)
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* lo = ql + 64 * h + 32 * (c & 1);
+      const int shift = 4 * (c >> 1);
+      int8_t* out = w + 128 * h + 32 * c;
+      for (int l = 0; l < 32; ++l)
+        out[l] = static_cast<int8_t>(((lo[l] >> shift) & 15 | ((qh[32 * h + l] >> (2 * c)) & 3) << 4) - 32);
+    }
+  for (int i = 0; i < kQ6Block / 4; ++i) ls[i] = d * static_cast<float>(sc[i / 4]);
+  for (int i = kQ6Block / 4; i < kQ6Chunks; ++i) ls[i] = 0.f;
+}
+
+// Rows t0 .. t0 + TT of y for output rows [j0, j1) of Q6_K weights (row j: K / 256 blocks of 210
+// bytes at blocks + j * K / 256 * 210) and activations quantized per group of 32 (ts_quantize_rows):
+// y[t, j] = sum over 4-byte chunks c of (d scale(c) * sx[t, group(c)]) * sum_{k in c} w[j, k] q[t, k],
+// the chunk sums exact int32 (dot4s, lanes never straddle a 16-weight sub-block), the products
+// fused multiply-adds per lane in ascending k, then one horizontal sum: a row's result is its own
+// data's alone, whatever TT and T. Each block is unpacked once for the TT rows.
+template <int TT>
+void q6k_block(const int8_t* q, const float* sx, int64_t t0, int64_t K, const uint8_t* blocks, float* y, int64_t N,
+               int64_t j0, int64_t j1) {
+  const int64_t nb = K / kQ6Block, groups = K / kQGroup;
+  alignas(64) int8_t w[kQ6Block];
+  alignas(64) float ls[kQ6Chunks];
+  for (int64_t j = j0; j < j1; ++j) {
+    vf acc[TT];
+    for (int t = 0; t < TT; ++t) acc[t] = zero();
+    for (int64_t b = 0; b < nb; ++b) {
+      q6k_unpack(blocks + (j * nb + b) * kQ6Bytes, w, ls);
+      for (int64_t k = 0; k < kQ6Block; k += kGroupBytes) {
+        const vi wv = iload_s8(w + k);
+        const vf s = load(ls + k / 4);
+        const int64_t at = b * kQ6Block + k, g = at / kQGroup;
+        for (int t = 0; t < TT; ++t) {
+          const vi d = dot4s(izero(), wv, iload_s8(q + (t0 + t) * K + at));
+          acc[t] = fmadd(to_float(d), mul(s, set1(sx[(t0 + t) * groups + g])), acc[t]);
+        }
+      }
+    }
+    for (int t = 0; t < TT; ++t) y[(t0 + t) * N + j] = reduce_add(acc[t]);
+  }
+}
+
 // ---- int4 weights x int8 activations (W4A8, the Q4_1 x Q8_1 scheme of GGML/llama.cpp)
 //
 // Weight: 4-bit codes c in 0..15 per group of 32 input channels, w[n, k] = c * s[n, g] + m[n, g].
@@ -361,6 +419,16 @@ void ts_int8_rows(const int8_t* q, const float* sx, int64_t T, int64_t K, const 
   if (t0 < T)
     ts::with_rows<M>(static_cast<int>(T - t0),
                      [&](auto tt) { ts::int8_block<decltype(tt)::value>(q, sx, t0, K, w, scales, G, y, N, j0, j1); });
+}
+
+void ts_q6k_rows(const int8_t* q, const float* sx, int64_t T, int64_t K, const uint8_t* blocks, float* y, int64_t N,
+                 int64_t j0, int64_t j1) {
+  constexpr int M = ts::isa::kMaxRows;
+  int64_t t0 = 0;
+  for (; t0 + M <= T; t0 += M) ts::q6k_block<M>(q, sx, t0, K, blocks, y, N, j0, j1);
+  if (t0 < T)
+    ts::with_rows<M>(static_cast<int>(T - t0),
+                     [&](auto tt) { ts::q6k_block<decltype(tt)::value>(q, sx, t0, K, blocks, y, N, j0, j1); });
 }
 
 void ts_attend_rows(const float* q, int64_t T, int64_t start, const float* k, const float* v, int64_t D, float scale,
