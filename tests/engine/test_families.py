@@ -20,7 +20,7 @@ import torch
 import tokenspeed
 from tokenspeed.bench import scale
 from tokenspeed.bench.agreement import compare
-from tokenspeed.weights import load_gguf, resolve_model
+from tokenspeed.weights import load_gguf, load_quantized, resolve_model
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -146,6 +146,13 @@ def test_q4_k_m_files_q6_k_tensors_run_as_stored(name, made):
     rows = torch.tensor([0, 7, 300, model.args.vocab_size - 1])
     assert torch.equal(linear_rows(head, x, rows), head(x)[:, rows])
     assert model.fused_decode() is not None  # its Q6_K projections included (fused == Python: test_cpu_decode)
+    # the quantized weights cache keeps them as they are: a warm load holds the same blocks, the tied head once
+    tokenspeed.Engine.load(made[name]["Q4_K_M"], quantize="gguf")  # (writes the entry if it is not there)
+    warm = load_quantized(resolve_model(made[name]["Q4_K_M"]), "gguf")
+    assert {k: type(m) for k, m in warm.named_modules()} == {k: type(m) for k, m in model.named_modules()}
+    assert torch.equal(warm.output.blocks, model.output.blocks)
+    if tied:
+        assert warm.output.blocks is warm.tok_embeddings.blocks
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-smollm3"])
