@@ -68,12 +68,13 @@ at::Tensor q6k_gemv(at::Tensor x, at::Tensor blocks) {
               "q6k_gemv: blocks must be contiguous [N, K / 256 * 210] for x's ", K, " input channels");
   at::Tensor y = at::empty({T, N}, x.options());
   std::vector<int8_t> q(T * K);
-  std::vector<float> sx(T * K / 32);
+  std::vector<float> sx(T * K / 32), off(T * K / 16);
   ts_quantize_rows(x.data_ptr<float>(), T, K, q.data(), sx.data(), nullptr);
+  ts_q6k_offsets(q.data(), sx.data(), T, K, off.data());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, grain_for(T, N, 256), [&](int64_t lo, int64_t hi) {
-    ts_q6k_rows(q.data(), sx.data(), T, K, bp, yp, N, lo, hi);
+    ts_q6k_rows(q.data(), sx.data(), off.data(), T, K, bp, yp, N, lo, hi);
   });
   return y;
 }

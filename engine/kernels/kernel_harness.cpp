@@ -88,9 +88,10 @@ int main() {
         auto x = take<float>(T * K);
         auto blocks = take<uint8_t>(N * K / 256 * 210);
         std::vector<int8_t> q(T * K);
-        std::vector<float> sx(T * K / 32), y(T * N);
+        std::vector<float> sx(T * K / 32), off(T * K / 16), y(T * N);
         ts_quantize_rows(x.data(), T, K, q.data(), sx.data(), nullptr);
-        ts_q6k_rows(q.data(), sx.data(), T, K, blocks.data(), y.data(), N, 0, N);
+        ts_q6k_offsets(q.data(), sx.data(), T, K, off.data());
+        ts_q6k_rows(q.data(), sx.data(), off.data(), T, K, blocks.data(), y.data(), N, 0, N);
         give(y);
       } else {
         std::fprintf(stderr, "unknown op %d\n", op);
