@@ -11,6 +11,8 @@
   torch's `_weight_int8pack_mm`, larger ones dequantize once per call.
 On the CPU the token embedding table becomes an `Int8Embedding` in both modes (int8 in groups of 32,
 the GGUF Q8_0 layout: exact for a Q8_0 table, a quarter of fp32's memory).
+A GGUF file's Q6_K tensors (`tokenspeed.weights.load_gguf`) run as stored: `Q6KLinear` (W6A8 in the
+fused extension's `q6k_gemv`) and `Q6KEmbedding`, whose blocks a tied head shares.
 `linear_rows` projects onto a subset of output rows (the lm_head logits of the ids a grammar allows).
 """
 from __future__ import annotations
