@@ -178,7 +178,7 @@ class Engine:
                 linears (`tokenspeed.quant`; on CUDA through torch's int8 and int4 kernels, bf16
                 activations for int4), or "gguf": a GGUF file's own quantization, read from the file
                 tensor by tensor without an fp32 copy (`tokenspeed.weights.load_gguf`: Q4_0/Q4_1/Q4_K
-                blocks run as they are; CPU, float32). Quantized fp32 CPU weights, and a GGUF
+                and Q6_K blocks run as they are; CPU, float32). Quantized fp32 CPU weights, and a GGUF
                 file's blocks in the kernels' layout, are cached (`tokenspeed.weights.load_quantized`):
                 a warm load reads them packed.
             stages: `LoadStages` to continue (its clock runs on from its last stage), else a new one;

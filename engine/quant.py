@@ -11,6 +11,8 @@
   torch's `_weight_int8pack_mm`, larger ones dequantize once per call.
 On the CPU the token embedding table becomes an `Int8Embedding` in both modes (int8 in groups of 32,
 the GGUF Q8_0 layout: exact for a Q8_0 table, a quarter of fp32's memory).
+A GGUF file's Q6_K tensors (`tokenspeed.weights.load_gguf`) run as stored: `Q6KLinear` (W6A8 in the
+fused extension's `q6k_gemv`) and `Q6KEmbedding`, whose blocks a tied head shares.
 `linear_rows` projects onto a subset of output rows (the lm_head logits of the ids a grammar allows).
 """
 from __future__ import annotations
@@ -32,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Int8Linear", "Int4Linear", "Int8Embedding", "Int4TinygemmLinear", "QUANTIZED", "q4_1_groups", "gguf_int4_groups", "int8_groups",
+__all__ = ["Int8Linear", "Int4Linear", "Int8Embedding", "Int4TinygemmLinear", "Q6KLinear", "Q6KEmbedding",
+           "q6k_dequantize", "QUANTIZED", "q4_1_groups", "gguf_int4_groups", "int8_groups",
            "GGUF_INT4_TYPES", "linear_bytes", "quantize", "linear_rows", "fused_ext", "choose_format", "cached_format",
            "FormatChoice", "MODES", "FORMATS", "PACKED_ROWS"]
 
@@ -517,7 +520,144 @@ class Int8Embedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 groups of {self.GROUP}"
 
 
-QUANTIZED = (Int8Linear, Int4Linear, Int4TinygemmLinear)  # the layer types `quantize` swaps in
+Q6K_VALUES, Q6K_BYTES = 256, 210  # weights and bytes per Q6_K block (ggml's block_q6_K)
+
+
+def q6k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    """fp32 weights of Q6_K blocks (ggml's block_q6_K: ql [128] low 4 bits, qh [64] high 2 bits, int8
+    scales [16] (one per 16 weights), fp16 d): w = d * scale * (code - 32), in the arithmetic of
+    `gguf.quants.Q6_K.dequantize_blocks` (d * scale in fp32, then times the code), so the values equal
+    its bit for bit.
+
+    Args:
+        blocks: [..., B * 210] uint8, whole blocks along the last axis (a row of a GGUF tensor).
+    Returns:
+        [..., B * 256] fp32.
+    Raises:
+        ValueError: the last axis is not a whole number of blocks.
+    """
+    if blocks.shape[-1] % Q6K_BYTES:
+        raise ValueError(f"Q6_K rows of {blocks.shape[-1]} bytes are not whole blocks of {Q6K_BYTES}")
+    lead = blocks.shape[:-1]
+    b = blocks.reshape(-1, Q6K_BYTES)
+    ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], b[:, 208:]
+    scale = d.contiguous().view(torch.float16).float() * sc.contiguous().view(torch.int8).float()  # [n, 16]
+    lo = torch.stack([ql & 15, ql >> 4], 1).reshape(-1, 2, 2, 64).transpose(1, 2).reshape(-1, 2, 4, 32)
+    hi = torch.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], 1).reshape(-1, 4, 2, 32).transpose(1, 2)
+    codes = ((lo | (hi << 4)).to(torch.int8) - 32).float().reshape(-1, 16, 16)
+    return (scale[..., None] * codes).reshape(*lead, -1)
+
+
+class Q6KLinear(nn.Module):
+    """Linear layer over a GGUF file's Q6_K blocks as stored (ggml's block_q6_K: 256 weights in 210
+    bytes, 6.5625 bits each; the tied head/embedding and part of attn_v/ffn_down of a Q4_K_M file):
+    w[n, k] = d * scale(k / 16) * (code - 32), codes 0..63 (`q6k_dequantize`).
+
+    Buffers: blocks [out, in / 256 * 210] uint8 (row n: its in / 256 blocks), bias [out] or None.
+    forward(x [..., in]) -> [..., out] in x's dtype. On the CPU the fused extension's `q6k_gemv` runs
+    it: each row's activations quantized to int8 per group of 32 (scale max|x| / 127) and multiplied with
+    the codes in int32 per 16-weight sub-block, scaled by d * scale * the group's activation scale (W6A8;
+    a row's result does not depend on the other rows in the call). Without the extension the same
+    arithmetic runs in torch (`reference`). A projection that mixes Q6_K with other types (Q4_K_M's
+    fused q/k/v with a Q6_K v) is an `Int8Linear` instead (`tokenspeed.weights.load_gguf`).
+
+    Raises (constructors): ValueError if in_features is not a multiple of 256 or the blocks' width does
+    not match.
+    """
+
+    def __init__(self, blocks: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % Q6K_BYTES:
+            raise ValueError(f"Q6KLinear needs uint8 blocks [out, in / 256 * {Q6K_BYTES}], got "
+                             f"{blocks.dtype} {tuple(blocks.shape)}")
+        self._store(blocks, bias)
+
+    def _store(self, blocks: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] // Q6K_BYTES * Q6K_VALUES
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def tied(cls, embedding: "Q6KEmbedding") -> "Q6KLinear":
+        """The lm_head of a model that ties it to its `Q6KEmbedding`: the table's own blocks (the same
+        tensor, no copy): the model holds the tied weight once. No bias."""
+        layer = _bare(cls)
+        layer._store(embedding.blocks, None)
+        return layer
+
+    @classmethod
+    def empty(cls, linear: nn.Linear) -> "Q6KLinear":
+        """An uninitialised CPU layer of `linear`'s shape (`linear` may be on the meta device), for
+        `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
+        n, k = linear.weight.shape
+        return _uninitialised(cls, linear, torch.empty(n, k // Q6K_VALUES * Q6K_BYTES, dtype=torch.uint8))
+
+    @staticmethod
+    def supports(shape: tuple[int, int]) -> bool:
+        """Whether a weight of `shape` [out, in] is whole Q6_K blocks per row."""
+        return shape[1] % Q6K_VALUES == 0
+
+    def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight as [out, in] fp32 (or only the output rows `rows` [R] int64, [R, in])."""
+        return q6k_dequantize(self.blocks if rows is None else self.blocks[rows])
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] fp32 -> [M, out] fp32 (bias not added): the W6A8 arithmetic of `q6k_gemv` in torch,
+        x quantized per group of 32 as the kernel does, products with the dequantized weights in float64
+        (the kernel's sums are exact per sub-block, so the two agree to fp32 rounding)."""
+        m = x.shape[0]
+        xg = x.float().reshape(m, -1, 32)
+        amax = xg.abs().amax(-1, keepdim=True)
+        q = torch.round(xg * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+        return ((q * (amax / 127)).reshape(m, -1).double() @ self.dequantized().double().T).float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).float()
+        ext = fused_ext() if x.device.type == "cpu" else None
+        y = ext.q6k_gemv(x2, self.blocks) if ext is not None else self.reference(x2)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, Q6_K blocks, int8 activations"
+
+
+class Q6KEmbedding(nn.Module):
+    """Token embedding table held as a GGUF file's Q6_K blocks (a Q4_K_M file's `token_embd.weight`):
+    looked-up rows are dequantized (`q6k_dequantize`, equal to `gguf.quants.dequantize`'s rows bit for
+    bit), the table never is; a tied head (`Q6KLinear.tied`) runs the same blocks.
+
+    Buffers: blocks [num_embeddings, embedding_dim / 256 * 210] uint8.
+    forward(ids [...] int64) -> [..., embedding_dim] fp32.
+    """
+
+    def __init__(self, blocks: torch.Tensor):
+        super().__init__()
+        self._store(blocks)
+
+    def _store(self, blocks: torch.Tensor) -> None:
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], blocks.shape[1] // Q6K_BYTES * Q6K_VALUES
+        self.register_buffer("blocks", blocks)
+
+    @classmethod
+    def empty(cls, embedding: nn.Embedding) -> "Q6KEmbedding":
+        """An uninitialised CPU table of `embedding`'s shape (`embedding` may be on the meta device), for
+        `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
+        n, k = embedding.weight.shape
+        layer = _bare(cls)
+        layer._store(torch.empty(n, k // Q6K_VALUES * Q6K_BYTES, dtype=torch.uint8))
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return q6k_dequantize(self.blocks[ids])
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, Q6_K blocks"
+
+
+QUANTIZED = (Int8Linear, Int4Linear, Int4TinygemmLinear, Q6KLinear)  # quantized layer types (`quantize`, `load_gguf`)
 
 
 def linear_bytes(model: nn.Module) -> int:
@@ -548,17 +688,20 @@ def fused_ext(verbose: bool = False):
 
 
 def linear_rows(linear: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Project x [M, in] onto the output rows `rows` [K] int64 of an `nn.Linear` or `Int8Linear`.
+    """Project x [M, in] onto the output rows `rows` [K] int64 of an `nn.Linear`, `Int8Linear` or `Q6KLinear`.
 
     Returns [M, K] fp32. Reads K rows of the weight instead of all of them (lm_head logits for
-    the token ids a grammar allows); an `Int8Linear` on the CPU runs the same W8A8 kernel as its
-    `forward` (`int8_gemv`), so the selected logits equal the full head's columns.
+    the token ids a grammar allows); an `Int8Linear` (`Q6KLinear`) on the CPU runs the same W8A8 (W6A8)
+    kernel as its `forward` (`int8_gemv`, `q6k_gemv`), so the selected logits equal the full head's columns.
 
     Raises:
-        TypeError: `linear` is neither an `nn.Linear` nor an `Int8Linear`.
+        TypeError: `linear` is neither an `nn.Linear` nor an `Int8Linear` nor a `Q6KLinear`.
     """
-    ext = fused_ext() if isinstance(linear, Int8Linear) and x.device.type == "cpu" else None
-    if ext is not None:
+    ext = fused_ext() if isinstance(linear, (Int8Linear, Q6KLinear)) and x.device.type == "cpu" else None
+    if isinstance(linear, Q6KLinear):
+        blocks = linear.blocks.index_select(0, rows)
+        y = ext.q6k_gemv(x.float(), blocks) if ext is not None else F.linear(x.float(), q6k_dequantize(blocks))
+    elif ext is not None:
         y = ext.int8_gemv(x.float(), linear.qweight.index_select(0, rows), linear.scales.index_select(0, rows))
     elif isinstance(linear, Int8Linear) and linear.group is not None:
         y = F.linear(x.float(), linear.dequantized(torch.float32, rows))
@@ -567,7 +710,7 @@ def linear_rows(linear: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch
     elif isinstance(linear, nn.Linear):
         y = F.linear(x, linear.weight.index_select(0, rows)).float()
     else:
-        raise TypeError(f"linear_rows needs an nn.Linear or Int8Linear, got {type(linear).__name__}")
+        raise TypeError(f"linear_rows needs an nn.Linear, Int8Linear or Q6KLinear, got {type(linear).__name__}")
     if linear.bias is not None:
         y = y + linear.bias.index_select(0, rows).float()
     return y

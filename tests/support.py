@@ -1,5 +1,5 @@
 """Helpers shared by the tests: repository paths, stopping a child process, spinning an rclpy
-executor until a condition holds, one decision per prompt, README examples. (tests/ is on sys.path through
+executor until a condition holds, one decision per prompt, README examples, random Q6_K blocks. (tests/ is on sys.path through
 tests/conftest.py.)"""
 from __future__ import annotations
 
@@ -69,3 +69,16 @@ def serve_process(*args: str):
     with server_process([sys.executable, "-m", "tokenspeed.cli", "serve", *args],
                         env=dict(os.environ, PYTHONUNBUFFERED="1"), startup_s=300, name="tokenspeed serve") as running:
         yield running
+
+
+def q6k_blocks(n: int, k: int, seed: int = 0, d: float = 1e-4, scale: int = 127):
+    """Random Q6_K blocks [n, k / 256 * 210] uint8 (ggml's block_q6_K): every code 0..63 and int8
+    scale in -scale..scale, fp16 d uniform in [0, d) per block (weights ~ d * scale * 18 in size)."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+    b[..., 192:208] = rng.integers(-scale, scale + 1, (n, k // 256, 16)).astype(np.int8).view(np.uint8)
+    b[..., 208:] = (rng.random((n, k // 256, 1)) * d).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(b.reshape(n, -1))

@@ -11,6 +11,8 @@
 //   neon          float32x4 (4)    smull + pairwise adds
 //   generic       float (1)        scalar
 //
+// load_s8 widens kW int8 to fp32 (the Q6_K blocks' scales).
+//
 // The KV cache may hold IEEE half floats (binary16, as raw uint16_t bits): load_half widens kW of
 // them to fp32 exactly, store_half rounds kW floats to nearest-even (F16C on x86, fcvt on ARM, the
 // portable half_from_float / half_to_float in the generic variant; all give the same bits).
@@ -21,6 +23,12 @@
 // as dot4s over iload_s8 vectors (kGroupBytes = min(32, 4 kI) bytes each; avx512 fills only its
 // low half): x86 multiplies |w| (u8) by q with w's sign (the sign trick of llama.cpp's Q8_0 dot)
 // in vpdpbusd, or vpmaddubsw + vpmaddwd without VNNI; NEON uses sdot or smull; generic plain C.
+//
+// The Q6_K kernel runs dot4 on unsigned codes 0..63 (one call per dsum: avx2's int16 pair sums stay
+// below 2 * 63 * 127 = 16002).
+// lane_scales(s) gives each int32 lane of such a dot4s the scale s[i] of the 16-byte run it covers
+// (lane l of a chunk starting at a multiple of 16 bytes covers bytes 4l..4l+3: run l / 4): the Q6_K
+// kernel's per-16-weight scales.
 //
 // Every family computes the same exact int32 sums and the same per-lane float operations (fused
 // multiply-adds) for the int4 matmul, so its results are bit-identical across families; float
@@ -113,6 +121,9 @@ inline vf load_bf16(const uint16_t* p) {  // kI bf16 -> fp32
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 inline vf load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline vf load_s8(const int8_t* p) {  // kW int8 -> fp32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline void store_half(uint16_t* p, vf v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
@@ -141,6 +152,11 @@ inline vi iload_s8(const int8_t* p) {
 inline vi dot4s(vi acc, vi w, vi q) {
   return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(w),
                              _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(w), _mm512_setzero_si512(), q));
+}
+// lane l (< kGroupBytes / 4) = s[l / 4], the scale of the 16 bytes it covers in a dot4s over iload_s8
+inline vf lane_scales(const float* s) {
+  const __m512 two = _mm512_castpd_ps(_mm512_castpd128_pd512(_mm_load_sd(reinterpret_cast<const double*>(s))));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), two);
 }
 
 #elif TS_ISA_AVX2
@@ -181,6 +197,9 @@ inline vf load_bf16(const uint16_t* p) {
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 inline vf load_half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vf load_s8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline void store_half(uint16_t* p, vf v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
@@ -214,6 +233,10 @@ inline vi dot4s(vi acc, vi w, vi q) {
 }
 #endif
 inline vf to_float(vi v) { return _mm256_cvtepi32_ps(v); }
+inline vf lane_scales(const float* s) {  // lanes 0-3 s[0], lanes 4-7 s[1]
+  const __m256 two = _mm256_castpd_ps(_mm256_castpd128_pd256(_mm_load_sd(reinterpret_cast<const double*>(s))));
+  return _mm256_permutevar8x32_ps(two, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
 
 #elif TS_ISA_NEON
 #if defined(__ARM_FEATURE_DOTPROD)
@@ -242,6 +265,11 @@ inline vf scale_pow2(vf p, vf n) {
 }
 inline vf load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
 inline vf load_half(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+inline vf load_s8(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(v))))));
+}
 inline void store_half(uint16_t* p, vf v) { vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(v))); }
 inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
   vst1q_f32(out, vpaddq_f32(vpaddq_f32(a, b), vpaddq_f32(c, d)));
@@ -267,6 +295,7 @@ inline vi dot4s(vi acc, vi w, vi q) {  // products of at most 128 * 128 fit int1
 inline vi dot4(vi acc, vi u, vi s) { return dot4s(acc, u, s); }  // codes 0..15 are valid signed bytes
 inline vi dsum(vi acc) { return acc; }
 inline vf to_float(vi v) { return vcvtq_f32_s32(v); }
+inline vf lane_scales(const float* s) { return vdupq_n_f32(s[0]); }  // 16 bytes: one scale
 
 #else  // generic: one-lane "vectors"
 constexpr const char* kName = "generic";
@@ -288,6 +317,7 @@ inline vf round(vf v) { return std::nearbyint(v); }
 inline vf scale_pow2(vf p, vf n) { return std::ldexp(p, static_cast<int>(n)); }
 inline vf load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
 inline vf load_half(const uint16_t* p) { return half_to_float(*p); }
+inline vf load_s8(const int8_t* p) { return static_cast<float>(*p); }
 inline void store_half(uint16_t* p, vf v) { *p = half_from_float(v); }
 inline void hsum4(vf a, vf b, vf c, vf d, float* out) { out[0] = a, out[1] = b, out[2] = c, out[3] = d; }
 inline vi izero() { return 0; }
@@ -311,6 +341,7 @@ inline vi dot4s(vi acc, vi w, vi q) {
            static_cast<int8_t>((static_cast<uint32_t>(q) >> (8 * b)) & 0xFF);
   return acc;
 }
+inline vf lane_scales(const float* s) { return s[0]; }
 #endif
 
 // e^x for x <= 0 (softmax; below -87 it returns ~1e-38): Cody-Waite range reduction x = n ln2 + r

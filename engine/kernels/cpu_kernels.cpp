@@ -220,6 +220,67 @@ void int8_block(const int8_t* q, const float* sx, int64_t t0, int64_t K, const i
   }
 }
 
+// ---- Q6_K weights x int8 activations (W6A8: ggml's Q6_K blocks as stored x Q8 activations per 32)
+//
+// A Q6_K block holds 256 weights in 210 bytes: ql [128] (low 4 bits), qh [64] (high 2 bits), scales
+// [16] int8 (one per 16 weights), d fp16; weight i = d * scales[i / 16] * (code_i - 32), code_i =
+// (ql[64 h + l] >> 4 (c / 2) & 15) | (qh[32 h + l'] >> 2 c & 3) << 4 for i = 128 h + 32 c + l',
+// l = 32 (c % 2) + l' (ggml's dequantize_row_q6_K; gguf.quants.Q6_K).
+constexpr int64_t kQ6Block = 256, kQ6Bytes = 210, kQ6Run = 16;
+
+// One block b [210] -> its codes u [256] (0..63) and the scale of each run of 16 weights, fs [16]
+// (d * scales[i]): plain loops the compiler vectorises.
+inline void q6k_unpack(const uint8_t* b, uint8_t* u, float* fs) {
+  const uint8_t *ql = b, *qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_to_float(static_cast<uint16_t>(b[208] | b[209] << 8));
+  for (int h = 0; h < 2; ++h)
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* lo = ql + 64 * h + 32 * (c & 1);
+      const int shift = 4 * (c >> 1);
+      uint8_t* out = u + 128 * h + 32 * c;
+      for (int l = 0; l < 32; ++l) out[l] = ((lo[l] >> shift) & 15) | ((qh[32 * h + l] >> (2 * c)) & 3) << 4;
+    }
+  const vf vd = set1(d);
+  for (int i = 0; i < kQ6Block / kQ6Run; i += kW) store(fs + i, mul(vd, load_s8(sc + i)));
+}
+
+// Rows t0 .. t0 + TT of y for output rows [j0, j1) of Q6_K weights (row j: K / 256 blocks of 210
+// bytes at blocks + j * K / 256 * 210) and activations quantized per group of 32 (ts_quantize_rows),
+// with off [T, K / 16] = 32 * sx[t, group(run)] * sum_{k in run} q[t, k] per run of 16 (q6k_offsets):
+// y[t, j] = sum over 4-byte lanes c of (d scale(c) * sx[t, group(c)]) * sum_{k in c} code[j, k] q[t, k]
+//           - sum over runs r of d scale(r) * off[t, r],
+// the lane sums exact int32 (dot4 of the unsigned codes; a lane never straddles a run of 16, lane_scales
+// gives its scale), the float sums fused multiply-adds per lane in ascending k, then one horizontal sum:
+// a row's result is its own data's alone, whatever TT and T. Each block is unpacked once for the TT rows.
+template <int TT>
+void q6k_block(const int8_t* q, const float* sx, const float* off, int64_t t0, int64_t K, const uint8_t* blocks,
+               float* y, int64_t N, int64_t j0, int64_t j1) {
+  const int64_t nb = K / kQ6Block, groups = K / kQGroup, runs = K / kQ6Run;
+  alignas(64) uint8_t u[kQ6Block + 64];  // + 64: avx512's iload reads 64 bytes (the dot uses 32)
+  alignas(64) float fs[kQ6Block / kQ6Run + 1];  // + 1: lane_scales reads two
+  fs[kQ6Block / kQ6Run] = 0.f;
+  for (int64_t j = j0; j < j1; ++j) {
+    vf acc[TT], neg[TT];
+    for (int t = 0; t < TT; ++t) acc[t] = neg[t] = zero();
+    for (int64_t b = 0; b < nb; ++b) {
+      q6k_unpack(blocks + (j * nb + b) * kQ6Bytes, u, fs);
+      for (int64_t k = 0; k < kQ6Block; k += kGroupBytes) {
+        const vi uv = iload(u + k);
+        const vf s = lane_scales(fs + k / kQ6Run);
+        const int64_t at = b * kQ6Block + k, g = at / kQGroup;
+        for (int t = 0; t < TT; ++t) {
+          const vi d = dsum(dot4(izero(), uv, iload_s8(q + (t0 + t) * K + at)));
+          acc[t] = fmadd(to_float(d), mul(s, set1(sx[(t0 + t) * groups + g])), acc[t]);
+        }
+      }
+      for (int64_t r = 0; r < kQ6Block / kQ6Run; r += kW)
+        for (int t = 0; t < TT; ++t) neg[t] = fmadd(load(fs + r), load(off + (t0 + t) * runs + b * 16 + r), neg[t]);
+    }
+    for (int t = 0; t < TT; ++t) y[(t0 + t) * N + j] = reduce_add(sub(acc[t], neg[t]));
+  }
+}
+
 // ---- int4 weights x int8 activations (W4A8, the Q4_1 x Q8_1 scheme of GGML/llama.cpp)
 //
 // Weight: 4-bit codes c in 0..15 per group of 32 input channels, w[n, k] = c * s[n, g] + m[n, g].
@@ -361,6 +422,25 @@ void ts_int8_rows(const int8_t* q, const float* sx, int64_t T, int64_t K, const 
   if (t0 < T)
     ts::with_rows<M>(static_cast<int>(T - t0),
                      [&](auto tt) { ts::int8_block<decltype(tt)::value>(q, sx, t0, K, w, scales, G, y, N, j0, j1); });
+}
+
+void ts_q6k_offsets(const int8_t* q, const float* sx, int64_t T, int64_t K, float* off) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t r = 0; r < K / ts::kQ6Run; ++r) {
+      int32_t sum = 0;
+      for (int64_t k = r * ts::kQ6Run; k < (r + 1) * ts::kQ6Run; ++k) sum += q[t * K + k];
+      off[t * (K / ts::kQ6Run) + r] = 32.f * sx[t * (K / ts::kQGroup) + r * ts::kQ6Run / ts::kQGroup] * static_cast<float>(sum);
+    }
+}
+
+void ts_q6k_rows(const int8_t* q, const float* sx, const float* off, int64_t T, int64_t K, const uint8_t* blocks,
+                 float* y, int64_t N, int64_t j0, int64_t j1) {
+  constexpr int M = ts::isa::kMaxRows;
+  int64_t t0 = 0;
+  for (; t0 + M <= T; t0 += M) ts::q6k_block<M>(q, sx, off, t0, K, blocks, y, N, j0, j1);
+  if (t0 < T)
+    ts::with_rows<M>(static_cast<int>(T - t0),
+                     [&](auto tt) { ts::q6k_block<decltype(tt)::value>(q, sx, off, t0, K, blocks, y, N, j0, j1); });
 }
 
 void ts_attend_rows(const float* q, int64_t T, int64_t start, const float* k, const float* v, int64_t D, float scale,

@@ -34,6 +34,20 @@ void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, 
 void ts_int8_rows(const int8_t* q, const float* sx, int64_t T, int64_t K, const int8_t* w, const float* scales,
                   int64_t G, float* y, int64_t N, int64_t j0, int64_t j1);
 
+// The Q6_K kernel's activation offsets: off [T, K / 16] = 32 * sx[t, r / 2] * sum of q[t, k] over run r
+// of 16 channels (the codes' bias of 32, subtracted once per run instead of per weight). K a multiple of 32.
+void ts_q6k_offsets(const int8_t* q, const float* sx, int64_t T, int64_t K, float* off);
+
+// y [T, N] fp32, output rows [j0, j1): the W6A8 product of the quantized activations (ts_quantize_rows:
+// q [T, K], sx [T, K / 32]; ts_q6k_offsets: off [T, K / 16]) with a GGUF file's Q6_K blocks as stored,
+// blocks [N, K / 256 * 210] uint8 (ggml's block_q6_K: ql [128], qh [64], int8 scales [16], fp16 d; K a
+// multiple of 256): y[t, j] = sum over runs r of 16 weights of d * scale(r) * sx[t, r / 2] *
+// sum_{k in r} (code_k - 32) q[t, k], the code x q sums exact int32. Each row's result is
+// bit-identical whatever T is; across instruction-set families it agrees to rounding (the float sums
+// run in the vector's lanes).
+void ts_q6k_rows(const int8_t* q, const float* sx, const float* off, int64_t T, int64_t K, const uint8_t* blocks,
+                 float* y, int64_t N, int64_t j0, int64_t j1);
+
 // Attention of R query rows q [R, D] over one KV head's keys k and values v [>= start + T, D]:
 // row r sees slots [0, start + r % T] (the cached prefix, then causal among T new tokens; r =
 // head-in-group * T + token). scores [R, start + T] receives the softmax probabilities (0 past a

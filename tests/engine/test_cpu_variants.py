@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import tokenspeed
+from support import q6k_blocks
 from tokenspeed.kernels import cpu_decode
 from tokenspeed.kernels.cpu_decode import FUSED_ROWS, VARIANTS, cpu_features, native_variant
 from tokenspeed.kernels.cpu_harness import Harness, build
 from tokenspeed.model import ModelArgs, Transformer
-from tokenspeed.quant import Int4Linear, Int8Embedding, Int8Linear, fused_ext
+from tokenspeed.quant import Int4Linear, Int8Embedding, Int8Linear, Q6KLinear, fused_ext
 from tokenspeed.paths import cache_dir
 
 ARCH = platform.machine()
@@ -98,6 +99,13 @@ def test_harness_kernels_match_reference(harnesses, variant):
     lin8.qweight[:8], lin8.qweight[8:] = -128, 127
     x = torch.where(torch.rand(4, 64) > 0.5, 1.0, -1.0)
     torch.testing.assert_close(h.int8_gemv(x, lin8.qweight, lin8.scales), lin8.reference(x), rtol=1e-5, atol=1e-4)
+    # W6A8 over Q6_K blocks as stored (random codes and scales): the same reference on every variant
+    lin6 = Q6KLinear(q6k_blocks(40, 512))
+    x = torch.randn(9, 512)
+    x[1, :32] = 0
+    y = h.q6k_gemv(x, lin6.blocks)
+    torch.testing.assert_close(y, lin6.reference(x), rtol=1e-5, atol=1e-4)
+    assert all(torch.equal(h.q6k_gemv(x[r:r + n], lin6.blocks), y[r:r + n]) for r, n in ((0, 1), (4, 1), (3, 5)))
     # attention: decode (1 row per query head of a group of 3), a verification chain (T = 4), head
     # sizes of every specialised width and ones that are not (40, 20: the plain loops) and prefill
     # bursts (rows in several tiles of 32, causal bounds per tile, key tiles plus a tail)

@@ -20,7 +20,7 @@ import torch
 import tokenspeed
 from tokenspeed.bench import scale
 from tokenspeed.bench.agreement import compare
-from tokenspeed.weights import load_gguf, resolve_model
+from tokenspeed.weights import load_gguf, load_quantized, resolve_model
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -107,8 +107,52 @@ def test_q4_k_m_file_runs_natively_and_agrees_with_llama_cpp(name, made, monkeyp
     for ours in (_logits(model, True), _logits(model, False)):
         agree = compare(ours, theirs)
         # random weights of std 0.1 make sharp logits, where the two engines' activation rounding
-        # (llama.cpp's Q8_K blocks, TokenSpeed's W4A8 groups and int8 Q6_K rows) shows
+        # (llama.cpp's Q8_K blocks, TokenSpeed's W4A8 and W6A8 groups of 32) shows
         assert agree["top1"] >= 0.8 and agree["kl_mean"] < 0.02, agree
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_q4_k_m_files_q6_k_tensors_run_as_stored(name, made):
+    # Q4_K_M's Q6_K tensors (the embedding, a tied head, ffn_down in about half the layers) are the
+    # file's blocks, held once: looked-up rows equal gguf's dequantization exactly, the head runs the
+    # table's own blocks, and the fused step takes them
+    import gguf
+
+    from tokenspeed.quant import Int8Linear, Q6KEmbedding, Q6KLinear, linear_rows
+    from tokenspeed.weights import _gguf_tensors
+
+    tensors, _ = _gguf_tensors(made[name]["Q4_K_M"])
+    kind = {n: t.tensor_type.name for n, t in tensors.items()}
+    model = load_gguf(resolve_model(made[name]["Q4_K_M"]))
+    tied = scale.SHAPES[name].tied
+    assert kind["token_embd.weight" if tied else "output.weight"] == "Q6_K" and isinstance(model.output, Q6KLinear)
+    if kind["token_embd.weight"] == "Q6_K":
+        assert isinstance(model.tok_embeddings, Q6KEmbedding)
+        rows = gguf.quants.dequantize(tensors["token_embd.weight"].data[IDS], gguf.GGMLQuantizationType.Q6_K)
+        assert torch.equal(model.tok_embeddings(torch.tensor(IDS)), torch.from_numpy(rows))
+    if tied:
+        assert model.output.blocks is model.tok_embeddings.blocks
+    q6k = 0
+    for i, layer in enumerate(model.layers):
+        down = kind[f"blk.{i}.ffn_down.weight"]
+        assert isinstance(layer.feed_forward.w2, Q6KLinear if down == "Q6_K" else object)
+        q6k += down == "Q6_K"
+        if kind[f"blk.{i}.attn_v.weight"] == "Q6_K" and kind[f"blk.{i}.attn_q.weight"] != "Q6_K":
+            assert isinstance(layer.attention.wqkv, Int8Linear)  # a mix stays int8 groups
+    assert q6k > 0
+    x = torch.randn(5, model.args.dim)
+    head = model.output  # the kernel against the W6A8 arithmetic; selected rows = the full head's columns
+    torch.testing.assert_close(head(x), head.reference(x), rtol=1e-5, atol=1e-4)
+    rows = torch.tensor([0, 7, 300, model.args.vocab_size - 1])
+    assert torch.equal(linear_rows(head, x, rows), head(x)[:, rows])
+    assert model.fused_decode() is not None  # its Q6_K projections included (fused == Python: test_cpu_decode)
+    # the quantized weights cache keeps them as they are: a warm load holds the same blocks, the tied head once
+    tokenspeed.Engine.load(made[name]["Q4_K_M"], quantize="gguf")  # (writes the entry if it is not there)
+    warm = load_quantized(resolve_model(made[name]["Q4_K_M"]), "gguf")
+    assert {k: type(m) for k, m in warm.named_modules()} == {k: type(m) for k, m in model.named_modules()}
+    assert torch.equal(warm.output.blocks, model.output.blocks)
+    if tied:
+        assert warm.output.blocks is warm.tok_embeddings.blocks
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-smollm3"])

@@ -214,11 +214,12 @@ _Q4_K_M = {"*": Q.Q4_K, "attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K}
                          ids=["Q4_0", "Q4_1", "Q4_K-qwen2", "Q4_K_M", "Q8_0", "F16"])
 def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind, qtype):
     # quantize="gguf": weights read from the file without an fp32 copy; 4-bit blocks become Int4Linear
-    # holding exactly the file's values (scales here are exact in bf16), other quantized projections
+    # holding exactly the file's values (scales here are exact in bf16), all-Q6_K ones (and a Q6_K head)
+    # Q6KLinear holding the file's blocks (the same values), other quantized projections
     # Int8Linear of their dequantized values in groups of 32, float ones stay fp32; the embedding table int8 in groups
     # of 32 (exact for Q8_0) unless float. Logits agree with the fp32 reference on the same file (the
     # int4 kernel quantizes activations to int8: W4A8).
-    from tokenspeed.quant import Int4Linear, Int8Embedding, Int8Linear
+    from tokenspeed.quant import Int4Linear, Int8Embedding, Int8Linear, Q6KLinear
 
     monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
     k_quants = any(t.name.endswith("_K") for t in (qtype.values() if isinstance(qtype, dict) else [qtype]))
@@ -240,6 +241,8 @@ def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind,
                 assert isinstance(ours, Int4Linear) and torch.equal(ours.dequantized(), theirs.weight)
             elif kinds.get(gname, kinds["*"]) == Q.F16:
                 assert type(ours) is torch.nn.Linear and torch.equal(ours.weight, theirs.weight)
+            elif kinds.get(gname) == Q.Q6_K and name != "wqkv":  # all Q6_K (wqkv mixes it with Q4_K q/k)
+                assert isinstance(ours, Q6KLinear) and torch.equal(ours.dequantized(), theirs.weight)
             else:
                 assert isinstance(ours, Int8Linear) and ours.group == 32
                 assert torch.equal(ours.qweight, Int8Linear(theirs.weight, group=32).qweight)
@@ -252,6 +255,9 @@ def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind,
         assert torch.equal(table, ref_table)
     else:  # within half an int8 step of its group of 32 (random blocks: a quantizer's Q8_0 is exact, below)
         assert (table - ref_table).abs().max() <= ref_table.abs().max() / 254
+    if kinds.get("output") == Q.Q6_K:
+        assert isinstance(native.model.output, Q6KLinear)
+        assert torch.equal(native.model.output.dequantized(), ref.model.output.weight)
     ids = torch.tensor(native.tokenizer.encode("<|im_start|>user\nPick the red cube at x=0.42.<|im_end|>\n"))
     logits = [e.model(ids, torch.arange(len(ids)), e.model.new_cache(64), "all") for e in (native, ref)]
     assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].abs().max()
