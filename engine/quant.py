@@ -601,15 +601,16 @@ class Q6KLinear(nn.Module):
         """The weight as [out, in] fp32 (or only the output rows `rows` [R] int64, [R, in])."""
         return q6k_dequantize(self.blocks if rows is None else self.blocks[rows])
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in] fp32 -> [M, out] fp32 (bias not added): the W6A8 arithmetic of `q6k_gemv` in torch,
-        x quantized per group of 32 as the kernel does, products with the dequantized weights in float64
-        (the kernel's sums are exact per sub-block, so the two agree to fp32 rounding)."""
+    def reference(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, in] fp32 -> [M, out] fp32 (or only the output rows `rows` [R] int64: [M, R]; bias not
+        added): the W6A8 arithmetic of `q6k_gemv` in torch, x quantized per group of 32 as the kernel
+        does, products with the dequantized weights in float64 (the kernel's sums are exact per
+        sub-block, so the two agree to fp32 rounding)."""
         m = x.shape[0]
         xg = x.float().reshape(m, -1, 32)
         amax = xg.abs().amax(-1, keepdim=True)
         q = torch.round(xg * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
-        return ((q * (amax / 127)).reshape(m, -1).double() @ self.dequantized().double().T).float()
+        return ((q * (amax / 127)).reshape(m, -1).double() @ self.dequantized(rows).double().T).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -699,8 +700,8 @@ def linear_rows(linear: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch
     """
     ext = fused_ext() if isinstance(linear, (Int8Linear, Q6KLinear)) and x.device.type == "cpu" else None
     if isinstance(linear, Q6KLinear):
-        blocks = linear.blocks.index_select(0, rows)
-        y = ext.q6k_gemv(x.float(), blocks) if ext is not None else F.linear(x.float(), q6k_dequantize(blocks))
+        y = ext.q6k_gemv(x.float(), linear.blocks.index_select(0, rows)) if ext is not None else \
+            linear.reference(x.float(), rows)
     elif ext is not None:
         y = ext.int8_gemv(x.float(), linear.qweight.index_select(0, rows), linear.scales.index_select(0, rows))
     elif isinstance(linear, Int8Linear) and linear.group is not None:

@@ -266,9 +266,7 @@ inline vf scale_pow2(vf p, vf n) {
 inline vf load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
 inline vf load_half(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
 inline vf load_s8(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(v))))));
+  return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(load_i32(p)))))));
 }
 inline void store_half(uint16_t* p, vf v) { vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(v))); }
 inline void hsum4(vf a, vf b, vf c, vf d, float* out) {

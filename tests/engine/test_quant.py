@@ -158,6 +158,19 @@ def test_linear_rows_equals_selected_columns():
         linear_rows(nn.Identity(), x, rows)
 
 
+@pytest.mark.parametrize("extension", [True, False], ids=["kernel", "no compiler"])
+def test_linear_rows_of_q6_k_blocks_are_the_full_layers_columns(extension, monkeypatch):
+    # with the extension both run q6k_gemv; without it (the fallback) both run the W6A8 reference
+    from support import q6k_blocks
+    from tokenspeed import quant
+
+    if not extension:
+        monkeypatch.setattr(quant, "fused_ext", lambda *a, **k: None)
+    lin = quant.Q6KLinear(torch.as_tensor(q6k_blocks(40, 512)))
+    x, rows = torch.randn(3, 512, generator=torch.Generator().manual_seed(0)), torch.tensor([5, 0, 39])
+    torch.testing.assert_close(linear_rows(lin, x, rows), lin(x)[:, rows], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_tied_head_runs_the_embeddings_int8_groups(mode):
     # a model that ties its lm_head to the embedding holds the int8 table once: the quantized head is
