@@ -145,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch threads (> 0, default: torch's choice)")
         device_args(p)
         p.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int4", "int8", "none"],
-                       help="weights: auto (default: the fastest format on this CPU whose greedy tokens agree with "
-                            "fp32's, measured once and cached), gguf (a .gguf file's own blocks, read without an "
+                       help="weights: auto (default: a quantized .gguf file's own blocks; other models the fastest "
+                            "format on this CPU whose greedy tokens agree with fp32's, measured once and cached), gguf (a .gguf file's own blocks, read without an "
                             "fp32 copy), int4 (4-bit groups of 32 re-derived from fp32), int8 or none (fp32)")
         p.add_argument("--system", default=None, help="system prompt")
         p.add_argument("--prompt", required=True, help="user message")
@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch threads (> 0, default: torch's choice)")
     p.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int4", "int8", "none"],
-                   help="weights: auto (default: the measured fastest format), gguf (the .gguf file's own), int4, "
+                   help="weights: auto (default: a quantized .gguf file's own blocks, else the measured fastest "
+                        "format), gguf (the .gguf file's own), int4, "
                         "int8 or none (fp32)")
     device_args(p)
     p.add_argument("--host", default="127.0.0.1")

@@ -118,8 +118,8 @@ class NodeParams(BaseModel):
     model: str = Field("", description='.gguf file, HF folder or "tiny-random"; empty = embedded SmolLM2-135M')
     threads: int = Field(1, ge=0, le=256, description="engine CPU threads; 0 = torch default. 1: the node shares the CPU with ROS callbacks (and the simulator), and torch's spinning thread pool stalls badly when oversubscribed")
     quantize: Literal["auto", "gguf", "int4", "int8", "none"] = Field(
-        "auto", description="engine weights: auto (the fastest format on this CPU that agrees with fp32, measured "
-        "once and cached), gguf (a .gguf model's own blocks, read without an fp32 copy; CPU), int4 (4-bit groups "
+        "auto", description="engine weights: auto (a quantized .gguf model's own blocks; other models the fastest "
+        "format on this CPU that agrees with fp32, measured once and cached), gguf (a .gguf model's own blocks, read without an fp32 copy; CPU), int4 (4-bit groups "
         "re-derived from fp32), int8, or none (fp32)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
                         description="engine device: auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N")
