@@ -28,41 +28,41 @@ _CONTROL, _USER_DEFINED = 3, 4
 _SPLIT_DIGITS = {"smollm", "starcoder", "refact", "deepseek-coder"}
 
 
-def tokenizer_files_from_gguf(reader, field) -> tuple[str, dict]:
-    """Build `tokenizer.json` text and a `tokenizer_config.json` dict from a GGUF reader.
+def tokenizer_files_from_gguf(metadata: dict) -> tuple[str, dict]:
+    """Build `tokenizer.json` text and a `tokenizer_config.json` dict from a GGUF file's metadata.
 
     Args:
-        reader: a `gguf.GGUFReader`.
-        field: `field(reader, key, default)` accessor returning python values.
+        metadata: GGUF key -> its value as Python (`tokenspeed.weights._gguf_tensors`): the
+            `tokenizer.ggml.*` keys and `tokenizer.chat_template`.
 
     Raises:
         ValueError: the GGUF tokenizer is not a byte-level BPE (`tokenizer.ggml.model == "gpt2"`).
     """
     from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-    kind = field(reader, "tokenizer.ggml.model")
+    kind = metadata.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"GGUF tokenizer model {kind!r} not supported (only byte-level BPE 'gpt2')")
-    tokens = field(reader, "tokenizer.ggml.tokens")
-    types = field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges")]
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    types = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges")]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
     pre = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if field(reader, "tokenizer.ggml.pre", "") in _SPLIT_DIGITS:
+    if metadata.get("tokenizer.ggml.pre", "") in _SPLIT_DIGITS:
         pre.insert(0, pre_tokenizers.Digits(individual_digits=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence(pre)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types) if ty in (_CONTROL, _USER_DEFINED)])
-    bos = field(reader, "tokenizer.ggml.bos_token_id")
-    eos = field(reader, "tokenizer.ggml.eos_token_id")
+    bos = metadata.get("tokenizer.ggml.bos_token_id")
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": tokens[bos] if bos is not None else None,
         "eos_token": tokens[eos] if eos is not None else None,
-        "add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
-        "chat_template": field(reader, "tokenizer.chat_template"),
+        "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+        "chat_template": metadata.get("tokenizer.chat_template"),
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1 << 30,
     }

@@ -421,8 +421,7 @@ def _converted_gguf(path: Path) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".convert-"))
     try:
-        reader = _gguf_reader(path)
-        _write_header(reader, path, tmp)
+        _write_header(path, tmp)
         try:
             tmp.rename(folder)
         except OSError:  # another process converted it first
@@ -451,22 +450,6 @@ def fp32_folder(files: ModelFiles) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return files.folder
-
-
-def _field(reader, key: str, default=None):
-    import gguf
-
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
-        if f.types[-1] == gguf.GGUFValueType.STRING:
-            return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
-        return [f.parts[i].tolist()[0] for i in f.data]
-    value = f.parts[f.data[0]]
-    if f.types[0] == gguf.GGUFValueType.STRING:
-        return bytes(value).decode("utf-8")
-    return value.tolist()[0]
 
 
 def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -512,15 +495,20 @@ class _GGUFTensor:
     data: np.ndarray
 
 
-_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+# metadata value type -> numpy dtype (little-endian) of the GGUF spec's scalars; 8 string, 9 array
+_GGUF_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8",
+                 11: "<i8", 12: "<f8"}
 _GGUF_STRING, _GGUF_ARRAY, _GGUF_UINT32 = 8, 9, 4
 _GGUF_ITEM_TYPES = {"F32": np.float32, "F16": np.float16}
 
 
-def _gguf_tensors(path: Path) -> tuple[dict[str, _GGUFTensor], np.memmap]:
-    """The tensors of a GGUF file (v2/v3, little-endian) by name, over one memory map, without
-    parsing the metadata's values (`gguf.GGUFReader` decodes every vocabulary string: seconds for a
-    49k-token vocabulary; this skips them, ~10 ms).
+def _gguf_tensors(path: Path, metadata: dict | None = None) -> tuple[dict[str, _GGUFTensor], np.memmap]:
+    """The tensors of a GGUF file (v2/v3, little-endian) by name, over one memory map, and, when
+    `metadata` is a dict, its metadata: every key's value as Python (int, float, bool, str, or a
+    list of them: a vocabulary of N strings is a list of N str). Unasked, the values are skipped
+    (~10 ms for a 49k-token vocabulary). `gguf.GGUFReader` would decode them into a numpy array per
+    string: seconds and ~500 MiB of short-lived objects for a 150k-token vocabulary, which the C heap
+    then keeps under every later stage of a cold load.
 
     Raises:
         ModelLoadError: not a GGUF file, an unsupported version, or a truncated or corrupt index.
@@ -537,28 +525,47 @@ def _gguf_tensors(path: Path) -> tuple[dict[str, _GGUFTensor], np.memmap]:
 
         def string(at: int) -> tuple[str, int]:
             (n,) = struct.unpack_from("<Q", buf, at)
-            return bytes(buf[at + 8:at + 8 + n]).decode("utf-8"), at + 8 + n
+            return str(buf[at + 8:at + 8 + n], "utf-8"), at + 8 + n
 
-        def skip(kind: int, at: int, count: int = 1) -> int:
+        def value(kind: int, at: int) -> tuple[object, int]:
+            # one value of type `kind` at `at` (None when the metadata is skipped) and the offset after it
             if kind in _GGUF_SCALARS:
-                return at + count * _GGUF_SCALARS[kind]
+                dtype = np.dtype(_GGUF_SCALARS[kind])
+                return None if skipped else np.frombuffer(buf, dtype, 1, at)[0].item(), at + dtype.itemsize
             if kind == _GGUF_STRING:
-                for _ in range(count):
-                    at += 8 + struct.unpack_from("<Q", buf, at)[0]
-                return at
+                if skipped:
+                    return None, at + 8 + struct.unpack_from("<Q", buf, at)[0]
+                return string(at)
             if kind == _GGUF_ARRAY:
-                for _ in range(count):
-                    item, n = struct.unpack_from("<IQ", buf, at)
-                    at = skip(item, at + 12, n)
-                return at
+                item, n = struct.unpack_from("<IQ", buf, at)
+                at += 12
+                if item in _GGUF_SCALARS:  # numbers: one read
+                    dtype = np.dtype(_GGUF_SCALARS[item])
+                    return None if skipped else np.frombuffer(buf, dtype, n, at).tolist(), at + n * dtype.itemsize
+                out = None if skipped else []
+                if item == _GGUF_STRING:  # a vocabulary: one loop (its undecodable bytes replaced)
+                    for _ in range(n):
+                        (length,) = struct.unpack_from("<Q", buf, at)
+                        if out is not None:
+                            out.append(str(buf[at + 8:at + 8 + length], "utf-8", "replace"))
+                        at += 8 + length
+                    return out, at
+                for _ in range(n):  # arrays of arrays
+                    found, at = value(item, at)
+                    if out is not None:
+                        out.append(found)
+                return out, at
             raise ValueError(f"unknown metadata value type {kind}")
 
+        skipped = metadata is None
         for _ in range(n_kv):
             key, at = string(at)
             (kind,) = struct.unpack_from("<I", buf, at)
             if key == "general.alignment" and kind == _GGUF_UINT32:
                 (alignment,) = struct.unpack_from("<I", buf, at + 4)
-            at = skip(kind, at + 4)
+            found, at = value(kind, at + 4)
+            if metadata is not None:
+                metadata[key] = found
         infos = []
         for _ in range(n_tensors):
             name, at = string(at)
@@ -583,23 +590,7 @@ def _gguf_tensors(path: Path) -> tuple[dict[str, _GGUFTensor], np.memmap]:
         raise ModelLoadError(f"cannot parse GGUF file {path}: {exc}") from exc
 
 
-def _gguf_reader(path: Path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:
-        raise ModelLoadError(f"cannot parse GGUF file {path}: {exc}") from exc
-
-
-def _gguf_arch(reader, path: Path) -> str:
-    arch = _field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} not supported (supported: {_GGUF_ARCHS})")
-    return arch
-
-
-def _write_header(reader, path: Path, out: Path) -> None:
+def _write_header(path: Path, out: Path) -> None:
     """config.json, tokenizer.json and tokenizer_config.json of a GGUF Llama-family model into `out`.
 
     The tokenizer is rebuilt from the GGUF BPE vocabulary and merges (`tokenizer.ggml.model ==
@@ -608,11 +599,17 @@ def _write_header(reader, path: Path, out: Path) -> None:
     Raises:
         ModelLoadError: unsupported architecture or tokenizer model.
     """
-    arch = _gguf_arch(reader, path)
-    g = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    meta: dict = {}
+    tensors, _ = _gguf_tensors(path, meta)
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} not supported (supported: {_GGUF_ARCHS})")
+    g = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     n_heads = g("attention.head_count")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list):
+        raise ModelLoadError(f"{path}: no tokenizer.ggml.tokens vocabulary")
+    has_output = "output.weight" in tensors
     hf_arch, model_type = _GGUF_HF.get(arch, ("LlamaForCausalLM", "llama"))
     config = {
         "architectures": [hf_arch],
@@ -629,8 +626,8 @@ def _write_header(reader, path: Path, out: Path) -> None:
         "max_position_embeddings": g("context_length", 4096),
         "vocab_size": len(tokens),
         "tie_word_embeddings": not has_output,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
@@ -642,7 +639,7 @@ def _write_header(reader, path: Path, out: Path) -> None:
     from .tokenizer import tokenizer_files_from_gguf
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer_json, tokenizer_config = tokenizer_files_from_gguf(reader, _field)
+    tokenizer_json, tokenizer_config = tokenizer_files_from_gguf(meta)
     (out / "tokenizer.json").write_text(tokenizer_json)
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
     (out / "config.json").write_text(json.dumps(config, indent=1))

@@ -149,7 +149,7 @@ def source_file(name: str, seed: int = 0) -> Path:
     import gguf
     import numpy as np
 
-    from ..weights import _field, default_model_path
+    from ..weights import _gguf_tensors, default_model_path
 
     shape = SHAPES[name]
     out = _folder() / f"{name}-{shape.key()}-s{seed}.gguf"
@@ -157,8 +157,9 @@ def source_file(name: str, seed: int = 0) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    src = gguf.GGUFReader(str(default_model_path()))  # its tokenizer, padded to the shape's vocabulary
-    tokens, types = _field(src, "tokenizer.ggml.tokens"), _field(src, "tokenizer.ggml.token_type")
+    src: dict = {}  # the embedded model's metadata: its tokenizer, padded to the shape's vocabulary
+    _gguf_tensors(default_model_path(), src)
+    tokens, types = src["tokenizer.ggml.tokens"], src["tokenizer.ggml.token_type"]
     if shape.vocab < len(tokens):
         raise ValueError(f"{name}: a vocabulary of {shape.vocab} is smaller than the tokenizer's {len(tokens)}")
     pad = shape.vocab - len(tokens)
@@ -180,14 +181,14 @@ def source_file(name: str, seed: int = 0) -> Path:
     w.add_vocab_size(shape.vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(_field(src, "tokenizer.ggml.pre"))
+    w.add_tokenizer_pre(src["tokenizer.ggml.pre"])
     w.add_token_list(tokens + [f"<|scale_pad_{i}|>" for i in range(pad)])
     w.add_token_types(types + [gguf.TokenType.UNUSED] * pad)
-    w.add_token_merges(_field(src, "tokenizer.ggml.merges"))
-    w.add_bos_token_id(_field(src, "tokenizer.ggml.bos_token_id"))
-    w.add_eos_token_id(_field(src, "tokenizer.ggml.eos_token_id"))
+    w.add_token_merges(src["tokenizer.ggml.merges"])
+    w.add_bos_token_id(src["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(src["tokenizer.ggml.eos_token_id"])
     w.add_add_bos_token(False)
-    w.add_chat_template(_field(src, "tokenizer.chat_template"))
+    w.add_chat_template(src["tokenizer.chat_template"])
     for tname, tshape in shape.tensors():
         matrix = len(tshape) == 2
         n = tshape[0] * (tshape[1] if matrix else 1)

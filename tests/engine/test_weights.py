@@ -109,8 +109,10 @@ def _write_gguf(path, hf_model, qtype, blocks=False):
     cfg = hf_model.config
     rng = np.random.default_rng(0)
     kinds = qtype if isinstance(qtype, dict) else {"*": qtype}
-    src = gguf.GGUFReader(str(tokenspeed.weights.default_model_path()))
-    from tokenspeed.weights import _field
+    from tokenspeed.weights import _gguf_tensors
+
+    src: dict = {}  # the embedded model's metadata: its tokenizer
+    _gguf_tensors(tokenspeed.weights.default_model_path(), src)
 
     arch = "qwen2" if cfg.model_type == "qwen2" else "llama"  # llama.cpp permutes Q/K rows of llama only
     w = gguf.GGUFWriter(str(path), arch)
@@ -125,12 +127,12 @@ def _write_gguf(path, hf_model, qtype, blocks=False):
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
-    w.add_token_list(_field(src, "tokenizer.ggml.tokens"))
-    w.add_token_types(_field(src, "tokenizer.ggml.token_type"))
-    w.add_token_merges(_field(src, "tokenizer.ggml.merges"))
+    w.add_token_list(src["tokenizer.ggml.tokens"])
+    w.add_token_types(src["tokenizer.ggml.token_type"])
+    w.add_token_merges(src["tokenizer.ggml.merges"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_chat_template(_field(src, "tokenizer.chat_template"))
+    w.add_chat_template(src["tokenizer.chat_template"])
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     block = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -469,3 +471,19 @@ def test_a_gguf_files_digest_is_remembered_until_the_file_changes(tmp_path, monk
     f.write_bytes(b"GGUF" + b"\x02" * 100)          # a new version of the file (same size) is hashed again
     os.utime(f, (1e9, 1e9))
     assert _file_digest(f) == hashlib.sha256(f.read_bytes()).hexdigest()[:24] != first
+
+
+def test_gguf_metadata_is_what_the_gguf_package_reads():
+    # the cold load's own metadata reader (no numpy array per vocabulary string) against gguf.GGUFReader:
+    # every key of the embedded model, its vocabulary, token types and merges included
+    from tokenspeed.weights import _gguf_tensors
+
+    path = tokenspeed.weights.default_model_path()
+    meta: dict = {}
+    tensors, _ = _gguf_tensors(path, meta)
+    reader = gguf.GGUFReader(str(path))
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert len(meta["tokenizer.ggml.tokens"]) == 49152 and len(meta["tokenizer.ggml.merges"]) > 40000
+    assert meta == fields
+    assert sorted(tensors) == sorted(t.name for t in reader.tensors)
+    assert _gguf_tensors(path)[0].keys() == tensors.keys()  # the metadata skipped: the same index
