@@ -347,11 +347,13 @@ def test_scale_bench_runs_the_whole_pipeline_on_a_tiny_shape(tmp_path, monkeypat
     # each engine's own peak RSS, not its parent's: the llama.cpp process imports no torch
     assert theirs["peak_rss_mb"] < ours["peak_rss_mb"] and theirs["peak_rss_mb"] < 300
     assert ours["cold_load"]["load_s"] > 0
+    mem = ours["cold_load"]["load_rss_mb"]  # the peak during Engine.load, after Python and torch
+    assert 0 < mem["before"] < mem["peak"] <= ours["cold_load"]["peak_rss_mb"] and "tokenizer" in mem["stages"]
     assert set(row["ratios"]) >= {"itl_32", "itl_96", "prefill_8", "prefill_24", "rss", "load"}
     assert row["floor_ms"]["llama.cpp"] > 0 and row["floor_ms"]["tokenspeed"] > 0
     assert (tmp_path / "out" / "scale.png").stat().st_size > 0
     out = capsys.readouterr().out
-    assert "tiny" in out and "Q4_K_M" in out
+    assert "tiny" in out and "Q4_K_M" in out and "peak RSS during Engine.load" in out
     # --merge joins runs (one size each) into one table and plot, measuring nothing
     report_path = str(tmp_path / "out" / "report.json")
     assert bench_main(["scale", "--merge", report_path, report_path, "--out", str(tmp_path / "merged")]) == 0

@@ -367,6 +367,16 @@ def test_quantized_weights_are_cached_and_a_bad_entry_is_rebuilt(tmp_path, monke
     assert "total" in warm.load_stages.table()
 
 
+def test_load_stages_record_the_resident_set(engine):
+    # each stage of a load closes with the process's RSS and its peak so far (VmRSS, VmHWM): where a load's memory goes
+    stages = engine.load_stages
+    assert list(stages.memory) == list(stages) and "tokenizer" in stages.memory
+    peaks = [peak for _, peak in stages.memory.values()]
+    assert peaks == sorted(peaks) and all(0 < rss <= peak for rss, peak in stages.memory.values())
+    assert 0 < stages.start_memory[0] <= peaks[0]
+    assert "RSS MiB" in stages.table() and "  tokenizer " in stages.table()
+
+
 def test_embedded_model_loads_and_caches(engine):
     files = resolve_model(None)
     cfg = json.loads((files.folder / "config.json").read_text())
