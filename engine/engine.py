@@ -20,7 +20,7 @@ from .stages import LoadStages
 from .speculation import SpecConfig
 from .tokenizer import Tokenizer, grammar_tokenizer
 from .weights import (ModelLoadError, gguf_quantized, load_gguf, load_model_files, load_quantized, resolve_model,
-                      save_quantized)
+                      return_free_heap, save_quantized)
 
 __all__ = ["Engine", "EngineArgumentError", "LoadStages"]
 
@@ -35,21 +35,6 @@ class EngineArgumentError(ValueError, TypeError):
 _AUTO_PROBES = ("The red cube is at x=0.42 y=-0.10 on the table. Pick it up and",
                 '{"name": "move_to", "arguments": {"x": 0.31, "y":',
                 "Joint positions: [0.12, -0.54, 1.03]. The gripper is open. Next action:")
-
-
-def _return_free_heap() -> None:
-    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`), at the end of a load.
-
-    Parsing tokenizer.json (ours, and llguidance's on a first load) and the draft model's conversion leave
-    ~25 MB of freed temporaries that glibc keeps mapped, under every later stage's RSS (bench aal's
-    peak included); the call takes ~1 ms. A no-op where the C library has no `malloc_trim`.
-    """
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: the C library's
-    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS, Windows)
-        pass
 
 
 def _tiny_random(args: ModelArgs) -> Transformer:
@@ -131,7 +116,7 @@ class Engine:
         self.auto_threshold: dict[str, float] = {}  # `load` reads the model's calibration (`tokenspeed.auto`)
         self.speculation = SpecConfig.default(self.model)
         self.load_stages.done("draft model")
-        _return_free_heap()
+        return_free_heap()
         self.load_stages.done("free heap returned")
 
     @property

@@ -36,7 +36,7 @@ from .paths import cache_dir
 log = logging.getLogger(__name__)
 
 __all__ = ["ModelLoadError", "ModelFiles", "default_model_path", "resolve_model", "load_model_files", "model_args",
-           "check_finite", "load_quantized", "save_quantized", "load_gguf", "fp32_folder"]
+           "check_finite", "load_quantized", "save_quantized", "load_gguf", "fp32_folder", "return_free_heap"]
 
 
 class ModelLoadError(RuntimeError):
@@ -856,6 +856,7 @@ def load_gguf(files: ModelFiles):
             att.q_norm = float_param(b + "attn_q_norm.weight", (args.head_dim,))
             att.k_norm = float_param(b + "attn_k_norm.weight", (args.head_dim,))
         _drop_pages(mapped)
+        return_free_heap()  # the layer's unpacked temporaries
     net.norm = float_param("output_norm.weight", (args.dim,))
     head = embed if args.tie_embeddings else table("output.weight")
     if head.tensor_type.name in _FLOAT_TYPES:  # a tied float head shares the embedding (`tie_weights`)
@@ -878,6 +879,22 @@ def load_gguf(files: ModelFiles):
     if left:
         raise ModelLoadError(f"{path}: no weights for {', '.join(left[:3])}")
     return net.eval()
+
+
+def return_free_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`), ~1 ms.
+
+    glibc keeps freed blocks below its mmap threshold (which grows to 32 MiB as big blocks are freed)
+    mapped: a GGUF layer's unpacked codes and scales, tokenizer.json's parse (ours, and llguidance's on
+    a first load) and the draft model's conversion would otherwise stay under every later stage's RSS
+    (a load's peak, bench aal's). A no-op where the C library has no `malloc_trim`.
+    """
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: the C library's
+    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS, Windows)
+        pass
 
 
 def _drop_pages(mapped: np.memmap) -> None:
