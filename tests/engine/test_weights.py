@@ -497,3 +497,18 @@ def test_gguf_metadata_is_what_the_gguf_package_reads():
     assert meta == fields
     assert sorted(tensors) == sorted(t.name for t in reader.tensors)
     assert _gguf_tensors(path)[0].keys() == tensors.keys()  # the metadata skipped: the same index
+
+
+def test_whether_a_gguf_is_quantized_is_remembered_beside_its_header(tmp_path, monkeypatch):
+    # a warm load reads the answer (no index walk, no `gguf` import); the folder is the file's digest
+    from tokenspeed.weights import gguf_quantized
+
+    monkeypatch.setenv("TOKENSPEED_CACHE", str(tmp_path / "cache"))
+    files = resolve_model(None)
+    assert gguf_quantized(files) is True
+    memo = files.folder / "gguf_quantized.json"
+    assert json.loads(memo.read_text()) == {"quantized": True}
+    memo.write_text('{"quantized": false}')  # read back, not recomputed
+    assert gguf_quantized(files) is False
+    memo.write_text("not json")  # unreadable: the index again, and remembered again
+    assert gguf_quantized(files) is True and json.loads(memo.read_text()) == {"quantized": True}
