@@ -375,6 +375,7 @@ def test_load_stages_record_the_resident_set(engine):
     assert peaks == sorted(peaks) and all(0 < rss <= peak for rss, peak in stages.memory.values())
     assert 0 < stages.start_memory[0] <= peaks[0]
     assert "RSS MiB" in stages.table() and "  tokenizer " in stages.table()
+    assert engine.load_s >= sum(wall for wall, _ in stages.values())  # load_s: the whole load, every stage
 
 
 def test_embedded_model_loads_and_caches(engine):
