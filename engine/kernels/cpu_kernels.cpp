@@ -193,16 +193,16 @@ void weighted_sum_of(const float* p, int64_t R, int64_t ld, const KV* v, float* 
 // same way): per group of 32, RM weight vectors and RN activation vectors are loaded once for RM * RN
 // dot products. Bursts take kInt8Tokens token rows per tile and kInt8Accs / RN weight rows (1 to 4:
 // RM * RN fp32 accumulators, and as many int32 ones where a group takes several dot4s, beside the
-// weight vectors within the kRegs vector registers); a decode step (RN = 1) takes 4 weight rows,
-// independent chains over the streamed weights. On avx2 (16 registers; a dot4s is 3 integer ops whose
-// operands stay live) 1 x 6 measured fastest for bursts and 1 x 2, 1 x 3 for short chains (2 or 3
-// rows per tile spill there), 4 x 1 for a decode step (0.86x the time of 1 x 1).
+// weight vectors within the kRegs vector registers); a decode step (RN = 1) streams one weight row at
+// a time. Measured on avx2 (16 registers; a dot4s is 3 integer ops whose operands stay live): 1 x 6
+// fastest for bursts (0.92x the time of the old 1 x 4 blocks at 84 rows), 2 or 3 weight rows per tile
+// spill; for a decode step, 4 weight rows per tile ranged from 0.72x (K = 8960) to 1.35x (K = 1536).
 constexpr int kGroupDots = kQGroup / kGroupBytes;  // dot4s per group of 32
 constexpr int kInt8Accs = kRegs >= 32 ? (kGroupDots > 1 ? 8 : 16) : 3;
 constexpr int kInt8Tokens = kRegs >= 32 ? 4 : 6;
 constexpr int64_t kInt8Panel = 12;  // weight rows per panel: every tile height (1 to 4) divides it
 
-constexpr int int8_tile_rows(int rn) { return rn == 1 ? 4 : std::clamp(kInt8Accs / rn, 1, 4); }
+constexpr int int8_tile_rows(int rn) { return rn == 1 ? 1 : std::clamp(kInt8Accs / rn, 1, 4); }
 
 // y[t0 .. t0 + RN, j .. j + RM) (row stride N).
 template <int RM, int RN, bool kGroupScales>
