@@ -204,47 +204,49 @@ constexpr int64_t kInt8Panel = 12;  // weight rows per panel: every tile height 
 
 constexpr int int8_tile_rows(int rn) { return rn == 1 ? 1 : std::clamp(kInt8Accs / rn, 1, 4); }
 
-// y[t0 .. t0 + RN, j .. j + RM) (row stride N).
+// y[t0 .. t0 + RN, j0 .. j1) (row stride N), j1 - j0 a multiple of RM: one tile per RM rows.
 template <int RM, int RN, bool kGroupScales>
-void int8_tile(const int8_t* q, const float* sx, int64_t t0, int64_t K, const int8_t* w, const float* scales,
-               int64_t G, float* y, int64_t N, int64_t j) {
+void int8_tiles(const int8_t* q, const float* sx, int64_t t0, int64_t K, const int8_t* w, const float* scales,
+                int64_t G, float* y, int64_t N, int64_t j0, int64_t j1) {
   const int64_t full = K / kQGroup, groups = (K + kQGroup - 1) / kQGroup;
-  const int8_t* wr = w + j * K;
   const int8_t* qt = q + t0 * K;
   const float* st = sx + t0 * groups;
-  vf acc[RM][RN];
-  for (int r = 0; r < RM; ++r)
-    for (int t = 0; t < RN; ++t) acc[r][t] = zero();
-  for (int64_t g = 0; g < full; ++g) {
-    vi d[RM][RN];
+  for (int64_t j = j0; j < j1; j += RM) {
+    const int8_t* wr = w + j * K;
+    vf acc[RM][RN];
     for (int r = 0; r < RM; ++r)
-      for (int t = 0; t < RN; ++t) d[r][t] = izero();
-    for (int64_t k = g * kQGroup; k < (g + 1) * kQGroup; k += kGroupBytes) {
-      vi wv[RM];
-      for (int r = 0; r < RM; ++r) wv[r] = iload_s8(wr + r * K + k);
+      for (int t = 0; t < RN; ++t) acc[r][t] = zero();
+    for (int64_t g = 0; g < full; ++g) {
+      vi d[RM][RN];
+      for (int r = 0; r < RM; ++r)
+        for (int t = 0; t < RN; ++t) d[r][t] = izero();
+      for (int64_t k = g * kQGroup; k < (g + 1) * kQGroup; k += kGroupBytes) {
+        vi wv[RM];
+        for (int r = 0; r < RM; ++r) wv[r] = iload_s8(wr + r * K + k);
+        for (int t = 0; t < RN; ++t) {
+          const vi qv = iload_s8(qt + t * K + k);
+          for (int r = 0; r < RM; ++r) d[r][t] = dot4s(d[r][t], wv[r], qv);
+        }
+      }
+      // the scale of output (r, t): sw[r] * sx[t], a broadcast product (the same bits as the scalar one)
+      vf sw[RM];
+      for (int r = 0; r < RM; ++r) sw[r] = set1(scales[(j + r) * G + (kGroupScales ? g : 0)]);
       for (int t = 0; t < RN; ++t) {
-        const vi qv = iload_s8(qt + t * K + k);
-        for (int r = 0; r < RM; ++r) d[r][t] = dot4s(d[r][t], wv[r], qv);
+        const vf s = set1(st[t * groups + g]);
+        for (int r = 0; r < RM; ++r) acc[r][t] = fmadd(to_float(d[r][t]), mul(sw[r], s), acc[r][t]);
       }
     }
-    // the scale of output (r, t): sw[r] * sx[t], a broadcast product (the same bits as the scalar one)
-    vf sw[RM];
-    for (int r = 0; r < RM; ++r) sw[r] = set1(scales[(j + r) * G + (kGroupScales ? g : 0)]);
-    for (int t = 0; t < RN; ++t) {
-      const vf s = set1(st[t * groups + g]);
-      for (int r = 0; r < RM; ++r) acc[r][t] = fmadd(to_float(d[r][t]), mul(sw[r], s), acc[r][t]);
-    }
+    for (int r = 0; r < RM; ++r)
+      for (int t = 0; t < RN; ++t) {
+        float a = reduce_add(acc[r][t]);
+        if (full < groups) {  // a shorter last group (G = 1 only: K / G groups are whole)
+          int32_t d = 0;
+          for (int64_t k = full * kQGroup; k < K; ++k) d += static_cast<int32_t>(wr[r * K + k]) * qt[t * K + k];
+          a += static_cast<float>(d) * (scales[(j + r) * G] * st[t * groups + full]);
+        }
+        y[(t0 + t) * N + j + r] = a;
+      }
   }
-  for (int r = 0; r < RM; ++r)
-    for (int t = 0; t < RN; ++t) {
-      float a = reduce_add(acc[r][t]);
-      if (full < groups) {  // a shorter last group (G = 1 only: K / G groups are whole)
-        int32_t d = 0;
-        for (int64_t k = full * kQGroup; k < K; ++k) d += static_cast<int32_t>(wr[r * K + k]) * qt[t * K + k];
-        a += static_cast<float>(d) * (scales[(j + r) * G] * st[t * groups + full]);
-      }
-      y[(t0 + t) * N + j + r] = a;
-    }
 }
 
 // Token rows t0 .. t0 + RN of output rows [j0, j1), in tiles of int8_tile_rows(RN) weight rows.
@@ -252,15 +254,15 @@ template <int RN>
 void int8_panel(const int8_t* q, const float* sx, int64_t t0, int64_t K, const int8_t* w, const float* scales,
                 int64_t G, float* y, int64_t N, int64_t j0, int64_t j1) {
   constexpr int RM = int8_tile_rows(RN);
-  const auto tile = [&](auto rm, int64_t j) {
+  const auto tiles = [&](auto rm, int64_t a, int64_t b) {
     if (G == 1)
-      int8_tile<decltype(rm)::value, RN, false>(q, sx, t0, K, w, scales, G, y, N, j);
+      int8_tiles<decltype(rm)::value, RN, false>(q, sx, t0, K, w, scales, G, y, N, a, b);
     else
-      int8_tile<decltype(rm)::value, RN, true>(q, sx, t0, K, w, scales, G, y, N, j);
+      int8_tiles<decltype(rm)::value, RN, true>(q, sx, t0, K, w, scales, G, y, N, a, b);
   };
-  int64_t j = j0;
-  for (; j + RM <= j1; j += RM) tile(std::integral_constant<int, RM>{}, j);
-  if (j < j1) with_rows<RM>(static_cast<int>(j1 - j), [&](auto rm) { tile(rm, j); });
+  const int64_t j = j0 + (j1 - j0) / RM * RM;
+  if (j > j0) tiles(std::integral_constant<int, RM>{}, j0, j);
+  if (j < j1) with_rows<RM>(static_cast<int>(j1 - j), [&](auto rm) { tiles(rm, j, j1); });
 }
 
 // ---- Q6_K weights x int8 activations (W6A8: ggml's Q6_K blocks as stored x Q8 activations per 32)
@@ -462,8 +464,9 @@ void ts_int8_rows(const int8_t* q, const float* sx, int64_t T, int64_t K, const 
   // panels of kInt8Panel weight rows (L1/L2-resident) under every token tile in turn: the weights
   // stream from memory once per call, however many tokens
   constexpr int RN = ts::kInt8Tokens;
-  for (int64_t p0 = j0; p0 < j1; p0 += ts::kInt8Panel) {
-    const int64_t p1 = std::min(j1, p0 + ts::kInt8Panel);
+  const int64_t panel = T < RN ? j1 - j0 : ts::kInt8Panel;  // one token tile: no panels needed
+  for (int64_t p0 = j0; p0 < j1; p0 += panel) {
+    const int64_t p1 = std::min(j1, p0 + panel);
     int64_t t0 = 0;
     for (; t0 + RN <= T; t0 += RN) ts::int8_panel<RN>(q, sx, t0, K, w, scales, G, y, N, p0, p1);
     if (t0 < T)
