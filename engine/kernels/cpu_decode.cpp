@@ -33,7 +33,7 @@ inline int64_t grain_for(int64_t T, int64_t n, int64_t grain) { return T >= kBur
 
 // y [T, N] fp32 = x [T, K] fp32 times int8 w [N, K] with scales [N] (one per row) or [N, K / 32] (a
 // GGUF file's Q8_0 blocks): W8A8, x quantized to int8 per group of 32 and multiplied in int32 (Q8_0 x
-// Q8_0, see cpu_kernels.h); a memory-bound GEMV that reads the weight once per kMaxRows rows of x.
+// Q8_0, see cpu_kernels.h); register tiles of weight rows x token rows that read the weight once per call.
 at::Tensor int8_gemv(at::Tensor x, at::Tensor w, at::Tensor scales) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat,
               "int8_gemv needs fp32 x, int8 w, fp32 scales");

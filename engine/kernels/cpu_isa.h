@@ -102,7 +102,7 @@ inline int32_t load_i32(const void* p) {
 constexpr const char* kName = "avx512";
 using vf = __m512;   // kW floats
 using vi = __m512i;  // kI int32 lanes (= kW)
-constexpr int kW = 16, kI = 16, kMaxRows = 8, kRegs = 32;  // kMaxRows: activation rows per int4/int8 block
+constexpr int kW = 16, kI = 16, kMaxRows = 8, kRegs = 32;  // kMaxRows: activation rows per int4/Q6_K block
 inline vf zero() { return _mm512_setzero_ps(); }
 inline vf set1(float a) { return _mm512_set1_ps(a); }
 inline vf load(const float* p) { return _mm512_loadu_ps(p); }

@@ -143,6 +143,11 @@ def test_int8_gemv_matches_reference(ext):
     # and within fp32 activations' rounding of the unquantized product (8-bit activations: ~0.5%)
     exact = (x.double() @ lin.dequantized(torch.float64).T).float()
     assert (lin(x) - exact).norm() < 0.01 * exact.norm()
+    # a prefill burst (>= 16 rows: output rows split over torch's threads, tiles of several tokens)
+    # gives each row the bits of that row decoded alone
+    burst = torch.randn(21, 70)
+    y = ext.int8_gemv(burst, lin.qweight, lin.scales)
+    assert all(torch.equal(ext.int8_gemv(burst[r:r + 1], lin.qweight, lin.scales), y[r:r + 1]) for r in range(21))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17])

@@ -84,16 +84,21 @@ def test_harness_kernels_match_reference(harnesses, variant):
     # (`Int8Linear.reference`); per-row scales with K not a multiple of 32 (a shorter last group),
     # Q8_0 groups of 32, and a tied lm_head on the embedding table's own groups
     table = Int8Embedding(torch.randn(50, 64) * torch.rand(50, 2).repeat_interleave(32, 1))
-    for lin8, K in ((Int8Linear(torch.randn(40, 70)), 70),
-                    (Int8Linear(torch.randn(40, 96) * torch.rand(40, 3).repeat_interleave(32, 1), group=32), 96),
+    # (43 output rows and 15 token rows: every tile shape, panel and token remainder of cpu_kernels.cpp's
+    # register tiles)
+    for lin8, K in ((Int8Linear(torch.randn(43, 70)), 70),
+                    (Int8Linear(torch.randn(43, 96) * torch.rand(43, 3).repeat_interleave(32, 1), group=32), 96),
                     (Int8Linear.tied(table), 64)):
-        x = torch.randn(9, K)
+        x = torch.randn(15, K)
         x[1, :32] = 0  # an all-zero group: scale 0, codes 0
         y = h.int8_gemv(x, lin8.qweight, lin8.scales)
         torch.testing.assert_close(y, lin8.reference(x), rtol=1e-5, atol=1e-4)
-        # a row's result does not depend on the rows beside it (decode == verification, bit for bit)
+        # a row's result does not depend on the rows beside it nor on the tile it falls in (decode ==
+        # verification, bit for bit), and equals the extension's (the same variant's, its rows split over threads)
         assert all(torch.equal(h.int8_gemv(x[r:r + n], lin8.qweight, lin8.scales), y[r:r + n])
-                   for r, n in ((0, 1), (4, 1), (8, 1), (1, 3), (3, 5)))
+                   for r, n in ((0, 1), (4, 1), (14, 1), (1, 2), (1, 3), (3, 5), (2, 7), (5, 10)))
+        if variant == native_variant():
+            assert torch.equal(native.int8_gemv(x, lin8.qweight, lin8.scales), y)
     # the largest products: codes -128 and 127 against activations of +-127 (avx2 sums byte pairs in int16)
     lin8 = Int8Linear(torch.randn(16, 64))
     lin8.qweight[:8], lin8.qweight[8:] = -128, 127
