@@ -33,7 +33,7 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     """argparse type: an integer > 0 (e.g. --max-tokens), refused before the model loads."""
     try:
         value = int(text)
@@ -42,6 +42,11 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
     return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type: comma-separated integers > 0 (e.g. --threads 1,2 of a benchmark)."""
+    return [positive_int(part.strip()) for part in text.split(",")]
 
 
 def _port(text: str) -> int:
@@ -141,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(p):
         p.add_argument("--model", default=None,
                        help="a .gguf file or safetensors folder (default: embedded SmolLM2-135M-Instruct)")
-        p.add_argument("--threads", type=_positive_int, default=None,
+        p.add_argument("--threads", type=positive_int, default=None,
                        help="torch threads (> 0, default: torch's choice)")
         device_args(p)
         p.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int4", "int8", "none"],
@@ -150,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "fp32 copy), int4 (4-bit groups of 32 re-derived from fp32), int8 or none (fp32)")
         p.add_argument("--system", default=None, help="system prompt")
         p.add_argument("--prompt", required=True, help="user message")
-        p.add_argument("--max-tokens", type=_positive_int, default=256, help="most new tokens (> 0, default 256)")
+        p.add_argument("--max-tokens", type=positive_int, default=256, help="most new tokens (> 0, default 256)")
 
     p = sub.add_parser("call", help="answer a prompt with one schema-valid tool call")
     model_args(p)
@@ -177,20 +182,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, tools, streaming)")
     p.add_argument("--model", default=None,
                    help="a .gguf file, a safetensors folder or tiny-random (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--threads", type=_positive_int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads (> 0, default: torch's choice)")
     p.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int4", "int8", "none"],
                    help="weights: auto (default: a quantized .gguf file's own blocks, else the measured fastest "
                         "format), gguf (the .gguf file's own), int4, "
                         "int8 or none (fp32)")
     device_args(p)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this host only)")
     p.add_argument("--port", type=_port, default=8000, help="TCP port, 0-65535 (default 8000; 0: any free port)")
     p.add_argument("--served-model-name", default="tokenspeed", help="the model id clients use (default tokenspeed)")
-    p.add_argument("--queue-size", type=int, default=8, help="requests that may wait behind the running one (more: 429)")
-    p.add_argument("--context", type=int, default=4096, help="KV capacity per conversation, tokens")
+    p.add_argument("--queue-size", type=int, default=8, help="requests that may wait behind the running one (default 8; more: 429)")
+    p.add_argument("--context", type=positive_int, default=4096, help="KV capacity per conversation, tokens (default 4096)")
     p.add_argument("--cache-budget-mb", type=float, default=1024.0,
-                   help="KV memory the warm conversations may hold, MiB (least recently used evicted beyond)")
+                   help="KV memory the warm conversations may hold, MiB (default 1024; least recently used evicted beyond)")
     p.add_argument("--max-body-mb", type=float, default=8.0,
                    help="largest request body, MiB (default 8; larger: 413)")
     p.set_defaults(func=cmd_serve)

@@ -236,7 +236,8 @@ def run(launch: str, *, duration_s: float | None = None, overrides: list[str] = 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point `tokenspeed_launch`."""
     parser = argparse.ArgumentParser(prog="tokenspeed_launch", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.partition("\n")[2].strip())
     parser.add_argument("launch", choices=sorted(LAUNCHES), help="which launch (as launch/<name>.launch.py)")
     for name, default, text in LAUNCH_ARGUMENTS:
         parser.add_argument("--" + name.replace("_", "-"), default=default, help=f"{text} (default {default!r})")

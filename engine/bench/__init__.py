@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+from ..cli import positive_int, positive_ints
 import sys
 from pathlib import Path
 
@@ -44,7 +46,7 @@ def _cmd_prefill(args) -> int:
     from .prefill import print_table, run_prefill
 
     try:
-        report = run_prefill(Path(args.out), quick=args.quick, threads=[int(t) for t in args.threads.split(",")],
+        report = run_prefill(Path(args.out), quick=args.quick, threads=args.threads,
                              variants=args.variants.split(",") if args.variants else None, repeats=args.repeats,
                              kv_budget=args.kv_budget or None,
                              llama_cpp_avx2=Path(args.llama_cpp_avx2) if args.llama_cpp_avx2 else None)
@@ -101,7 +103,7 @@ def _cmd_scale(args) -> int:
             plot(report, Path(args.out) / "scale.png")
         else:
             report = run_scale(Path(args.out), sizes=args.sizes.split(","), formats=args.formats.split(","),
-                               threads=[int(t) for t in args.threads.split(",")], repeats=args.repeats,
+                               threads=args.threads, repeats=args.repeats,
                                steps=args.steps, quick=args.quick)
     except (RuntimeError, ValueError, KeyError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -127,7 +129,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="bench", required=True)
     a = sub.add_parser("aal", help="Agent Action Latency: TokenSpeed vs llama.cpp vs transformers, one run")
     a.add_argument("--quick", action="store_true", help="small workload (2 calls, ~1.4K tokens); skips a missing llama.cpp")
-    a.add_argument("--threads", type=int, default=2, help="CPU threads for every engine (default 2)")
+    a.add_argument("--threads", type=positive_int, default=2, help="CPU threads for every engine (default 2)")
     a.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     a.add_argument("--workload", default=None, help="run this workload JSON instead of generating one")
     a.add_argument("--engines", default=None,
@@ -141,7 +143,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                         "CPU kernel variant) vs llama.cpp, same ids and threads, with the compute floor")
     pf.add_argument("--quick", action="store_true", help="short prefixes, few tokens, one repeat (plumbing check); "
                                                          "skips a missing llama.cpp")
-    pf.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    pf.add_argument("--threads", type=positive_ints, default=[1, 2], help="comma-separated thread counts (default 1,2)")
     pf.add_argument("--variants", default=None, help="comma-separated CPU kernel variants for TokenSpeed "
                                                      "(default: this CPU's best, and avx2 where it differs)")
     pf.add_argument("--repeats", type=int, default=None, help="timed repeats per cell, median (default 3; quick 1)")
@@ -163,7 +165,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     f = sub.add_parser("profile", help="torch.profiler table of one decode step (what limits ITL)")
     f.add_argument("--model", default=None, help="a .gguf file or safetensors folder (default: embedded model)")
     f.add_argument("--quantize", default="auto", choices=["auto", "gguf", "int4", "int8", "none"])
-    f.add_argument("--threads", type=int, default=1)
+    f.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
     f.add_argument("--steps", type=int, default=10, help="decode steps profiled")
     f.add_argument("--context", type=int, default=256, help="tokens in the KV cache (default 256)")
     f.set_defaults(func=_cmd_profile)
@@ -171,7 +173,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                           "embedded model re-quantized by llama.cpp (teacher-forced agent context)")
     ag.add_argument("--formats", default="Q4_0,Q8_0,Q4_K_M", help="llama.cpp quantization formats (default Q4_0,Q8_0,Q4_K_M)")
     ag.add_argument("--positions", type=int, default=2000, help="positions scored per file (default 2000)")
-    ag.add_argument("--threads", type=int, default=2, help="CPU threads of both engines (default 2)")
+    ag.add_argument("--threads", type=positive_int, default=2, help="CPU threads of both engines (default 2)")
     ag.add_argument("--out", default="bench-out/agreement", help="output folder (default bench-out/agreement)")
     ag.set_defaults(func=_cmd_agreement)
     from .scale import DEFAULT_SIZES, FORMATS as SCALE_FORMATS, SHAPES
@@ -183,7 +185,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     help=f"comma-separated, of {', '.join(SHAPES)} (default {','.join(DEFAULT_SIZES)})")
     sc.add_argument("--formats", default=",".join(SCALE_FORMATS),
                     help=f"llama.cpp quantization formats (default {','.join(SCALE_FORMATS)})")
-    sc.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    sc.add_argument("--threads", type=positive_ints, default=[1, 2], help="comma-separated thread counts (default 1,2)")
     sc.add_argument("--repeats", type=int, default=2, help="timed prefills per cell, median (default 2)")
     sc.add_argument("--steps", type=int, default=16, help="timed decode steps per context, median (default 16)")
     sc.add_argument("--quick", action="store_true", help="contexts of 32 and 96 tokens, prefills of 8 and 24 (plumbing)")

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..cli import positive_int
 from ..grammar import DEFAULT_TOOL_PROMPT, TOOL_PROMPTS
 
 __all__ = ["run_auto", "add_parser"]
@@ -166,7 +167,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="first N cases of each label (default: all)")
     p.add_argument("--bfcl", default=None, help="BFCL data folder (default: $TOKENSPEED_BFCL, then the copy shipped with tokenspeed)")
     p.add_argument("--model", default=None, help="a .gguf file or safetensors folder (default: embedded model)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--quantize", default="int4", choices=["auto", "gguf", "int4", "int8", "none"])
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.set_defaults(func=_cmd)

@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from ..cli import positive_int
 from ..kv import KVConfig
 
 PARTS = [f"part_{i:02d}" for i in range(1, 21)]
@@ -276,7 +277,7 @@ def add_subcommands(sub) -> None:
     """Register needle, agreement and cost on an argparse subparsers object (dest "what")."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--model", default=None, help=".gguf file or HF folder (default: embedded SmolLM2-135M)")
-    common.add_argument("--threads", type=int, default=None)
+    common.add_argument("--threads", type=positive_int, default=None)
     common.add_argument("--json", default=None, help="write the rows to this file")
     a = sub.add_parser("needle", parents=[common], help="(a) needle in a sensor stream")
     a.add_argument("--stream", type=int, nargs="+", default=[3000] * 20,

@@ -20,6 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ..cli import positive_int
 from .peers import server_process
 
 __all__ = ["HEALTH_TARGET_S", "HealthProbe", "SleepProbe", "add_parser", "run_serve"]
@@ -181,7 +182,7 @@ def add_parser(sub) -> None:
                                      "(goal: under 50 ms), beside the machine's own scheduling delay")
     p.add_argument("--model", default="tiny-random", help="model of the server (default tiny-random)")
     p.add_argument("--quantize", default="none", choices=["auto", "gguf", "int4", "int8", "none"])
-    p.add_argument("--threads", type=int, default=None, help="the server's torch threads (default: torch's)")
+    p.add_argument("--threads", type=positive_int, default=None, help="the server's torch threads (default: torch's)")
     p.add_argument("--bursts", type=int, default=10, help="bursts, one after the other (default 10)")
     p.add_argument("--requests", type=int, default=20, help="concurrent requests per burst (default 20; queue 8)")
     p.add_argument("--max-tokens", type=int, default=600, help="max_tokens of each request (default 600)")

@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from ..cli import positive_int
+
 __all__ = ["main", "add_parser"]
 
 
@@ -112,7 +114,7 @@ def add_parser(sub) -> None:
 
     def common(p):
         p.add_argument("--model", default=None, help="target .gguf/safetensors (default: embedded SmolLM2-135M)")
-        p.add_argument("--threads", type=int, default=None, help="torch threads")
+        p.add_argument("--threads", type=positive_int, default=None, help="torch threads")
         p.add_argument("--quantize", choices=["int8", "int4"], default=None,
                        help="target weights (default fp32; the ROS nodes run int4)")
         p.add_argument("--seed", type=int, default=0)
