@@ -426,8 +426,8 @@ def test_bad_model_paths(tmp_path, monkeypatch, make, needle):
 def test_auto_runs_a_quantized_gguf_files_own_blocks_without_an_fp32_copy(tmp_path, monkeypatch):
     # quantize="auto" on a GGUF file with quantized blocks runs them ("gguf"): no format measured,
     # no fp32 conversion written to the cache (cold or warm); a float GGUF file is measured as before
-    monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
-    monkeypatch.setattr(tokenspeed.engine, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr("tokenspeed.weights.cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr("tokenspeed.engine.cache_dir", lambda: tmp_path / "cache")  # imports it when run alone
     _write_gguf(tmp_path / "tiny.gguf", _tiny_hf(), Q.Q4_1)
     for _ in range(2):
         engine = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"))
