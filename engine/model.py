@@ -7,7 +7,7 @@ attention, SwiGLU, tied or untied embeddings. The numerics follow Hugging Face `
 implementation so logits match it for the same weights.
 
 Every projection is an `nn.Linear` that quantized linears replace (`tokenspeed.quant`; on the CPU the
-embedding table too: `tok_embeddings` is an `nn.Embedding`, an `Int8Embedding` or a `Q6KEmbedding`). On the
+embedding table too: `tok_embeddings` is an `nn.Embedding`, an `Int8Embedding` or a `BlockEmbedding`). On the
 CPU, a forward of at most `FUSED_PREFILL_ROWS` new tokens (decode, draft verification, forced runs,
 observations, prefill chunks) runs all layers in C++ calls of up to `FUSED_ROWS` tokens each when the
 extension is built (`tokenspeed.kernels.cpu_decode`, same math); `use_fused = False` turns it off.
@@ -361,16 +361,17 @@ class Transformer(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding matrix with the output projection when the model ties them: the float
         weight of an `nn.Linear` head, the int8 codes and group scales of an `Int8Embedding` with an
-        `Int8Linear` head of the same groups (`Int8Linear.tied`), or a `Q6KEmbedding`'s blocks with a
-        `Q6KLinear` head (`Q6KLinear.tied`); any other quantized head keeps its own."""
-        from .quant import Int8Embedding, Int8Linear, Q6KEmbedding, Q6KLinear
+        `Int8Linear` head of the same groups (`Int8Linear.tied`), or a `BlockEmbedding`'s blocks with a
+        `BlockLinear` head of the same format (`BlockLinear.tied`); any other quantized head keeps its own."""
+        from .quant import BlockEmbedding, BlockLinear, Int8Embedding, Int8Linear
 
         out, emb = self.output, self.tok_embeddings
         if not self.args.tie_embeddings:
             return
         if isinstance(out, nn.Linear):
             out.weight = emb.weight
-        elif isinstance(out, Q6KLinear) and isinstance(emb, Q6KEmbedding) and out.blocks.shape == emb.blocks.shape:
+        elif (isinstance(out, BlockLinear) and isinstance(emb, BlockEmbedding) and out.FORMAT == emb.FORMAT
+              and out.blocks.shape == emb.blocks.shape):
             out.blocks = emb.blocks
         elif (isinstance(out, Int8Linear) and isinstance(emb, Int8Embedding) and out.group == emb.GROUP
               and out.qweight.shape == emb.qweight.shape and out.scales.dtype == emb.scales.dtype):

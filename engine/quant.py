@@ -11,8 +11,9 @@
   torch's `_weight_int8pack_mm`, larger ones dequantize once per call.
 On the CPU the token embedding table becomes an `Int8Embedding` in both modes (int8 in groups of 32,
 the GGUF Q8_0 layout: exact for a Q8_0 table, a quarter of fp32's memory).
-A GGUF file's Q6_K tensors (`tokenspeed.weights.load_gguf`) run as stored: `Q6KLinear` (W6A8 in the
-fused extension's `q6k_gemv`) and `Q6KEmbedding`, whose blocks a tied head shares.
+A GGUF file's Q6_K and Q5_0 tensors (`tokenspeed.weights.load_gguf`) run as stored: `BlockLinear`, one
+class per `BlockFormat` (`Q6KLinear`: W6A8 in the fused extension's `q6k_gemv`; `Q5_0Linear`: W5A8 in
+`q5_0_gemv`), and `BlockEmbedding` (`Q6KEmbedding`, `Q5_0Embedding`), whose blocks a tied head shares.
 `linear_rows` projects onto a subset of output rows (the lm_head logits of the ids a grammar allows).
 """
 from __future__ import annotations
@@ -34,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Int8Linear", "Int4Linear", "Int8Embedding", "Int4TinygemmLinear", "Q6KLinear", "Q6KEmbedding",
-           "q6k_dequantize", "QUANTIZED", "q4_1_groups", "gguf_int4_groups", "int8_groups",
+__all__ = ["Int8Linear", "Int4Linear", "Int8Embedding", "Int4TinygemmLinear", "BlockFormat", "BlockLinear",
+           "BlockEmbedding", "Q6KLinear", "Q6KEmbedding", "Q5_0Linear", "Q5_0Embedding", "BLOCK_LINEARS",
+           "BLOCK_EMBEDDINGS", "Q6_K", "Q5_0", "q6k_dequantize", "q5_0_dequantize", "QUANTIZED", "q4_1_groups", "gguf_int4_groups", "int8_groups",
            "GGUF_INT4_TYPES", "linear_bytes", "quantize", "linear_rows", "fused_ext", "choose_format", "cached_format",
            "FormatChoice", "MODES", "FORMATS", "PACKED_ROWS"]
 
@@ -520,9 +522,6 @@ class Int8Embedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 groups of {self.GROUP}"
 
 
-Q6K_VALUES, Q6K_BYTES = 256, 210  # weights and bytes per Q6_K block (ggml's block_q6_K)
-
-
 def q6k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     """fp32 weights of Q6_K blocks (ggml's block_q6_K: ql [128] low 4 bits, qh [64] high 2 bits, int8
     scales [16] (one per 16 weights), fp16 d): w = d * scale * (code - 32), in the arithmetic of
@@ -536,10 +535,7 @@ def q6k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: the last axis is not a whole number of blocks.
     """
-    if blocks.shape[-1] % Q6K_BYTES:
-        raise ValueError(f"Q6_K rows of {blocks.shape[-1]} bytes are not whole blocks of {Q6K_BYTES}")
-    lead = blocks.shape[:-1]
-    b = blocks.reshape(-1, Q6K_BYTES)
+    lead, b = _whole_blocks(blocks, Q6_K)
     ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], b[:, 208:]
     scale = d.contiguous().view(torch.float16).float() * sc.contiguous().view(torch.int8).float()  # [n, 16]
     lo = torch.stack([ql & 15, ql >> 4], 1).reshape(-1, 2, 2, 64).transpose(1, 2).reshape(-1, 2, 4, 32)
@@ -548,63 +544,111 @@ def q6k_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (scale[..., None] * codes).reshape(*lead, -1)
 
 
-class Q6KLinear(nn.Module):
-    """Linear layer over a GGUF file's Q6_K blocks as stored (ggml's block_q6_K: 256 weights in 210
-    bytes, 6.5625 bits each; the tied head/embedding and part of attn_v/ffn_down of a Q4_K_M file):
-    w[n, k] = d * scale(k / 16) * (code - 32), codes 0..63 (`q6k_dequantize`).
+def q5_0_dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    """fp32 weights of Q5_0 blocks (ggml's block_q5_0: fp16 d, qh [4] (bit i of the little-endian
+    uint32: weight i's fifth bit), qs [16] (weight l's low 4 bits in qs[l]'s low nibble, weight
+    16 + l's in its high nibble)): w = d * (code - 16), codes 0..31, in the arithmetic of
+    `gguf.quants.Q5_0.dequantize_blocks`, so the values equal its bit for bit.
 
-    Buffers: blocks [out, in / 256 * 210] uint8 (row n: its in / 256 blocks), bias [out] or None.
-    forward(x [..., in]) -> [..., out] in x's dtype. On the CPU the fused extension's `q6k_gemv` runs
-    it: each row's activations quantized to int8 per group of 32 (scale max|x| / 127) and multiplied with
-    the codes in int32 per 16-weight sub-block, scaled by d * scale * the group's activation scale (W6A8;
-    a row's result does not depend on the other rows in the call). Without the extension the same
-    arithmetic runs in torch (`reference`). A projection that mixes Q6_K with other types (Q4_K_M's
-    fused q/k/v with a Q6_K v) is an `Int8Linear` instead (`tokenspeed.weights.load_gguf`).
-
-    Raises (constructors): ValueError if in_features is not a multiple of 256 or the blocks' width does
-    not match.
+    Args:
+        blocks: [..., B * 22] uint8, whole blocks along the last axis (a row of a GGUF tensor).
+    Returns:
+        [..., B * 32] fp32.
+    Raises:
+        ValueError: the last axis is not a whole number of blocks.
     """
+    lead, b = _whole_blocks(blocks, Q5_0)
+    d, qh, qs = b[:, :2].contiguous().view(torch.float16).float(), b[:, 2:6], b[:, 6:]
+    hi = (qh[:, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [n, 4, 8]: bit i = byte i / 8, bit i % 8
+    codes = torch.cat([qs & 15, qs >> 4], 1) | (hi.reshape(-1, 32) << 4)
+    return (d * (codes.to(torch.int8) - 16).float()).reshape(*lead, -1)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """A GGUF block type the engine runs as stored: its name (the file's tensor type), weights and
+    bytes per block, the dequantization (equal to `gguf.quants.dequantize` bit for bit) and the
+    fused extension's kernel over its blocks (x [T, in] fp32, blocks [out, in / values * nbytes]
+    uint8 -> [T, out] fp32)."""
+    name: str
+    values: int
+    nbytes: int
+    dequantize: Callable[[torch.Tensor], torch.Tensor]
+    gemv: str
+
+
+def _whole_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Size, torch.Tensor]:
+    # (leading shape, [n, nbytes] blocks) of rows of whole blocks; ValueError otherwise
+    if blocks.shape[-1] % fmt.nbytes:
+        raise ValueError(f"{fmt.name} rows of {blocks.shape[-1]} bytes are not whole blocks of {fmt.nbytes}")
+    return blocks.shape[:-1], blocks.reshape(-1, fmt.nbytes)
+
+
+Q6_K = BlockFormat("Q6_K", 256, 210, q6k_dequantize, "q6k_gemv")
+Q5_0 = BlockFormat("Q5_0", 32, 22, q5_0_dequantize, "q5_0_gemv")
+
+
+class BlockLinear(nn.Module):
+    """Linear layer over a GGUF file's blocks as stored, in the block format `FORMAT` (a subclass per
+    format: `Q6KLinear`, `Q5_0Linear`).
+
+    Buffers: blocks [out, in / FORMAT.values * FORMAT.nbytes] uint8 (row n: its blocks), bias [out] or None.
+    forward(x [..., in]) -> [..., out] in x's dtype. On the CPU the fused extension's kernel of the
+    format (`FORMAT.gemv`) runs it: each row's activations quantized to int8 per group of 32 (scale
+    max|x| / 127) and multiplied with the codes in int32 per block or sub-block, scaled by the block's
+    scales and the group's activation scale (a row's result does not depend on the other rows in the
+    call). Without the extension the same arithmetic runs in torch (`reference`). A projection that
+    mixes block types (Q4_K_M's fused q/k/v with a Q6_K or Q8_0 v) is an `Int8Linear` instead
+    (`tokenspeed.weights.load_gguf`).
+
+    Raises (constructors): ValueError if the blocks are not uint8 [out, whole blocks].
+    """
+
+    FORMAT: BlockFormat
 
     def __init__(self, blocks: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % Q6K_BYTES:
-            raise ValueError(f"Q6KLinear needs uint8 blocks [out, in / 256 * {Q6K_BYTES}], got "
-                             f"{blocks.dtype} {tuple(blocks.shape)}")
+        fmt = self.FORMAT
+        if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % fmt.nbytes:
+            raise ValueError(f"{type(self).__name__} needs uint8 blocks [out, in / {fmt.values} * {fmt.nbytes}], "
+                             f"got {blocks.dtype} {tuple(blocks.shape)}")
         self._store(blocks, bias)
 
     def _store(self, blocks: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] // Q6K_BYTES * Q6K_VALUES
+        self.out_features = blocks.shape[0]
+        self.in_features = blocks.shape[1] // self.FORMAT.nbytes * self.FORMAT.values
         self.register_buffer("blocks", blocks)
         self.register_buffer("bias", bias)
 
     @classmethod
-    def tied(cls, embedding: "Q6KEmbedding") -> "Q6KLinear":
-        """The lm_head of a model that ties it to its `Q6KEmbedding`: the table's own blocks (the same
-        tensor, no copy): the model holds the tied weight once. No bias."""
+    def tied(cls, embedding: "BlockEmbedding") -> "BlockLinear":
+        """The lm_head of a model that ties it to its `BlockEmbedding` of the same format: the table's own
+        blocks (the same tensor, no copy): the model holds the tied weight once. No bias."""
         layer = _bare(cls)
         layer._store(embedding.blocks, None)
         return layer
 
     @classmethod
-    def empty(cls, linear: nn.Linear) -> "Q6KLinear":
+    def empty(cls, linear: nn.Linear) -> "BlockLinear":
         """An uninitialised CPU layer of `linear`'s shape (`linear` may be on the meta device), for
         `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
         n, k = linear.weight.shape
-        return _uninitialised(cls, linear, torch.empty(n, k // Q6K_VALUES * Q6K_BYTES, dtype=torch.uint8))
+        return _uninitialised(cls, linear, torch.empty(n, k // cls.FORMAT.values * cls.FORMAT.nbytes,
+                                                       dtype=torch.uint8))
 
-    @staticmethod
-    def supports(shape: tuple[int, int]) -> bool:
-        """Whether a weight of `shape` [out, in] is whole Q6_K blocks per row."""
-        return shape[1] % Q6K_VALUES == 0
+    @classmethod
+    def supports(cls, shape: tuple[int, int]) -> bool:
+        """Whether a weight of `shape` [out, in] is whole blocks per row."""
+        return shape[1] % cls.FORMAT.values == 0
 
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight as [out, in] fp32 (or only the output rows `rows` [R] int64, [R, in])."""
-        return q6k_dequantize(self.blocks if rows is None else self.blocks[rows])
+        return self.FORMAT.dequantize(self.blocks if rows is None else self.blocks[rows])
 
     def reference(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, in] fp32 -> [M, out] fp32 (or only the output rows `rows` [R] int64: [M, R]; bias not
-        added): the W6A8 arithmetic of `q6k_gemv` in torch, x quantized per group of 32 as the kernel
-        does, products with the dequantized weights in float64 (the kernel's sums are exact per
+        added): the arithmetic of the format's kernel in torch, x quantized per group of 32 as the kernel
+        does, products with the dequantized weights in float64 (the kernel's sums are exact per block or
         sub-block, so the two agree to fp32 rounding)."""
         m = x.shape[0]
         xg = x.float().reshape(m, -1, 32)
@@ -612,53 +656,98 @@ class Q6KLinear(nn.Module):
         q = torch.round(xg * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
         return ((q * (amax / 127)).reshape(m, -1).double() @ self.dequantized(rows).double().T).float()
 
+    def gemv(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, in] fp32 -> [M, out] fp32 (or only the output rows `rows` [R] int64: [M, R]; bias not
+        added): the format's kernel on the CPU when the extension is built, `reference` otherwise."""
+        blocks = self.blocks if rows is None else self.blocks.index_select(0, rows)
+        ext = fused_ext() if x.device.type == "cpu" else None
+        return getattr(ext, self.FORMAT.gemv)(x, blocks) if ext is not None else self.reference(x, rows)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).float()
-        ext = fused_ext() if x.device.type == "cpu" else None
-        y = ext.q6k_gemv(x2, self.blocks) if ext is not None else self.reference(x2)
+        y = self.gemv(x.reshape(-1, self.in_features).float())
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, Q6_K blocks, int8 activations"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.FORMAT.name} blocks, "
+                "int8 activations")
 
 
-class Q6KEmbedding(nn.Module):
-    """Token embedding table held as a GGUF file's Q6_K blocks (a Q4_K_M file's `token_embd.weight`):
-    looked-up rows are dequantized (`q6k_dequantize`, equal to `gguf.quants.dequantize`'s rows bit for
-    bit), the table never is; a tied head (`Q6KLinear.tied`) runs the same blocks.
+class Q6KLinear(BlockLinear):
+    """`BlockLinear` over Q6_K blocks (ggml's block_q6_K: 256 weights in 210 bytes, 6.5625 bits each; the
+    tied head/embedding and part of attn_v/ffn_down of a Q4_K_M file): w[n, k] = d * scale(k / 16) *
+    (code - 32), codes 0..63 (`q6k_dequantize`); W6A8 in the fused extension's `q6k_gemv`, the bias of 32
+    subtracted once per run of 16 weights."""
 
-    Buffers: blocks [num_embeddings, embedding_dim / 256 * 210] uint8.
+    FORMAT = Q6_K
+
+
+class Q5_0Linear(BlockLinear):
+    """`BlockLinear` over Q5_0 blocks (ggml's block_q5_0: 32 weights in 22 bytes, 5.5 bits each; most of a
+    Q4_K_M file whose rows are not whole 256-blocks, e.g. Qwen2.5-0.5B's hidden size 896):
+    w[n, k] = d * (code - 16), codes 0..31 (`q5_0_dequantize`); W5A8 in the fused extension's `q5_0_gemv`,
+    the bias of 16 subtracted once per block through the activations' group sums."""
+
+    FORMAT = Q5_0
+
+
+class BlockEmbedding(nn.Module):
+    """Token embedding table held as a GGUF file's blocks in the format `FORMAT` (a subclass per format):
+    looked-up rows are dequantized (equal to `gguf.quants.dequantize`'s rows bit for bit), the table never
+    is; a tied head (`BlockLinear.tied` of the same format) runs the same blocks.
+
+    Buffers: blocks [num_embeddings, embedding_dim / FORMAT.values * FORMAT.nbytes] uint8.
     forward(ids [...] int64) -> [..., embedding_dim] fp32.
     """
+
+    FORMAT: BlockFormat
 
     def __init__(self, blocks: torch.Tensor):
         super().__init__()
         self._store(blocks)
 
     def _store(self, blocks: torch.Tensor) -> None:
-        self.num_embeddings, self.embedding_dim = blocks.shape[0], blocks.shape[1] // Q6K_BYTES * Q6K_VALUES
+        self.num_embeddings = blocks.shape[0]
+        self.embedding_dim = blocks.shape[1] // self.FORMAT.nbytes * self.FORMAT.values
         self.register_buffer("blocks", blocks)
 
     @classmethod
-    def empty(cls, embedding: nn.Embedding) -> "Q6KEmbedding":
+    def empty(cls, embedding: nn.Embedding) -> "BlockEmbedding":
         """An uninitialised CPU table of `embedding`'s shape (`embedding` may be on the meta device), for
         `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
         n, k = embedding.weight.shape
         layer = _bare(cls)
-        layer._store(torch.empty(n, k // Q6K_VALUES * Q6K_BYTES, dtype=torch.uint8))
+        layer._store(torch.empty(n, k // cls.FORMAT.values * cls.FORMAT.nbytes, dtype=torch.uint8))
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return q6k_dequantize(self.blocks[ids])
+        return self.FORMAT.dequantize(self.blocks[ids])
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, Q6_K blocks"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.FORMAT.name} blocks"
 
 
-QUANTIZED = (Int8Linear, Int4Linear, Int4TinygemmLinear, Q6KLinear)  # quantized layer types (`quantize`, `load_gguf`)
+class Q6KEmbedding(BlockEmbedding):
+    """`BlockEmbedding` of Q6_K blocks (a Q4_K_M file's `token_embd.weight` when the hidden size is a
+    multiple of 256)."""
+
+    FORMAT = Q6_K
+
+
+class Q5_0Embedding(BlockEmbedding):
+    """`BlockEmbedding` of Q5_0 blocks (a Q5_0 file's `token_embd.weight`)."""
+
+    FORMAT = Q5_0
+
+
+# the block formats run as stored, by GGUF tensor type: their linear and embedding classes
+BLOCK_LINEARS = {cls.FORMAT.name: cls for cls in (Q6KLinear, Q5_0Linear)}
+BLOCK_EMBEDDINGS = {cls.FORMAT.name: cls for cls in (Q6KEmbedding, Q5_0Embedding)}
+
+
+QUANTIZED = (Int8Linear, Int4Linear, Int4TinygemmLinear, BlockLinear)  # quantized layer types (`quantize`, `load_gguf`)
 
 
 def linear_bytes(model: nn.Module) -> int:
@@ -689,19 +778,19 @@ def fused_ext(verbose: bool = False):
 
 
 def linear_rows(linear: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Project x [M, in] onto the output rows `rows` [K] int64 of an `nn.Linear`, `Int8Linear` or `Q6KLinear`.
+    """Project x [M, in] onto the output rows `rows` [K] int64 of an `nn.Linear`, `Int8Linear` or `BlockLinear`.
 
     Returns [M, K] fp32. Reads K rows of the weight instead of all of them (lm_head logits for
-    the token ids a grammar allows); an `Int8Linear` (`Q6KLinear`) on the CPU runs the same W8A8 (W6A8)
-    kernel as its `forward` (`int8_gemv`, `q6k_gemv`), so the selected logits equal the full head's columns.
+    the token ids a grammar allows); an `Int8Linear` (`BlockLinear`) on the CPU runs the same W8A8 (block
+    format's) kernel as its `forward` (`int8_gemv`, `BlockFormat.gemv`), so the selected logits equal the
+    full head's columns.
 
     Raises:
-        TypeError: `linear` is neither an `nn.Linear` nor an `Int8Linear` nor a `Q6KLinear`.
+        TypeError: `linear` is neither an `nn.Linear` nor an `Int8Linear` nor a `BlockLinear`.
     """
-    ext = fused_ext() if isinstance(linear, (Int8Linear, Q6KLinear)) and x.device.type == "cpu" else None
-    if isinstance(linear, Q6KLinear):
-        y = ext.q6k_gemv(x.float(), linear.blocks.index_select(0, rows)) if ext is not None else \
-            linear.reference(x.float(), rows)
+    ext = fused_ext() if isinstance(linear, Int8Linear) and x.device.type == "cpu" else None
+    if isinstance(linear, BlockLinear):
+        y = linear.gemv(x.float(), rows)
     elif ext is not None:
         y = ext.int8_gemv(x.float(), linear.qweight.index_select(0, rows), linear.scales.index_select(0, rows))
     elif isinstance(linear, Int8Linear) and linear.group is not None:
@@ -711,7 +800,7 @@ def linear_rows(linear: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch
     elif isinstance(linear, nn.Linear):
         y = F.linear(x, linear.weight.index_select(0, rows)).float()
     else:
-        raise TypeError(f"linear_rows needs an nn.Linear, Int8Linear or Q6KLinear, got {type(linear).__name__}")
+        raise TypeError(f"linear_rows needs an nn.Linear, Int8Linear or BlockLinear, got {type(linear).__name__}")
     if linear.bias is not None:
         y = y + linear.bias.index_select(0, rows).float()
     return y

@@ -239,17 +239,22 @@ def _quantized_path(files: ModelFiles, fmt: str) -> Path:
 
 
 def _layer_kinds(model) -> dict[str, str]:
-    """{module name: "int4" | "int8" | "int8-group<G>" | "float" | "int8-embedding" | "q6k" | "q6k-embedding"} of every linear layer
-    and of the token embedding of `model`: which class (and `Int8Linear` group) `load_quantized` rebuilds
-    before it fills the layers."""
-    from torch import nn
-
-    from .quant import Int4Linear, Int8Embedding, Int8Linear, Q6KEmbedding, Q6KLinear
-
-    kinds = {Int4Linear: "int4", Int8Linear: "int8", nn.Linear: "float", Int8Embedding: "int8-embedding",
-             Q6KLinear: "q6k", Q6KEmbedding: "q6k-embedding"}
+    """{module name: "int4" | "int8" | "int8-group<G>" | "float" | "int8-embedding" | "q6k" | "q6k-embedding" |
+    "q5_0" | "q5_0-embedding"} of every linear layer and of the token embedding of `model`: which class (and
+    `Int8Linear` group) `load_quantized` rebuilds before it fills the layers."""
+    kinds = _kind_names()
     return {name: kinds[type(m)] + (f"-group{m.group}" if getattr(m, "group", None) else "")
             for name, m in model.named_modules() if type(m) in kinds}
+
+
+def _kind_names() -> dict:
+    # {layer class: its name in the cache entry's layer_kinds} (`_layer_kinds`, `load_quantized`)
+    from torch import nn
+
+    from .quant import Int4Linear, Int8Embedding, Int8Linear, Q5_0Embedding, Q5_0Linear, Q6KEmbedding, Q6KLinear
+
+    return {Int4Linear: "int4", Int8Linear: "int8", nn.Linear: "float", Int8Embedding: "int8-embedding",
+            Q6KLinear: "q6k", Q6KEmbedding: "q6k-embedding", Q5_0Linear: "q5_0", Q5_0Embedding: "q5_0-embedding"}
 
 
 def load_quantized(files: ModelFiles, fmt: str):
@@ -267,13 +272,12 @@ def load_quantized(files: ModelFiles, fmt: str):
     from safetensors.torch import load_file
 
     from .model import Transformer, rope_tables
-    from .quant import Int4Linear, Int8Embedding, Int8Linear, Q6KEmbedding, Q6KLinear
+    from .quant import Int8Linear
 
     path = _quantized_path(files, fmt)
     if not path.is_file():
         return None
-    empty = {"int4": Int4Linear.empty, "int8": Int8Linear.empty, "float": lambda linear: linear,
-             "int8-embedding": Int8Embedding.empty, "q6k": Q6KLinear.empty, "q6k-embedding": Q6KEmbedding.empty}
+    empty = {kind: (lambda linear: linear) if kind == "float" else cls.empty for cls, kind in _kind_names().items()}
     try:
         with safe_open(str(path), "pt") as f:
             kinds = json.loads((f.metadata() or {})["layer_kinds"])
@@ -754,17 +758,20 @@ def load_gguf(files: ModelFiles):
     - `Int4Linear` holding the file's codes, scales and minimums as they are (`quant.gguf_int4_groups`)
       when all its tensors are Q4_0, Q4_1 or Q4_K: the same values, no re-quantization (scale and
       min rounded to bf16, the kernel's layout);
-    - `Q6KLinear` holding the file's Q6_K blocks as stored when all its tensors are Q6_K (a Q4_K_M
-      file's ffn_down in about half the layers);
+    - a `quant.BlockLinear` holding the file's blocks as stored when all its tensors are of one block
+      format the engine runs (`quant.BLOCK_LINEARS`): `Q6KLinear` for Q6_K (a Q4_K_M file's ffn_down in
+      about half the layers), `Q5_0Linear` for Q5_0 (most of a Q4_K_M file whose rows are not whole
+      256-blocks, such as Qwen2.5-0.5B's);
     - `nn.Linear` (fp32) when all are F32/F16/BF16;
-    - otherwise (Q8_0, Q5_*, ... or a mix, such as Q4_K_M's q/k Q4_K with a Q6_K v) `Int8Linear` with
-      one scale per 32 input channels of that projection's dequantized weights, one projection at a
-      time: Q8_0 blocks are kept exactly (`quant.int8_groups`), others get 8-bit codes per 32 values.
-    The embedding table is a `Q6KEmbedding` of the file's blocks when Q6_K (a Q4_K_M file's, hidden
-    size a multiple of 256), an `Int8Embedding` when otherwise quantized (exact for Q8_0), fp32 when
-    float. The lm_head is a `Q6KLinear` when Q6_K, else such an `Int8Linear` of its dequantized weights
-    when quantized, fp32 `nn.Linear` when float; a tied one runs the embedding's own tensors
-    (`Q6KLinear.tied`, `Int8Linear.tied`: held once). Norms fp32
+    - otherwise (Q8_0, Q5_1, Q5_K, ... or a mix, such as Q4_K_M's q/k Q4_K with a Q6_K v) `Int8Linear`
+      with one scale per 32 input channels of that projection's dequantized weights, one projection at
+      a time: Q8_0 blocks are kept exactly (`quant.int8_groups`), others get 8-bit codes per 32 values.
+    The embedding table is a `quant.BlockEmbedding` of the file's blocks when of such a format with whole
+    blocks per row (`quant.BLOCK_EMBEDDINGS`; a Q4_K_M file's Q6_K table when the hidden size is a
+    multiple of 256), an `Int8Embedding` when otherwise quantized (exact for Q8_0), fp32 when float.
+    The lm_head is likewise a `BlockLinear` of its blocks, else such an `Int8Linear` of its dequantized
+    weights when quantized, fp32 `nn.Linear` when float; a tied one runs the embedding's own tensors
+    (`BlockLinear.tied`, `Int8Linear.tied`: held once). Norms fp32
     (Qwen3's per-head Q/K norms too). Both tables are built from row blocks, never a whole fp32
     copy. Pages of the file are dropped from memory after each layer.
 
@@ -779,8 +786,8 @@ def load_gguf(files: ModelFiles):
     from torch import nn
 
     from .model import Transformer, rope_tables
-    from .quant import (GGUF_INT4_TYPES, Int4Linear, Int8Embedding, Int8Linear, Q6KEmbedding, Q6KLinear,
-                        gguf_int4_groups)
+    from .quant import BLOCK_EMBEDDINGS, BLOCK_LINEARS, GGUF_INT4_TYPES, Int4Linear, Int8Embedding, Int8Linear, \
+        gguf_int4_groups
 
     if files.gguf is None:
         raise ModelLoadError(f"{files.source}: not a GGUF file (the file's own format needs a .gguf model)")
@@ -810,8 +817,9 @@ def load_gguf(files: ModelFiles):
         bias = None if not bias_names else torch.cat(
             [torch.from_numpy(rows(tensor(n), _dequantized(tensor(n), path))) for n in bias_names])
         shape = tuple(like.weight.shape)
-        if kinds == {"Q6_K"} and Q6KLinear.supports(shape):
-            layer = Q6KLinear(torch.cat([torch.from_numpy(rows(t, np.array(t.data))) for t in parts]), bias)
+        native = BLOCK_LINEARS.get(next(iter(kinds))) if len(kinds) == 1 else None
+        if native is not None and native.supports(shape):
+            layer = native(torch.cat([torch.from_numpy(rows(t, np.array(t.data))) for t in parts]), bias)
             if (layer.out_features, layer.in_features) != shape:
                 raise ModelLoadError(f"{path}: {names} hold {(layer.out_features, layer.in_features)} weights, "
                                      f"the configuration says {shape}")
@@ -847,14 +855,15 @@ def load_gguf(files: ModelFiles):
     def rows_of(t):  # row blocks of a table, dequantized: no whole-table temporaries
         return lambda a, b: torch.from_numpy(_dequantized(t, path, slice(a, b)))
 
-    def q6k(t) -> bool:  # a table of whole Q6_K blocks per row: kept as stored
-        return t.tensor_type.name == "Q6_K" and args.dim % 256 == 0
+    def native(t) -> str | None:  # the block format of a table of whole blocks per row, kept as stored
+        fmt = BLOCK_LINEARS.get(t.tensor_type.name)
+        return fmt.FORMAT.name if fmt is not None and fmt.supports((args.vocab_size, args.dim)) else None
 
     embed = table("token_embd.weight")
     if embed.tensor_type.name in _FLOAT_TYPES:
         net.tok_embeddings.weight = nn.Parameter(torch.from_numpy(_dequantized(embed, path)), requires_grad=False)
-    elif q6k(embed):
-        net.tok_embeddings = Q6KEmbedding(torch.from_numpy(np.array(embed.data)))
+    elif native(embed):
+        net.tok_embeddings = BLOCK_EMBEDDINGS[native(embed)](torch.from_numpy(np.array(embed.data)))
     else:
         net.tok_embeddings = Int8Embedding.from_rows(args.vocab_size, args.dim, rows_of(embed))
     for i, layer in enumerate(net.layers):
@@ -879,12 +888,12 @@ def load_gguf(files: ModelFiles):
         net.output = nn.Linear(args.dim, args.vocab_size, bias=False, device="meta")
         if not args.tie_embeddings:
             net.output.weight = float_param("output.weight", (args.vocab_size, args.dim))
-    elif args.tie_embeddings and q6k(head):  # the Q6KEmbedding's blocks, held once
-        net.output = Q6KLinear.tied(net.tok_embeddings)
+    elif args.tie_embeddings and native(head):  # the BlockEmbedding's blocks, held once
+        net.output = BLOCK_LINEARS[native(head)].tied(net.tok_embeddings)
     elif args.tie_embeddings:  # the Int8Embedding's groups (the file's Q8_0 blocks exactly), held once
         net.output = Int8Linear.tied(net.tok_embeddings)
-    elif q6k(head):
-        net.output = Q6KLinear(torch.from_numpy(np.array(head.data)))
+    elif native(head):
+        net.output = BLOCK_LINEARS[native(head)](torch.from_numpy(np.array(head.data)))
     else:
         net.output = Int8Linear.from_rows(args.vocab_size, args.dim, rows_of(head), group=_GROUP)
     _drop_pages(mapped)

@@ -1,5 +1,5 @@
 """Helpers shared by the tests: repository paths, stopping a child process, spinning an rclpy
-executor until a condition holds, one decision per prompt, README examples, random Q6_K blocks. (tests/ is on sys.path through
+executor until a condition holds, one decision per prompt, README examples, random Q6_K and Q5_0 blocks. (tests/ is on sys.path through
 tests/conftest.py.)"""
 from __future__ import annotations
 
@@ -81,4 +81,16 @@ def q6k_blocks(n: int, k: int, seed: int = 0, d: float = 1e-4, scale: int = 127)
     b = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
     b[..., 192:208] = rng.integers(-scale, scale + 1, (n, k // 256, 16)).astype(np.int8).view(np.uint8)
     b[..., 208:] = (rng.random((n, k // 256, 1)) * d).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(b.reshape(n, -1))
+
+
+def q5_0_blocks(n: int, k: int, seed: int = 0, d: float = 1e-2):
+    """Random Q5_0 blocks [n, k / 32 * 22] uint8 (ggml's block_q5_0): every code 0..31 (random qh and qs
+    bytes), fp16 d uniform in [0, d) per block."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n, k // 32, 22), dtype=np.uint8)
+    b[..., :2] = (rng.random((n, k // 32, 1)) * d).astype(np.float16).view(np.uint8)
     return torch.from_numpy(b.reshape(n, -1))

@@ -128,6 +128,9 @@ SHAPES = {
     "tiny-llama": Shape("llama", 256, 2, 4, 2, 512, 49152, 5e5, 1e-5, tied=False, std=0.1),
     "tiny-qwen3": Shape("qwen3", 256, 2, 4, 2, 512, 49152, 1e6, 1e-6, head_size=128, std=0.1),
     "tiny-smollm3": Shape("smollm3", 256, 4, 4, 2, 512, 49152, 5e6, 1e-6, std=0.1),
+    # Qwen2.5-0.5B's layout in small (tests/engine/test_families.py): a hidden size that is not whole
+    # 256-blocks, so llama.cpp's Q4_K_M stores its rows as Q5_0 (Q8_0 where Q6_K was meant)
+    "tiny-0.5b": Shape("qwen2", 320, 2, 5, 1, 512, 49152, 1e6, 1e-6, std=0.1),
     "135m": Shape("llama", 576, 30, 9, 3, 1536, 49152, 1e5, 1e-5),          # SmolLM2-135M
     "0.5b": Shape("qwen2", 896, 24, 14, 2, 4864, 151936, 1e6, 1e-6),        # Qwen2.5-0.5B
     "1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960, 151936, 1e6, 1e-6),       # Qwen2.5-1.5B

@@ -80,6 +80,13 @@ class Harness:
         req = struct.pack("<i", 6) + _i64(T, K, N) + _raw(x.float()) + _raw(blocks)
         return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
 
+    def q5_0_gemv(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """x [T, K] fp32, Q5_0 blocks [N, K / 32 * 22] uint8 -> y [T, N] fp32 (W5A8, as the extension's)."""
+        T, K = x.shape
+        N = blocks.shape[0]
+        req = struct.pack("<i", 7) + _i64(T, K, N) + _raw(x.float()) + _raw(blocks)
+        return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
+
     def attend(self, q: torch.Tensor, T: int, start: int, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [R, D] (row r = head-in-group * T + token), k and v [start + T, D] fp32, or fp16 (the

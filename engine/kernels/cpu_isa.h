@@ -24,8 +24,11 @@
 // low half): x86 multiplies |w| (u8) by q with w's sign (the sign trick of llama.cpp's Q8_0 dot)
 // in vpdpbusd, or vpmaddubsw + vpmaddwd without VNNI; NEON uses sdot or smull; generic plain C.
 //
-// The Q6_K kernel runs dot4 on unsigned codes 0..63 (one call per dsum: avx2's int16 pair sums stay
-// below 2 * 63 * 127 = 16002).
+// The Q6_K and Q5_0 kernels run dot4 on unsigned codes 0..63 and 0..31 (one call per dsum: avx2's int16
+// pair sums stay below 2 * 63 * 127 = 16002).
+// q5_codes(qs, qh, k) gives the codes 0..31 of weights k .. k + kGroupBytes of a Q5_0 block (k a multiple of
+// kGroupBytes below 32; avx512 fills only its low half): low 4 bits from the 16 bytes qs (weight l < 16 in
+// qs[l]'s low nibble, 16 + l in its high one), the fifth from bit i of qh (ggml's block_q5_0).
 // lane_scales(s) gives each int32 lane of such a dot4s the scale s[i] of the 16-byte run it covers
 // (lane l of a chunk starting at a multiple of 16 bytes covers bytes 4l..4l+3: run l / 4): the Q6_K
 // kernel's per-16-weight scales.
@@ -153,6 +156,11 @@ inline vi dot4s(vi acc, vi w, vi q) {
   return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(w),
                              _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(w), _mm512_setzero_si512(), q));
 }
+inline vi q5_codes(const uint8_t* qs, uint32_t qh, int) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+  return _mm512_castsi256_si512(_mm256_or_si256(lo, _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10))));
+}
 // lane l (< kGroupBytes / 4) = s[l / 4], the scale of the 16 bytes it covers in a dot4s over iload_s8
 inline vf lane_scales(const float* s) {
   const __m512 two = _mm512_castpd_ps(_mm512_castpd128_pd512(_mm_load_sd(reinterpret_cast<const double*>(s))));
@@ -233,6 +241,17 @@ inline vi dot4s(vi acc, vi w, vi q) {
 }
 #endif
 inline vf to_float(vi v) { return _mm256_cvtepi32_ps(v); }
+inline vi q5_codes(const uint8_t* qs, uint32_t qh, int) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+  // byte i of qh's bytes broadcast to bytes 8i .. 8i + 7, each tested against its own bit
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(qh)),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                0x0303030303030303));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
 inline vf lane_scales(const float* s) {  // lanes 0-3 s[0], lanes 4-7 s[1]
   const __m256 two = _mm256_castpd_ps(_mm256_castpd128_pd256(_mm_load_sd(reinterpret_cast<const double*>(s))));
   return _mm256_permutevar8x32_ps(two, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
@@ -293,6 +312,13 @@ inline vi dot4s(vi acc, vi w, vi q) {  // products of at most 128 * 128 fit int1
 inline vi dot4(vi acc, vi u, vi s) { return dot4s(acc, u, s); }  // codes 0..15 are valid signed bytes
 inline vi dsum(vi acc) { return acc; }
 inline vf to_float(vi v) { return vcvtq_f32_s32(v); }
+inline vi q5_codes(const uint8_t* qs, uint32_t qh, int k) {  // k = 0 or 16
+  const uint8x16_t b = vld1q_u8(qs);
+  const uint8x16_t lo = k ? vshrq_n_u8(b, 4) : vandq_u8(b, vdupq_n_u8(0x0F));
+  const uint8x16_t spread = vcombine_u8(vdup_n_u8(static_cast<uint8_t>(qh >> k)), vdup_n_u8(static_cast<uint8_t>(qh >> (k + 8))));
+  const uint8x16_t bit = vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ull));
+  return vreinterpretq_s32_u8(vorrq_u8(lo, vandq_u8(vtstq_u8(spread, bit), vdupq_n_u8(0x10))));
+}
 inline vf lane_scales(const float* s) { return vdupq_n_f32(s[0]); }  // 16 bytes: one scale
 
 #else  // generic: one-lane "vectors"
@@ -338,6 +364,14 @@ inline vi dot4s(vi acc, vi w, vi q) {
     acc += static_cast<int8_t>((static_cast<uint32_t>(w) >> (8 * b)) & 0xFF) *
            static_cast<int8_t>((static_cast<uint32_t>(q) >> (8 * b)) & 0xFF);
   return acc;
+}
+inline vi q5_codes(const uint8_t* qs, uint32_t qh, int k) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) {
+    const int w = k + i;
+    v |= static_cast<uint32_t>(((qs[w & 15] >> (w & 16 ? 4 : 0)) & 15) | ((qh >> w) & 1) << 4) << (8 * i);
+  }
+  return static_cast<int32_t>(v);
 }
 inline vf lane_scales(const float* s) { return s[0]; }
 #endif

@@ -326,6 +326,47 @@ void q6k_block(const int8_t* q, const float* sx, const float* off, int64_t t0, i
   }
 }
 
+// ---- Q5_0 weights x int8 activations (W5A8: ggml's Q5_0 blocks as stored x Q8 activations per 32)
+//
+// A Q5_0 block holds 32 weights in 22 bytes: d fp16, qh [4] (bit i of the little-endian uint32: weight
+// i's fifth bit), qs [16] (weight l's low 4 bits in qs[l]'s low nibble, weight 16 + l's in its high
+// nibble); weight i = d * (code_i - 16), codes 0..31 (ggml's dequantize_row_q5_0; gguf.quants.Q5_0).
+// A block is exactly one group of the activations' quantization.
+constexpr int64_t kQ5Bytes = 22;
+
+// Rows t0 .. t0 + TT of y for output rows [j0, j1) of Q5_0 weights (row j: K / 32 blocks of 22 bytes
+// at blocks + j * K / 32 * 22) and activations quantized per group of 32 (ts_quantize_rows: q, sx and
+// xs = sx * sum of the group's q):
+// y[t, j] = sum over groups g of d_g * (sx[t, g] * sum_{k in g} code[j, k] q[t, k] - 16 xs[t, g]),
+// the code x q sums exact int32 (dot4 of the unsigned codes; the bias of 16 subtracted once per group
+// through xs), the first term's float sums fused multiply-adds per lane in ascending g, then one
+// horizontal sum; the second a scalar fused multiply-add chain in ascending g: a row's result is its
+// own data's alone, whatever TT and T. Each block's codes (q5_codes) are formed once for the TT rows.
+template <int TT>
+void q5_0_block(const int8_t* q, const float* sx, const float* xs, int64_t t0, int64_t K, const uint8_t* blocks,
+                float* y, int64_t N, int64_t j0, int64_t j1) {
+  const int64_t nb = K / kQGroup;
+  for (int64_t j = j0; j < j1; ++j) {
+    vf acc[TT];
+    float neg[TT];
+    for (int t = 0; t < TT; ++t) acc[t] = zero(), neg[t] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = blocks + (j * nb + b) * kQ5Bytes;
+      const float d = half_to_float(static_cast<uint16_t>(blk[0] | blk[1] << 8));
+      const uint32_t qh = static_cast<uint32_t>(load_i32(blk + 2));
+      for (int k = 0; k < kQGroup; k += kGroupBytes) {
+        const vi uv = q5_codes(blk + 6, qh, k);
+        for (int t = 0; t < TT; ++t) {
+          const vi s = dsum(dot4(izero(), uv, iload_s8(q + (t0 + t) * K + b * kQGroup + k)));
+          acc[t] = fmadd(to_float(s), set1(d * sx[(t0 + t) * nb + b]), acc[t]);
+        }
+      }
+      for (int t = 0; t < TT; ++t) neg[t] = std::fma(d, xs[(t0 + t) * nb + b], neg[t]);
+    }
+    for (int t = 0; t < TT; ++t) y[(t0 + t) * N + j] = reduce_add(acc[t]) - 16.f * neg[t];
+  }
+}
+
 // ---- int4 weights x int8 activations (W4A8, the Q4_1 x Q8_1 scheme of GGML/llama.cpp)
 //
 // Weight: 4-bit codes c in 0..15 per group of 32 input channels, w[n, k] = c * s[n, g] + m[n, g].
@@ -493,6 +534,16 @@ void ts_q6k_rows(const int8_t* q, const float* sx, const float* off, int64_t T, 
   if (t0 < T)
     ts::with_rows<M>(static_cast<int>(T - t0),
                      [&](auto tt) { ts::q6k_block<decltype(tt)::value>(q, sx, off, t0, K, blocks, y, N, j0, j1); });
+}
+
+void ts_q5_0_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* blocks,
+                  float* y, int64_t N, int64_t j0, int64_t j1) {
+  constexpr int M = ts::isa::kMaxRows;
+  int64_t t0 = 0;
+  for (; t0 + M <= T; t0 += M) ts::q5_0_block<M>(q, sx, xs, t0, K, blocks, y, N, j0, j1);
+  if (t0 < T)
+    ts::with_rows<M>(static_cast<int>(T - t0),
+                     [&](auto tt) { ts::q5_0_block<decltype(tt)::value>(q, sx, xs, t0, K, blocks, y, N, j0, j1); });
 }
 
 void ts_attend_rows(const float* q, int64_t T, int64_t start, const float* k, const float* v, int64_t D, float scale,

@@ -48,6 +48,15 @@ void ts_q6k_offsets(const int8_t* q, const float* sx, int64_t T, int64_t K, floa
 void ts_q6k_rows(const int8_t* q, const float* sx, const float* off, int64_t T, int64_t K, const uint8_t* blocks,
                  float* y, int64_t N, int64_t j0, int64_t j1);
 
+// y [T, N] fp32, output rows [j0, j1): the W5A8 product of the quantized activations (ts_quantize_rows:
+// q [T, K], sx and xs [T, K / 32]) with a GGUF file's Q5_0 blocks as stored, blocks [N, K / 32 * 22] uint8
+// (ggml's block_q5_0: fp16 d, qh [4] fifth bits, qs [16] low nibbles; K a multiple of 32):
+// y[t, j] = sum over groups g of 32 of d_g * (sx[t, g] * sum_{k in g} code_k q[t, k] - 16 xs[t, g]), the
+// code x q sums exact int32. Each row's result is bit-identical whatever T is; across instruction-set
+// families it agrees to rounding (the float sums run in the vector's lanes).
+void ts_q5_0_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* blocks,
+                  float* y, int64_t N, int64_t j0, int64_t j1);
+
 // Attention of R query rows q [R, D] over one KV head's keys k and values v [>= start + T, D]:
 // row r sees slots [0, start + r % T] (the cached prefix, then causal among T new tokens; r =
 // head-in-group * T + token). scores [R, start + T] receives the softmax probabilities (0 past a

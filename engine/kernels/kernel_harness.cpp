@@ -9,6 +9,7 @@
 //   op 4 (attend over half K/V): as op 3 with k and v [start + T, D] as IEEE half bits (u16)
 //   op 5 (to half): n, x [n] f32 -> y [n] u16 (IEEE half bits)
 //   op 6 (Q6_K):   T K N, x [T, K] f32, blocks [N, K / 256 * 210] u8 -> y [T, N] f32
+//   op 7 (Q5_0):   T K N, x [T, K] f32, blocks [N, K / 32 * 22] u8 -> y [T, N] f32
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -92,6 +93,15 @@ int main() {
         ts_quantize_rows(x.data(), T, K, q.data(), sx.data(), nullptr);
         ts_q6k_offsets(q.data(), sx.data(), T, K, off.data());
         ts_q6k_rows(q.data(), sx.data(), off.data(), T, K, blocks.data(), y.data(), N, 0, N);
+        give(y);
+      } else if (op == 7) {
+        const int64_t T = size(), K = size(), N = size();
+        auto x = take<float>(T * K);
+        auto blocks = take<uint8_t>(N * K / 32 * 22);
+        std::vector<int8_t> q(T * K);
+        std::vector<float> sx(T * K / 32), xs(T * K / 32), y(T * N);
+        ts_quantize_rows(x.data(), T, K, q.data(), sx.data(), xs.data());
+        ts_q5_0_rows(q.data(), sx.data(), xs.data(), T, K, blocks.data(), y.data(), N, 0, N);
         give(y);
       } else {
         std::fprintf(stderr, "unknown op %d\n", op);

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import tokenspeed
-from support import q6k_blocks
+from support import q5_0_blocks, q6k_blocks
 from tokenspeed.kernels import cpu_decode
 from tokenspeed.kernels.cpu_decode import FUSED_ROWS, VARIANTS, cpu_features, native_variant
 from tokenspeed.kernels.cpu_harness import Harness, build
 from tokenspeed.model import ModelArgs, Transformer
-from tokenspeed.quant import Int4Linear, Int8Embedding, Int8Linear, Q6KLinear, fused_ext
+from tokenspeed.quant import Int4Linear, Int8Embedding, Int8Linear, Q5_0Linear, Q6KLinear, fused_ext
 from tokenspeed.paths import cache_dir
 
 ARCH = platform.machine()
@@ -111,6 +111,19 @@ def test_harness_kernels_match_reference(harnesses, variant):
     y = h.q6k_gemv(x, lin6.blocks)
     torch.testing.assert_close(y, lin6.reference(x), rtol=1e-5, atol=1e-4)
     assert all(torch.equal(h.q6k_gemv(x[r:r + n], lin6.blocks), y[r:r + n]) for r, n in ((0, 1), (4, 1), (3, 5)))
+    # W5A8 over Q5_0 blocks as stored (random codes and fifth bits), rows of 7 blocks (not whole 256-blocks)
+    lin5 = Q5_0Linear(q5_0_blocks(40, 224))
+    x = torch.randn(9, 224)
+    x[1, :32] = 0
+    y = h.q5_0_gemv(x, lin5.blocks)
+    torch.testing.assert_close(y, lin5.reference(x), rtol=1e-5, atol=1e-4)
+    assert all(torch.equal(h.q5_0_gemv(x[r:r + n], lin5.blocks), y[r:r + n]) for r, n in ((0, 1), (4, 1), (3, 5)))
+    # the largest sums: codes 31 against activations of +-127 (avx2 sums byte pairs in int16)
+    full = lin5.blocks.clone().view(40, -1, 22)
+    full[..., 2:] = 255
+    x = torch.where(torch.rand(4, 224) > 0.5, 1.0, -1.0)
+    torch.testing.assert_close(h.q5_0_gemv(x, full.view(40, -1)), Q5_0Linear(full.view(40, -1)).reference(x),
+                               rtol=1e-5, atol=1e-4)
     # attention: decode (1 row per query head of a group of 3), a verification chain (T = 4), head
     # sizes of every specialised width and ones that are not (40, 20: the plain loops) and prefill
     # bursts (rows in several tiles of 32, causal bounds per tile, key tiles plus a tail)

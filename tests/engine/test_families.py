@@ -2,7 +2,8 @@
 RMSNorm) and SmolLM3 (no rotation in every 4th layer).
 
 Each family is a tiny random-weight model at its layout (`tokenspeed.bench.scale.SHAPES`: "tiny-llama",
-"tiny" for Qwen2.5, "tiny-qwen3", "tiny-smollm3"), written as an F16 GGUF by the `gguf` writer and
+"tiny" for Qwen2.5, "tiny-qwen3", "tiny-smollm3"; "tiny-0.5b" for Qwen2.5-0.5B's hidden size that is not
+whole 256-blocks), written as an F16 GGUF by the `gguf` writer and
 quantized to Q4_K_M by llama.cpp's own quantizer. TokenSpeed runs the file's own blocks
 (`quantize="gguf"`, never an fp32 copy) and its logits are compared with llama.cpp's on the same file
 and ids. On the F16 file no quantization stands between the two engines, so the logits nearly agree
@@ -35,7 +36,7 @@ def made(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(scale, "_folder", lambda: folder)
         yield {name: {"F16": scale.source_file(name), "Q4_K_M": scale.model_file(name, "Q4_K_M", threads=1)}
-               for name in FAMILIES}
+               for name in [*FAMILIES, "tiny-0.5b"]}
 
 
 def _llama_cpp_logits(path) -> np.ndarray:
@@ -153,6 +154,46 @@ def test_q4_k_m_files_q6_k_tensors_run_as_stored(name, made):
     assert torch.equal(warm.output.blocks, model.output.blocks)
     if tied:
         assert warm.output.blocks is warm.tok_embeddings.blocks
+
+
+def test_q4_k_m_file_of_rows_not_whole_256_blocks_runs_its_q5_0_blocks(made):
+    # Qwen2.5-0.5B's case in small: llama.cpp's Q4_K_M stores the projections whose rows are not whole
+    # 256-blocks as Q5_0 (and attn_v, meant Q6_K, as Q8_0). All-Q5_0 projections are the file's blocks
+    # (the same values as gguf's dequantization), the q/k/v mix stays int8 groups, the fused step takes
+    # them, the logits agree with llama.cpp's on the same file, and the cache entry holds the same layers
+    import gguf
+
+    from tokenspeed.quant import Int8Linear, Q5_0Linear
+    from tokenspeed.weights import _gguf_tensors
+
+    path = made["tiny-0.5b"]["Q4_K_M"]
+    tensors, _ = _gguf_tensors(path)
+    kind = {n: t.tensor_type.name for n, t in tensors.items()}
+    assert kind["blk.0.attn_q.weight"] == kind["blk.0.ffn_gate.weight"] == "Q5_0"
+    model = load_gguf(resolve_model(path))
+    native = 0
+    for i, layer in enumerate(model.layers):
+        for lin, names in ((layer.attention.wo, ["attn_output"]), (layer.feed_forward.w13, ["ffn_gate", "ffn_up"]),
+                           (layer.attention.wqkv, ["attn_q", "attn_k", "attn_v"])):
+            types = {kind[f"blk.{i}.{n}.weight"] for n in names}
+            assert isinstance(lin, Q5_0Linear if types == {"Q5_0"} else object)
+            if types == {"Q5_0"}:
+                native += 1
+                theirs = np.concatenate([gguf.quants.dequantize(tensors[f"blk.{i}.{n}.weight"].data,
+                                                                gguf.GGMLQuantizationType.Q5_0) for n in names])
+                assert torch.equal(lin.dequantized(), torch.from_numpy(theirs))
+            elif len(types) > 1:
+                assert isinstance(lin, Int8Linear)
+    assert native >= 2 * len(model.layers)
+    assert model.fused_decode() is not None and 4 in model.fused_decode().kinds
+    theirs = _llama_cpp_logits(path)
+    for ours in (_logits(model, True), _logits(model, False)):
+        agree = compare(ours, theirs)
+        assert agree["top1"] >= 0.8 and agree["kl_mean"] < 0.02, agree
+    tokenspeed.Engine.load(path, quantize="gguf")  # (writes the cache entry if it is not there)
+    warm = load_quantized(resolve_model(path), "gguf")
+    assert {k: type(m) for k, m in warm.named_modules()} == {k: type(m) for k, m in model.named_modules()}
+    assert torch.equal(warm.layers[0].attention.wo.blocks, model.layers[0].attention.wo.blocks)
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-smollm3"])

@@ -88,7 +88,7 @@ def _unpermute(w, n_head):
 # fp16 fields of each block type (byte offset, power-of-two range of values): blocks written with
 # these are exact in bf16 too, so a native load must reproduce the file's values bit for bit
 _BLOCK_FIELDS = {Q.Q4_0: [(0, -7)], Q.Q4_1: [(0, -8), (2, -5)], Q.Q4_K: [(0, -12), (2, -12)],
-                 Q.Q6_K: [(208, -14)], Q.Q8_0: [(0, -11)]}
+                 Q.Q6_K: [(208, -14)], Q.Q5_0: [(0, -10)], Q.Q8_0: [(0, -11)]}
 
 
 def _random_blocks(shape, qtype, rng):
@@ -209,19 +209,23 @@ def test_gguf_int4_groups_are_the_blocks(qtype):
 
 # A Q4_K_M-like mix: attn_v, ffn_down and the lm_head in Q6_K, the rest Q4_K
 _Q4_K_M = {"*": Q.Q4_K, "attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K}
+# Q4_K_M where rows are not whole 256-blocks (Qwen2.5-0.5B's hidden 896; 64 here): llama.cpp's fallbacks,
+# Q5_0 for Q4_K and Q8_0 for Q6_K (attn_v), the table and the untied head Q5_0 too
+_Q4_K_M_ODD = {"*": Q.Q5_0, "attn_v": Q.Q8_0}
 
 
 @pytest.mark.parametrize("kind,qtype", [("llama", Q.Q4_0), ("llama", Q.Q4_1), ("qwen2", Q.Q4_K),
-                                        ("llama", _Q4_K_M), ("llama", Q.Q8_0), ("llama", Q.F16)],
-                         ids=["Q4_0", "Q4_1", "Q4_K-qwen2", "Q4_K_M", "Q8_0", "F16"])
+                                        ("llama", _Q4_K_M), ("qwen2", _Q4_K_M_ODD), ("llama", Q.Q8_0),
+                                        ("llama", Q.F16)],
+                         ids=["Q4_0", "Q4_1", "Q4_K-qwen2", "Q4_K_M", "Q4_K_M-hidden-64-qwen2", "Q8_0", "F16"])
 def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind, qtype):
     # quantize="gguf": weights read from the file without an fp32 copy; 4-bit blocks become Int4Linear
-    # holding exactly the file's values (scales here are exact in bf16), all-Q6_K ones (and a Q6_K head)
-    # Q6KLinear holding the file's blocks (the same values), other quantized projections
-    # Int8Linear of their dequantized values in groups of 32, float ones stay fp32; the embedding table int8 in groups
-    # of 32 (exact for Q8_0) unless float. Logits agree with the fp32 reference on the same file (the
-    # int4 kernel quantizes activations to int8: W4A8).
-    from tokenspeed.quant import Int4Linear, Int8Embedding, Int8Linear, Q6KLinear
+    # holding exactly the file's values (scales here are exact in bf16), all-Q6_K or all-Q5_0 ones (and such
+    # a head) Q6KLinear / Q5_0Linear holding the file's blocks (the same values), other quantized projections
+    # Int8Linear of their dequantized values in groups of 32, float ones stay fp32; the embedding table
+    # the file's blocks when Q5_0, int8 in groups of 32 (exact for Q8_0) unless float. Logits agree with the
+    # fp32 reference on the same file (the kernels quantize activations to int8: W4A8, W5A8, W6A8).
+    from tokenspeed.quant import BLOCK_EMBEDDINGS, BLOCK_LINEARS, Int4Linear, Int8Embedding, Int8Linear
 
     monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
     k_quants = any(t.name.endswith("_K") for t in (qtype.values() if isinstance(qtype, dict) else [qtype]))
@@ -243,8 +247,9 @@ def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind,
                 assert isinstance(ours, Int4Linear) and torch.equal(ours.dequantized(), theirs.weight)
             elif kinds.get(gname, kinds["*"]) == Q.F16:
                 assert type(ours) is torch.nn.Linear and torch.equal(ours.weight, theirs.weight)
-            elif kinds.get(gname) == Q.Q6_K and name != "wqkv":  # all Q6_K (wqkv mixes it with Q4_K q/k)
-                assert isinstance(ours, Q6KLinear) and torch.equal(ours.dequantized(), theirs.weight)
+            elif kinds.get(gname, kinds["*"]).name in BLOCK_LINEARS and name != "wqkv":  # wqkv: a mix here
+                assert isinstance(ours, BLOCK_LINEARS[kinds.get(gname, kinds["*"]).name])
+                assert torch.equal(ours.dequantized(), theirs.weight)
             else:
                 assert isinstance(ours, Int8Linear) and ours.group == 32
                 assert torch.equal(ours.qweight, Int8Linear(theirs.weight, group=32).qweight)
@@ -252,13 +257,15 @@ def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind,
                 assert torch.equal(ours.bias, theirs.bias)
     table, ref_table = native.model.tok_embeddings(torch.arange(native.args.vocab_size)), ref.model.tok_embeddings.weight
     embed = kinds.get("token_embd", kinds["*"])
-    assert isinstance(native.model.tok_embeddings, torch.nn.Embedding if embed == Q.F16 else Int8Embedding)
-    if embed == Q.F16:  # the file's values
+    assert isinstance(native.model.tok_embeddings, torch.nn.Embedding if embed == Q.F16 else
+                      BLOCK_EMBEDDINGS.get(embed.name, Int8Embedding))
+    if embed == Q.F16 or embed.name in BLOCK_EMBEDDINGS:  # the file's values
         assert torch.equal(table, ref_table)
     else:  # within half an int8 step of its group of 32 (random blocks: a quantizer's Q8_0 is exact, below)
         assert (table - ref_table).abs().max() <= ref_table.abs().max() / 254
-    if kinds.get("output") == Q.Q6_K:
-        assert isinstance(native.model.output, Q6KLinear)
+    head = kinds.get("output", kinds["*"])
+    if head.name in BLOCK_LINEARS:
+        assert isinstance(native.model.output, BLOCK_LINEARS[head.name])
         assert torch.equal(native.model.output.dequantized(), ref.model.output.weight)
     ids = torch.tensor(native.tokenizer.encode("<|im_start|>user\nPick the red cube at x=0.42.<|im_end|>\n"))
     logits = [e.model(ids, torch.arange(len(ids)), e.model.new_cache(64), "all") for e in (native, ref)]
