@@ -5,6 +5,7 @@
     tokenspeed draft build-data|train|eval                                 # draft-model recipe
     tokenspeed bench aal [--quick] | gpu | profile                         # latency benchmark vs peers
     tokenspeed bench kv needle|agreement|cost                              # pruned KV cache accuracy and cost
+    tokenspeed bench prefill | agreement | scale                           # prefill, logits and model size vs llama.cpp
     tokenspeed bench auto                                                  # tool_choice=auto call/text rates (BFCL)
     tokenspeed bench serve                                                 # /health during request bursts on serve
     tokenspeed serve [--port 8000]                                         # OpenAI-compatible HTTP server
@@ -160,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("call", help="answer a prompt with one schema-valid tool call")
     model_args(p)
     p.add_argument("--tools", required=True, help="JSON file with a list of OpenAI tool definitions")
-    p.add_argument("--tool-choice", default="required", choices=["required", "auto"])
+    p.add_argument("--tool-choice", default="required", choices=["required", "auto"],
+                   help="required (default): always one tool call; auto: the model may answer in text instead")
     p.add_argument("--tool", default=None, help="force this tool (tool_choice={'name': TOOL})")
     p.add_argument("--deadline", type=_positive_seconds, default=None,
                    help="deadline in seconds for the decision (> 0)")

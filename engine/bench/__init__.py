@@ -180,7 +180,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     sc = sub.add_parser("scale", help="random-weight models at real shapes (SmolLM2-135M .. Llama-3.2-3B) quantized by "
                                       "llama.cpp: load, peak RSS, ITL at 512/4,096 tokens of context, prefill, "
-                                      "TokenSpeed (the file's own blocks) beside llama.cpp, with the bandwidth floor")
+                                      "TokenSpeed (the file's own blocks) beside llama.cpp, with the bandwidth floor; "
+                                      "the files are kept under <cache>/scale/ (needs llama-cpp-python: make peers)")
     sc.add_argument("--sizes", default=",".join(DEFAULT_SIZES),
                     help=f"comma-separated, of {', '.join(SHAPES)} (default {','.join(DEFAULT_SIZES)})")
     sc.add_argument("--formats", default=",".join(SCALE_FORMATS),

@@ -50,7 +50,8 @@ def _llama_cpp():
     except ImportError as exc:
         from .aal import LLAMA_CPP_INSTALL
 
-        raise RuntimeError(f"the agreement bench needs llama-cpp-python ({LLAMA_CPP_INSTALL})") from exc
+        raise RuntimeError(f"llama.cpp's quantizer needs llama-cpp-python ({LLAMA_CPP_INSTALL}); importing it "
+                           f"failed: {type(exc).__name__}: {exc}") from exc
     return llama_cpp
 
 

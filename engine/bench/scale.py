@@ -445,6 +445,7 @@ def run_scale(out_dir: Path, sizes: list[str] | None = None, formats: list[str] 
         for fmt in formats:
             print(f"# {size} {fmt}: writing and quantizing (cached) ...", file=sys.stderr, flush=True)
             path = model_file(size, fmt, threads=max(threads), seed=seed)
+            print(f"# {size} {fmt}: {path}", file=sys.stderr, flush=True)
             types: dict[str, int] = {}
             file_bytes = 0
             for t in gguf.GGUFReader(str(path)).tensors:
