@@ -303,7 +303,8 @@ class ChatResult:
             "deadline" | "invalid" | "context" | "cancelled", "detail": why} (see `finish`;
             "context": the KV cache filled up; "cancelled": the caller's `cancelled()` said so).
         usage: {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details":
-            {"cached_tokens"}} (cached_tokens: context reused from a warm session).
+            {"cached_tokens"}} (cached_tokens: context reused from a warm session, or the system
+            prompt's KV read from the disk prefix cache, `tokenspeed.prefix_cache`).
         timings: {"ttft_ms" (request start on the engine -> first token, prefill of new
             messages included), "prefill_ms", "total_ms", "cached_tokens", "prefill_tokens"}.
     """
@@ -514,6 +515,8 @@ class ChatEngine:
             session = self.engine.session(system=job["system"], tools=job["tools"], capacity=self.context,
                                           tool_prompt=job["tool_prompt"])
             checkpoints = [session.checkpoint()]
+            if session.system_from_disk:  # the system prompt's KV came from the disk prefix cache
+                cached_tokens = len(session.target.tokens)
         try:
             for m in job["messages"][len(checkpoints) - 1:]:  # one at a time: a checkpoint after each
                 session.observe([_context_message(m, self.engine.call_format)], abort=abort, deadline_at=deadline_at)

@@ -120,3 +120,19 @@ def test_the_most_recently_used_entries_stay_within_the_count_and_bytes(tiny_eng
     monkeypatch.setattr(prefix_cache, "KEEP_BYTES", 1)  # fewer bytes than any entry: the newest stays alone
     entry("d")
     assert len(list(prefix_dir.glob("*.safetensors"))) == 1 and entry("d")
+
+
+def test_chat_usage_counts_the_system_prompt_read_from_disk(engine, robot_tools, prefix_dir):
+    # a conversation no warm session holds, whose system prompt and tools are on disk: the usage an
+    # OpenAI client reads says those tokens were cached, and the prefill count leaves them out
+    from tokenspeed.chat import ChatEngine
+
+    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Go home."}],
+            "tools": robot_tools[:2], "tool_choice": "required", "max_tokens": 24}
+    first = ChatEngine(engine, context=1024).complete(ChatEngine(engine, context=1024).prepare(body))
+    assert first.usage["prompt_tokens_details"]["cached_tokens"] == 0
+    second = ChatEngine(engine, context=1024).complete(ChatEngine(engine, context=1024).prepare(body))
+    cached = second.usage["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < second.usage["prompt_tokens"] == first.usage["prompt_tokens"]
+    assert second.timings["cached_tokens"] == cached
+    assert second.timings["prefill_tokens"] == second.usage["prompt_tokens"] - cached
