@@ -123,6 +123,21 @@ def test_shipped_draft_shares_the_targets_embedding_and_rotary_tables(engine):
     assert torch.equal(cos, net.rope_cos) and torch.equal(sin, net.rope_sin)
 
 
+def test_shipped_draft_holds_the_files_weights(engine):
+    # the constructor leaves the draft's own weights uninitialized: `load` must set every one
+    from safetensors.torch import load_file
+
+    from tokenspeed.speculation import DEFAULT_DRAFT
+
+    first, second = DraftModel.load(DEFAULT_DRAFT, engine.model), DraftModel.load(DEFAULT_DRAFT, engine.model)
+    state, again = first.net.state_dict(), second.net.state_dict()
+    assert all(torch.equal(t, again[k]) for k, t in state.items())  # nothing left from memory it was given
+    saved = load_file(str(DEFAULT_DRAFT))
+    norms = [k for k in saved if k.endswith("norm")]
+    assert norms and all(torch.equal(state[k], saved[k].to(state[k].dtype)) for k in norms)
+    assert torch.equal(first.net.output.weight, engine.model.output.weight[first.vocab])  # fp32 target: its head's rows
+
+
 def test_kv_consistent_after_rejections_and_rollback(engine):
     saved = engine.speculation
     try:
