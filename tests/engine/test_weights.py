@@ -252,7 +252,8 @@ def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind,
                 assert torch.equal(ours.dequantized(), theirs.weight)
             else:
                 assert isinstance(ours, Int8Linear) and ours.group == 32
-                assert torch.equal(ours.qweight, Int8Linear(theirs.weight, group=32).qweight)
+                whole = Int8Linear(theirs.weight, group=32)  # made from the whole fp32 weight at once
+                assert torch.equal(ours.qweight, whole.qweight) and torch.equal(ours.scales, whole.scales)
             if theirs.bias is not None:
                 assert torch.equal(ours.bias, theirs.bias)
     table, ref_table = native.model.tok_embeddings(torch.arange(native.args.vocab_size)), ref.model.tok_embeddings.weight
@@ -270,6 +271,22 @@ def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind,
     ids = torch.tensor(native.tokenizer.encode("<|im_start|>user\nPick the red cube at x=0.42.<|im_end|>\n"))
     logits = [e.model(ids, torch.arange(len(ids)), e.model.new_cache(64), "all") for e in (native, ref)]
     assert (logits[0] - logits[1]).abs().max() <= 0.05 * logits[1].abs().max()
+
+
+def test_a_projections_rows_are_its_dequantized_rows_in_hugging_face_order(tmp_path):
+    # `load_gguf` makes int8 projections from row blocks: any block of the stacked q/k/v rows (permuted
+    # Q/K heads of a llama file back in Hugging Face order) equals those rows of the whole dequantized weight
+    from tokenspeed.weights import _gguf_tensors, _projection_rows
+
+    hf_model = _tiny_hf("llama")
+    dequantized = _write_gguf(tmp_path / "tiny.gguf", hf_model, Q.Q8_0)
+    tensors, _ = _gguf_tensors(tmp_path / "tiny.gguf")
+    cfg = hf_model.config
+    parts = [tensors[f"blk.0.attn_{x}.weight"] for x in "qkv"]
+    rows = _projection_rows(parts, [cfg.num_attention_heads, cfg.num_key_value_heads, None], tmp_path / "tiny.gguf")
+    whole = torch.cat([dequantized[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"])
+    for a, b in [(0, len(whole)), (3, 5), (1, 37), (cfg.hidden_size - 2, cfg.hidden_size + 3), (len(whole) - 1, len(whole))]:
+        assert torch.equal(rows(a, b), whole[a:b]), (a, b)
 
 
 @pytest.mark.parametrize("qtype,tied", [({"*": Q.Q4_1, "output": Q.Q8_0}, False), (Q.F16, True),
