@@ -18,7 +18,7 @@ from .quant import MODES
 from .session import Session
 from .stages import LoadStages
 from .speculation import SpecConfig
-from .tokenizer import Tokenizer, grammar_tokenizer
+from .tokenizer import Tokenizer, grammar_tokenizer, write_grammar_tokens
 from .weights import (ModelLoadError, gguf_quantized, load_gguf, load_model_files, load_quantized, resolve_model,
                       return_free_heap, save_quantized)
 
@@ -201,6 +201,7 @@ class Engine:
         files = resolve_model(None if model == "tiny-random" else model)
         stages.done("resolve model")
         tok = Tokenizer(files.folder)
+        write_grammar_tokens(tok)  # a first load's llguidance build from the text: its memory gone before the weights
         stages.done("tokenizer")
         on_cpu = device.type == "cpu" and dtype == torch.float32 and model != "tiny-random"
         if quantize == "auto" and on_cpu and gguf_quantized(files):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .paths import cache_entry
 
-__all__ = ["Tokenizer", "tokenizer_files_from_gguf", "grammar_tokenizer"]
+__all__ = ["Tokenizer", "tokenizer_files_from_gguf", "grammar_tokenizer", "write_grammar_tokens"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,7 @@ class Tokenizer:
         self.eos_id = self._special_id(cfg.get("eos_token"), f"{where}: eos_token")
         self._eos_text = self._tok.id_to_token(self.eos_id) if self.eos_id is not None else ""
         self._template = None
+        self._grammar_entry: Path | None = None  # `grammar_tokenizer`'s cache entry, once computed
         try:
             self.assistant_prefix, self.assistant_suffix = self._assistant_affixes()
             self.system_moves = self._system_moves()
@@ -258,24 +259,61 @@ def grammar_tokenizer(tok: Tokenizer):
     vocabulary size, the EOS id and llguidance's version (`tokenspeed.paths.cache_entry`); later builds
     hand those bytes to llguidance through its `TokenizerWrapper`, with `tok.encode` as the text
     tokenizer (what llguidance's own tokenizer runs: the Hugging Face tokenizer, added tokens
-    recognised, none added): only the trie and the slices are built (0.32 s at 152k tokens). Where
-    the tokenizer has a normalizer (llguidance strips a `Prepend` one, `tok.encode` would not), it is
-    built from the text every time. The result is the same either way: the same token bytes,
-    special tokens, EOS, vocabulary size and tokenization. A cache that cannot be written is logged.
+    recognised, none added): only the trie and the slices are built (0.32 s at 152k tokens). The first
+    build returns such a wrapped tokenizer too, built from the bytes it has just taken from the text one
+    (which it drops: its own Hugging Face tokenizer held 23 MiB more at 152k tokens, for the life of the
+    process). Where the tokenizer has a normalizer (llguidance strips a `Prepend` one, `tok.encode`
+    would not), it is built from the text every time. The result is the same either way: the same token
+    bytes, special tokens, EOS, vocabulary size and tokenization. A cache that cannot be written is logged.
     """
     import llguidance
 
-    path = cache_entry("grammar_tokens", tok.json, f"{tok.vocab_size}:{tok.eos_id}:{llguidance.__version__}")
+    path = _grammar_entry(tok)
     same_encoding = tok._tok.normalizer is None  # tok.encode tokenizes as llguidance's own tokenizer does
     cached = _read_token_bytes(path) if same_encoding else None
-    if cached is not None:
-        eos, tokens = cached
-        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tok, tokens, eos)))
+    if cached is None:
+        if not same_encoding:
+            return llguidance.LLTokenizer(tok.json, n_vocab=tok.vocab_size, eos_token=tok.eos_id)
+        cached = _token_bytes_from_text(tok, path)
+    eos, tokens = cached
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tok, tokens, eos)))
+
+
+def write_grammar_tokens(tok: Tokenizer) -> None:
+    """Make the cache entry of `tok`'s grammar token bytes that `grammar_tokenizer` reads, if there is
+    none (and the tokenizer has no normalizer): llguidance's build from the tokenizer.json text, its
+    bytes written, then dropped and its heap returned. `Engine.load` calls it before the weights, so
+    the first build's transient memory (+113 MiB at Qwen2.5's 152k tokens) is gone before they arrive
+    rather than stacked on them; the grammar tokenizer is built after them from the entry (+89 MiB)."""
+    path = _grammar_entry(tok)
+    if tok._tok.normalizer is None and not path.is_file():
+        _token_bytes_from_text(tok, path)
+
+
+def _grammar_entry(tok: Tokenizer) -> Path:
+    # the cache entry of tok's grammar token bytes (`cache_entry` hashes tokenizer.json: once per tokenizer)
+    import llguidance
+
+    if tok._grammar_entry is None:
+        tok._grammar_entry = cache_entry("grammar_tokens", tok.json,
+                                         f"{tok.vocab_size}:{tok.eos_id}:{llguidance.__version__}")
+    return tok._grammar_entry
+
+
+def _token_bytes_from_text(tok: Tokenizer, path: Path) -> tuple[int, list[bytes]]:
+    # (EOS, each token's bytes) as llguidance's own build from tokenizer.json makes them (a special token
+    # marked with a leading 0xff byte), written to the cache entry `path`
+    import llguidance
+
+    from .weights import return_free_heap
+
     ll = llguidance.LLTokenizer(tok.json, n_vocab=tok.vocab_size, eos_token=tok.eos_id)
-    if same_encoding:
-        tokens = [(b"\xff" if ll.is_special_token(i) else b"") + ll.decode_bytes([i]) for i in range(ll.vocab_size)]
-        _write_token_bytes(path, ll.eos_token, tokens)
-    return ll
+    eos, tokens = ll.eos_token, [(b"\xff" if ll.is_special_token(i) else b"") + ll.decode_bytes([i])
+                                 for i in range(ll.vocab_size)]
+    del ll  # with its own parse of tokenizer.json: 23 MiB more than the wrapped one's at 152k tokens
+    return_free_heap()
+    _write_token_bytes(path, eos, tokens)
+    return eos, tokens
 
 
 class _Vocabulary:

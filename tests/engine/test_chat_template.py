@@ -17,7 +17,7 @@ import tokenspeed
 from tokenspeed.grammar import ToolGrammar, call_format_for, format_tool_calls, normalize_tools, parse_tool_calls
 from tokenspeed.model import ModelArgs
 from tokenspeed.engine import _tiny_random
-from tokenspeed.tokenizer import Tokenizer, grammar_tokenizer
+from tokenspeed.tokenizer import Tokenizer, grammar_tokenizer, write_grammar_tokens
 from tokenspeed.weights import resolve_model
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
@@ -185,10 +185,12 @@ def test_grammar_tokenizer_from_the_cache_is_llguidances_own(name, tmp_path, mon
     monkeypatch.setattr(llguidance, "TokenizerWrapper",
                         lambda v, real=llguidance.TokenizerWrapper: wrapped.append(v) or real(v))
     native = llguidance.LLTokenizer(tok.json, n_vocab=tok.vocab_size, eos_token=tok.eos_id)
-    assert grammar_tokenizer(tok) is not None and not wrapped  # first build: from the text, entry written
+    first = grammar_tokenizer(tok)
+    assert len(wrapped) == 1  # first build: the bytes from the text, entry written, the wrapped one returned
     assert len(list((tmp_path / "cache" / "grammar_tokens").iterdir())) == 1
     cached = grammar_tokenizer(tok)
-    assert len(wrapped) == 1  # from the entry
+    assert len(wrapped) == 2  # from the entry
+    assert all(first.decode_bytes([i]) == cached.decode_bytes([i]) for i in range(cached.vocab_size))
     assert (cached.vocab_size, cached.eos_token, cached.is_canonical) == (native.vocab_size, native.eos_token,
                                                                           native.is_canonical)
     for i in range(native.vocab_size):
@@ -207,6 +209,22 @@ def test_grammar_tokenizer_from_the_cache_is_llguidances_own(name, tmp_path, mon
     for t in ids:
         assert matchers[0].compute_bitmask() == matchers[1].compute_bitmask()
         assert all(m.consume_token(t) for m in matchers)
+
+
+def test_write_grammar_tokens_makes_the_entry_the_grammar_tokenizer_reads(tmp_path, monkeypatch):
+    # what Engine.load does before the weights: llguidance's build from the text happens there, once;
+    # the grammar tokenizer is then built from the entry (wrapped), never from the text again
+    monkeypatch.setenv("TOKENSPEED_CACHE", str(tmp_path / "cache"))
+    tok = Tokenizer(resolve_model(None).folder)
+    built = []
+    monkeypatch.setattr(llguidance, "LLTokenizer",
+                        lambda source, *a, real=llguidance.LLTokenizer, **k: built.append(source) or real(source, *a, **k))
+    write_grammar_tokens(tok)
+    assert built == [tok.json] and len(list((tmp_path / "cache" / "grammar_tokens").iterdir())) == 1
+    write_grammar_tokens(tok)
+    assert len(built) == 1  # the entry exists: nothing built
+    assert grammar_tokenizer(tok).vocab_size == tok.vocab_size
+    assert len(built) == 2 and not isinstance(built[1], str)  # from the entry, through llguidance's TokenizerWrapper
 
 
 def test_a_changed_or_damaged_tokenizer_never_hits_a_stale_grammar_entry(tmp_path, monkeypatch):
