@@ -800,7 +800,7 @@ def load_gguf(files: ModelFiles):
     (`BlockLinear.tied`, `Int8Linear.tied`: held once). Norms fp32
     (Qwen3's per-head Q/K norms too). Both tables are built from row blocks, never a whole fp32
     copy. Pages of the file, and the C heap's free pages, are handed back before each projection and
-    after each layer (a 1.5B Q8_0 file's load peaked 322 MiB above its end, 141 MiB so).
+    after each layer (a 1.5B Q8_0 file's load peaked 322 MiB above its end before, 141 MiB now).
 
     Args:
         files: a resolved GGUF model (`resolve_model`; `files.gguf` set).
