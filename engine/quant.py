@@ -11,9 +11,10 @@
   torch's `_weight_int8pack_mm`, larger ones dequantize once per call.
 On the CPU the token embedding table becomes an `Int8Embedding` in both modes (int8 in groups of 32,
 the GGUF Q8_0 layout: exact for a Q8_0 table, a quarter of fp32's memory).
-A GGUF file's Q6_K and Q5_0 tensors (`tokenspeed.weights.load_gguf`) run as stored: `BlockLinear`, one
-class per `BlockFormat` (`Q6KLinear`: W6A8 in the fused extension's `q6k_gemv`; `Q5_0Linear`: W5A8 in
-`q5_0_gemv`), and `BlockEmbedding` (`Q6KEmbedding`, `Q5_0Embedding`), whose blocks a tied head shares.
+A GGUF file's Q4_K, Q5_K, Q6_K and Q5_0 tensors (`tokenspeed.weights.load_gguf`) run as stored:
+`BlockLinear`, one class per `BlockFormat` (`Q4KLinear`, `Q5KLinear`, `Q6KLinear`, `Q5_0Linear`: the
+fused extension's `block_gemv` with int8 activations), and `BlockEmbedding` (one per format), whose
+blocks a tied head shares.
 `linear_rows` projects onto a subset of output rows (the lm_head logits of the ids a grammar allows).
 """
 from __future__ import annotations
@@ -36,8 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["Int8Linear", "Int4Linear", "Int8Embedding", "Int4TinygemmLinear", "BlockFormat", "BlockLinear",
-           "BlockEmbedding", "Q6KLinear", "Q6KEmbedding", "Q5_0Linear", "Q5_0Embedding", "BLOCK_LINEARS",
-           "BLOCK_EMBEDDINGS", "Q6_K", "Q5_0", "q6k_dequantize", "q5_0_dequantize", "QUANTIZED", "q4_1_groups", "gguf_int4_groups", "int8_groups",
+           "BlockEmbedding", "Q4KLinear", "Q4KEmbedding", "Q5KLinear", "Q5KEmbedding", "Q6KLinear", "Q6KEmbedding",
+           "Q5_0Linear", "Q5_0Embedding", "BLOCK_LINEARS", "BLOCK_EMBEDDINGS", "Q4_K", "Q5_K", "Q6_K", "Q5_0",
+           "qk_dequantize", "q6k_dequantize", "q5_0_dequantize", "QUANTIZED", "q4_1_groups", "gguf_int4_groups", "int8_groups",
            "GGUF_INT4_TYPES", "linear_bytes", "quantize", "linear_rows", "fused_ext", "choose_format", "cached_format",
            "FormatChoice", "MODES", "FORMATS", "PACKED_ROWS"]
 
@@ -564,17 +566,51 @@ def q5_0_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (d * (codes.to(torch.int8) - 16).float()).reshape(*lead, -1)
 
 
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # [n, 8] fp32 d * sc and dmin * m of Q4_K / Q5_K super-blocks b [n, bytes] (ggml's get_scale_min_k4)
+    d, dmin = (b[:, i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
+    lo, hi, mix = b[:, 4:8], b[:, 8:12], b[:, 12:16]
+    sc = torch.cat([lo & 63, (mix & 15) | ((lo >> 6) << 4)], 1).float()
+    m = torch.cat([hi & 63, (mix >> 4) | ((hi >> 6) << 4)], 1).float()
+    return d * sc, dmin * m
+
+
+def qk_dequantize(blocks: torch.Tensor, fifth_bit: bool) -> torch.Tensor:
+    """fp32 weights of Q4_K (`fifth_bit` False) or Q5_K blocks (ggml's block_q4_K / block_q5_K: 256 weights
+    as 8 sub-blocks of 32; fp16 d and dmin, 12 bytes packing a 6-bit scale sc and minimum m per sub-block,
+    Q5_K's qh [32] fifth bits, qs [128] low 4 bits): w = (d sc) code - (dmin m), in the arithmetic of
+    `gguf.quants.Q4_K` / `Q5_K.dequantize_blocks` (both products in fp32, then the difference), so the
+    values equal theirs bit for bit.
+
+    Args:
+        blocks: [..., B * 144] (Q4_K) or [..., B * 176] (Q5_K) uint8, whole blocks along the last axis.
+    Returns:
+        [..., B * 256] fp32.
+    Raises:
+        ValueError: the last axis is not a whole number of blocks.
+    """
+    lead, b = _whole_blocks(blocks, Q5_K if fifth_bit else Q4_K)
+    ds, dm = _k_scales(b)
+    qs = b[:, -128:].reshape(-1, 4, 1, 32)
+    codes = torch.cat([qs & 15, qs >> 4], 2).reshape(-1, 8, 32)  # sub-block 2c: low nibbles of run c
+    if fifth_bit:
+        qh = b[:, 16:48]
+        codes = codes | (((qh[:, None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1) << 4)
+    return (ds[..., None] * codes.float() - dm[..., None]).reshape(*lead, -1)
+
+
 @dataclass(frozen=True)
 class BlockFormat:
-    """A GGUF block type the engine runs as stored: its name (the file's tensor type), weights and
-    bytes per block, the dequantization (equal to `gguf.quants.dequantize` bit for bit) and the
-    fused extension's kernel over its blocks (x [T, in] fp32, blocks [out, in / values * nbytes]
-    uint8 -> [T, out] fp32)."""
+    """A GGUF block type the engine runs as stored: its name (the file's tensor type), its ggml type number
+    (the fused extension's `block_gemv` takes it), weights and bytes per block, the dequantization (equal
+    to `gguf.quants.dequantize` bit for bit) and the input channels per int8 activation scale of its
+    kernel (32; 256 for Q4_K and Q5_K, as llama.cpp's Q8_K, so a block's sums stay integers)."""
     name: str
+    ggml_type: int
     values: int
     nbytes: int
     dequantize: Callable[[torch.Tensor], torch.Tensor]
-    gemv: str
+    act_group: int = 32
 
 
 def _whole_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Size, torch.Tensor]:
@@ -584,18 +620,21 @@ def _whole_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Size, t
     return blocks.shape[:-1], blocks.reshape(-1, fmt.nbytes)
 
 
-Q6_K = BlockFormat("Q6_K", 256, 210, q6k_dequantize, "q6k_gemv")
-Q5_0 = BlockFormat("Q5_0", 32, 22, q5_0_dequantize, "q5_0_gemv")
+# ggml type numbers: ggml.h's enum ggml_type (gguf.GGMLQuantizationType)
+Q5_0 = BlockFormat("Q5_0", 6, 32, 22, q5_0_dequantize)
+Q4_K = BlockFormat("Q4_K", 12, 256, 144, functools.partial(qk_dequantize, fifth_bit=False), act_group=256)
+Q5_K = BlockFormat("Q5_K", 13, 256, 176, functools.partial(qk_dequantize, fifth_bit=True), act_group=256)
+Q6_K = BlockFormat("Q6_K", 14, 256, 210, q6k_dequantize)
 
 
 class BlockLinear(nn.Module):
     """Linear layer over a GGUF file's blocks as stored, in the block format `FORMAT` (a subclass per
-    format: `Q6KLinear`, `Q5_0Linear`).
+    format: `Q4KLinear`, `Q5KLinear`, `Q6KLinear`, `Q5_0Linear`).
 
     Buffers: blocks [out, in / FORMAT.values * FORMAT.nbytes] uint8 (row n: its blocks), bias [out] or None.
-    forward(x [..., in]) -> [..., out] in x's dtype. On the CPU the fused extension's kernel of the
-    format (`FORMAT.gemv`) runs it: each row's activations quantized to int8 per group of 32 (scale
-    max|x| / 127) and multiplied with the codes in int32 per block or sub-block, scaled by the block's
+    forward(x [..., in]) -> [..., out] in x's dtype. On the CPU the fused extension's `block_gemv` runs
+    it with the format's kernel: each row's activations quantized to int8 per group of `FORMAT.act_group`
+    (scale max|x| / 127) and multiplied with the codes in int32 per block or sub-block, scaled by the block's
     scales and the group's activation scale (a row's result does not depend on the other rows in the
     call). Without the extension the same arithmetic runs in torch (`reference`). A projection that
     mixes block types (Q4_K_M's fused q/k/v with a Q6_K or Q8_0 v) is an `Int8Linear` instead
@@ -647,11 +686,11 @@ class BlockLinear(nn.Module):
 
     def reference(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, in] fp32 -> [M, out] fp32 (or only the output rows `rows` [R] int64: [M, R]; bias not
-        added): the arithmetic of the format's kernel in torch, x quantized per group of 32 as the kernel
-        does, products with the dequantized weights in float64 (the kernel's sums are exact per block or
-        sub-block, so the two agree to fp32 rounding)."""
+        added): the arithmetic of the format's kernel in torch, x quantized per group of `FORMAT.act_group`
+        as the kernel does, products with the dequantized weights in float64 (the kernel's sums are exact per
+        block or sub-block, so the two agree to fp32 rounding)."""
         m = x.shape[0]
-        xg = x.float().reshape(m, -1, 32)
+        xg = x.float().reshape(m, -1, self.FORMAT.act_group)
         amax = xg.abs().amax(-1, keepdim=True)
         q = torch.round(xg * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
         return ((q * (amax / 127)).reshape(m, -1).double() @ self.dequantized(rows).double().T).float()
@@ -661,7 +700,7 @@ class BlockLinear(nn.Module):
         added): the format's kernel on the CPU when the extension is built, `reference` otherwise."""
         blocks = self.blocks if rows is None else self.blocks.index_select(0, rows)
         ext = fused_ext() if x.device.type == "cpu" else None
-        return getattr(ext, self.FORMAT.gemv)(x, blocks) if ext is not None else self.reference(x, rows)
+        return ext.block_gemv(x, blocks, self.FORMAT.ggml_type) if ext is not None else self.reference(x, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -675,11 +714,27 @@ class BlockLinear(nn.Module):
                 "int8 activations")
 
 
+class Q4KLinear(BlockLinear):
+    """`BlockLinear` over Q4_K blocks (ggml's block_q4_K: 256 weights in 144 bytes, 4.5 bits each; most
+    projections of a Q4_K_M file): w = (d sc) code - (dmin m) per sub-block of 32, codes 0..15
+    (`qk_dequantize`); W4A8, the minimums subtracted once per sub-block through the activations' group
+    sums."""
+
+    FORMAT = Q4_K
+
+
+class Q5KLinear(BlockLinear):
+    """`BlockLinear` over Q5_K blocks (ggml's block_q5_K: 256 weights in 176 bytes, 5.5 bits each; most
+    projections of a Q5_K_M file): Q4_K with a fifth bit per code, codes 0..31 (`qk_dequantize`); W5A8."""
+
+    FORMAT = Q5_K
+
+
 class Q6KLinear(BlockLinear):
     """`BlockLinear` over Q6_K blocks (ggml's block_q6_K: 256 weights in 210 bytes, 6.5625 bits each; the
     tied head/embedding and part of attn_v/ffn_down of a Q4_K_M file): w[n, k] = d * scale(k / 16) *
-    (code - 32), codes 0..63 (`q6k_dequantize`); W6A8 in the fused extension's `q6k_gemv`, the bias of 32
-    subtracted once per run of 16 weights."""
+    (code - 32), codes 0..63 (`q6k_dequantize`); W6A8, the bias of 32 subtracted once per run of 16
+    weights."""
 
     FORMAT = Q6_K
 
@@ -687,8 +742,8 @@ class Q6KLinear(BlockLinear):
 class Q5_0Linear(BlockLinear):
     """`BlockLinear` over Q5_0 blocks (ggml's block_q5_0: 32 weights in 22 bytes, 5.5 bits each; most of a
     Q4_K_M file whose rows are not whole 256-blocks, e.g. Qwen2.5-0.5B's hidden size 896):
-    w[n, k] = d * (code - 16), codes 0..31 (`q5_0_dequantize`); W5A8 in the fused extension's `q5_0_gemv`,
-    the bias of 16 subtracted once per block through the activations' group sums."""
+    w[n, k] = d * (code - 16), codes 0..31 (`q5_0_dequantize`); W5A8, the bias of 16 subtracted once per
+    block through the activations' group sums."""
 
     FORMAT = Q5_0
 
@@ -729,6 +784,18 @@ class BlockEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.FORMAT.name} blocks"
 
 
+class Q4KEmbedding(BlockEmbedding):
+    """`BlockEmbedding` of Q4_K blocks (the `token_embd.weight` of a Q4_K_M file with an untied head)."""
+
+    FORMAT = Q4_K
+
+
+class Q5KEmbedding(BlockEmbedding):
+    """`BlockEmbedding` of Q5_K blocks (the `token_embd.weight` of a Q5_K_M file with an untied head)."""
+
+    FORMAT = Q5_K
+
+
 class Q6KEmbedding(BlockEmbedding):
     """`BlockEmbedding` of Q6_K blocks (a Q4_K_M file's `token_embd.weight` when the hidden size is a
     multiple of 256)."""
@@ -743,8 +810,8 @@ class Q5_0Embedding(BlockEmbedding):
 
 
 # the block formats run as stored, by GGUF tensor type: their linear and embedding classes
-BLOCK_LINEARS = {cls.FORMAT.name: cls for cls in (Q6KLinear, Q5_0Linear)}
-BLOCK_EMBEDDINGS = {cls.FORMAT.name: cls for cls in (Q6KEmbedding, Q5_0Embedding)}
+BLOCK_LINEARS = {cls.FORMAT.name: cls for cls in (Q4KLinear, Q5KLinear, Q6KLinear, Q5_0Linear)}
+BLOCK_EMBEDDINGS = {cls.FORMAT.name: cls for cls in (Q4KEmbedding, Q5KEmbedding, Q6KEmbedding, Q5_0Embedding)}
 
 
 QUANTIZED = (Int8Linear, Int4Linear, Int4TinygemmLinear, BlockLinear)  # quantized layer types (`quantize`, `load_gguf`)
@@ -782,7 +849,7 @@ def linear_rows(linear: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch
 
     Returns [M, K] fp32. Reads K rows of the weight instead of all of them (lm_head logits for
     the token ids a grammar allows); an `Int8Linear` (`BlockLinear`) on the CPU runs the same W8A8 (block
-    format's) kernel as its `forward` (`int8_gemv`, `BlockFormat.gemv`), so the selected logits equal the
+    format's) kernel as its `forward` (`int8_gemv`, `block_gemv`), so the selected logits equal the
     full head's columns.
 
     Raises:

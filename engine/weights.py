@@ -239,8 +239,8 @@ def _quantized_path(files: ModelFiles, fmt: str) -> Path:
 
 
 def _layer_kinds(model) -> dict[str, str]:
-    """{module name: "int4" | "int8" | "int8-group<G>" | "float" | "int8-embedding" | "q6k" | "q6k-embedding" |
-    "q5_0" | "q5_0-embedding"} of every linear layer and of the token embedding of `model`: which class (and
+    """{module name: "int4" | "int8" | "int8-group<G>" | "float" | "int8-embedding" | a block format's name in
+    lower case ("q4_k", "q6_k", ...) | that name + "-embedding"} of every linear layer and of the token embedding of `model`: which class (and
     `Int8Linear` group) `load_quantized` rebuilds before it fills the layers."""
     kinds = _kind_names()
     return {name: kinds[type(m)] + (f"-group{m.group}" if getattr(m, "group", None) else "")
@@ -251,10 +251,11 @@ def _kind_names() -> dict:
     # {layer class: its name in the cache entry's layer_kinds} (`_layer_kinds`, `load_quantized`)
     from torch import nn
 
-    from .quant import Int4Linear, Int8Embedding, Int8Linear, Q5_0Embedding, Q5_0Linear, Q6KEmbedding, Q6KLinear
+    from .quant import BLOCK_EMBEDDINGS, BLOCK_LINEARS, Int4Linear, Int8Embedding, Int8Linear
 
     return {Int4Linear: "int4", Int8Linear: "int8", nn.Linear: "float", Int8Embedding: "int8-embedding",
-            Q6KLinear: "q6k", Q6KEmbedding: "q6k-embedding", Q5_0Linear: "q5_0", Q5_0Embedding: "q5_0-embedding"}
+            **{cls: cls.FORMAT.name.lower() for cls in BLOCK_LINEARS.values()},
+            **{cls: f"{cls.FORMAT.name.lower()}-embedding" for cls in BLOCK_EMBEDDINGS.values()}}
 
 
 def load_quantized(files: ModelFiles, fmt: str):
@@ -781,20 +782,23 @@ def load_gguf(files: ModelFiles):
 
     Each block projection (the engine fuses q/k/v and gate/up) becomes:
     - `Int4Linear` holding the file's codes, scales and minimums as they are (`quant.gguf_int4_groups`)
-      when all its tensors are Q4_0, Q4_1 or Q4_K: the same values, no re-quantization (scale and
-      min rounded to bf16, the kernel's layout);
+      when all its tensors are Q4_0, Q4_1 or Q4_K (most of a Q4_K_M file): the same values, no
+      re-quantization (scale and min rounded to bf16, the kernel's layout; its W4A8 kernel, 16 output
+      channels per vector, runs a decode step in 0.78-0.87x and a prefill in 0.6-0.7x the time of the
+      row-wise Q4_K kernel at 1.5b widths, for 1.11x the bytes);
     - a `quant.BlockLinear` holding the file's blocks as stored when all its tensors are of one block
-      format the engine runs (`quant.BLOCK_LINEARS`): `Q6KLinear` for Q6_K (a Q4_K_M file's ffn_down in
-      about half the layers), `Q5_0Linear` for Q5_0 (most of a Q4_K_M file whose rows are not whole
-      256-blocks, such as Qwen2.5-0.5B's);
+      format the engine runs (`quant.BLOCK_LINEARS`): `Q5KLinear` for Q5_K (a Q5_K_M file),
+      `Q6KLinear` for Q6_K (a Q4_K_M file's ffn_down in about half the layers), `Q5_0Linear` for Q5_0
+      (most of a Q4_K_M file whose rows are not whole 256-blocks, such as Qwen2.5-0.5B's), `Q4KLinear`
+      for Q4_K rows the int4 layout does not take;
     - `nn.Linear` (fp32) when all are F32/F16/BF16;
-    - otherwise (Q8_0, Q5_1, Q5_K, ... or a mix, such as Q4_K_M's q/k Q4_K with a Q6_K v) `Int8Linear`
+    - otherwise (Q8_0, Q5_1, Q3_K, ... or a mix, such as Q4_K_M's q/k Q4_K with a Q6_K v) `Int8Linear`
       with one scale per 32 input channels of that projection's dequantized weights, made from blocks of
       its rows (`_projection_rows`, no fp32 copy of the projection): Q8_0 blocks are kept exactly
       (`quant.int8_groups`), others get 8-bit codes per 32 values.
     The embedding table is a `quant.BlockEmbedding` of the file's blocks when of such a format with whole
-    blocks per row (`quant.BLOCK_EMBEDDINGS`; a Q4_K_M file's Q6_K table when the hidden size is a
-    multiple of 256), an `Int8Embedding` when otherwise quantized (exact for Q8_0), fp32 when float.
+    blocks per row (`quant.BLOCK_EMBEDDINGS`; a Q4_K_M file's Q6_K table, or Q4_K when its head is untied,
+    when the hidden size is a multiple of 256), an `Int8Embedding` when otherwise quantized (exact for Q8_0), fp32 when float.
     The lm_head is likewise a `BlockLinear` of its blocks, else such an `Int8Linear` of its dequantized
     weights when quantized, fp32 `nn.Linear` when float; a tied one runs the embedding's own tensors
     (`BlockLinear.tied`, `Int8Linear.tied`: held once). Norms fp32
@@ -846,14 +850,15 @@ def load_gguf(files: ModelFiles):
         bias = None if not bias_names else torch.cat(
             [torch.from_numpy(rows(tensor(n), _dequantized(tensor(n), path))) for n in bias_names])
         shape = tuple(like.weight.shape)
-        native = BLOCK_LINEARS.get(next(iter(kinds))) if len(kinds) == 1 else None
+        int4 = kinds <= set(GGUF_INT4_TYPES) and Int4Linear.supports(shape)
+        native = BLOCK_LINEARS.get(next(iter(kinds))) if len(kinds) == 1 and not int4 else None
         if native is not None and native.supports(shape):
             layer = native(torch.cat([torch.from_numpy(rows(t, np.array(t.data))) for t in parts]), bias)
             if (layer.out_features, layer.in_features) != shape:
                 raise ModelLoadError(f"{path}: {names} hold {(layer.out_features, layer.in_features)} weights, "
                                      f"the configuration says {shape}")
             return layer
-        if kinds <= set(GGUF_INT4_TYPES) and Int4Linear.supports(shape):
+        if int4:
             groups = [[rows(t, g) for g in gguf_int4_groups(t.data, t.tensor_type.name)] for t in parts]
             codes, scale, minimum = (torch.cat(g) for g in zip(*groups))
             weight = None

@@ -84,6 +84,28 @@ def q6k_blocks(n: int, k: int, seed: int = 0, d: float = 1e-4, scale: int = 127)
     return torch.from_numpy(b.reshape(n, -1))
 
 
+def qk_blocks(n: int, k: int, fifth_bit: bool = False, seed: int = 0, d: float = 1e-3):
+    """Random Q4_K (or, with `fifth_bit`, Q5_K) blocks [n, k / 256 * (144 or 176)] uint8 (ggml's block_q4_K /
+    block_q5_K): every code, fifth bit and 6-bit scale and minimum random, fp16 d and dmin uniform in
+    [0, d) per block."""
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (n, k // 256, 176 if fifth_bit else 144), dtype=np.uint8)
+    b[..., :4] = (rng.random((n, k // 256, 2)) * d).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(b.reshape(n, -1))
+
+
+def block_layer(fmt: str, n: int, k: int, seed: int = 0):
+    """A `quant.BlockLinear` of format `fmt` ("Q4_K", "Q5_K", "Q6_K" or "Q5_0") over random blocks [n, k]."""
+    from tokenspeed import quant
+
+    blocks = {"Q4_K": lambda: qk_blocks(n, k, seed=seed), "Q5_K": lambda: qk_blocks(n, k, True, seed=seed),
+              "Q6_K": lambda: q6k_blocks(n, k, seed=seed), "Q5_0": lambda: q5_0_blocks(n, k, seed=seed)}[fmt]()
+    return quant.BLOCK_LINEARS[fmt](blocks)
+
+
 def q5_0_blocks(n: int, k: int, seed: int = 0, d: float = 1e-2):
     """Random Q5_0 blocks [n, k / 32 * 22] uint8 (ggml's block_q5_0): every code 0..31 (random qh and qs
     bytes), fp16 d uniform in [0, d) per block."""

@@ -4,7 +4,7 @@
 // RMSNorm (Qwen3), rotary embedding (skipped in SmolLM3's NoPE layers), KV-cache write,
 // grouped-query attention over the cached prefix (causal among the new tokens), output projection,
 // SwiGLU MLP and both residual adds. The projections call the same kernels as the Python path
-// (int4_matmul, int8_gemv, q6k_gemv and q5_0_gemv below, fp32 GEMM); the elementwise work runs as plain loops here, so a
+// (int4_matmul, int8_gemv and block_gemv below, fp32 GEMM); the elementwise work runs as plain loops here, so a
 // token costs a few ATen dispatches per layer instead of ~190 Python-level ops. The GIL is released
 // for the whole call. The numerical kernels live in the torch-free core (cpu_kernels.h, compiled
 // per instruction-set family); this file binds them to torch and splits their work over torch's
@@ -21,7 +21,8 @@
 
 namespace {
 
-enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kQ6K = 3, kQ5_0 = 4 };
+// kBlocks + a ggml type number: a GGUF file's blocks of that type as stored (block_gemv)
+enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kBlocks = 16 };
 constexpr int64_t kAttendRows = 64;  // query rows per parallel attention work item
 constexpr int64_t kBurstRows = 16;   // calls of at least this many rows (prefill bursts) use every torch thread
 
@@ -56,47 +57,27 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor w, at::Tensor scales) {
   return y;
 }
 
-// y [T, N] fp32 = x [T, K] fp32 times a GGUF file's Q6_K blocks as stored, blocks [N, K / 256 * 210]
-// uint8 (W6A8: x quantized to int8 per group of 32, see cpu_kernels.h ts_q6k_rows); threads split the
-// output rows, a decode step stays on the calling thread.
-at::Tensor q6k_gemv(at::Tensor x, at::Tensor blocks) {
+// y [T, N] fp32 = x [T, K] fp32 times a GGUF file's blocks as stored in block format `format` (a ggml
+// type number: Q5_0, Q4_K, Q5_K or Q6_K, see cpu_kernels.h ts_block_format), blocks [N, K / values * bytes]
+// uint8 (x quantized to int8 per group of 32, or 256 for Q4_K and Q5_K, see ts_block_quantize); threads split the output rows, a
+// decode step stays on the calling thread.
+at::Tensor block_gemv(at::Tensor x, at::Tensor blocks, int64_t format) {
+  int64_t values = 0, bytes = 0, act_group = 0, aux_run = 0;
+  TORCH_CHECK(ts_block_format(format, &values, &bytes, &act_group, &aux_run), "block_gemv: no kernel for ggml type ", format);
   TORCH_CHECK(x.scalar_type() == at::kFloat && blocks.scalar_type() == at::kByte && blocks.dim() == 2,
-              "q6k_gemv needs fp32 x and uint8 blocks [N, K / 256 * 210]");
+              "block_gemv needs fp32 x and uint8 blocks [N, K / ", values, " * ", bytes, "]");
   x = x.contiguous();
   const int64_t T = x.size(0), K = x.size(1), N = blocks.size(0);
-  TORCH_CHECK(K % 256 == 0 && blocks.size(1) == K / 256 * 210 && blocks.is_contiguous(),
-              "q6k_gemv: blocks must be contiguous [N, K / 256 * 210] for x's ", K, " input channels");
+  TORCH_CHECK(K % values == 0 && blocks.size(1) == K / values * bytes && blocks.is_contiguous(),
+              "block_gemv: blocks must be contiguous [N, K / ", values, " * ", bytes, "] for x's ", K, " input channels");
   at::Tensor y = at::empty({T, N}, x.options());
   std::vector<int8_t> q(T * K);
-  std::vector<float> sx(T * K / 32), off(T * K / 16);
-  ts_quantize_rows(x.data_ptr<float>(), T, K, q.data(), sx.data(), nullptr);
-  ts_q6k_offsets(q.data(), sx.data(), T, K, off.data());
+  std::vector<float> sx(T * K / act_group), aux(T * K / aux_run);
+  ts_block_quantize(format, x.data_ptr<float>(), T, K, q.data(), sx.data(), aux.data());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, grain_for(T, N, 256), [&](int64_t lo, int64_t hi) {
-    ts_q6k_rows(q.data(), sx.data(), off.data(), T, K, bp, yp, N, lo, hi);
-  });
-  return y;
-}
-
-// y [T, N] fp32 = x [T, K] fp32 times a GGUF file's Q5_0 blocks as stored, blocks [N, K / 32 * 22]
-// uint8 (W5A8: x quantized to int8 per group of 32, see cpu_kernels.h ts_q5_0_rows); threads split the
-// output rows, a decode step stays on the calling thread.
-at::Tensor q5_0_gemv(at::Tensor x, at::Tensor blocks) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && blocks.scalar_type() == at::kByte && blocks.dim() == 2,
-              "q5_0_gemv needs fp32 x and uint8 blocks [N, K / 32 * 22]");
-  x = x.contiguous();
-  const int64_t T = x.size(0), K = x.size(1), N = blocks.size(0);
-  TORCH_CHECK(K % 32 == 0 && blocks.size(1) == K / 32 * 22 && blocks.is_contiguous(),
-              "q5_0_gemv: blocks must be contiguous [N, K / 32 * 22] for x's ", K, " input channels");
-  at::Tensor y = at::empty({T, N}, x.options());
-  std::vector<int8_t> q(T * K);
-  std::vector<float> sx(T * K / 32), xs(T * K / 32);
-  ts_quantize_rows(x.data_ptr<float>(), T, K, q.data(), sx.data(), xs.data());
-  const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, grain_for(T, N, 256), [&](int64_t lo, int64_t hi) {
-    ts_q5_0_rows(q.data(), sx.data(), xs.data(), T, K, bp, yp, N, lo, hi);
+    ts_block_rows(format, q.data(), sx.data(), aux.data(), T, K, bp, yp, N, lo, hi);
   });
   return y;
 }
@@ -126,10 +107,9 @@ at::Tensor int4_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales) {
 
 namespace {
 
-// One projection: weight (dense [N, K] fp32, int8 [N, K], int4 codes [N / 16, K / 8, 64], Q6_K blocks
-// [N, K / 256 * 210] or Q5_0 blocks [N, K / 32 * 22] uint8), its scales (int8: fp32 [N] or [N, G]; int4:
-// bf16 [N / 16, K / 32, 2, 16]; Q6_K, Q5_0: none, they are in the blocks) and an optional bias [N] (empty
-// if none).
+// One projection: weight (dense [N, K] fp32, int8 [N, K], int4 codes [N / 16, K / 8, 64], or a GGUF
+// block format's blocks [N, K / values * bytes] uint8), its scales (int8: fp32 [N] or [N, G]; int4: bf16
+// [N / 16, K / 32, 2, 16]; blocks: none, they are in the blocks) and an optional bias [N] (empty if none).
 struct Linear {
   at::Tensor weight, scales, bias;
   int64_t kind;
@@ -142,10 +122,8 @@ at::Tensor linear(const Linear& l, const at::Tensor& x) {
     y = int4_matmul(x, l.weight, l.scales);
   } else if (l.kind == kInt8) {
     y = int8_gemv(x, l.weight, l.scales);
-  } else if (l.kind == kQ6K) {
-    y = q6k_gemv(x, l.weight);
-  } else if (l.kind == kQ5_0) {
-    y = q5_0_gemv(x, l.weight);
+  } else if (l.kind >= kBlocks) {
+    y = block_gemv(x, l.weight, l.kind - kBlocks);
   } else {
     y = at::linear(x, l.weight);
   }
@@ -331,7 +309,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(ts_isa_name()); }, "the instruction-set family of this build");
   m.def("int8_gemv", &int8_gemv, "int8 weight x int8-quantized activations (W8A8)", py::call_guard<py::gil_scoped_release>());
-  m.def("q6k_gemv", &q6k_gemv, "Q6_K blocks x int8-quantized activations (W6A8)", py::call_guard<py::gil_scoped_release>());
-  m.def("q5_0_gemv", &q5_0_gemv, "Q5_0 blocks x int8-quantized activations (W5A8)",
+  m.def("block_gemv", &block_gemv, "GGUF blocks as stored (Q4_K, Q5_0, Q5_K, Q6_K) x int8-quantized activations",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -5,7 +5,7 @@ RMSNorm, rotary except in SmolLM3's NoPE layers, KV-cache write (fp16 or fp32), 
 projection, SwiGLU) as loops around the same kernels, with the
 GIL released, so that a decode step pays no per-op framework dispatch (`tokenspeed bench profile`
 shows that cost). The numerical kernels (`cpu_kernels.cpp`, a torch-free C ABI: the W4A8
-`int4_matmul`, the W8A8 `int8_gemv`, the W6A8 `q6k_gemv` and the W5A8 `q5_0_gemv`) are written once over a
+`int4_matmul`, the W8A8 `int8_gemv` and `block_gemv` over GGUF blocks as stored) are written once over a
 thin ISA layer (`cpu_isa.h`)
 and compiled for one variant (`VARIANTS`): the best this CPU runs, or `TOKENSPEED_CPU_ISA`.
 The build goes to `<cache>/ext/<variant>-<hash>`, the hash covering sources, torch, flags and the
@@ -131,9 +131,9 @@ def load(cache: Path, variant: str | None = None, verbose: bool = False):
     Returns:
         a module with `decode_layers(...)`, `int4_matmul(x [T, K] fp32, codes, scales) -> [T, N] fp32` (the
         `quant.Int4Linear` layout), `int8_gemv(x [T, K] fp32, w [N, K] int8, scales [N] or [N, K / 32] fp32) -> [T, N] fp32` (W8A8,
-        `quant.Int8Linear.reference`), `q6k_gemv(x [T, K] fp32, blocks [N, K / 256 * 210] uint8) -> [T, N] fp32`
-        (W6A8 over a GGUF file's Q6_K blocks, `quant.Q6KLinear`), `q5_0_gemv(x [T, K] fp32, blocks [N, K / 32 * 22]
-        uint8) -> [T, N] fp32` (W5A8 over Q5_0 blocks, `quant.Q5_0Linear`) and `isa() -> str` (the variant's family name).
+        `quant.Int8Linear.reference`), `block_gemv(x [T, K] fp32, blocks [N, K / values * bytes] uint8, ggml_type)
+        -> [T, N] fp32` (a GGUF file's Q4_K, Q5_K, Q6_K or Q5_0 blocks as stored, `quant.BlockLinear`) and
+        `isa() -> str` (the variant's family name).
     Raises:
         CpuVariantError: unknown variant, or one this CPU cannot run.
     """
@@ -185,15 +185,15 @@ def _projections(layer) -> tuple:
     return layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2
 
 
-_BLOCK_KINDS = {"Q6_K": 3, "Q5_0": 4}  # the C++ step's kind of a GGUF block format run as stored
+_BLOCKS = 16  # the C++ step's kind of GGUF blocks as stored: 16 + the format's ggml type number
 
 
 def _kind(lin) -> int | None:
-    """The C++ step's kind of a projection: 3 Q6_K, 4 Q5_0 (`blocks` buffer and a `FORMAT` naming the
-    block type, `quant.BlockLinear`), 2 W4A8 (`codes`, `scales` buffers), 1 int8 (`qweight`, `scales`),
+    """The C++ step's kind of a projection: 16 + ggml type number for GGUF blocks (`blocks` buffer and a
+    `FORMAT`, `quant.BlockLinear`), 2 W4A8 (`codes`, `scales` buffers), 1 int8 (`qweight`, `scales`),
     0 fp32 `nn.Linear`, None for anything else."""
     if hasattr(lin, "blocks"):
-        return _BLOCK_KINDS.get(lin.FORMAT.name)
+        return _BLOCKS + lin.FORMAT.ggml_type
     if hasattr(lin, "codes") and hasattr(lin, "scales"):
         return 2
     if hasattr(lin, "qweight") and hasattr(lin, "scales"):
@@ -205,7 +205,7 @@ class FusedDecode:
     """The fused decode step for one `Transformer`: its weights gathered once into flat lists.
 
     `FusedDecode.supports(model)` says whether the model qualifies (on the CPU, fp32, every block
-    projection an `nn.Linear`, `quant.Int8Linear`, `quant.Int4Linear`, `quant.Q6KLinear` or `quant.Q5_0Linear`); then
+    projection an `nn.Linear`, `quant.Int8Linear`, `quant.Int4Linear` or a `quant.BlockLinear`); then
     `FusedDecode(ext, model)` with the extension from `load`.
     """
 
@@ -217,7 +217,7 @@ class FusedDecode:
             for lin in _projections(layer):
                 bias = lin.bias if lin.bias is not None else empty
                 kind = _kind(lin)
-                weight = (lin.blocks if kind in _BLOCK_KINDS.values() else lin.codes if kind == 2
+                weight = (lin.blocks if kind >= _BLOCKS else lin.codes if kind == 2
                           else lin.qweight if kind == 1 else lin.weight)
                 self.tensors += [weight, lin.scales if kind in (1, 2) else empty, bias]
                 self.kinds.append(kind)

@@ -73,18 +73,12 @@ class Harness:
         req = struct.pack("<i", 2) + _i64(T, K, N, G) + _raw(x.float()) + _raw(w) + _raw(scales.float())
         return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
 
-    def q6k_gemv(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """x [T, K] fp32, Q6_K blocks [N, K / 256 * 210] uint8 -> y [T, N] fp32 (W6A8, as the extension's)."""
+    def block_gemv(self, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+        """x [T, K] fp32, a GGUF block format's blocks [N, K / values * bytes] uint8 (`ggml_type`: Q4_K, Q5_K,
+        Q6_K or Q5_0's number) -> y [T, N] fp32 (as the extension's `block_gemv`)."""
         T, K = x.shape
         N = blocks.shape[0]
-        req = struct.pack("<i", 6) + _i64(T, K, N) + _raw(x.float()) + _raw(blocks)
-        return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
-
-    def q5_0_gemv(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """x [T, K] fp32, Q5_0 blocks [N, K / 32 * 22] uint8 -> y [T, N] fp32 (W5A8, as the extension's)."""
-        T, K = x.shape
-        N = blocks.shape[0]
-        req = struct.pack("<i", 7) + _i64(T, K, N) + _raw(x.float()) + _raw(blocks)
+        req = struct.pack("<i", 6) + _i64(ggml_type, T, K, N) + _raw(x.float()) + _raw(blocks)
         return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
 
     def attend(self, q: torch.Tensor, T: int, start: int, k: torch.Tensor, v: torch.Tensor,

@@ -24,11 +24,15 @@
 // low half): x86 multiplies |w| (u8) by q with w's sign (the sign trick of llama.cpp's Q8_0 dot)
 // in vpdpbusd, or vpmaddubsw + vpmaddwd without VNNI; NEON uses sdot or smull; generic plain C.
 //
-// The Q6_K and Q5_0 kernels run dot4 on unsigned codes 0..63 and 0..31 (one call per dsum: avx2's int16
+// The block kernels (Q4_K, Q5_0, Q5_K, Q6_K) run dot4 on unsigned codes 0..15, 0..31 and 0..63 (one call per dsum: avx2's int16
 // pair sums stay below 2 * 63 * 127 = 16002).
 // q5_codes(qs, qh, k) gives the codes 0..31 of weights k .. k + kGroupBytes of a Q5_0 block (k a multiple of
 // kGroupBytes below 32; avx512 fills only its low half): low 4 bits from the 16 bytes qs (weight l < 16 in
 // qs[l]'s low nibble, 16 + l in its high one), the fifth from bit i of qh (ggml's block_q5_0).
+// dot4_times(acc, u, s, c) = acc + c * dot4(izero(), u, s) per int32 lane, c a 6-bit sub-block scale (the
+// Q4_K / Q5_K kernel's integer sums per block of 256; avx2's int16 pairs: c * (at most 2 * 31 * 127) fits).
+// bit_or_16(v, h, mask) sets 16 in each byte of v whose byte in h has a bit of `mask` set (Q5_K's fifth
+// bits; v's bytes are codes 0..15).
 // lane_scales(s) gives each int32 lane of such a dot4s the scale s[i] of the 16-byte run it covers
 // (lane l of a chunk starting at a multiple of 16 bytes covers bytes 4l..4l+3: run l / 4): the Q6_K
 // kernel's per-16-weight scales.
@@ -161,6 +165,13 @@ inline vi q5_codes(const uint8_t* qs, uint32_t qh, int) {
   const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
   return _mm512_castsi256_si512(_mm256_or_si256(lo, _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10))));
 }
+inline vi dot4_times(vi acc, vi u, vi s, int c) {
+  return _mm512_add_epi32(acc, _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s), _mm512_set1_epi32(c)));
+}
+inline vi bit_or_16(vi v, vi h, int mask) {
+  const __mmask64 set = _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(mask)));
+  return _mm512_or_si512(v, _mm512_maskz_mov_epi8(set, _mm512_set1_epi8(0x10)));
+}
 // lane l (< kGroupBytes / 4) = s[l / 4], the scale of the 16 bytes it covers in a dot4s over iload_s8
 inline vf lane_scales(const float* s) {
   const __m512 two = _mm512_castpd_ps(_mm512_castpd128_pd512(_mm_load_sd(reinterpret_cast<const double*>(s))));
@@ -228,6 +239,9 @@ inline vi dsum(vi acc) { return acc; }
 inline vi dot4s(vi acc, vi w, vi q) {  // signed w and q (|q| <= 127): |w| x q * sign(w)
   return _mm256_dpbusd_avx_epi32(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w));
 }
+inline vi dot4_times(vi acc, vi u, vi s, int c) {
+  return _mm256_add_epi32(acc, _mm256_mullo_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s), _mm256_set1_epi32(c)));
+}
 #else
 // acc holds int16 lanes (two per 32-bit lane): u <= 15, |s| <= 127, so a pair sum is at most
 // 2 * 15 * 127 = 3810 and 8 of them 30480 < 2^15: no saturation, the sums stay exact.
@@ -238,6 +252,9 @@ inline vi dsum(vi acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 inline vi dot4s(vi acc, vi w, vi q) {
   const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(q, w));
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline vi dot4_times(vi acc, vi u, vi s, int c) {  // the int16 pair sums times c, widened in one vpmaddwd
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(static_cast<int16_t>(c))));
 }
 #endif
 inline vf to_float(vi v) { return _mm256_cvtepi32_ps(v); }
@@ -251,6 +268,10 @@ inline vi q5_codes(const uint8_t* qs, uint32_t qh, int) {
                                                                 0x0303030303030303));
   const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
   return _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+inline vi bit_or_16(vi v, vi h, int mask) {
+  const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
+  return _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, m), m), _mm256_set1_epi8(0x10)));
 }
 inline vf lane_scales(const float* s) {  // lanes 0-3 s[0], lanes 4-7 s[1]
   const __m256 two = _mm256_castpd_ps(_mm256_castpd128_pd256(_mm_load_sd(reinterpret_cast<const double*>(s))));
@@ -311,6 +332,7 @@ inline vi dot4s(vi acc, vi w, vi q) {  // products of at most 128 * 128 fit int1
 #endif
 inline vi dot4(vi acc, vi u, vi s) { return dot4s(acc, u, s); }  // codes 0..15 are valid signed bytes
 inline vi dsum(vi acc) { return acc; }
+inline vi dot4_times(vi acc, vi u, vi s, int c) { return vmlaq_n_s32(acc, dot4(izero(), u, s), c); }
 inline vf to_float(vi v) { return vcvtq_f32_s32(v); }
 inline vi q5_codes(const uint8_t* qs, uint32_t qh, int k) {  // k = 0 or 16
   const uint8x16_t b = vld1q_u8(qs);
@@ -318,6 +340,10 @@ inline vi q5_codes(const uint8_t* qs, uint32_t qh, int k) {  // k = 0 or 16
   const uint8x16_t spread = vcombine_u8(vdup_n_u8(static_cast<uint8_t>(qh >> k)), vdup_n_u8(static_cast<uint8_t>(qh >> (k + 8))));
   const uint8x16_t bit = vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ull));
   return vreinterpretq_s32_u8(vorrq_u8(lo, vandq_u8(vtstq_u8(spread, bit), vdupq_n_u8(0x10))));
+}
+inline vi bit_or_16(vi v, vi h, int mask) {
+  const uint8x16_t set = vtstq_u8(vreinterpretq_u8_s32(h), vdupq_n_u8(static_cast<uint8_t>(mask)));
+  return vreinterpretq_s32_u8(vorrq_u8(vreinterpretq_u8_s32(v), vandq_u8(set, vdupq_n_u8(0x10))));
 }
 inline vf lane_scales(const float* s) { return vdupq_n_f32(s[0]); }  // 16 bytes: one scale
 
@@ -356,6 +382,7 @@ inline vi dot4(vi acc, vi u, vi s) {
   return acc;
 }
 inline vi dsum(vi acc) { return acc; }
+inline vi dot4_times(vi acc, vi u, vi s, int c) { return acc + c * dot4(0, u, s); }
 inline vf to_float(vi v) { return static_cast<float>(v); }
 constexpr int kGroupBytes = 4;
 inline vi iload_s8(const int8_t* p) { return load_i32(p); }
@@ -372,6 +399,12 @@ inline vi q5_codes(const uint8_t* qs, uint32_t qh, int k) {
     v |= static_cast<uint32_t>(((qs[w & 15] >> (w & 16 ? 4 : 0)) & 15) | ((qh >> w) & 1) << 4) << (8 * i);
   }
   return static_cast<int32_t>(v);
+}
+inline vi bit_or_16(vi v, vi h, int mask) {
+  uint32_t out = static_cast<uint32_t>(v);
+  for (int b = 0; b < 4; ++b)
+    if ((static_cast<uint32_t>(h) >> (8 * b)) & static_cast<uint32_t>(mask)) out |= 0x10u << (8 * b);
+  return static_cast<int32_t>(out);
 }
 inline vf lane_scales(const float* s) { return s[0]; }
 #endif

@@ -265,106 +265,222 @@ void int8_panel(const int8_t* q, const float* sx, int64_t t0, int64_t K, const i
   if (j < j1) with_rows<RM>(static_cast<int>(j1 - j), [&](auto rm) { tiles(rm, j, j1); });
 }
 
-// ---- Q6_K weights x int8 activations (W6A8: ggml's Q6_K blocks as stored x Q8 activations per 32)
-//
-// A Q6_K block holds 256 weights in 210 bytes: ql [128] (low 4 bits), qh [64] (high 2 bits), scales
-// [16] int8 (one per 16 weights), d fp16; weight i = d * scales[i / 16] * (code_i - 32), code_i =
-// (ql[64 h + l] >> 4 (c / 2) & 15) | (qh[32 h + l'] >> 2 c & 3) << 4 for i = 128 h + 32 c + l',
-// l = 32 (c % 2) + l' (ggml's dequantize_row_q6_K; gguf.quants.Q6_K).
-constexpr int64_t kQ6Block = 256, kQ6Bytes = 210, kQ6Run = 16;
-
-// One block b [210] -> its codes u [256] (0..63) and the scale of each run of 16 weights, fs [16]
-// (d * scales[i]): plain loops the compiler vectorises.
-inline void q6k_unpack(const uint8_t* b, uint8_t* u, float* fs) {
-  const uint8_t *ql = b, *qh = b + 128;
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = half_to_float(static_cast<uint16_t>(b[208] | b[209] << 8));
-  for (int h = 0; h < 2; ++h)
-    for (int c = 0; c < 4; ++c) {
-      const uint8_t* lo = ql + 64 * h + 32 * (c & 1);
-      const int shift = 4 * (c >> 1);
-      uint8_t* out = u + 128 * h + 32 * c;
-      for (int l = 0; l < 32; ++l) out[l] = ((lo[l] >> shift) & 15) | ((qh[32 * h + l] >> (2 * c)) & 3) << 4;
-    }
-  const vf vd = set1(d);
-  for (int i = 0; i < kQ6Block / kQ6Run; i += kW) store(fs + i, mul(vd, load_s8(sc + i)));
-}
-
-// Rows t0 .. t0 + TT of y for output rows [j0, j1) of Q6_K weights (row j: K / 256 blocks of 210
-// bytes at blocks + j * K / 256 * 210) and activations quantized per group of 32 (ts_quantize_rows),
-// with off [T, K / 16] = 32 * sx[t, group(run)] * sum_{k in run} q[t, k] per run of 16 (q6k_offsets):
-// y[t, j] = sum over 4-byte lanes c of (d scale(c) * sx[t, group(c)]) * sum_{k in c} code[j, k] q[t, k]
-//           - sum over runs r of d scale(r) * off[t, r],
-// the lane sums exact int32 (dot4 of the unsigned codes; a lane never straddles a run of 16, lane_scales
-// gives its scale), the float sums fused multiply-adds per lane in ascending k, then one horizontal sum:
-// a row's result is its own data's alone, whatever TT and T. Each block is unpacked once for the TT rows.
-template <int TT>
-void q6k_block(const int8_t* q, const float* sx, const float* off, int64_t t0, int64_t K, const uint8_t* blocks,
-               float* y, int64_t N, int64_t j0, int64_t j1) {
-  const int64_t nb = K / kQ6Block, groups = K / kQGroup, runs = K / kQ6Run;
-  alignas(64) uint8_t u[kQ6Block + 64];  // + 64: avx512's iload reads 64 bytes (the dot uses 32)
-  alignas(64) float fs[kQ6Block / kQ6Run + 1];  // + 1: lane_scales reads two
-  fs[kQ6Block / kQ6Run] = 0.f;
-  for (int64_t j = j0; j < j1; ++j) {
-    vf acc[TT], neg[TT];
-    for (int t = 0; t < TT; ++t) acc[t] = neg[t] = zero();
-    for (int64_t b = 0; b < nb; ++b) {
-      q6k_unpack(blocks + (j * nb + b) * kQ6Bytes, u, fs);
-      for (int64_t k = 0; k < kQ6Block; k += kGroupBytes) {
-        const vi uv = iload(u + k);
-        const vf s = lane_scales(fs + k / kQ6Run);
-        const int64_t at = b * kQ6Block + k, g = at / kQGroup;
-        for (int t = 0; t < TT; ++t) {
-          const vi d = dsum(dot4(izero(), uv, iload_s8(q + (t0 + t) * K + at)));
-          acc[t] = fmadd(to_float(d), mul(s, set1(sx[(t0 + t) * groups + g])), acc[t]);
-        }
+// x [T, K] -> per group of `group` (the last one shorter when K is not a multiple): int8 codes q [T, K]
+// (round(x * 127 / max|x|)), scale sx [T, ceil(K / group)] (max|x| / 127) and, where xs is not NULL,
+// xs = sx * sum(q) per group.
+void quantize_rows(const float* x, int64_t T, int64_t K, int64_t group, int8_t* q, float* sx, float* xs) {
+  const int64_t G = (K + group - 1) / group;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t n = std::min(group, K - g * group);
+      const float* xg = x + t * K + g * group;
+      int8_t* qg = q + t * K + g * group;
+      float amax = 0.f;
+      for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        qg[i] = static_cast<int8_t>(std::nearbyint(xg[i] * inv));
+        sum += qg[i];
       }
-      for (int64_t r = 0; r < kQ6Block / kQ6Run; r += kW)
-        for (int t = 0; t < TT; ++t) neg[t] = fmadd(load(fs + r), load(off + (t0 + t) * runs + b * 16 + r), neg[t]);
+      sx[t * G + g] = amax / 127.f;
+      if (xs != nullptr) xs[t * G + g] = sx[t * G + g] * static_cast<float>(sum);
     }
-    for (int t = 0; t < TT; ++t) y[(t0 + t) * N + j] = reduce_add(sub(acc[t], neg[t]));
-  }
 }
 
-// ---- Q5_0 weights x int8 activations (W5A8: ggml's Q5_0 blocks as stored x Q8 activations per 32)
+// ---- GGUF blocks as stored x int8 activations (W4A8 Q4_K, W5A8 Q5_0 / Q5_K, W6A8 Q6_K)
 //
-// A Q5_0 block holds 32 weights in 22 bytes: d fp16, qh [4] (bit i of the little-endian uint32: weight
-// i's fifth bit), qs [16] (weight l's low 4 bits in qs[l]'s low nibble, weight 16 + l's in its high
-// nibble); weight i = d * (code_i - 16), codes 0..31 (ggml's dequantize_row_q5_0; gguf.quants.Q5_0).
-// A block is exactly one group of the activations' quantization.
-constexpr int64_t kQ5Bytes = 22;
+// One driver (block_rows) over a format struct F per block type: F::kValues weights in F::kBytes bytes
+// per block (a row of the weight: K / kValues blocks), F::kAuxRun input channels per activation sum,
+// and F::block, which adds one block's terms for TT token rows to their RowSums. Activations are
+// quantized per group of 32 (ts_quantize_rows: q, sx); aux [T, K / kAuxRun] holds the sums F needs
+// (block_aux). A block's codes are formed once for the TT rows; the code x q sums are exact int32
+// (dot4 of the unsigned codes: at most 63 x 127 per byte, one dot4 per dsum, so avx2's int16 pair
+// sums stay exact), the float sums fused multiply-adds per lane in ascending k, then one horizontal
+// sum: a row's result is its own data's alone, whatever TT and T.
+struct RowSums {
+  vf acc, vneg;  // y = reduce_add(acc - vneg) - F::kBias * neg
+  float neg;
+};
 
-// Rows t0 .. t0 + TT of y for output rows [j0, j1) of Q5_0 weights (row j: K / 32 blocks of 22 bytes
-// at blocks + j * K / 32 * 22) and activations quantized per group of 32 (ts_quantize_rows: q, sx and
-// xs = sx * sum of the group's q):
-// y[t, j] = sum over groups g of d_g * (sx[t, g] * sum_{k in g} code[j, k] q[t, k] - 16 xs[t, g]),
-// the code x q sums exact int32 (dot4 of the unsigned codes; the bias of 16 subtracted once per group
-// through xs), the first term's float sums fused multiply-adds per lane in ascending g, then one
-// horizontal sum; the second a scalar fused multiply-add chain in ascending g: a row's result is its
-// own data's alone, whatever TT and T. Each block's codes (q5_codes) are formed once for the TT rows.
-template <int TT>
-void q5_0_block(const int8_t* q, const float* sx, const float* xs, int64_t t0, int64_t K, const uint8_t* blocks,
-                float* y, int64_t N, int64_t j0, int64_t j1) {
-  const int64_t nb = K / kQGroup;
-  for (int64_t j = j0; j < j1; ++j) {
-    vf acc[TT];
-    float neg[TT];
-    for (int t = 0; t < TT; ++t) acc[t] = zero(), neg[t] = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = blocks + (j * nb + b) * kQ5Bytes;
-      const float d = half_to_float(static_cast<uint16_t>(blk[0] | blk[1] << 8));
-      const uint32_t qh = static_cast<uint32_t>(load_i32(blk + 2));
+// The activations of one call: q [T, K], sx [T, K / 32], aux [T, K / F::kAuxRun].
+struct Acts {
+  const int8_t* q;
+  const float* sx;
+  const float* aux;
+  int64_t K;
+};
+
+inline float f16_at(const uint8_t* p) { return half_to_float(static_cast<uint16_t>(p[0] | p[1] << 8)); }
+
+// Q6_K: 256 weights in 210 bytes: ql [128] (low 4 bits), qh [64] (high 2 bits), scales [16] int8 (one
+// per 16 weights), d fp16; weight i = d * scales[i / 16] * (code_i - 32), code_i = (ql[64 h + l] >> 4 (c / 2)
+// & 15) | (qh[32 h + l'] >> 2 c & 3) << 4 for i = 128 h + 32 c + l', l = 32 (c % 2) + l' (ggml's
+// dequantize_row_q6_K). aux = off [T, K / 16] = 32 * sx[t, group(run)] * sum of q over each run of 16:
+// y[t, j] = sum over 4-byte lanes c of (d scale(c) sx[t, group(c)]) * sum_{k in c} code q
+//           - sum over runs r of d scale(r) * off[t, r]
+// (a lane never straddles a run of 16; lane_scales gives its scale).
+struct Q6K {
+  static constexpr int64_t kValues = 256, kBytes = 210, kActGroup = 32, kAuxRun = 16, kRuns = kValues / kAuxRun;
+  static constexpr float kBias = 0.f;
+  static float aux_of(float sx, int32_t sum) { return 32.f * sx * static_cast<float>(sum); }
+  struct Scratch {
+    alignas(64) uint8_t u[kValues + 64];  // + 64: avx512's iload reads 64 bytes (the dot uses 32)
+    alignas(64) float fs[kRuns + 1] = {};   // + 1: lane_scales reads two
+  };
+  template <int TT>
+  static void block(const uint8_t* b, int64_t at, const Acts& a, int64_t t0, RowSums* s, Scratch& w) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int h = 0; h < 2; ++h)
+      for (int c = 0; c < 4; ++c) {
+        const uint8_t* lo = ql + 64 * h + 32 * (c & 1);
+        const int shift = 4 * (c >> 1);
+        uint8_t* out = w.u + 128 * h + 32 * c;
+        for (int l = 0; l < 32; ++l) out[l] = ((lo[l] >> shift) & 15) | ((qh[32 * h + l] >> (2 * c)) & 3) << 4;
+      }
+    const vf vd = set1(f16_at(b + 208));
+    for (int i = 0; i < kRuns; i += kW) store(w.fs + i, mul(vd, load_s8(sc + i)));
+    const int64_t groups = a.K / kQGroup, runs = a.K / kAuxRun;
+    for (int64_t k = 0; k < kValues; k += kGroupBytes) {
+      const vi uv = iload(w.u + k);
+      const vf sc4 = lane_scales(w.fs + k / kAuxRun);
+      const int64_t g = (at + k) / kQGroup;
+      for (int t = 0; t < TT; ++t) {
+        const vi d = dsum(dot4(izero(), uv, iload_s8(a.q + (t0 + t) * a.K + at + k)));
+        s[t].acc = fmadd(to_float(d), mul(sc4, set1(a.sx[(t0 + t) * groups + g])), s[t].acc);
+      }
+    }
+    for (int64_t r = 0; r < kRuns; r += kW)
+      for (int t = 0; t < TT; ++t)
+        s[t].vneg = fmadd(load(w.fs + r), load(a.aux + (t0 + t) * runs + at / kAuxRun + r), s[t].vneg);
+  }
+};
+
+// Q5_0: 32 weights in 22 bytes: d fp16, qh [4] (bit i of the little-endian uint32: weight i's fifth bit),
+// qs [16] (weight l's low 4 bits in qs[l]'s low nibble, 16 + l's in its high one); weight i = d * (code_i
+// - 16), codes 0..31 (ggml's dequantize_row_q5_0). A block is one activation group; aux = xs [T, K / 32]
+// = sx * sum of the group's q: y[t, j] = sum over groups g of d_g (sx[t, g] sum code q - 16 xs[t, g]).
+struct Q5_0 {
+  static constexpr int64_t kValues = 32, kBytes = 22, kActGroup = 32, kAuxRun = 32;
+  static constexpr float kBias = 16.f;
+  static float aux_of(float sx, int32_t sum) { return sx * static_cast<float>(sum); }
+  struct Scratch {};
+  template <int TT>
+  static void block(const uint8_t* b, int64_t at, const Acts& a, int64_t t0, RowSums* s, Scratch&) {
+    const float d = f16_at(b);
+    const uint32_t qh = static_cast<uint32_t>(load_i32(b + 2));
+    const int64_t groups = a.K / kQGroup, g = at / kQGroup;
+    for (int k = 0; k < kQGroup; k += kGroupBytes) {
+      const vi uv = q5_codes(b + 6, qh, k);
+      for (int t = 0; t < TT; ++t) {
+        const vi sum = dsum(dot4(izero(), uv, iload_s8(a.q + (t0 + t) * a.K + at + k)));
+        s[t].acc = fmadd(to_float(sum), set1(d * a.sx[(t0 + t) * groups + g]), s[t].acc);
+      }
+    }
+    for (int t = 0; t < TT; ++t) s[t].neg = std::fma(d, a.aux[(t0 + t) * groups + g], s[t].neg);
+  }
+};
+
+// Q4_K and Q5_K: 256 weights as 8 sub-blocks of 32: d and dmin fp16, 12 bytes packing a 6-bit scale sc
+// and minimum m per sub-block (ggml's get_scale_min_k4), Q5_K's qh [32] (bit 2c of qh[l]: the fifth bit of
+// weight 64 c + l, bit 2c + 1: of 64 c + 32 + l), qs [128] (byte 32 c + l: weight 64 c + l in its low
+// nibble, 64 c + 32 + l in its high one); weight = d sc code - dmin m (ggml's dequantize_row_q4_K / q5_K).
+// The activations are quantized per block of 256 (one scale sx[t, b], as llama.cpp's Q8_K), so a block's
+// sums stay integers: aux [T, K / 32] = the sum of q over each sub-block, and
+// y[t, j] = sum over blocks b of (d sx[t, b]) sum_s sc_s sum_{k in s} code q - (dmin sx[t, b]) sum_s m_s aux[t, s],
+// the inner sums exact int32 lanes (dot4_times), the minimums' sum exact in fp32 (< 2^24).
+template <bool kFifthBit>
+struct QK {
+  static constexpr int64_t kValues = 256, kBytes = kFifthBit ? 176 : 144, kActGroup = 256, kAuxRun = 32;
+  static constexpr float kBias = 1.f;
+  static float aux_of(float, int32_t sum) { return static_cast<float>(sum); }
+  struct Scratch {};
+  template <int TT>
+  static void block(const uint8_t* b, int64_t at, const Acts& a, int64_t t0, RowSums* s, Scratch&) {
+    const uint8_t *sm = b + 4, *qh = b + 16, *qs = b + (kFifthBit ? 48 : 16);
+    int sc[8], mn[8];
+    for (int i = 0; i < 4; ++i) {
+      sc[i] = sm[i] & 63;
+      mn[i] = sm[i + 4] & 63;
+      sc[i + 4] = (sm[i + 8] & 15) | (sm[i] >> 6) << 4;
+      mn[i + 4] = (sm[i + 8] >> 4) | (sm[i + 4] >> 6) << 4;
+    }
+    vi sums[TT];
+    for (int t = 0; t < TT; ++t) sums[t] = izero();
+    for (int c = 0; c < 4; ++c)
       for (int k = 0; k < kQGroup; k += kGroupBytes) {
-        const vi uv = q5_codes(blk + 6, qh, k);
+        const vi v = iload_s8(reinterpret_cast<const int8_t*>(qs + 32 * c + k));
+        vi lo = nibbles_lo(v), hi = nibbles_hi(v);
+        if constexpr (kFifthBit) {
+          const vi h = iload_s8(reinterpret_cast<const int8_t*>(qh + k));
+          lo = bit_or_16(lo, h, 1 << (2 * c));
+          hi = bit_or_16(hi, h, 1 << (2 * c + 1));
+        }
         for (int t = 0; t < TT; ++t) {
-          const vi s = dsum(dot4(izero(), uv, iload_s8(q + (t0 + t) * K + b * kQGroup + k)));
-          acc[t] = fmadd(to_float(s), set1(d * sx[(t0 + t) * nb + b]), acc[t]);
+          const int8_t* qt = a.q + (t0 + t) * a.K + at + 64 * c + k;
+          sums[t] = dot4_times(dot4_times(sums[t], lo, iload_s8(qt), sc[2 * c]), hi, iload_s8(qt + kQGroup), sc[2 * c + 1]);
         }
       }
-      for (int t = 0; t < TT; ++t) neg[t] = std::fma(d, xs[(t0 + t) * nb + b], neg[t]);
+    const float d = f16_at(b), dmin = f16_at(b + 2);
+    const int64_t blocks = a.K / kValues, subs = a.K / kAuxRun;
+    for (int t = 0; t < TT; ++t) {
+      const float st = a.sx[(t0 + t) * blocks + at / kValues];
+      const float* qsum = a.aux + (t0 + t) * subs + at / kAuxRun;
+      float m = 0.f;
+      for (int i = 0; i < 8; ++i) m += static_cast<float>(mn[i]) * qsum[i];
+      s[t].acc = fmadd(to_float(sums[t]), set1(d * st), s[t].acc);
+      s[t].neg = std::fma(dmin * st, m, s[t].neg);
     }
-    for (int t = 0; t < TT; ++t) y[(t0 + t) * N + j] = reduce_add(acc[t]) - 16.f * neg[t];
   }
+};
+
+// Rows t0 .. t0 + TT of y for output rows [j0, j1) of F's blocks (row j at blocks + j * K / kValues * kBytes).
+template <class F, int TT>
+void block_rows(const Acts& a, int64_t t0, const uint8_t* blocks, float* y, int64_t N, int64_t j0, int64_t j1) {
+  const int64_t nb = a.K / F::kValues;
+  typename F::Scratch scratch;
+  for (int64_t j = j0; j < j1; ++j) {
+    RowSums s[TT];
+    for (int t = 0; t < TT; ++t) s[t] = RowSums{zero(), zero(), 0.f};
+    for (int64_t b = 0; b < nb; ++b)
+      F::template block<TT>(blocks + (j * nb + b) * F::kBytes, b * F::kValues, a, t0, s, scratch);
+    for (int t = 0; t < TT; ++t) y[(t0 + t) * N + j] = reduce_add(sub(s[t].acc, s[t].vneg)) - F::kBias * s[t].neg;
+  }
+}
+
+// x [T, K] -> q [T, K], sx [T, K / F::kActGroup] (quantize_rows) and aux [T, K / F::kAuxRun] =
+// F::aux_of(sx of the run's group, sum of q over each run of kAuxRun input channels).
+template <class F>
+void block_quantize(const float* x, int64_t T, int64_t K, int8_t* q, float* sx, float* aux) {
+  quantize_rows(x, T, K, F::kActGroup, q, sx, nullptr);
+  const int64_t runs = K / F::kAuxRun;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t r = 0; r < runs; ++r) {
+      int32_t sum = 0;
+      for (int64_t k = r * F::kAuxRun; k < (r + 1) * F::kAuxRun; ++k) sum += q[t * K + k];
+      aux[t * runs + r] = F::aux_of(sx[t * (K / F::kActGroup) + r * F::kAuxRun / F::kActGroup], sum);
+    }
+}
+
+// Calls f(F{}) for the block format `format` (a ggml type number); false if the kernels have none.
+template <typename Fn>
+bool with_format(int64_t format, Fn&& f) {
+  switch (format) {
+    case TS_Q5_0: f(Q5_0{}); return true;
+    case TS_Q4_K: f(QK<false>{}); return true;
+    case TS_Q5_K: f(QK<true>{}); return true;
+    case TS_Q6_K: f(Q6K{}); return true;
+    default: return false;
+  }
+}
+
+// Calls f(t0, std::integral_constant<int, TT>{}) over the T token rows in blocks of at most M.
+template <int M, typename Fn>
+void token_blocks(int64_t T, Fn&& f) {
+  int64_t t0 = 0;
+  for (; t0 + M <= T; t0 += M) f(t0, std::integral_constant<int, M>{});
+  if (t0 < T) with_rows<M>(static_cast<int>(T - t0), [&](auto tt) { f(t0, tt); });
 }
 
 // ---- int4 weights x int8 activations (W4A8, the Q4_1 x Q8_1 scheme of GGML/llama.cpp)
@@ -471,33 +587,14 @@ extern "C" {
 const char* ts_isa_name(void) { return ts::isa::kName; }
 
 void ts_quantize_rows(const float* x, int64_t T, int64_t K, int8_t* q, float* sx, float* xs) {
-  const int64_t G = (K + ts::kQGroup - 1) / ts::kQGroup;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t n = std::min(ts::kQGroup, K - g * ts::kQGroup);
-      const float* xg = x + t * K + g * ts::kQGroup;
-      int8_t* qg = q + t * K + g * ts::kQGroup;
-      float amax = 0.f;
-      for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xg[i]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        qg[i] = static_cast<int8_t>(std::nearbyint(xg[i] * inv));
-        sum += qg[i];
-      }
-      sx[t * G + g] = amax / 127.f;
-      if (xs != nullptr) xs[t * G + g] = sx[t * G + g] * static_cast<float>(sum);
-    }
+  ts::quantize_rows(x, T, K, ts::kQGroup, q, sx, xs);
 }
 
 void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* codes,
                   const uint16_t* scales, float* y, int64_t N, int64_t nb0, int64_t nb1) {
-  constexpr int M = ts::isa::kMaxRows;
-  int64_t t0 = 0;
-  for (; t0 + M <= T; t0 += M) ts::int4_block<M>(q, sx, xs, t0, K, codes, scales, y, N, nb0, nb1);
-  if (t0 < T)
-    ts::with_rows<M>(static_cast<int>(T - t0),
-                     [&](auto tt) { ts::int4_block<decltype(tt)::value>(q, sx, xs, t0, K, codes, scales, y, N, nb0, nb1); });
+  ts::token_blocks<ts::isa::kMaxRows>(T, [&](int64_t t0, auto tt) {
+    ts::int4_block<decltype(tt)::value>(q, sx, xs, t0, K, codes, scales, y, N, nb0, nb1);
+  });
 }
 
 void ts_int8_rows(const int8_t* q, const float* sx, int64_t T, int64_t K, const int8_t* w, const float* scales,
@@ -517,33 +614,25 @@ void ts_int8_rows(const int8_t* q, const float* sx, int64_t T, int64_t K, const 
   }
 }
 
-void ts_q6k_offsets(const int8_t* q, const float* sx, int64_t T, int64_t K, float* off) {
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t r = 0; r < K / ts::kQ6Run; ++r) {
-      int32_t sum = 0;
-      for (int64_t k = r * ts::kQ6Run; k < (r + 1) * ts::kQ6Run; ++k) sum += q[t * K + k];
-      off[t * (K / ts::kQ6Run) + r] = 32.f * sx[t * (K / ts::kQGroup) + r * ts::kQ6Run / ts::kQGroup] * static_cast<float>(sum);
-    }
+int ts_block_format(int64_t format, int64_t* values, int64_t* bytes, int64_t* act_group, int64_t* aux_run) {
+  return ts::with_format(format, [&](auto f) {
+    using F = decltype(f);
+    *values = F::kValues, *bytes = F::kBytes, *act_group = F::kActGroup, *aux_run = F::kAuxRun;
+  });
 }
 
-void ts_q6k_rows(const int8_t* q, const float* sx, const float* off, int64_t T, int64_t K, const uint8_t* blocks,
-                 float* y, int64_t N, int64_t j0, int64_t j1) {
-  constexpr int M = ts::isa::kMaxRows;
-  int64_t t0 = 0;
-  for (; t0 + M <= T; t0 += M) ts::q6k_block<M>(q, sx, off, t0, K, blocks, y, N, j0, j1);
-  if (t0 < T)
-    ts::with_rows<M>(static_cast<int>(T - t0),
-                     [&](auto tt) { ts::q6k_block<decltype(tt)::value>(q, sx, off, t0, K, blocks, y, N, j0, j1); });
+void ts_block_quantize(int64_t format, const float* x, int64_t T, int64_t K, int8_t* q, float* sx, float* aux) {
+  ts::with_format(format, [&](auto f) { ts::block_quantize<decltype(f)>(x, T, K, q, sx, aux); });
 }
 
-void ts_q5_0_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* blocks,
-                  float* y, int64_t N, int64_t j0, int64_t j1) {
-  constexpr int M = ts::isa::kMaxRows;
-  int64_t t0 = 0;
-  for (; t0 + M <= T; t0 += M) ts::q5_0_block<M>(q, sx, xs, t0, K, blocks, y, N, j0, j1);
-  if (t0 < T)
-    ts::with_rows<M>(static_cast<int>(T - t0),
-                     [&](auto tt) { ts::q5_0_block<decltype(tt)::value>(q, sx, xs, t0, K, blocks, y, N, j0, j1); });
+void ts_block_rows(int64_t format, const int8_t* q, const float* sx, const float* aux, int64_t T, int64_t K,
+                   const uint8_t* blocks, float* y, int64_t N, int64_t j0, int64_t j1) {
+  const ts::Acts a{q, sx, aux, K};
+  ts::with_format(format, [&](auto f) {
+    ts::token_blocks<ts::isa::kMaxRows>(T, [&](int64_t t0, auto tt) {
+      ts::block_rows<decltype(f), decltype(tt)::value>(a, t0, blocks, y, N, j0, j1);
+    });
+  });
 }
 
 void ts_attend_rows(const float* q, int64_t T, int64_t start, const float* k, const float* v, int64_t D, float scale,

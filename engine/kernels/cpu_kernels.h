@@ -34,28 +34,34 @@ void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, 
 void ts_int8_rows(const int8_t* q, const float* sx, int64_t T, int64_t K, const int8_t* w, const float* scales,
                   int64_t G, float* y, int64_t N, int64_t j0, int64_t j1);
 
-// The Q6_K kernel's activation offsets: off [T, K / 16] = 32 * sx[t, r / 2] * sum of q[t, k] over run r
-// of 16 channels (the codes' bias of 32, subtracted once per run instead of per weight). K a multiple of 32.
-void ts_q6k_offsets(const int8_t* q, const float* sx, int64_t T, int64_t K, float* off);
+// GGUF block formats the kernels run as stored, by ggml type number (ggml.h's enum ggml_type).
+enum { TS_Q5_0 = 6, TS_Q4_K = 12, TS_Q5_K = 13, TS_Q6_K = 14 };
 
-// y [T, N] fp32, output rows [j0, j1): the W6A8 product of the quantized activations (ts_quantize_rows:
-// q [T, K], sx [T, K / 32]; ts_q6k_offsets: off [T, K / 16]) with a GGUF file's Q6_K blocks as stored,
-// blocks [N, K / 256 * 210] uint8 (ggml's block_q6_K: ql [128], qh [64], int8 scales [16], fp16 d; K a
-// multiple of 256): y[t, j] = sum over runs r of 16 weights of d * scale(r) * sx[t, r / 2] *
-// sum_{k in r} (code_k - 32) q[t, k], the code x q sums exact int32. Each row's result is
-// bit-identical whatever T is; across instruction-set families it agrees to rounding (the float sums
-// run in the vector's lanes).
-void ts_q6k_rows(const int8_t* q, const float* sx, const float* off, int64_t T, int64_t K, const uint8_t* blocks,
-                 float* y, int64_t N, int64_t j0, int64_t j1);
+// The geometry of block format `format`: values (weights) and bytes per block, input channels per
+// activation scale and per activation sum of ts_block_quantize. Returns 0 (and writes nothing) for a
+// format the kernels do not run.
+//   Q5_0: 32 weights in 22 bytes (fp16 d, qh [4], qs [16]), w = d (code - 16), codes 0..31
+//   Q4_K: 256 in 144 (fp16 d, dmin, 12 bytes of 6-bit sub-block scales sc and minimums m, qs [128]),
+//         w = d sc code - dmin m per sub-block of 32, codes 0..15
+//   Q5_K: 256 in 176 (as Q4_K, with qh [32] fifth bits before qs), codes 0..31
+//   Q6_K: 256 in 210 (ql [128], qh [64], int8 scales [16] per 16 weights, fp16 d), w = d scale (code - 32)
+// (ggml's block_q5_0, block_q4_K, block_q5_K, block_q6_K; ggml-quants.c's dequantize_row_*).
+int ts_block_format(int64_t format, int64_t* values, int64_t* bytes, int64_t* act_group, int64_t* aux_run);
 
-// y [T, N] fp32, output rows [j0, j1): the W5A8 product of the quantized activations (ts_quantize_rows:
-// q [T, K], sx and xs [T, K / 32]) with a GGUF file's Q5_0 blocks as stored, blocks [N, K / 32 * 22] uint8
-// (ggml's block_q5_0: fp16 d, qh [4] fifth bits, qs [16] low nibbles; K a multiple of 32):
-// y[t, j] = sum over groups g of 32 of d_g * (sx[t, g] * sum_{k in g} code_k q[t, k] - 16 xs[t, g]), the
-// code x q sums exact int32. Each row's result is bit-identical whatever T is; across instruction-set
-// families it agrees to rounding (the float sums run in the vector's lanes).
-void ts_q5_0_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* blocks,
-                  float* y, int64_t N, int64_t j0, int64_t j1);
+// Activations x [T, K] fp32 quantized for block format `format`'s kernel: as ts_quantize_rows per group of
+// act_group input channels (32; 256 for Q4_K and Q5_K, llama.cpp's Q8_K), q [T, K], sx [T, K / act_group],
+// and aux [T, K / aux_run], the sums of q over each run of aux_run input channels (Q5_0: times sx, Q6_K:
+// times 32 sx, the codes' bias). K a multiple of the format's block values.
+void ts_block_quantize(int64_t format, const float* x, int64_t T, int64_t K, int8_t* q, float* sx, float* aux);
+
+// y [T, N] fp32, output rows [j0, j1): the product of the quantized activations (ts_block_quantize: q, sx,
+// aux) with a GGUF file's blocks as stored, blocks [N, K / values * bytes]
+// uint8 (row j: its K / values blocks): y[t, j] = sum over blocks (or sub-blocks, runs) of the weights'
+// scale * sx[t, group] * sum_k code_k q[t, k], minus the codes' bias or minimums times aux; the code x q
+// sums exact int32. Each row's result is bit-identical whatever T is; across instruction-set families it
+// agrees to rounding (the float sums run in the vector's lanes).
+void ts_block_rows(int64_t format, const int8_t* q, const float* sx, const float* aux, int64_t T, int64_t K,
+                   const uint8_t* blocks, float* y, int64_t N, int64_t j0, int64_t j1);
 
 // Attention of R query rows q [R, D] over one KV head's keys k and values v [>= start + T, D]:
 // row r sees slots [0, start + r % T] (the cached prefix, then causal among T new tokens; r =

@@ -8,8 +8,8 @@
 //                  -> scores [R, start + T], out [R, D], lse [R] f32
 //   op 4 (attend over half K/V): as op 3 with k and v [start + T, D] as IEEE half bits (u16)
 //   op 5 (to half): n, x [n] f32 -> y [n] u16 (IEEE half bits)
-//   op 6 (Q6_K):   T K N, x [T, K] f32, blocks [N, K / 256 * 210] u8 -> y [T, N] f32
-//   op 7 (Q5_0):   T K N, x [T, K] f32, blocks [N, K / 32 * 22] u8 -> y [T, N] f32
+//   op 6 (blocks): format T K N, x [T, K] f32, blocks [N, K / values * bytes] u8 -> y [T, N] f32
+//                  (format: a ggml type number, see ts_block_format)
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -85,23 +85,15 @@ int main() {
         ts_to_half(x.data(), n, y.data());
         give(y);
       } else if (op == 6) {
-        const int64_t T = size(), K = size(), N = size();
+        const int64_t format = size(), T = size(), K = size(), N = size();
+        int64_t values, bytes, act_group, aux_run;
+        if (!ts_block_format(format, &values, &bytes, &act_group, &aux_run)) throw 1;
         auto x = take<float>(T * K);
-        auto blocks = take<uint8_t>(N * K / 256 * 210);
+        auto blocks = take<uint8_t>(N * K / values * bytes);
         std::vector<int8_t> q(T * K);
-        std::vector<float> sx(T * K / 32), off(T * K / 16), y(T * N);
-        ts_quantize_rows(x.data(), T, K, q.data(), sx.data(), nullptr);
-        ts_q6k_offsets(q.data(), sx.data(), T, K, off.data());
-        ts_q6k_rows(q.data(), sx.data(), off.data(), T, K, blocks.data(), y.data(), N, 0, N);
-        give(y);
-      } else if (op == 7) {
-        const int64_t T = size(), K = size(), N = size();
-        auto x = take<float>(T * K);
-        auto blocks = take<uint8_t>(N * K / 32 * 22);
-        std::vector<int8_t> q(T * K);
-        std::vector<float> sx(T * K / 32), xs(T * K / 32), y(T * N);
-        ts_quantize_rows(x.data(), T, K, q.data(), sx.data(), xs.data());
-        ts_q5_0_rows(q.data(), sx.data(), xs.data(), T, K, blocks.data(), y.data(), N, 0, N);
+        std::vector<float> sx(T * K / act_group), aux(T * K / aux_run), y(T * N);
+        ts_block_quantize(format, x.data(), T, K, q.data(), sx.data(), aux.data());
+        ts_block_rows(format, q.data(), sx.data(), aux.data(), T, K, blocks.data(), y.data(), N, 0, N);
         give(y);
       } else {
         std::fprintf(stderr, "unknown op %d\n", op);

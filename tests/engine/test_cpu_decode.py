@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import tokenspeed
-from support import decide_each, q5_0_blocks, q6k_blocks
+from support import block_layer, decide_each, q5_0_blocks, q6k_blocks, qk_blocks
 from tokenspeed.kernels.cpu_decode import FUSED_PREFILL_ROWS, FUSED_ROWS
 from tokenspeed.model import ModelArgs, Transformer
-from tokenspeed.quant import Int4Linear, Int8Linear, Q5_0Linear, Q6KEmbedding, Q6KLinear, fused_ext
+from tokenspeed.quant import (Q4_K, Q5_0, Q5_K, Q6_K, Int4Linear, Int8Linear, Q4KLinear, Q5_0Linear, Q5KLinear,
+                              Q6KEmbedding, Q6KLinear, fused_ext)
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +81,10 @@ def test_short_prefill_runs_in_fused_blocks_like_python_path(ext, quant):
     assert n == ref_cache.n == 37 + new[0] and torch.equal(cache.pos[:n], ref_cache.pos[:n])
 
 
-def test_fused_matches_python_path_with_q6_k_and_q5_0_projections(ext):
+def test_fused_matches_python_path_with_gguf_block_projections(ext):
     # a Q4_K_M file's mix at a width of 256: Q6_K ffn_down and tied head/embedding (the file's blocks,
-    # `Q6KLinear`), a Q5_0 wo (`Q5_0Linear`), int4 elsewhere; the fused step takes every kind and agrees
+    # `Q6KLinear`), a Q5_0 wo (`Q5_0Linear`), a Q4_K wqkv and a Q5_K w13 in one layer each, int4
+    # elsewhere; the fused step takes every kind and agrees
     # with the Python path to
     # the activation-rounding noise floor: at this width a 1-ulp difference in a norm or SwiGLU flips
     # some int8 activation codes (the same model with int4 ffn_down and an int8 table: 0.05 apart, 98.6%
@@ -97,25 +99,33 @@ def test_fused_matches_python_path_with_q6_k_and_q5_0_projections(ext):
     for i, layer in enumerate(model.layers):
         att, ffn = layer.attention, layer.feed_forward
         att.wqkv, ffn.w13 = (Int4Linear(lin.weight) for lin in (att.wqkv, ffn.w13))
+        if i == 0:
+            att.wqkv = Q4KLinear(qk_blocks(512, 256, seed=i, d=2e-4))
+        else:
+            ffn.w13 = Q5KLinear(qk_blocks(1024, 256, True, seed=i, d=1e-4))
         att.wo = Q5_0Linear(q5_0_blocks(256, 256, seed=i, d=6e-3))
         ffn.w2 = Q6KLinear(q6k_blocks(256, 512, seed=i, scale=40))
     model.tok_embeddings = Q6KEmbedding(q6k_blocks(1000, 256, seed=9, scale=40))
     model.output = Q6KLinear.tied(model.tok_embeddings)
     model.invalidate_fused()
-    assert model.fused_decode() is not None and {3, 4} <= set(model.fused_decode().kinds)
+    blocks = {16 + fmt.ggml_type for fmt in (Q4_K, Q5_K, Q6_K, Q5_0)}  # the C++ step's kinds of the four formats
+    assert model.fused_decode() is not None and blocks <= set(model.fused_decode().kinds)
     new = [1, 2, 5, FUSED_ROWS]
     ref, out = (torch.cat(_run(model, fused, 37, new)[0]) for fused in (False, True))
     assert (ref - out).abs().max() < 0.1 and (ref.argmax(-1) == out.argmax(-1)).float().mean() >= 0.95
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 9])
-@pytest.mark.parametrize("fmt", ["Q6_K", "Q5_0"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K", "Q5_0"])
 def test_block_gemv_matches_reference_row_by_row(ext, fmt, rows):
-    # W6A8 / W5A8 over Q6_K / Q5_0 blocks as stored (every code and scale byte random; Q5_0 rows of 28
-    # blocks, Qwen2.5-0.5B's width): the kernel against the torch arithmetic, and a row's result does not
-    # depend on the rows beside it (decode == verification)
-    lin, K = (Q6KLinear(q6k_blocks(300, 768)), 768) if fmt == "Q6_K" else (Q5_0Linear(q5_0_blocks(300, 896)), 896)
-    gemv = getattr(ext, lin.FORMAT.gemv)
+    # GGUF blocks as stored (every code, fifth bit, scale and minimum byte random; Q5_0 rows of 28 blocks,
+    # Qwen2.5-0.5B's width): the kernel against the torch arithmetic, and a row's result does not depend on
+    # the rows beside it (decode == verification); a format the kernels do not run is refused
+    K = 896 if fmt == "Q5_0" else 768
+    lin = block_layer(fmt, 300, K)
+    def gemv(x, blocks):
+        return ext.block_gemv(x, blocks, lin.FORMAT.ggml_type)
+
     x = torch.randn(rows, K)
     x[0, :32] = 0  # an all-zero group: scale 0, codes 0
     y = gemv(x, lin.blocks)
@@ -123,6 +133,8 @@ def test_block_gemv_matches_reference_row_by_row(ext, fmt, rows):
     assert all(torch.equal(gemv(x[r:r + 1], lin.blocks), y[r:r + 1]) for r in range(rows))
     with pytest.raises(RuntimeError, match="blocks"):
         gemv(torch.randn(1, 512), lin.blocks)
+    with pytest.raises(RuntimeError, match="no kernel for ggml type 8"):  # Q8_0: int8_gemv's, not a block kernel
+        ext.block_gemv(x, lin.blocks, 8)
 
 
 def test_fused_skipped_where_it_does_not_apply(tiny_engine):

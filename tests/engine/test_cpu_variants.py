@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import tokenspeed
-from support import q5_0_blocks, q6k_blocks
+from support import block_layer
 from tokenspeed.kernels import cpu_decode
 from tokenspeed.kernels.cpu_decode import FUSED_ROWS, VARIANTS, cpu_features, native_variant
 from tokenspeed.kernels.cpu_harness import Harness, build
 from tokenspeed.model import ModelArgs, Transformer
-from tokenspeed.quant import Int4Linear, Int8Embedding, Int8Linear, Q5_0Linear, Q6KLinear, fused_ext
+from tokenspeed.quant import Int4Linear, Int8Embedding, Int8Linear, fused_ext
 from tokenspeed.paths import cache_dir
 
 ARCH = platform.machine()
@@ -104,26 +104,25 @@ def test_harness_kernels_match_reference(harnesses, variant):
     lin8.qweight[:8], lin8.qweight[8:] = -128, 127
     x = torch.where(torch.rand(4, 64) > 0.5, 1.0, -1.0)
     torch.testing.assert_close(h.int8_gemv(x, lin8.qweight, lin8.scales), lin8.reference(x), rtol=1e-5, atol=1e-4)
-    # W6A8 over Q6_K blocks as stored (random codes and scales): the same reference on every variant
-    lin6 = Q6KLinear(q6k_blocks(40, 512))
-    x = torch.randn(9, 512)
-    x[1, :32] = 0
-    y = h.q6k_gemv(x, lin6.blocks)
-    torch.testing.assert_close(y, lin6.reference(x), rtol=1e-5, atol=1e-4)
-    assert all(torch.equal(h.q6k_gemv(x[r:r + n], lin6.blocks), y[r:r + n]) for r, n in ((0, 1), (4, 1), (3, 5)))
-    # W5A8 over Q5_0 blocks as stored (random codes and fifth bits), rows of 7 blocks (not whole 256-blocks)
-    lin5 = Q5_0Linear(q5_0_blocks(40, 224))
-    x = torch.randn(9, 224)
-    x[1, :32] = 0
-    y = h.q5_0_gemv(x, lin5.blocks)
-    torch.testing.assert_close(y, lin5.reference(x), rtol=1e-5, atol=1e-4)
-    assert all(torch.equal(h.q5_0_gemv(x[r:r + n], lin5.blocks), y[r:r + n]) for r, n in ((0, 1), (4, 1), (3, 5)))
+    # GGUF blocks as stored (random codes, fifth bits, scales and minimums): the same reference on every
+    # variant; Q5_0 rows of 7 blocks (not whole 256-blocks)
+    for fmt, K in (("Q4_K", 512), ("Q5_K", 512), ("Q6_K", 512), ("Q5_0", 224)):
+        lin = block_layer(fmt, 40, K)
+        x = torch.randn(9, K)
+        x[1, :32] = 0
+        y = h.block_gemv(x, lin.blocks, lin.FORMAT.ggml_type)
+        torch.testing.assert_close(y, lin.reference(x), rtol=1e-5, atol=1e-4)
+        assert all(torch.equal(h.block_gemv(x[r:r + n], lin.blocks, lin.FORMAT.ggml_type), y[r:r + n])
+                   for r, n in ((0, 1), (4, 1), (3, 5)))
+        if variant == native_variant():
+            assert torch.equal(native.block_gemv(x, lin.blocks, lin.FORMAT.ggml_type), y)
     # the largest sums: codes 31 against activations of +-127 (avx2 sums byte pairs in int16)
-    full = lin5.blocks.clone().view(40, -1, 22)
-    full[..., 2:] = 255
-    x = torch.where(torch.rand(4, 224) > 0.5, 1.0, -1.0)
-    torch.testing.assert_close(h.q5_0_gemv(x, full.view(40, -1)), Q5_0Linear(full.view(40, -1)).reference(x),
-                               rtol=1e-5, atol=1e-4)
+    for fmt, K, codes_at in (("Q5_0", 224, 2), ("Q5_K", 512, 16)):  # (the fifth bits' and the codes' bytes)
+        lin = block_layer(fmt, 40, K)
+        lin.blocks.view(40, -1, lin.FORMAT.nbytes)[..., codes_at:] = 255
+        x = torch.where(torch.rand(4, K) > 0.5, 1.0, -1.0)
+        torch.testing.assert_close(h.block_gemv(x, lin.blocks, lin.FORMAT.ggml_type), lin.reference(x),
+                                   rtol=1e-5, atol=1e-4)
     # attention: decode (1 row per query head of a group of 3), a verification chain (T = 4), head
     # sizes of every specialised width and ones that are not (40, 20: the plain loops) and prefill
     # bursts (rows in several tiles of 32, causal bounds per tile, key tiles plus a tail)

@@ -112,6 +112,23 @@ def test_q4_k_m_file_runs_natively_and_agrees_with_llama_cpp(name, made, monkeyp
         assert agree["top1"] >= 0.8 and agree["kl_mean"] < 0.02, agree
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_q5_k_m_file_runs_its_q5_k_blocks_and_agrees_with_llama_cpp(name, made):
+    # llama.cpp's Q5_K_M of the family's file: its all-Q5_K projections run as stored (`Q5KLinear`, W5A8
+    # with the activations per 256 as llama.cpp's Q8_K), in the fused step too, and the logits agree with
+    # llama.cpp's on the same file as the Q4_K_M file's do
+    from tokenspeed.quant import Q5KLinear
+
+    path = scale.model_file(name, "Q5_K_M", threads=1)
+    model = tokenspeed.Engine.load(path, quantize="gguf").model
+    projections = [lin for layer in model.layers for lin in (layer.attention.wo, layer.feed_forward.w13)]
+    assert any(isinstance(lin, Q5KLinear) for lin in projections) and model.fused_decode() is not None
+    theirs = _llama_cpp_logits(path)
+    for ours in (_logits(model, True), _logits(model, False)):
+        agree = compare(ours, theirs)
+        assert agree["top1"] >= 0.8 and agree["kl_mean"] < 0.02, agree
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_q4_k_m_files_q6_k_tensors_run_as_stored(name, made):
     # Q4_K_M's Q6_K tensors (the embedding, a tied head, ffn_down in about half the layers) are the
@@ -185,7 +202,7 @@ def test_q4_k_m_file_of_rows_not_whole_256_blocks_runs_its_q5_0_blocks(made):
             elif len(types) > 1:
                 assert isinstance(lin, Int8Linear)
     assert native >= 2 * len(model.layers)
-    assert model.fused_decode() is not None and 4 in model.fused_decode().kinds
+    assert model.fused_decode() is not None and 16 + Q5_0Linear.FORMAT.ggml_type in model.fused_decode().kinds
     theirs = _llama_cpp_logits(path)
     for ours in (_logits(model, True), _logits(model, False)):
         agree = compare(ours, theirs)

@@ -158,17 +158,17 @@ def test_linear_rows_equals_selected_columns():
         linear_rows(nn.Identity(), x, rows)
 
 
-@pytest.mark.parametrize("fmt", ["Q6_K", "Q5_0"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K", "Q5_0"])
 @pytest.mark.parametrize("extension", [True, False], ids=["kernel", "no compiler"])
 def test_linear_rows_of_gguf_blocks_are_the_full_layers_columns(extension, fmt, monkeypatch):
-    # with the extension both run the format's kernel (q6k_gemv, q5_0_gemv); without it (the fallback)
-    # both run the same arithmetic in torch (`BlockLinear.reference`)
-    from support import q5_0_blocks, q6k_blocks
+    # with the extension both run the format's kernel (block_gemv); without it (the fallback) both run
+    # the same arithmetic in torch (`BlockLinear.reference`)
+    from support import block_layer
     from tokenspeed import quant
 
     if not extension:
         monkeypatch.setattr(quant, "fused_ext", lambda *a, **k: None)
-    lin = quant.Q6KLinear(q6k_blocks(40, 512)) if fmt == "Q6_K" else quant.Q5_0Linear(q5_0_blocks(40, 512))
+    lin = block_layer(fmt, 40, 512)
     x, rows = torch.randn(3, 512, generator=torch.Generator().manual_seed(0)), torch.tensor([5, 0, 39])
     torch.testing.assert_close(linear_rows(lin, x, rows), lin(x)[:, rows], rtol=1e-6, atol=1e-6)
 
@@ -267,16 +267,16 @@ def test_auto_picks_a_format_no_slower_than_fp32_and_caches_it(tmp_path):
         assert isinstance(m.layers[0].attention.wqkv, kinds[choice.format])
 
 
-@pytest.mark.parametrize("fmt", ["Q6_K", "Q5_0"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K", "Q5_0"])
 def test_gguf_block_rows_equal_gguf_dequantize_bit_for_bit(fmt):
-    # every code, fifth bit and scale byte random: the rows a BlockLinear multiplies (and a BlockEmbedding
-    # looks up) are gguf-py's dequantization of the same blocks, bit for bit
+    # every code, fifth bit, scale and minimum byte random: the rows a BlockLinear multiplies (and a
+    # BlockEmbedding looks up) are gguf-py's dequantization of the same blocks, bit for bit
     import gguf
     import numpy as np
-    from support import q5_0_blocks, q6k_blocks
+    from support import block_layer
     from tokenspeed import quant
 
-    blocks = q6k_blocks(30, 512) if fmt == "Q6_K" else q5_0_blocks(30, 512)
+    blocks = block_layer(fmt, 30, 512).blocks
     theirs = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[fmt])
     lin, table = quant.BLOCK_LINEARS[fmt](blocks), quant.BLOCK_EMBEDDINGS[fmt](blocks)
     assert np.array_equal(lin.dequantized().numpy().view(np.uint32), theirs.view(np.uint32))
