@@ -146,15 +146,15 @@ def _uninitialised(cls, linear: nn.Linear, *weights: torch.Tensor) -> nn.Module:
 
 
 def int8_groups(n: int, k: int, rows: Callable[[int, int], torch.Tensor], group: int, device=None,
-                chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk_values: int = 1 << 21) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 codes of a float [n, k] weight given by row blocks (`rows(a, b)` -> [b - a, k]), one
     fp32 scale per `group` consecutive values of a row: scale = max |w| / 127 of the group, code =
     round(w / scale) (GGML's Q8_0 rule; an all-zero group has scale 0 and codes 0). Values that came
     from a Q8_0 block (code * fp16 scale, its largest code +-127) come back exactly.
 
     Returns:
-        (codes [n, k] int8, scales [n, k / group] fp32), made `chunk` rows at a time (no temporaries
-        of the whole weight).
+        (codes [n, k] int8, scales [n, k / group] fp32), made in blocks of about `chunk_values` values
+        (whole rows; 2M: 8 MiB of fp32 rows and their temporaries, never the whole weight's).
     Raises:
         ValueError: k is not a multiple of `group`.
     """
@@ -162,6 +162,7 @@ def int8_groups(n: int, k: int, rows: Callable[[int, int], torch.Tensor], group:
         raise ValueError(f"int8 groups of {group} need a width divisible by {group}, got {k}")
     q = torch.empty(n, k, dtype=torch.int8, device=device)
     scales = torch.empty(n, k // group, device=device)
+    chunk = max(1, chunk_values // k)
     for r in range(0, n, chunk):
         w = rows(r, min(r + chunk, n)).detach().float().unflatten(-1, (-1, group))
         s = w.abs().amax(-1, keepdim=True) / 127.0
