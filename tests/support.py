@@ -1,6 +1,6 @@
 """Helpers shared by the tests: repository paths, stopping a child process, spinning an rclpy
-executor until a condition holds, one decision per prompt, README examples, random Q6_K and Q5_0 blocks. (tests/ is on sys.path through
-tests/conftest.py.)"""
+executor until a condition holds, one decision per prompt, README examples, random GGUF blocks (Q4_K,
+Q5_K, Q6_K, Q5_0). (tests/ is on sys.path through tests/conftest.py.)"""
 from __future__ import annotations
 
 import os
