@@ -8,6 +8,7 @@ each token's bytes cached.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -124,7 +125,6 @@ class Tokenizer:
         self.eos_id = self._special_id(cfg.get("eos_token"), f"{where}: eos_token")
         self._eos_text = self._tok.id_to_token(self.eos_id) if self.eos_id is not None else ""
         self._template = None
-        self._grammar_entry: Path | None = None  # `grammar_tokenizer`'s cache entry, once computed
         try:
             self.assistant_prefix, self.assistant_suffix = self._assistant_affixes()
             self.system_moves = self._system_moves()
@@ -165,6 +165,15 @@ class Tokenizer:
         if i is None:
             raise ModelLoadError(f"{where}={token!r:.40} is not a token of tokenizer.json")
         return i
+
+    @functools.cached_property
+    def grammar_entry(self) -> Path:
+        """The cache entry of this tokenizer's grammar token bytes (`grammar_tokenizer`,
+        `write_grammar_tokens`): named by tokenizer.json's digest, the vocabulary size, the EOS id and
+        llguidance's version; hashed once per tokenizer."""
+        import llguidance
+
+        return cache_entry("grammar_tokens", self.json, f"{self.vocab_size}:{self.eos_id}:{llguidance.__version__}")
 
     def encode(self, text: str) -> list[int]:
         """Token ids of trusted template text: special tokens written literally (`<|im_end|>`)
@@ -268,7 +277,7 @@ def grammar_tokenizer(tok: Tokenizer):
     """
     import llguidance
 
-    path = _grammar_entry(tok)
+    path = tok.grammar_entry
     same_encoding = tok._tok.normalizer is None  # tok.encode tokenizes as llguidance's own tokenizer does
     cached = _read_token_bytes(path) if same_encoding else None
     if cached is None:
@@ -285,19 +294,9 @@ def write_grammar_tokens(tok: Tokenizer) -> None:
     bytes written, then dropped and its heap returned. `Engine.load` calls it before the weights, so
     the first build's transient memory (+113 MiB at Qwen2.5's 152k tokens) is gone before they arrive
     rather than stacked on them; the grammar tokenizer is built after them from the entry (+89 MiB)."""
-    path = _grammar_entry(tok)
+    path = tok.grammar_entry
     if tok._tok.normalizer is None and not path.is_file():
         _token_bytes_from_text(tok, path)
-
-
-def _grammar_entry(tok: Tokenizer) -> Path:
-    # the cache entry of tok's grammar token bytes (`cache_entry` hashes tokenizer.json: once per tokenizer)
-    import llguidance
-
-    if tok._grammar_entry is None:
-        tok._grammar_entry = cache_entry("grammar_tokens", tok.json,
-                                         f"{tok.vocab_size}:{tok.eos_id}:{llguidance.__version__}")
-    return tok._grammar_entry
 
 
 def _token_bytes_from_text(tok: Tokenizer, path: Path) -> tuple[int, list[bytes]]:
