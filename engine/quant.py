@@ -113,12 +113,10 @@ def gguf_int4_groups(blocks: np.ndarray, qtype: str) -> tuple[torch.Tensor, torc
         return np.ascontiguousarray(b[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
 
     if qtype == "Q4_K":
-        d, dmin, packed, qs = half(0), half(2), b[..., 4:16], b[..., 16:].reshape(n, -1, 4, 1, 32)
+        qs = b[..., 16:].reshape(n, -1, 4, 1, 32)
         codes = np.concatenate([qs & 15, qs >> 4], 3)  # [N, blocks, 4 runs, 2 sub-blocks, 32]
-        lo, hi = packed[..., 0:4], packed[..., 4:8]  # get_scale_min_k4 of ggml, sub-blocks 0-3 then 4-7
-        sc = np.concatenate([lo & 63, (packed[..., 8:12] & 15) | ((lo >> 6) << 4)], -1).astype(np.float32)
-        mn = np.concatenate([hi & 63, (packed[..., 8:12] >> 4) | ((hi >> 6) << 4)], -1).astype(np.float32)
-        scale, minimum = d[..., None] * sc, -dmin[..., None] * mn  # [N, blocks, 8]
+        ds, dm = _k_scales(torch.from_numpy(b[..., :16].reshape(-1, 16).copy()))  # [N * blocks, 8]
+        scale, minimum = ds.numpy(), -dm.numpy()
     else:
         at = 2 if qtype == "Q4_0" else 4
         qs = b[..., at:]
@@ -568,7 +566,7 @@ def q5_0_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # [n, 8] fp32 d * sc and dmin * m of Q4_K / Q5_K super-blocks b [n, bytes] (ggml's get_scale_min_k4)
+    # [n, 8] fp32 d * sc and dmin * m of Q4_K / Q5_K super-blocks b [n, >= 16 bytes] (ggml's get_scale_min_k4)
     d, dmin = (b[:, i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
     lo, hi, mix = b[:, 4:8], b[:, 8:12], b[:, 12:16]
     sc = torch.cat([lo & 63, (mix & 15) | ((lo >> 6) << 4)], 1).float()

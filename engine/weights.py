@@ -890,9 +890,6 @@ def load_gguf(files: ModelFiles):
                                  f"the configuration says {[args.vocab_size, args.dim]}")
         return t
 
-    def rows_of(t):  # row blocks of a table, dequantized: no whole-table temporaries
-        return lambda a, b: torch.from_numpy(_dequantized(t, path, slice(a, b)))
-
     def native(t) -> str | None:  # the block format of a table of whole blocks per row, kept as stored
         fmt = BLOCK_LINEARS.get(t.tensor_type.name)
         return fmt.FORMAT.name if fmt is not None and fmt.supports((args.vocab_size, args.dim)) else None
@@ -903,7 +900,7 @@ def load_gguf(files: ModelFiles):
     elif native(embed):
         net.tok_embeddings = BLOCK_EMBEDDINGS[native(embed)](torch.from_numpy(np.array(embed.data)))
     else:
-        net.tok_embeddings = Int8Embedding.from_rows(args.vocab_size, args.dim, rows_of(embed))
+        net.tok_embeddings = Int8Embedding.from_rows(args.vocab_size, args.dim, _projection_rows([embed], [None], path))
     for i, layer in enumerate(net.layers):
         b = f"blk.{i}."
         att, ffn = layer.attention, layer.feed_forward
@@ -933,7 +930,7 @@ def load_gguf(files: ModelFiles):
     elif native(head):
         net.output = BLOCK_LINEARS[native(head)](torch.from_numpy(np.array(head.data)))
     else:
-        net.output = Int8Linear.from_rows(args.vocab_size, args.dim, rows_of(head), group=_GROUP)
+        net.output = Int8Linear.from_rows(args.vocab_size, args.dim, _projection_rows([head], [None], path), group=_GROUP)
     _drop_pages(mapped)
     net.rope_cos, net.rope_sin = rope_tables(args)
     net.tie_weights()

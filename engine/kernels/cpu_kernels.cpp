@@ -291,19 +291,19 @@ void quantize_rows(const float* x, int64_t T, int64_t K, int64_t group, int8_t* 
 // ---- GGUF blocks as stored x int8 activations (W4A8 Q4_K, W5A8 Q5_0 / Q5_K, W6A8 Q6_K)
 //
 // One driver (block_rows) over a format struct F per block type: F::kValues weights in F::kBytes bytes
-// per block (a row of the weight: K / kValues blocks), F::kAuxRun input channels per activation sum,
-// and F::block, which adds one block's terms for TT token rows to their RowSums. Activations are
-// quantized per group of 32 (ts_quantize_rows: q, sx); aux [T, K / kAuxRun] holds the sums F needs
-// (block_aux). A block's codes are formed once for the TT rows; the code x q sums are exact int32
-// (dot4 of the unsigned codes: at most 63 x 127 per byte, one dot4 per dsum, so avx2's int16 pair
-// sums stay exact), the float sums fused multiply-adds per lane in ascending k, then one horizontal
-// sum: a row's result is its own data's alone, whatever TT and T.
+// per block (a row of the weight: K / kValues blocks), F::kActGroup input channels per activation scale,
+// F::kAuxRun per activation sum, and F::block, which adds one block's terms for TT token rows to their
+// RowSums. block_quantize makes the activations F needs (q, sx, aux). A block's codes are formed once for
+// the TT rows; the code x q sums are exact int32 (dot4 of the unsigned codes, at most 63 x 127 per byte
+// and one dot4 per dsum, so avx2's int16 pair sums stay exact; dot4_times for Q4_K / Q5_K), the float sums
+// fused multiply-adds per lane in ascending k, then one horizontal sum: a row's result is its own data's
+// alone, whatever TT and T.
 struct RowSums {
   vf acc, vneg;  // y = reduce_add(acc - vneg) - F::kBias * neg
   float neg;
 };
 
-// The activations of one call: q [T, K], sx [T, K / 32], aux [T, K / F::kAuxRun].
+// The activations of one call: q [T, K], sx [T, K / F::kActGroup], aux [T, K / F::kAuxRun].
 struct Acts {
   const int8_t* q;
   const float* sx;
