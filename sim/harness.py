@@ -559,20 +559,21 @@ def listen(duration_s: float, out_dir: Path, stop=None, live: bool = False, wait
     """
     ros_spin.init()
     harness = LatencyHarness(live=live)
+    spinner = ros_spin.Spinner(harness)
     try:
         why = "duration"
         if wait_engine_s > 0:
-            why = ros_spin.spin(harness, wait_engine_s,
-                                until=lambda: harness.engine_ready_at is not None or bool(stop and stop()))
+            why = spinner.spin(wait_engine_s, until=lambda: harness.engine_ready_at is not None or bool(stop and stop()))
             harness.window_start = time.time()
             if why == "duration":
                 print(f"no engine ready within {wait_engine_s:g} s; measuring anyway", flush=True)
         if task and why in ("duration", "until"):
-            ros_spin.spin(harness, 30.0, until=lambda: harness.send_task() or bool(stop and stop()))
+            spinner.spin(30.0, until=lambda: harness.send_task() or bool(stop and stop()))
         if why in ("duration", "until") and not (stop and stop()):
-            ros_spin.spin(harness, duration_s, until=stop)
+            spinner.spin(duration_s, until=stop)
         report = harness.report()
     finally:
+        spinner.close()
         harness.destroy_node()
         rclpy.try_shutdown()
     paths = write_outputs(report, out_dir)

@@ -19,35 +19,53 @@ from tokenspeed_ros.spin import SPIN_TIMEOUT_S, spin_once
 
 
 def init(args: list[str] | None = None) -> None:
-    """rclpy.init without rclpy's SIGINT/SIGTERM handlers (use `spin` to stop on signals)."""
+    """rclpy.init without rclpy's SIGINT/SIGTERM handlers (use `Spinner.spin` to stop on signals)."""
     rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
 
 
-def spin(node, duration_s: float | None = None, until=None) -> str:
-    """Spin `node` in this thread until SIGINT/SIGTERM, `duration_s` seconds, or `until()` is
-    true; returns why it stopped ("SIGINT", "SIGTERM", "duration", "until"). Signal handlers are
-    restored afterwards."""
-    why: list[str] = []
-    stop = threading.Event()
+class Spinner:
+    """Spins one rclpy node in this thread, call after call, on one executor: the done callbacks
+    of a future that resolves in one `spin` call (an action goal accepted, its result, a service
+    answer: rclpy schedules them as executor tasks) run in the next call. An executor per call
+    would be shut down with such a task still queued, and the callback lost. Use as a context
+    manager, or call `close()`; the node itself is the caller's to destroy."""
 
-    def on_signal(signum, _frame):
-        why.append(signal.Signals(signum).name)
-        stop.set()
+    def __init__(self, node) -> None:
+        self.node = node
+        self._executor = SingleThreadedExecutor()
+        self._executor.add_node(node)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    executor = SingleThreadedExecutor()
-    executor.add_node(node)
-    end = None if duration_s is None else time.monotonic() + duration_s
-    try:
-        while not stop.is_set():
-            if end is not None and time.monotonic() >= end:
-                return "duration"
-            if until is not None and until():
-                return "until"
-            spin_once(executor, SPIN_TIMEOUT_S, node.get_logger())
-        return why[0]
-    finally:
-        executor.remove_node(node)
-        executor.shutdown()
-        for s, h in old.items():
-            signal.signal(s, h)
+    def spin(self, duration_s: float | None = None, until=None) -> str:
+        """Spin until SIGINT/SIGTERM, `duration_s` seconds, or `until()` is true; returns why it
+        stopped ("SIGINT", "SIGTERM", "duration", "until"). Signal handlers are restored afterwards."""
+        why: list[str] = []
+        stop = threading.Event()
+
+        def on_signal(signum, _frame):
+            why.append(signal.Signals(signum).name)
+            stop.set()
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        end = None if duration_s is None else time.monotonic() + duration_s
+        try:
+            while not stop.is_set():
+                if end is not None and time.monotonic() >= end:
+                    return "duration"
+                if until is not None and until():
+                    return "until"
+                spin_once(self._executor, SPIN_TIMEOUT_S, self.node.get_logger())
+            return why[0]
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def close(self) -> None:
+        """Remove the node from the executor and shut the executor down."""
+        self._executor.remove_node(self.node)
+        self._executor.shutdown()
+
+    def __enter__(self) -> "Spinner":
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()

@@ -293,7 +293,8 @@ def main(args: list[str] | None = None) -> None:
         except KeyboardInterrupt:   # Ctrl-C while the scene and the camera process start
             print("[tokenspeed_cobot_sim] interrupted during start-up", flush=True)
             return
-        ros_spin.spin(node)
+        with ros_spin.Spinner(node) as spinner:
+            spinner.spin()
     finally:
         if node is not None:
             renders = node.render_s

@@ -394,6 +394,7 @@ def run(minutes: float, out_dir: Path, model: str = "", ready_timeout_s: float =
     tallies = {name: LoopTally(prefix, node) for name, (prefix, node) in LOOPS.items()}
     for t in tallies.values():
         t.attach(harness)
+    spinner = ros_spin.Spinner(harness)       # one executor throughout: TaskCycle's futures resolve across chunks
     tasks = TaskCycle(harness, task_timeout_s)
     market = MarketStatus(decision_ep)
     sampler = ProcessSampler()
@@ -428,7 +429,7 @@ def run(minutes: float, out_dir: Path, model: str = "", ready_timeout_s: float =
               f"(logs in {out_dir})", flush=True)
         ready = lambda: harness.engine_ready_at is not None and market.latest.get("engine") == "ready"  # noqa: E731
         while why == "duration" and not ready() and time.time() - started < ready_timeout_s and not tick():
-            why = ros_spin.spin(harness, SPIN_CHUNK_S)
+            why = spinner.spin(SPIN_CHUNK_S)
         window_start = harness.window_start = time.time()
         end = window_start + minutes * 60
         print(f"tokenspeed_soak: engines {'ready' if ready() else 'NOT ready'} after {window_start - started:.0f} s; "
@@ -436,11 +437,11 @@ def run(minutes: float, out_dir: Path, model: str = "", ready_timeout_s: float =
         while why == "duration" and time.time() < end and not tick():
             replay.step(end)
             tasks.step(harness.goal_text)
-            why = ros_spin.spin(harness, SPIN_CHUNK_S)
+            why = spinner.spin(SPIN_CHUNK_S)
         replay.finish(30.0)
         settle_end = time.time() + 5.0        # the last decisions' outcomes, diagnostics, status
         while why == "duration" and time.time() < settle_end and not tick():
-            why = ros_spin.spin(harness, SPIN_CHUNK_S)
+            why = spinner.spin(SPIN_CHUNK_S)
         report, cobot_harness = build_report(harness, tallies, sampler, market, replay, started, window_start,
                                              crashed)
         report["cobot"]["tasks"] = tasks.report()
@@ -454,6 +455,7 @@ def run(minutes: float, out_dir: Path, model: str = "", ready_timeout_s: float =
         exits = {name: wait_launch(p, 10 + 3 * STOP_GRACE_S) for name, p in launches.items()}
         replay.finish(0.0)
         market.close()
+        spinner.close()
         harness.destroy_node()
         rclpy.try_shutdown()
         for f in logs.values():
@@ -525,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{lp['fallback_lateness_ms']}); commands lost {lp['commands_lost']}; model latency slope "
               f"{lp['model_latency_slope_ms_per_h']} ms/h")
     tasks = report["cobot"]["tasks"]
-    print(f"cobot tasks: {tasks['started']} started, {tasks['finished']} finished {tasks['outcomes']}")
+    print(f"cobot tasks: {tasks['started']} started, {tasks['finished']} finished {tasks['outcomes']}, "
+          f"the cycle {tasks['state_at_end']} at the end")
     feed = report["feed"]
     print(f"feed: {feed['sent']} sent, {feed['received_by_bridge']} received, {feed['seq_gap']} sequence gaps")
     for label, r in report["rss"].items():
