@@ -2,8 +2,6 @@
 `Engine.session()` opens the agent sessions (`tokenspeed.session.Session`)."""
 from __future__ import annotations
 
-import functools
-import gc
 import json
 import os
 import time
@@ -37,23 +35,6 @@ class EngineArgumentError(ValueError, TypeError):
 _AUTO_PROBES = ("The red cube is at x=0.42 y=-0.10 on the table. Pick it up and",
                 '{"name": "move_to", "arguments": {"x": 0.31, "y":',
                 "Joint positions: [0.12, -0.54, 1.03]. The gripper is open. Next action:")
-
-
-def _collector_paused(load):
-    """`load` with Python's cyclic garbage collector off while it runs (restored as it was after):
-    a load allocates enough to set off full collections, each one a walk over torch's import heap
-    (~180k objects, ~90 ms on this project's 2-core test machine) that finds next to nothing (a
-    few hundred objects, no tensors). What the load leaves is taken by a later collection."""
-    @functools.wraps(load)
-    def paused(*args, **kwargs):
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return load(*args, **kwargs)
-        finally:
-            if was_enabled:
-                gc.enable()
-    return paused
 
 
 def _tiny_random(args: ModelArgs) -> Transformer:
@@ -158,7 +139,6 @@ class Engine:
         self.host_worker = host_worker(self.device, self._pipeline)
 
     @classmethod
-    @_collector_paused
     def load(cls, model: str | None = None, *, threads: int | None = None,
              dtype: "torch.dtype | str | None" = "auto", device: "str | torch.device | None" = "auto",
              quantize: str | None = "auto", stages: LoadStages | None = None,

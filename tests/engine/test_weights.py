@@ -1,7 +1,6 @@
 """Weight loading: tiny random Llama/Qwen2 models written by the test as safetensors folders and as
 GGUF files (F32/F16/Q8_0/Q4_0/Q4_1, Q/K permuted like llama.cpp's converter), compared with
 Hugging Face transformers on the same weights; bad paths give clear errors."""
-import gc
 import hashlib
 import json
 import os
@@ -407,26 +406,6 @@ def test_load_stages_record_the_resident_set(engine):
     assert 0 < stages.start_memory[0] <= peaks[0]
     assert "RSS MiB" in stages.table() and "  tokenizer " in stages.table()
     assert engine.load_s >= sum(wall for wall, _ in stages.values())  # load_s: the whole load, every stage
-
-
-def test_a_load_runs_no_garbage_collection_and_leaves_the_collector_as_it_found_it():
-    # a full collection walks torch's import heap (~90 ms) and finds next to nothing: none during a load
-    load, collections = tokenspeed.Engine.load, []       # tokenspeed's modules imported (imports collect)
-    track = lambda phase, info: phase == "start" and collections.append(info["generation"])  # noqa: E731
-    gc.callbacks.append(track)
-    try:
-        assert gc.isenabled()
-        load(threads=1)
-        assert collections == [] and gc.isenabled()
-        gc.collect()                                     # the tracking sees one when there is one
-        assert collections == [2]
-        gc.disable()        # an application that runs without the collector keeps it off, a failed load too
-        with pytest.raises(ModelLoadError):
-            load("/nonexistent/model.gguf")
-        assert not gc.isenabled()
-    finally:
-        gc.callbacks.remove(track)
-        gc.enable()
 
 
 def test_embedded_model_loads_and_caches(engine):
