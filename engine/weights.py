@@ -900,7 +900,8 @@ def load_gguf(files: ModelFiles):
     elif native(embed):
         net.tok_embeddings = BLOCK_EMBEDDINGS[native(embed)](torch.from_numpy(np.array(embed.data)))
     else:
-        net.tok_embeddings = Int8Embedding.from_rows(args.vocab_size, args.dim, _projection_rows([embed], [None], path))
+        net.tok_embeddings = Int8Embedding.from_rows(args.vocab_size, args.dim,
+                                                     _projection_rows([embed], [None], path))
     for i, layer in enumerate(net.layers):
         b = f"blk.{i}."
         att, ffn = layer.attention, layer.feed_forward
@@ -930,7 +931,8 @@ def load_gguf(files: ModelFiles):
     elif native(head):
         net.output = BLOCK_LINEARS[native(head)](torch.from_numpy(np.array(head.data)))
     else:
-        net.output = Int8Linear.from_rows(args.vocab_size, args.dim, _projection_rows([head], [None], path), group=_GROUP)
+        net.output = Int8Linear.from_rows(args.vocab_size, args.dim, _projection_rows([head], [None], path),
+                                          group=_GROUP)
     _drop_pages(mapped)
     net.rope_cos, net.rope_sin = rope_tables(args)
     net.tie_weights()
