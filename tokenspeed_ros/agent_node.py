@@ -99,7 +99,7 @@ class AgentNode(EngineNode):
             self, action_topic=p.action_topic, status_topic=p.deadline_status_topic,
             budget_s=p.deadline_budget_s, fallback=p.fallback, period_s=p.monitor_period_s,
             qos_depth=p.command_qos_depth, qos_deadline_s=p.command_qos_deadline_s, on_outcome=self._on_outcome,
-            active=lambda: self.active, frame_id=p.base_frame)
+            active=lambda: self.active, frame_id=p.base_frame, thread_priority=p.monitor_thread_priority)
         self._obs_pub = self.create_publisher(Observation, p.observation_topic, 10)
         self._pose_pub = self.create_publisher(PoseStamped, p.target_pose_topic, 10)
         self._trace_pub = self.create_publisher(String, p.action_topic + "/trace", 10)

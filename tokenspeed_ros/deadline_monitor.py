@@ -27,6 +27,12 @@ forward or any step back) moves every open deadline with it, so each decision ke
 it had left: a backward jump cannot hold a fallback back by the size of the jump, and a forward
 one is not counted as lateness; jumps are counted ("clock_jump").
 
+Under CPU load the monitor's thread can wait on the run queue for tens of milliseconds after its
+timer is due; `thread_priority` gives it the
+SCHED_FIFO real-time policy, as ros2_control's controller manager does for its control loop, so it
+runs as soon as it wakes. Without the privilege for it (CAP_SYS_NICE or an rtprio limit) the
+monitor warns once and runs in the default policy; `scheduling` and /diagnostics say which.
+
 The command publisher also offers a QoS deadline (`qos_deadline_s`); the DDS layer reports
 periods without any command, which are counted (`qos_deadline_missed`). Everything is counted
 and exposed by `diagnostic_status()` for /diagnostics.
@@ -34,6 +40,7 @@ and exposed by `diagnostic_status()` for /diagnostics.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
@@ -105,7 +112,9 @@ class DeadlineMonitor:
     is handed over through a guard condition, or `deliver()` from a host callback that waits),
     in order; active: the heartbeat goes out while it returns True (called on the monitor's
     thread; a plain flag read); frame_id: header.frame_id of every command (the frame its
-    arguments are in, e.g. the robot base frame; `frame_id` may be changed later). The public
+    arguments are in, e.g. the robot base frame; `frame_id` may be changed later); thread_priority:
+    SCHED_FIFO priority (1-99) of the monitor's thread, 0 = the default policy (a refusal by the
+    OS is logged as a warning, not raised; `scheduling` says what the thread got). The public
     methods are thread-safe;
     call `close()` before destroying the host node. Raises ValueError for an unknown fallback.
     """
@@ -113,7 +122,7 @@ class DeadlineMonitor:
     def __init__(self, node, *, action_topic: str, status_topic: str, budget_s: float, fallback: str,
                  period_s: float, qos_depth: int = 10, qos_deadline_s: float = 0.0,
                  on_outcome: Callable[[ActionCommand | None, DeadlineStatus], None] | None = None,
-                 active: Callable[[], bool] = lambda: True, frame_id: str = ""):
+                 active: Callable[[], bool] = lambda: True, frame_id: str = "", thread_priority: int = 0):
         if fallback not in FALLBACKS:
             raise ValueError(f"fallback {fallback!r} is not one of {FALLBACKS}")
         self._node = node
@@ -159,6 +168,7 @@ class DeadlineMonitor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._spin, name="deadline-monitor", daemon=True)
         self._thread.start()
+        self.scheduling = self._prioritize(thread_priority)
 
         self._jump_handle = self._clock.create_jump_callback(JumpThreshold(
             min_forward=Duration(seconds=CLOCK_JUMP_S), min_backward=Duration(nanoseconds=-1), on_clock_change=False),
@@ -175,6 +185,22 @@ class DeadlineMonitor:
                 if self._stop.is_set() or not self._own.context.ok():
                     return
                 raise
+
+    def _prioritize(self, priority: int) -> str:
+        """Give the monitor's thread SCHED_FIFO `priority` (0: leave it); returns the policy it runs
+        in, for /diagnostics. A refusal (EPERM without CAP_SYS_NICE or an rtprio limit, EINVAL
+        for a priority outside 1-99, no such call off Linux) is logged once, not raised."""
+        if priority == 0:
+            return "SCHED_OTHER"
+        try:
+            os.sched_setscheduler(self._thread.native_id, os.SCHED_FIFO, os.sched_param(priority))
+        except (OSError, AttributeError) as e:
+            self._node.get_logger().warning(
+                f"the deadline monitor's thread runs without real-time priority (SCHED_FIFO {priority} refused: "
+                f"{e}): under CPU load its fallbacks can be late; grant CAP_SYS_NICE or an rtprio limit, "
+                "or set monitor_thread_priority to 0 to silence this")
+            return f"SCHED_OTHER (SCHED_FIFO {priority} refused)"
+        return f"SCHED_FIFO {priority}"
 
     def _on_clock_jump(self, jump: TimeJump) -> None:
         """The host's clock jumped by `jump.delta`: open deadlines move with it (see the module docstring)."""
@@ -344,6 +370,7 @@ class DeadlineMonitor:
                  DiagnosticStatus.WARN if new["fallback"] else DiagnosticStatus.OK)
         values = {k: str(counts[k]) for k in sorted(counts)}
         values["pending"] = str(self.pending)
+        values["thread_scheduling"] = self.scheduling
         for label, samples in samples_of.items():
             if samples:
                 p50, p90, p99 = np.percentile(np.asarray(samples), [50, 90, 99]) * 1e3

@@ -221,7 +221,8 @@ class MarketBridgeNode(EngineNode):
 
         self.monitor = DeadlineMonitor(self, action_topic=p.action_topic, status_topic=p.deadline_status_topic,
                                        budget_s=p.deadline_budget_s, fallback="hold", period_s=p.monitor_period_s,
-                                       on_outcome=self._on_outcome, active=lambda: self.active)
+                                       on_outcome=self._on_outcome, active=lambda: self.active,
+                                       thread_priority=p.monitor_thread_priority)
         self._tick_pub = self.create_publisher(MarketTick, p.tick_topic, 10)
         self._wake_trigger = self.create_guard_condition(self._on_trigger)
         self._status_timer = self.create_timer(p.status_period_s, self._publish_status)

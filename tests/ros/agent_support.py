@@ -139,6 +139,27 @@ sys.exit(main())
 """
 
 
+def realtime_allowed() -> bool:
+    """Whether a thread of this process may take the SCHED_FIFO policy (root, CAP_SYS_NICE or an
+    rtprio limit): tried on a scratch thread."""
+    import os
+    import threading
+
+    allowed = []
+
+    def attempt():
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+            allowed.append(True)
+        except (OSError, AttributeError):
+            pass
+
+    t = threading.Thread(target=attempt)
+    t.start()
+    t.join()
+    return bool(allowed)
+
+
 def diagnostics(msg) -> dict[str, dict[str, str]]:
     """diagnostic_msgs/DiagnosticArray -> {status name: {key: value}}."""
     return {s.name: {kv.key: kv.value for kv in s.values} for s in msg.status}

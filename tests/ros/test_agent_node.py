@@ -8,7 +8,7 @@ from sensor_msgs.msg import CameraInfo, Image, JointState
 from std_msgs.msg import String
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus, Observation
 
-from agent_support import HEIGHT, WIDTH, SensorFeed, camera_info, diagnostics
+from agent_support import HEIGHT, WIDTH, SensorFeed, camera_info, diagnostics, realtime_allowed
 
 LATCHED = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE, durability=DurabilityPolicy.TRANSIENT_LOCAL)
 ENGINE_TIMEOUT = 90.0          # process start + model load on a busy 2-core machine, seconds
@@ -43,6 +43,9 @@ def test_model_decisions_with_the_real_engine(probe, start_agent):
     assert probe.spin_until(lambda: diags and int(diagnostics(diags[-1])["/tokenspeed_agent: decisions"].get("met", 0)) > 0, 5)
     values = diagnostics(diags[-1])
     assert "latency_p50_ms" in values["/tokenspeed_agent: decisions"]
+    # the monitor's thread in the real-time policy (the default monitor_thread_priority) where allowed
+    assert values["/tokenspeed_agent: decisions"]["thread_scheduling"] == (
+        "SCHED_FIFO 50" if realtime_allowed() else "SCHED_OTHER (SCHED_FIFO 50 refused)")
     assert values["/tokenspeed_agent: engine"]["state"] == "ready"
     assert {"decided_ahead_hit", "decided_ahead_miss", "trace_ttft_p50_ms"} <= set(values["/tokenspeed_agent: engine"])
     # every stage of the model's decision, from the sensor stamp to the publish, in order

@@ -1,18 +1,22 @@
 """DeadlineMonitor on a real rclpy node: what reaches the command topic (over DDS) for results
 on time, late, invalid, and with each fallback kind; QoS deadline events are counted."""
 import json
+import os
+import threading
 
 import pytest
 from rclpy.duration import Duration
 from rclpy.time import Time
 from tokenspeed_msgs.msg import ActionCommand, DeadlineStatus
 
+from agent_support import realtime_allowed
 from tokenspeed_ros.deadline_monitor import DeadlineMonitor, ModelResult
 
 
-def make_monitor(probe, budget_s=0.2, fallback="hold", qos_deadline_s=0.0):
+def make_monitor(probe, budget_s=0.2, fallback="hold", qos_deadline_s=0.0, thread_priority=0):
     monitor = DeadlineMonitor(probe.node, action_topic="agent/action", status_topic="agent/deadline_status",
-                              budget_s=budget_s, fallback=fallback, period_s=0.01, qos_deadline_s=qos_deadline_s)
+                              budget_s=budget_s, fallback=fallback, period_s=0.01, qos_deadline_s=qos_deadline_s,
+                              thread_priority=thread_priority)
     actions = probe.listen(ActionCommand, "agent/action")
     statuses = probe.listen(DeadlineStatus, "agent/deadline_status")
     assert probe.spin_until(lambda: probe.node.count_subscribers("agent/action") >= 1
@@ -83,6 +87,39 @@ def test_qos_deadline_events_are_counted(probe):
     values = {kv.key: kv.value for kv in status.values}
     assert int(values["qos_deadline_missed"]) >= 2 and values["fallback"] == "1"
     assert "latency_p99_ms" in values
+
+
+def monitor_thread_ids() -> set[int]:
+    return {t.native_id for t in threading.enumerate() if t.name == "deadline-monitor"}
+
+
+@pytest.mark.skipif(not realtime_allowed(), reason="this process may not use SCHED_FIFO (no CAP_SYS_NICE or rtprio limit)")
+def test_thread_priority_runs_the_monitor_thread_in_sched_fifo(probe):
+    """The OS reports the monitor's thread in SCHED_FIFO at the priority asked for, /diagnostics says
+    so, and the thread still publishes a missed deadline's fallback."""
+    before = monitor_thread_ids()
+    monitor, actions, statuses = make_monitor(probe, budget_s=0.05, thread_priority=30)
+    (tid,) = monitor_thread_ids() - before
+    assert os.sched_getscheduler(tid) == os.SCHED_FIFO and os.sched_getparam(tid).sched_priority == 30
+    assert monitor.open(now(probe)) and probe.spin_until(lambda: statuses, 5)
+    assert statuses[0].reason == "deadline_missed"
+    values = {kv.key: kv.value for kv in monitor.diagnostic_status("decisions").values}
+    assert values["thread_scheduling"] == "SCHED_FIFO 30"
+    monitor.close()
+
+
+def test_a_refused_priority_leaves_the_monitor_working_in_the_default_policy(probe):
+    """The kernel refuses SCHED_FIFO priority 100 (EINVAL: the range is 1-99; the node's parameter
+    stops it earlier). It stands in for EPERM, which a privileged test process cannot get: the
+    monitor logs it, runs in the default policy and still publishes fallbacks."""
+    before = monitor_thread_ids()
+    monitor, actions, statuses = make_monitor(probe, budget_s=0.05, thread_priority=100)
+    (tid,) = monitor_thread_ids() - before
+    assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+    assert monitor.scheduling == "SCHED_OTHER (SCHED_FIFO 100 refused)"
+    assert monitor.open(now(probe)) and probe.spin_until(lambda: statuses, 5)
+    assert [(a.source, a.tool_name) for a in actions] == [("fallback", "hold")]
+    monitor.close()
 
 
 def test_unknown_fallback_is_rejected(probe):
