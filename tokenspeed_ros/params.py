@@ -114,14 +114,16 @@ class NodeParams(BaseModel):
     autostart: bool = Field(True, description="configure and activate at start-up; false: stay unconfigured "
                                               "until a lifecycle transition (tokenspeed_launch drives them)")
 
-    # engine
-    model: str = Field("", description='.gguf file, HF folder or "tiny-random"; empty = embedded SmolLM2-135M')
-    threads: int = Field(1, ge=0, le=256, description="engine CPU threads; 0 = torch default. 1: the node shares the CPU with ROS callbacks (and the simulator), and torch's spinning thread pool stalls badly when oversubscribed")
+    # deadline monitor (both nodes have one)
     monitor_thread_priority: int = Field(
         50, ge=0, le=99, description="SCHED_FIFO priority of the deadline monitor's thread (1-99, as "
         "ros2_control's thread_priority), so its fallbacks and heartbeat go out on time under CPU load; 0 = the "
         "default policy. Needs CAP_SYS_NICE or an rtprio limit (/etc/security/limits.conf); without it the node "
         "warns and runs in the default policy")
+
+    # engine
+    model: str = Field("", description='.gguf file, HF folder or "tiny-random"; empty = embedded SmolLM2-135M')
+    threads: int = Field(1, ge=0, le=256, description="engine CPU threads; 0 = torch default. 1: the node shares the CPU with ROS callbacks (and the simulator), and torch's spinning thread pool stalls badly when oversubscribed")
     quantize: Literal["auto", "gguf", "int4", "int8", "none"] = Field(
         "auto", description="engine weights: auto (a quantized .gguf model's own blocks; other models the fastest "
         "format on this CPU that agrees with fp32, measured once and cached), gguf (a .gguf model's own blocks, read without an fp32 copy; CPU), int4 (4-bit groups "
