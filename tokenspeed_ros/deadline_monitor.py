@@ -29,8 +29,9 @@ one is not counted as lateness; jumps are counted ("clock_jump").
 
 Under CPU load the monitor's thread can wait on the run queue for tens of milliseconds after its
 timer is due; `thread_priority` gives it the SCHED_FIFO real-time policy, as ros2_control's
-controller manager does for its control loop, so it runs as soon as it wakes. Without the privilege for it (CAP_SYS_NICE or an rtprio limit) the
-monitor warns once and runs in the default policy; `scheduling` and /diagnostics say which.
+controller manager does for its control loop, so it runs as soon as it wakes. Without the privilege
+for it (CAP_SYS_NICE or an rtprio limit) the monitor warns once and runs in the default policy;
+`scheduling` and /diagnostics say which.
 
 The command publisher also offers a QoS deadline (`qos_deadline_s`); the DDS layer reports
 periods without any command, which are counted (`qos_deadline_missed`). Everything is counted

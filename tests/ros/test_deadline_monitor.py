@@ -101,7 +101,8 @@ def test_thread_priority_runs_the_monitor_thread_in_sched_fifo(probe):
     monitor, actions, statuses = make_monitor(probe, budget_s=0.05, thread_priority=30)
     (tid,) = monitor_thread_ids() - before
     assert os.sched_getscheduler(tid) == os.SCHED_FIFO and os.sched_getparam(tid).sched_priority == 30
-    assert monitor.open(now(probe)) and probe.spin_until(lambda: statuses, 5)
+    monitor.open(now(probe))
+    assert probe.spin_until(lambda: statuses, 5)
     assert statuses[0].reason == "deadline_missed"
     values = {kv.key: kv.value for kv in monitor.diagnostic_status("decisions").values}
     assert values["thread_scheduling"] == "SCHED_FIFO 30"
@@ -117,7 +118,8 @@ def test_a_refused_priority_leaves_the_monitor_working_in_the_default_policy(pro
     (tid,) = monitor_thread_ids() - before
     assert os.sched_getscheduler(tid) == os.SCHED_OTHER
     assert monitor.scheduling == "SCHED_OTHER (SCHED_FIFO 100 refused)"
-    assert monitor.open(now(probe)) and probe.spin_until(lambda: statuses, 5)
+    monitor.open(now(probe))
+    assert probe.spin_until(lambda: statuses, 5)
     assert [(a.source, a.tool_name) for a in actions] == [("fallback", "hold")]
     monitor.close()
 
