@@ -19,8 +19,8 @@ from .session import Session
 from .stages import LoadStages
 from .speculation import SpecConfig
 from .tokenizer import Tokenizer, grammar_tokenizer, write_grammar_tokens
-from .weights import (ModelLoadError, gguf_quantized, load_gguf, load_model_files, load_quantized, resolve_model,
-                      return_free_heap, save_quantized)
+from .weights import (ModelLoadError, cache_gguf, gguf_quantized, load_gguf, load_model_files, load_quantized,
+                      resolve_model, return_free_heap, save_quantized)
 
 __all__ = ["Engine", "EngineArgumentError", "LoadStages"]
 
@@ -165,7 +165,8 @@ class Engine:
                 tensor by tensor without an fp32 copy (`tokenspeed.weights.load_gguf`: Q4_0/Q4_1/Q4_K
                 and Q6_K blocks run as they are; CPU, float32). Quantized fp32 CPU weights, and a GGUF
                 file's blocks in the kernels' layout, are cached (`tokenspeed.weights.load_quantized`):
-                a warm load reads them packed.
+                a warm load reads them packed. A first "gguf" load streams the file into that cache
+                block by block and reads it back memory-mapped (`tokenspeed.weights.cache_gguf`).
             stages: `LoadStages` to continue (its clock runs on from its last stage), else a new one;
                 it becomes `Engine.load_stages`.
             pipeline: draft the next decode step while the forward runs (on the CPU that work then
@@ -225,10 +226,12 @@ class Engine:
         if net is not None:
             stages.done(f"{fmt} weights from the quantized cache")
         elif fmt == "gguf":
-            net = load_gguf(files)
-            stages.done("gguf weights from the file")
-            save_quantized(net, files, fmt)
-            stages.done("quantized cache written")
+            net = cache_gguf(files)
+            if net is not None:
+                stages.done("gguf weights streamed to the quantized cache")
+            else:  # the cache cannot be written (logged)
+                net = load_gguf(files)
+                stages.done("gguf weights from the file")
         else:
             net = _tiny_random(files.args) if model == "tiny-random" else _fp32_model(files)
             # off the CPU, quantized weights are made on the device from fp32, then the rest is cast

@@ -6,8 +6,8 @@ Q/K rows un-permuted back to the Hugging Face rotary layout, tokenizer rebuilt f
 vocabulary - into a content-addressed folder under the user's cache dir (`TOKENSPEED_CACHE` or
 platformdirs' user cache dir), so later loads read safetensors only (a few seconds) and
 `transformers` can load the very same folder for parity checks. A model quantized for the CPU
-(`tokenspeed.quant`), or a GGUF file's own blocks in the kernels' layout (`load_gguf`), is cached
-too (`load_quantized`), so a warm start reads the packed weights.
+(`tokenspeed.quant`), or a GGUF file's own blocks in the kernels' layout (`load_gguf`, streamed by
+`cache_gguf`), is cached too (`load_quantized`), so a warm start reads the packed weights.
 
 Checkpoint names follow Hugging Face Llama (`model.layers.{i}.self_attn.q_proj.weight`, ...);
 `load_state_dict` maps them to this engine's modules in one table (`_HF_TO_ENGINE`).
@@ -36,7 +36,8 @@ from .paths import cache_dir
 log = logging.getLogger(__name__)
 
 __all__ = ["ModelLoadError", "ModelFiles", "default_model_path", "resolve_model", "load_model_files", "model_args",
-           "check_finite", "load_quantized", "save_quantized", "load_gguf", "fp32_folder", "return_free_heap"]
+           "check_finite", "load_quantized", "save_quantized", "QuantizedCacheEntry", "load_gguf", "cache_gguf",
+           "fp32_folder", "return_free_heap"]
 
 
 class ModelLoadError(RuntimeError):
@@ -235,7 +236,7 @@ def _quantized_path(files: ModelFiles, fmt: str) -> Path:
     for shard in [] if files.gguf else sorted(files.folder.glob("*.safetensors")):  # a GGUF's folder is its digest
         st = shard.stat()
         h.update(f"{shard.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return cache_dir() / "quantized" / f"{fmt}-{h.hexdigest()[:24]}.safetensors"
+    return cache_dir() / "quantized" / f"{fmt}-{h.hexdigest()[:24]}"
 
 
 def _layer_kinds(model) -> dict[str, str]:
@@ -276,12 +277,15 @@ def load_quantized(files: ModelFiles, fmt: str):
     from .quant import Int8Linear
 
     path = _quantized_path(files, fmt)
-    if not path.is_file():
+    parts = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not parts:
         return None
     empty = {kind: (lambda linear: linear) if kind == "float" else cls.empty for cls, kind in _kind_names().items()}
     try:
-        with safe_open(str(path), "pt") as f:
-            kinds = json.loads((f.metadata() or {})["layer_kinds"])
+        kinds = {}
+        for part in parts:
+            with safe_open(str(part), "pt") as f:
+                kinds.update(json.loads((f.metadata() or {})["layer_kinds"]))
         with torch.device("meta"):  # no init and no memory: every tensor comes from the cache entry
             net = Transformer(files.args)
             for name, kind in kinds.items():
@@ -291,7 +295,7 @@ def load_quantized(files: ModelFiles, fmt: str):
                 layer = (Int8Linear.empty(getattr(owner, child), int(kind[len("int8-group"):])) if grouped
                          else empty[kind](getattr(owner, child)))
                 setattr(owner, child, layer)
-        state = load_file(str(path))
+        state = {k: t for part in parts for k, t in load_file(str(part)).items()}
         check_finite(state, str(path))
         if files.args.tie_embeddings:  # a tied head's tensors are the table's: left out by save_quantized
             for key in [k for k in state if k.startswith("tok_embeddings.")]:
@@ -309,24 +313,69 @@ def load_quantized(files: ModelFiles, fmt: str):
 
 def save_quantized(model, files: ModelFiles, fmt: str) -> None:
     """Write `model` (quantized to `fmt` from the checkpoint in `files`, or the file's own blocks
-    for "gguf") to the quantized weights cache for `load_quantized`, with each layer's class
-    (atomic rename; a failure to write is logged, not raised). A tied lm_head's tensors (the float
-    weight, or `Int8Linear.tied`'s int8 groups) are the embedding's and are left out
-    (`Transformer.tie_weights` ties them again)."""
-    from safetensors.torch import save_file
-
-    path = _quantized_path(files, fmt)
-    state = model.state_dict()
-    table = {t.data_ptr() for k, t in state.items() if k.startswith("tok_embeddings.")}
-    state = {k: v.contiguous() for k, v in state.items()
-             if not (k.startswith("output.") and v.data_ptr() in table)}
+    for "gguf") to the quantized weights cache for `load_quantized`, with each layer's class, as one
+    part of a `QuantizedCacheEntry` (a failure to write is logged, not raised)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file(state, str(tmp), metadata={"layer_kinds": json.dumps(_layer_kinds(model))})
-        tmp.replace(path)
+        entry = QuantizedCacheEntry(files, fmt)
+        try:
+            entry.write(model)
+            entry.commit()
+        finally:
+            entry.discard()
     except OSError as exc:
         log.warning("quantized weights not cached (%s)", exc)
+
+
+class QuantizedCacheEntry:
+    """A quantized weights cache entry being written (`load_quantized` reads it): a folder of
+    safetensors parts, each with its layers' classes in its metadata, written part by part in a
+    temporary folder that `commit` renames into place (atomic: a reader sees all parts or none).
+
+    A tied lm_head's tensors (the float weight, or `Int8Linear.tied`'s / `BlockLinear.tied`'s) are
+    the embedding's and are left out (`Transformer.tie_weights` ties them again), as are tensors on
+    the meta device: a table `load_gguf` has streamed out already, and a head tied to it.
+
+    Raises:
+        OSError: the cache folder cannot be made or written (from `__init__`, `write`, `commit`).
+    """
+
+    def __init__(self, files: ModelFiles, fmt: str):
+        self.path = _quantized_path(files, fmt)
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._tmp.mkdir(parents=True)
+        self._parts = 0
+
+    def write(self, model, prefix: str = "", exclude: tuple[str, ...] = ()) -> None:
+        """Write the tensors of `model` whose names start with `prefix` (and with none of `exclude`)
+        and the classes of those layers as the entry's next part."""
+        from safetensors.torch import save_file
+
+        def kept(name: str) -> bool:
+            return name.startswith(prefix) and not name.startswith(exclude)
+
+        state = {k: v for k, v in model.state_dict().items() if kept(k) and not v.is_meta}
+        table = {t.data_ptr() for k, t in state.items() if k.startswith("tok_embeddings.")}
+        state = {k: v.contiguous() for k, v in state.items() if not (k.startswith("output.") and v.data_ptr() in table)}
+        kinds = {name: kind for name, kind in _layer_kinds(model).items() if kept(name + ".")}
+        save_file(state, str(self._tmp / f"part-{self._parts:05d}.safetensors"),
+                  metadata={"layer_kinds": json.dumps(kinds)})
+        self._parts += 1
+
+    def commit(self) -> None:
+        """Rename the written parts into place, in place of an entry there (one `load_quantized` could
+        not read; a process that has it mapped keeps its files); where another process's entry has just
+        taken the place, that one is kept."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        try:
+            self._tmp.replace(self.path)
+        except OSError:
+            if not self.path.is_dir():
+                raise
+
+    def discard(self) -> None:
+        """Remove what is left of the temporary folder (after `commit`, nothing)."""
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 _FINITE_CHUNK = 1 << 20  # values checked at a time by `check_finite`
@@ -692,15 +741,20 @@ def _dequantized(t, path: Path, rows: slice | None = None) -> np.ndarray:
     return w.reshape(-1, *shape[1:]) if len(shape) > 1 else w.reshape(shape)
 
 
-def _projection_rows(parts: list, heads: list[int | None], path: Path) -> Callable[[int, int], torch.Tensor]:
+def _projection_rows(parts: list, heads: list[int | None], path: Path,
+                     mapped: np.memmap | None = None) -> Callable[[int, int], torch.Tensor]:
     """`rows(a, b)` -> fp32 [b - a, in] output rows a..b-1 of the GGUF tensors `parts` stacked by rows (one
     fused projection, Hugging Face orientation), dequantized from the file for those rows only; the rows of
     a part that llama.cpp's converter permuted for rotary (`heads[i]`: its head count, else None) back in
-    Hugging Face order (`_unpermute_rows`, applied to the whole heads the rows fall in)."""
+    Hugging Face order (`_unpermute_rows`, applied to the whole heads the rows fall in). With `mapped` (the
+    file's mapping), the file's pages read so far are handed back before each block (a 152k-row table's
+    pages would otherwise all stay resident beside its int8 groups)."""
     sizes = [int(t.shape[-1]) for t in parts]
     starts = np.cumsum([0, *sizes[:-1]]).tolist()
 
     def rows(a: int, b: int) -> torch.Tensor:
+        if mapped is not None:
+            _drop_pages(mapped)
         out = []
         for t, n_heads, start, size in zip(parts, heads, starts, sizes):
             lo, hi = max(a - start, 0), min(b - start, size)
@@ -776,7 +830,30 @@ def gguf_quantized(files: ModelFiles) -> bool:
     return answer
 
 
-def load_gguf(files: ModelFiles):
+def cache_gguf(files: ModelFiles):
+    """The model of a GGUF file with its own quantization (`load_gguf`), streamed into the quantized
+    weights cache block by block and read back from there memory-mapped, as a warm load reads it: a
+    first load's peak RSS holds one transformer block and the tables, not the whole model (1.5B
+    Q4_K_M: the model stayed in memory as the entry was written after it). None when the entry cannot
+    be written (logged; the caller loads the file into memory with `load_gguf`).
+
+    Raises:
+        ModelLoadError: as `load_gguf` (nothing is left in the cache then).
+    """
+    try:
+        entry = QuantizedCacheEntry(files, "gguf")
+        try:
+            load_gguf(files, stream_to=entry)
+            entry.commit()
+        finally:
+            entry.discard()
+    except OSError as exc:
+        log.warning("quantized weights not cached, the model is read into memory (%s)", exc)
+        return None
+    return load_quantized(files, "gguf")
+
+
+def load_gguf(files: ModelFiles, stream_to: QuantizedCacheEntry | None = None):
     """The model of a GGUF file with its own quantization, read tensor by tensor from the
     memory-mapped file (no fp32 copy of the model, in memory or on disk).
 
@@ -808,11 +885,16 @@ def load_gguf(files: ModelFiles):
 
     Args:
         files: a resolved GGUF model (`resolve_model`; `files.gguf` set).
+        stream_to: a cache entry the embedding table and then each transformer block are written
+            to (one part each) as soon as they are built, and then dropped (the table's tensors to
+            the meta device: a tied head is built on them); the head and norms are its last part
+            (`cache_gguf`).
     Returns:
-        a `Transformer` on the CPU, fp32 activations.
+        a `Transformer` on the CPU, fp32 activations; None with `stream_to` (the entry holds it).
     Raises:
         ModelLoadError: not a GGUF model, a missing tensor, a shape that does not match the
             configuration, or a tensor type `gguf.quants.dequantize` does not support.
+        OSError: `stream_to` cannot be written.
     """
     from torch import nn
 
@@ -869,7 +951,7 @@ def load_gguf(files: ModelFiles):
             if stacked != shape:
                 raise ModelLoadError(f"{path}: {names} hold {stacked} weights, the configuration says {shape}")
             heads = [permuted(_hf_name(t.name)) for t in parts]
-            return Int8Linear.from_rows(*shape, _projection_rows(parts, heads, path), bias, group=_GROUP)
+            return Int8Linear.from_rows(*shape, _projection_rows(parts, heads, path, mapped), bias, group=_GROUP)
         if tuple(codes.shape) != shape:
             raise ModelLoadError(f"{path}: {names} hold {tuple(codes.shape)} weights, the configuration says {shape}")
         if weight is None:
@@ -898,10 +980,13 @@ def load_gguf(files: ModelFiles):
     if embed.tensor_type.name in _FLOAT_TYPES:
         net.tok_embeddings.weight = nn.Parameter(torch.from_numpy(_dequantized(embed, path)), requires_grad=False)
     elif native(embed):
-        net.tok_embeddings = BLOCK_EMBEDDINGS[native(embed)](torch.from_numpy(np.array(embed.data)))
+        net.tok_embeddings = BLOCK_EMBEDDINGS[native(embed)](torch.from_numpy(_copied(embed.data, mapped)))
     else:
         net.tok_embeddings = Int8Embedding.from_rows(args.vocab_size, args.dim,
-                                                     _projection_rows([embed], [None], path))
+                                                     _projection_rows([embed], [None], path, mapped))
+    if stream_to is not None:
+        stream_to.write(net, "tok_embeddings.")
+        net.tok_embeddings = net.tok_embeddings.to("meta")  # its storage freed: the entry holds it
     for i, layer in enumerate(net.layers):
         b = f"blk.{i}."
         att, ffn = layer.attention, layer.feed_forward
@@ -916,6 +1001,9 @@ def load_gguf(files: ModelFiles):
         if args.qk_norm:
             att.q_norm = float_param(b + "attn_q_norm.weight", (args.head_dim,))
             att.k_norm = float_param(b + "attn_k_norm.weight", (args.head_dim,))
+        if stream_to is not None:
+            stream_to.write(net, f"layers.{i}.")
+            net.layers[i] = nn.Module()  # its tensors freed: the entry holds them
         _drop_pages(mapped)
         return_free_heap()  # the layer's unpacked temporaries
     net.norm = float_param("output_norm.weight", (args.dim,))
@@ -929,13 +1017,16 @@ def load_gguf(files: ModelFiles):
     elif args.tie_embeddings:  # the Int8Embedding's groups (the file's Q8_0 blocks exactly), held once
         net.output = Int8Linear.tied(net.tok_embeddings)
     elif native(head):
-        net.output = BLOCK_LINEARS[native(head)](torch.from_numpy(np.array(head.data)))
+        net.output = BLOCK_LINEARS[native(head)](torch.from_numpy(_copied(head.data, mapped)))
     else:
-        net.output = Int8Linear.from_rows(args.vocab_size, args.dim, _projection_rows([head], [None], path),
+        net.output = Int8Linear.from_rows(args.vocab_size, args.dim, _projection_rows([head], [None], path, mapped),
                                           group=_GROUP)
     _drop_pages(mapped)
-    net.rope_cos, net.rope_sin = rope_tables(args)
     net.tie_weights()
+    if stream_to is not None:
+        stream_to.write(net, exclude=("layers.", "tok_embeddings."))
+        return None
+    net.rope_cos, net.rope_sin = rope_tables(args)
     net.invalidate_fused()
     left = [n for n, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta]
     if left:
@@ -957,6 +1048,17 @@ def return_free_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: the C library's
     except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS, Windows)
         pass
+
+
+def _copied(data: np.ndarray, mapped: np.memmap, chunk_bytes: int = 1 << 24) -> np.ndarray:
+    # A copy of `data` (rows of the mapped file) made ~16 MiB at a time, the file's pages handed back
+    # after each block: a 152k-row table's pages are never all resident beside its copy.
+    out = np.empty(data.shape, data.dtype)
+    step = max(1, chunk_bytes // max(1, data[:1].nbytes))
+    for r in range(0, len(data), step):
+        out[r:r + step] = data[r:r + step]
+        _drop_pages(mapped)
+    return out
 
 
 def _drop_pages(mapped: np.memmap) -> None:

@@ -236,7 +236,7 @@ def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind,
     sizes = dict(hidden_size=256, intermediate_size=512) if k_quants else {}  # K-quant rows: blocks of 256
     _write_gguf(tmp_path / "tiny.gguf", _tiny_hf(kind, **sizes), qtype, blocks=True)
     native = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize="gguf")
-    assert native.weights == "gguf" and "gguf weights from the file" in native.load_stages
+    assert native.weights == "gguf" and "gguf weights streamed to the quantized cache" in native.load_stages
     folder = resolve_model(tmp_path / "tiny.gguf").folder
     assert not (folder / "model.safetensors").exists()  # no fp32 conversion
     ref = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize=None)
@@ -312,9 +312,11 @@ def test_native_gguf_warm_load_reads_its_blocks_from_the_cache(tmp_path, monkeyp
         return engine, engine.model(ids, torch.arange(len(ids)), engine.model.new_cache(32), "all")
 
     cold, cold_logits = load()
-    assert "gguf weights from the file" in cold.load_stages and "quantized cache written" in cold.load_stages
+    assert "gguf weights streamed to the quantized cache" in cold.load_stages
     entries = list((tmp_path / "cache" / "quantized").iterdir())
     assert len(entries) == 1
+    parts = sorted(entries[0].glob("*.safetensors"))
+    assert len(parts) == cold.args.n_layers + 2  # the table, one part per block, then the head and norms
     warm, warm_logits = load()
     assert "gguf weights from the quantized cache" in warm.load_stages and warm.weights == "gguf"
     assert [type(m) for m in warm.model.modules()] == [type(m) for m in cold.model.modules()]
@@ -327,13 +329,32 @@ def test_native_gguf_warm_load_reads_its_blocks_from_the_cache(tmp_path, monkeyp
                   and model.output.scales is model.tok_embeddings.scales]
         assert any(shared) == tied and shared[0] == (emb is not None and tied)
     if codes is not None and tied:  # the head is the file's Q8_0 table, stored once in the entry
-        with safe_open(str(entries[0]), "pt") as f:
-            assert not any(k.startswith("output.") for k in f.keys())
+        for part in parts:
+            with safe_open(str(part), "pt") as f:
+                assert not any(k.startswith("output.") for k in f.keys())
     assert torch.equal(warm_logits, cold_logits)
-    entries[0].write_bytes(entries[0].read_bytes()[:1000])
+    parts[0].write_bytes(parts[0].read_bytes()[:1000])  # the table's part
     again, again_logits = load()
-    assert "gguf weights from the file" in again.load_stages and torch.equal(again_logits, cold_logits)
-    assert entries[0].stat().st_size > 1000
+    assert "gguf weights streamed to the quantized cache" in again.load_stages
+    assert torch.equal(again_logits, cold_logits) and parts[0].stat().st_size > 1000
+
+
+def test_native_gguf_load_without_a_writable_cache_reads_the_file_into_memory(tmp_path, monkeypatch, caplog):
+    # a real write failure (the entry's folder would sit under a regular file: root bypasses permissions):
+    # the load logs it and reads the file's blocks into memory instead, the same model and logits
+    monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
+    _write_gguf(tmp_path / "tiny.gguf", _tiny_hf(), {"*": Q.Q4_1, "output": Q.Q8_0})
+    ids = torch.tensor([1, 5, 9, 300, 4000, 17])
+    cached = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize="gguf")
+    (tmp_path / "blocked").write_text("a file, not a folder")
+    monkeypatch.setattr(tokenspeed.weights, "_quantized_path", lambda files, fmt: tmp_path / "blocked" / fmt)
+    with caplog.at_level("WARNING", logger="tokenspeed.weights"):
+        uncached = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize="gguf")
+    assert "gguf weights from the file" in uncached.load_stages
+    assert "quantized weights not cached" in caplog.text
+    assert [type(m) for m in uncached.model.modules()] == [type(m) for m in cached.model.modules()]
+    logits = [e.model(ids, torch.arange(len(ids)), e.model.new_cache(32), "all") for e in (cached, uncached)]
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_native_q4_1_load_equals_dequantize_then_int4(tmp_path, monkeypatch):
@@ -384,16 +405,17 @@ def test_quantized_weights_are_cached_and_a_bad_entry_is_rebuilt(tmp_path, monke
     assert f"quantize {fmt}" in cold.load_stages and "quantized cache written" in cold.load_stages
     entries = list((tmp_path / "cache" / "quantized").iterdir())
     assert len(entries) == 1
+    (part,) = entries[0].glob("*.safetensors")
     warm, warm_logits = load()
     assert list(warm.load_stages)[2] == f"{fmt} weights from the quantized cache" and warm.weights == fmt
     assert torch.equal(warm_logits, cold_logits)
     assert all(torch.equal(t, warm.model.state_dict()[k]) for k, t in cold.model.state_dict().items())
     # the tied head is the table's int8 groups in both loads (the entry holds them once)
     assert all(e.model.output.qweight is e.model.tok_embeddings.qweight for e in (cold, warm))
-    entries[0].write_bytes(entries[0].read_bytes()[:1000])
+    part.write_bytes(part.read_bytes()[:1000])
     again, again_logits = load()
     assert f"quantize {fmt}" in again.load_stages and torch.equal(again_logits, cold_logits)
-    assert entries[0].stat().st_size > 1000
+    assert part.stat().st_size > 1000
     assert "total" in warm.load_stages.table()
 
 
