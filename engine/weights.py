@@ -356,7 +356,8 @@ class QuantizedCacheEntry:
 
         state = {k: v for k, v in model.state_dict().items() if kept(k) and not v.is_meta}
         table = {t.data_ptr() for k, t in state.items() if k.startswith("tok_embeddings.")}
-        state = {k: v.contiguous() for k, v in state.items() if not (k.startswith("output.") and v.data_ptr() in table)}
+        state = {k: v.contiguous() for k, v in state.items()
+                 if not (k.startswith("output.") and v.data_ptr() in table)}
         kinds = {name: kind for name, kind in _layer_kinds(model).items() if kept(name + ".")}
         save_file(state, str(self._tmp / f"part-{self._parts:05d}.safetensors"),
                   metadata={"layer_kinds": json.dumps(kinds)})
@@ -832,10 +833,10 @@ def gguf_quantized(files: ModelFiles) -> bool:
 
 def cache_gguf(files: ModelFiles):
     """The model of a GGUF file with its own quantization (`load_gguf`), streamed into the quantized
-    weights cache block by block and read back from there memory-mapped, as a warm load reads it: a
-    first load's peak RSS holds one transformer block and the tables, not the whole model (1.5B
-    Q4_K_M: the model stayed in memory as the entry was written after it). None when the entry cannot
-    be written (logged; the caller loads the file into memory with `load_gguf`).
+    weights cache part by part (the table, each transformer block, the head) and read back from there
+    memory-mapped, as a warm load reads it: a first load holds one part at a time in memory, not the
+    whole model. None when the entry cannot be written (logged; the caller then loads the file into
+    memory with `load_gguf`).
 
     Raises:
         ModelLoadError: as `load_gguf` (nothing is left in the cache then).
