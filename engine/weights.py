@@ -281,11 +281,14 @@ def load_quantized(files: ModelFiles, fmt: str):
     if not parts:
         return None
     empty = {kind: (lambda linear: linear) if kind == "float" else cls.empty for cls, kind in _kind_names().items()}
+    where = path.name
     try:
         kinds = {}
         for part in parts:
+            where = f"{path.name}/{part.name}"
             with safe_open(str(part), "pt") as f:
                 kinds.update(json.loads((f.metadata() or {})["layer_kinds"]))
+        where = path.name
         with torch.device("meta"):  # no init and no memory: every tensor comes from the cache entry
             net = Transformer(files.args)
             for name, kind in kinds.items():
@@ -295,15 +298,22 @@ def load_quantized(files: ModelFiles, fmt: str):
                 layer = (Int8Linear.empty(getattr(owner, child), int(kind[len("int8-group"):])) if grouped
                          else empty[kind](getattr(owner, child)))
                 setattr(owner, child, layer)
-        state = {k: t for part in parts for k, t in load_file(str(part)).items()}
+        state = {}
+        for part in parts:
+            where = f"{path.name}/{part.name}"
+            tensors = load_file(str(part))
+            if not state.keys().isdisjoint(tensors):
+                raise ValueError(f"tensors in two parts: {sorted(state.keys() & tensors.keys())[:3]}")
+            state.update(tensors)
+        where = path.name
         check_finite(state, str(path))
         if files.args.tie_embeddings:  # a tied head's tensors are the table's: left out by save_quantized
             for key in [k for k in state if k.startswith("tok_embeddings.")]:
                 state.setdefault("output." + key.partition(".")[2], state[key])
         net.load_state_dict(state, strict=True, assign=True)
     except Exception as exc:  # truncated, corrupt or stale entry: the caller quantizes again (and rewrites it)
-        log.warning("quantized weights cache unusable, quantizing again: %s: %s", type(exc).__name__,
-                    (str(exc).splitlines() or [""])[0][:200])
+        log.warning("quantized weights cache entry %s unusable, quantizing again: %s: %s", where,
+                    type(exc).__name__, " ".join(str(exc).split())[:300])
         return None
     net.rope_cos, net.rope_sin = rope_tables(files.args)  # not in the entry (non-persistent buffers)
     net.tie_weights()
@@ -315,6 +325,8 @@ def save_quantized(model, files: ModelFiles, fmt: str) -> None:
     """Write `model` (quantized to `fmt` from the checkpoint in `files`, or the file's own blocks
     for "gguf") to the quantized weights cache for `load_quantized`, with each layer's class, as one
     part of a `QuantizedCacheEntry` (a failure to write is logged, not raised)."""
+    from safetensors import SafetensorError
+
     try:
         entry = QuantizedCacheEntry(files, fmt)
         try:
@@ -322,7 +334,7 @@ def save_quantized(model, files: ModelFiles, fmt: str) -> None:
             entry.commit()
         finally:
             entry.discard()
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # safetensors' own I/O errors (a full disk) are SafetensorError
         log.warning("quantized weights not cached (%s)", exc)
 
 
@@ -335,14 +347,20 @@ class QuantizedCacheEntry:
     the embedding's and are left out (`Transformer.tie_weights` ties them again), as are tensors on
     the meta device: a table `load_gguf` has streamed out already, and a head tied to it.
 
+    The temporary folders of this entry that a killed process left (its pid no longer running) are
+    removed when the next writer starts.
+
     Raises:
         OSError: the cache folder cannot be made or written (from `__init__`, `write`, `commit`).
+        safetensors.SafetensorError: a part cannot be written (`write`: a full disk, a file size limit).
     """
 
     def __init__(self, files: ModelFiles, fmt: str):
         self.path = _quantized_path(files, fmt)
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        for tmp in self.path.parent.glob(f".{self.path.name}.*.tmp"):
+            if tmp == self._tmp or not _running(tmp.suffixes[-2][1:]):
+                shutil.rmtree(tmp, ignore_errors=True)
         self._tmp.mkdir(parents=True)
         self._parts = 0
 
@@ -367,7 +385,10 @@ class QuantizedCacheEntry:
         """Rename the written parts into place, in place of an entry there (one `load_quantized` could
         not read; a process that has it mapped keeps its files); where another process's entry has just
         taken the place, that one is kept."""
-        shutil.rmtree(self.path, ignore_errors=True)
+        if self.path.is_dir() and not self.path.is_symlink():
+            shutil.rmtree(self.path, ignore_errors=True)
+        elif self.path.exists() or self.path.is_symlink():  # a stray file in the entry's place
+            self.path.unlink()
         try:
             self._tmp.replace(self.path)
         except OSError:
@@ -377,6 +398,17 @@ class QuantizedCacheEntry:
     def discard(self) -> None:
         """Remove what is left of the temporary folder (after `commit`, nothing)."""
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _running(pid: str) -> bool:
+    # whether process `pid` (decimal text) exists; False for text that is not a pid
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, OverflowError, ProcessLookupError):
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 _FINITE_CHUNK = 1 << 20  # values checked at a time by `check_finite`
@@ -841,6 +873,8 @@ def cache_gguf(files: ModelFiles):
     Raises:
         ModelLoadError: as `load_gguf` (nothing is left in the cache then).
     """
+    from safetensors import SafetensorError
+
     try:
         entry = QuantizedCacheEntry(files, "gguf")
         try:
@@ -848,7 +882,7 @@ def cache_gguf(files: ModelFiles):
             entry.commit()
         finally:
             entry.discard()
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # safetensors' own I/O errors (a full disk) are SafetensorError
         log.warning("quantized weights not cached, the model is read into memory (%s)", exc)
         return None
     return load_quantized(files, "gguf")

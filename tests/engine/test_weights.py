@@ -339,22 +339,71 @@ def test_native_gguf_warm_load_reads_its_blocks_from_the_cache(tmp_path, monkeyp
     assert torch.equal(again_logits, cold_logits) and parts[0].stat().st_size > 1000
 
 
-def test_native_gguf_load_without_a_writable_cache_reads_the_file_into_memory(tmp_path, monkeypatch, caplog):
-    # a real write failure (the entry's folder would sit under a regular file: root bypasses permissions):
-    # the load logs it and reads the file's blocks into memory instead, the same model and logits
+@pytest.mark.parametrize("fault", ["folder under a file", "file size limit"])
+def test_native_gguf_load_without_a_writable_cache_reads_the_file_into_memory(tmp_path, monkeypatch, caplog, fault):
+    # real write failures (root bypasses permissions): the entry's folder would sit under a regular file
+    # (OSError at its mkdir), or the process's file size limit (RLIMIT_FSIZE, SIGXFSZ ignored: the
+    # write fails with EFBIG, as a full disk fails with ENOSPC; safetensors raises its own error) stops the
+    # first part midway. The load logs it and reads the file's blocks into memory instead: the same model
+    # and logits, and no temporary folder left behind
+    import resource
+    import signal
+
     monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
     _write_gguf(tmp_path / "tiny.gguf", _tiny_hf(), {"*": Q.Q4_1, "output": Q.Q8_0})
     ids = torch.tensor([1, 5, 9, 300, 4000, 17])
-    cached = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize="gguf")
-    (tmp_path / "blocked").write_text("a file, not a folder")
-    monkeypatch.setattr(tokenspeed.weights, "_quantized_path", lambda files, fmt: tmp_path / "blocked" / fmt)
-    with caplog.at_level("WARNING", logger="tokenspeed.weights"):
-        uncached = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize="gguf")
+    cached = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize="gguf")  # the tokenizer's files too
+    quantized = tmp_path / "cache" / "quantized"
+    if fault == "folder under a file":
+        shutil.rmtree(quantized)
+        quantized.write_text("a file, not a folder")
+    else:
+        shutil.rmtree(quantized)
+        limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
+    try:
+        with caplog.at_level("WARNING", logger="tokenspeed.weights"):
+            uncached = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize="gguf")
+    finally:
+        if fault == "file size limit":
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+            signal.signal(signal.SIGXFSZ, handler)
     assert "gguf weights from the file" in uncached.load_stages
     assert "quantized weights not cached" in caplog.text
+    assert not list(quantized.glob(".*.tmp")) if quantized.is_dir() else quantized.is_file()
     assert [type(m) for m in uncached.model.modules()] == [type(m) for m in cached.model.modules()]
     logits = [e.model(ids, torch.arange(len(ids)), e.model.new_cache(32), "all") for e in (cached, uncached)]
     assert torch.equal(logits[0], logits[1])
+
+
+def test_a_quantized_cache_entry_replaces_a_stray_file_and_the_folders_of_killed_writers(tmp_path, monkeypatch):
+    # a regular file where the entry goes (it would block every later entry) is replaced by the entry; a
+    # temporary folder whose writer is gone (a killed load: a pid that no process has) is removed by the next
+    # writer, a running writer's is kept
+    monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
+    _write_gguf(tmp_path / "tiny.gguf", _tiny_hf(), {"*": Q.Q4_1, "output": Q.Q8_0})
+    files = resolve_model(tmp_path / "tiny.gguf")
+    path = tokenspeed.weights._quantized_path(files, "gguf")
+    path.parent.mkdir(parents=True)
+    path.write_text("stray")
+    dead = path.with_name(f".{path.name}.{_finished_pid()}.tmp")
+    alive = path.with_name(f".{path.name}.1.tmp")  # pid 1 is always running
+    for folder in (dead, alive):
+        folder.mkdir()
+        (folder / "part-00000.safetensors").write_bytes(b"partial")
+    engine = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize="gguf")
+    assert "gguf weights streamed to the quantized cache" in engine.load_stages
+    assert path.is_dir() and len(list(path.glob("*.safetensors"))) == engine.args.n_layers + 2
+    assert not dead.exists() and alive.is_dir()
+
+
+def _finished_pid() -> int:
+    # the pid of a child process that has exited and been reaped (no process has it, barring reuse)
+    import subprocess
+
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
 
 
 def test_native_q4_1_load_equals_dequantize_then_int4(tmp_path, monkeypatch):
