@@ -401,7 +401,10 @@ class QuantizedCacheEntry:
 
 
 def _running(pid: str) -> bool:
-    # whether process `pid` (decimal text) exists; False for text that is not a pid
+    # whether process `pid` (decimal text) exists; False for text that is not a pid. Off POSIX, always
+    # True (there `os.kill` would end the process): a dead writer's folder is then left in place
+    if os.name != "posix":
+        return True
     try:
         os.kill(int(pid), 0)
     except (ValueError, OverflowError, ProcessLookupError):
