@@ -271,7 +271,6 @@ def load_quantized(files: ModelFiles, fmt: str):
         a `Transformer` on the CPU (fp32 norms, the embedding and projections as they were saved), or None.
     """
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     from .model import Transformer, rope_tables
     from .quant import Int8Linear
@@ -283,11 +282,15 @@ def load_quantized(files: ModelFiles, fmt: str):
     empty = {kind: (lambda linear: linear) if kind == "float" else cls.empty for cls, kind in _kind_names().items()}
     where = path.name
     try:
-        kinds = {}
-        for part in parts:
+        kinds, state = {}, {}
+        for part in parts:  # each part opened once: its layers' classes and its (memory-mapped) tensors
             where = f"{path.name}/{part.name}"
             with safe_open(str(part), "pt") as f:
                 kinds.update(json.loads((f.metadata() or {})["layer_kinds"]))
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            if not state.keys().isdisjoint(tensors):
+                raise ValueError(f"tensors in two parts: {sorted(state.keys() & tensors.keys())[:3]}")
+            state.update(tensors)
         where = path.name
         with torch.device("meta"):  # no init and no memory: every tensor comes from the cache entry
             net = Transformer(files.args)
@@ -298,14 +301,6 @@ def load_quantized(files: ModelFiles, fmt: str):
                 layer = (Int8Linear.empty(getattr(owner, child), int(kind[len("int8-group"):])) if grouped
                          else empty[kind](getattr(owner, child)))
                 setattr(owner, child, layer)
-        state = {}
-        for part in parts:
-            where = f"{path.name}/{part.name}"
-            tensors = load_file(str(part))
-            if not state.keys().isdisjoint(tensors):
-                raise ValueError(f"tensors in two parts: {sorted(state.keys() & tensors.keys())[:3]}")
-            state.update(tensors)
-        where = path.name
         check_finite(state, str(path))
         if files.args.tie_embeddings:  # a tied head's tensors are the table's: left out by save_quantized
             for key in [k for k in state if k.startswith("tok_embeddings.")]:
@@ -325,17 +320,7 @@ def save_quantized(model, files: ModelFiles, fmt: str) -> None:
     """Write `model` (quantized to `fmt` from the checkpoint in `files`, or the file's own blocks
     for "gguf") to the quantized weights cache for `load_quantized`, with each layer's class, as one
     part of a `QuantizedCacheEntry` (a failure to write is logged, not raised)."""
-    from safetensors import SafetensorError
-
-    try:
-        entry = QuantizedCacheEntry(files, fmt)
-        try:
-            entry.write(model)
-            entry.commit()
-        finally:
-            entry.discard()
-    except (OSError, SafetensorError) as exc:  # safetensors' own I/O errors (a full disk) are SafetensorError
-        log.warning("quantized weights not cached (%s)", exc)
+    QuantizedCacheEntry.fill(files, fmt, lambda entry: entry.write(model))
 
 
 class QuantizedCacheEntry:
@@ -354,6 +339,26 @@ class QuantizedCacheEntry:
         OSError: the cache folder cannot be made or written (from `__init__`, `write`, `commit`).
         safetensors.SafetensorError: a part cannot be written (`write`: a full disk, a file size limit).
     """
+
+    @classmethod
+    def fill(cls, files: ModelFiles, fmt: str, write: Callable[["QuantizedCacheEntry"], object]) -> bool:
+        """Make the entry of `files` in `fmt` with `write(entry)` and commit it; True when committed. A
+        failure to write (OSError, or safetensors' `SafetensorError` for its own I/O errors: a full disk)
+        is logged and returns False, leaving no temporary folder; other errors pass through (as must a
+        `ModelLoadError` from `write`)."""
+        from safetensors import SafetensorError
+
+        try:
+            entry = cls(files, fmt)
+            try:
+                write(entry)
+                entry.commit()
+            finally:
+                entry.discard()
+        except (OSError, SafetensorError) as exc:
+            log.warning("quantized weights not cached (%s)", exc)
+            return False
+        return True
 
     def __init__(self, files: ModelFiles, fmt: str):
         self.path = _quantized_path(files, fmt)
@@ -876,18 +881,8 @@ def cache_gguf(files: ModelFiles):
     Raises:
         ModelLoadError: as `load_gguf` (nothing is left in the cache then).
     """
-    from safetensors import SafetensorError
-
-    try:
-        entry = QuantizedCacheEntry(files, "gguf")
-        try:
-            load_gguf(files, stream_to=entry)
-            entry.commit()
-        finally:
-            entry.discard()
-    except (OSError, SafetensorError) as exc:  # safetensors' own I/O errors (a full disk) are SafetensorError
-        log.warning("quantized weights not cached, the model is read into memory (%s)", exc)
-        return None
+    if not QuantizedCacheEntry.fill(files, "gguf", lambda entry: load_gguf(files, stream_to=entry)):
+        return None  # the caller reads the file into memory
     return load_quantized(files, "gguf")
 
 

@@ -354,11 +354,10 @@ def test_native_gguf_load_without_a_writable_cache_reads_the_file_into_memory(tm
     ids = torch.tensor([1, 5, 9, 300, 4000, 17])
     cached = tokenspeed.Engine.load(str(tmp_path / "tiny.gguf"), quantize="gguf")  # the tokenizer's files too
     quantized = tmp_path / "cache" / "quantized"
+    shutil.rmtree(quantized)
     if fault == "folder under a file":
-        shutil.rmtree(quantized)
         quantized.write_text("a file, not a folder")
     else:
-        shutil.rmtree(quantized)
         limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
     try:
@@ -370,7 +369,8 @@ def test_native_gguf_load_without_a_writable_cache_reads_the_file_into_memory(tm
             signal.signal(signal.SIGXFSZ, handler)
     assert "gguf weights from the file" in uncached.load_stages
     assert "quantized weights not cached" in caplog.text
-    assert not list(quantized.glob(".*.tmp")) if quantized.is_dir() else quantized.is_file()
+    if fault == "file size limit":  # the part written midway went with its temporary folder
+        assert not list(quantized.glob(".*.tmp"))
     assert [type(m) for m in uncached.model.modules()] == [type(m) for m in cached.model.modules()]
     logits = [e.model(ids, torch.arange(len(ids)), e.model.new_cache(32), "all") for e in (cached, uncached)]
     assert torch.equal(logits[0], logits[1])
