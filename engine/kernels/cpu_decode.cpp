@@ -289,13 +289,7 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
     // --- SwiGLU MLP
     at::Tensor gu = linear(lin[4 * l + 2], rms_norm(h, norms[2 * l + 1], eps)).contiguous();  // [T, 2F]
     at::Tensor act = at::empty({T, hidden}, h.options());
-    const float* gp = gu.data_ptr<float>();
-    float* xp = act.data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t i = 0; i < hidden; ++i) {
-        const float gate = gp[t * 2 * hidden + i];
-        xp[t * hidden + i] = gate / (1.f + std::exp(-gate)) * gp[t * 2 * hidden + hidden + i];
-      }
+    ts_swiglu(gu.data_ptr<float>(), T, hidden, act.data_ptr<float>());
     h.add_(linear(lin[4 * l + 3], act));
   }
   if (!track) return {h, mass, lse, at::empty({0}, h.options())};

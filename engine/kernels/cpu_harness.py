@@ -94,6 +94,11 @@ class Harness:
         flat = torch.from_numpy(self._call(req, R * end + R * D + R).copy())
         return flat[:R * end].view(R, end), flat[R * end:R * end + R * D].view(R, D), flat[R * end + R * D:]
 
+    def swiglu(self, gu: torch.Tensor) -> torch.Tensor:
+        """gu [T, 2F] fp32 (gate, then up) -> silu(gate) * up [T, F] fp32 (`ts_swiglu`, the fused step's MLP activation)."""
+        T, F = gu.shape[0], gu.shape[1] // 2
+        return torch.from_numpy(self._call(struct.pack("<i", 7) + _i64(T, F) + _raw(gu.float()), T * F).copy()).view(T, F)
+
     def to_half(self, x: torch.Tensor) -> torch.Tensor:
         """x [n] fp32 rounded to IEEE half floats by the kernels' KV write (`ts_to_half`) -> [n] fp16."""
         n = x.numel()

@@ -117,6 +117,7 @@ inline void store(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
 inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
@@ -194,6 +195,7 @@ inline void store(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
 inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline float reduce_add(vf v) {
@@ -294,6 +296,7 @@ inline void store(float* p, vf v) { vst1q_f32(p, v); }
 inline vf add(vf a, vf b) { return vaddq_f32(a, b); }
 inline vf sub(vf a, vf b) { return vsubq_f32(a, b); }
 inline vf mul(vf a, vf b) { return vmulq_f32(a, b); }
+inline vf div(vf a, vf b) { return vdivq_f32(a, b); }
 inline vf max(vf a, vf b) { return vmaxq_f32(a, b); }
 inline vf fmadd(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
 inline float reduce_add(vf v) { return vaddvq_f32(v); }
@@ -359,6 +362,7 @@ inline void store(float* p, vf v) { *p = v; }
 inline vf add(vf a, vf b) { return a + b; }
 inline vf sub(vf a, vf b) { return a - b; }
 inline vf mul(vf a, vf b) { return a * b; }
+inline vf div(vf a, vf b) { return a / b; }
 inline vf max(vf a, vf b) { return a > b ? a : b; }
 inline vf fmadd(vf a, vf b, vf c) { return __builtin_fmaf(a, b, c); }
 inline float reduce_add(vf v) { return v; }

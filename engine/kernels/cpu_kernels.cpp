@@ -555,6 +555,22 @@ float softmax_row(float* s, int64_t n, float scale) {
   return m + std::log(sum);
 }
 
+// out [n] = silu(gate) * up, silu(g) = g sigmoid(g) written as max(g, 0) - |g| e / (1 + e) with
+// e = exp(-|g|) <= 1: no overflow for any g, and exp_neg's range.
+void swiglu_row(const float* gate, const float* up, float* out, int64_t n) {
+  const vf z = zero(), one = set1(1.f);
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    const vf g = load(gate + i), a = max(g, sub(z, g));
+    const vf e = exp_neg(sub(z, a));
+    store(out + i, mul(sub(max(g, z), div(mul(a, e), add(one, e))), load(up + i)));
+  }
+  for (; i < n; ++i) {
+    const float a = std::fabs(gate[i]), e = std::exp(-a);
+    out[i] = (std::max(gate[i], 0.f) - a * e / (1.f + e)) * up[i];
+  }
+}
+
 // ts_attend_rows over fp32 or half keys and values (see cpu_kernels.h).
 template <typename KV>
 void attend_rows(const float* q, int64_t T, int64_t start, const KV* k, const KV* v, int64_t D, float scale, float* scores,
@@ -643,6 +659,10 @@ void ts_attend_rows(const float* q, int64_t T, int64_t start, const float* k, co
 void ts_attend_rows_half(const float* q, int64_t T, int64_t start, const uint16_t* k, const uint16_t* v, int64_t D,
                          float scale, float* scores, float* out, float* lse, int64_t r0, int64_t r1) {
   ts::attend_rows(q, T, start, k, v, D, scale, scores, out, lse, r0, r1);
+}
+
+void ts_swiglu(const float* gu, int64_t T, int64_t F, float* out) {
+  for (int64_t t = 0; t < T; ++t) ts::swiglu_row(gu + 2 * F * t, gu + 2 * F * t + F, out + F * t, F);
 }
 
 void ts_to_half(const float* x, int64_t n, uint16_t* y) {

@@ -10,6 +10,7 @@
 //   op 5 (to half): n, x [n] f32 -> y [n] u16 (IEEE half bits)
 //   op 6 (blocks): format T K N, x [T, K] f32, blocks [N, K / values * bytes] u8 -> y [T, N] f32
 //                  (format: a ggml type number, see ts_block_format)
+//   op 7 (swiglu): T F, gu [T, 2F] f32 -> out [T, F] f32
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -95,6 +96,12 @@ int main() {
         ts_block_quantize(format, x.data(), T, K, q.data(), sx.data(), aux.data());
         ts_block_rows(format, q.data(), sx.data(), aux.data(), T, K, blocks.data(), y.data(), N, 0, N);
         give(y);
+      } else if (op == 7) {
+        const int64_t T = size(), F = size();
+        auto gu = take<float>(T * 2 * F);
+        std::vector<float> out(T * F);
+        ts_swiglu(gu.data(), T, F, out.data());
+        give(out);
       } else {
         std::fprintf(stderr, "unknown op %d\n", op);
         return 2;

@@ -145,6 +145,22 @@ def test_harness_kernels_match_reference(harnesses, variant):
 
 
 @pytest.mark.parametrize("variant", ALL)
+def test_harness_swiglu_matches_reference(harnesses, variant):
+    # the fused step's MLP activation silu(gate) * up against torch's (in float64): every variant's
+    # vector body and its scalar tail (F = 37), across the exponent's clamp (|g| > 87), signed zeros and
+    # a NaN that stays NaN
+    h = _harness(harnesses, variant)
+    torch.manual_seed(0)
+    edge = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 0.5, -0.5, 20.0, -20.0, 87.5, -87.5, 100.0, -100.0, 1e4, -1e4,
+                         float("nan")])
+    gate = torch.cat([torch.randn(3, 22) * 4, edge.repeat(3, 1)], 1)  # [3, 37]
+    up = torch.randn(3, 37)
+    ours = h.swiglu(torch.cat([gate, up], 1))
+    ref = (torch.nn.functional.silu(gate.double()) * up.double()).float()
+    torch.testing.assert_close(ours, ref, rtol=2e-6, atol=1e-30, equal_nan=True)
+
+
+@pytest.mark.parametrize("variant", ALL)
 def test_harness_half_kv_matches_reference(harnesses, variant):
     # the fp16 KV cache: the kernels' write rounds like torch's .half() (nearest-even, ties, subnormals,
     # overflow to inf, NaN), and attention over half keys and values equals attention over the same
