@@ -483,6 +483,18 @@ void token_blocks(int64_t T, Fn&& f) {
   if (t0 < T) with_rows<M>(static_cast<int>(T - t0), [&](auto tt) { f(t0, tt); });
 }
 
+constexpr int64_t kInt4Panel = 8;  // output blocks of 16 channels per panel (10 bytes per input channel each)
+
+// Calls f(p0, p1) over the weight rows (or output blocks) [j0, j1) in panels of `panel`, or over all of
+// them at once when the T token rows make one block of at most `rows`. A kernel runs every token block
+// under one panel before the next, so the panel's weights stay cached and stream from memory once per
+// call, however many tokens (a prefill burst); a row's result does not depend on the panels.
+template <typename Fn>
+void in_panels(int64_t T, int64_t rows, int64_t j0, int64_t j1, int64_t panel, Fn&& f) {
+  if (T <= rows) panel = j1 - j0;
+  for (int64_t p0 = j0; p0 < j1; p0 += panel) f(p0, std::min(j1, p0 + panel));
+}
+
 // ---- int4 weights x int8 activations (W4A8, the Q4_1 x Q8_1 scheme of GGML/llama.cpp)
 //
 // Weight: 4-bit codes c in 0..15 per group of 32 input channels, w[n, k] = c * s[n, g] + m[n, g].
@@ -608,26 +620,20 @@ void ts_quantize_rows(const float* x, int64_t T, int64_t K, int8_t* q, float* sx
 
 void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* codes,
                   const uint16_t* scales, float* y, int64_t N, int64_t nb0, int64_t nb1) {
-  ts::token_blocks<ts::isa::kMaxRows>(T, [&](int64_t t0, auto tt) {
-    ts::int4_block<decltype(tt)::value>(q, sx, xs, t0, K, codes, scales, y, N, nb0, nb1);
+  ts::in_panels(T, ts::isa::kMaxRows, nb0, nb1, ts::kInt4Panel, [&](int64_t p0, int64_t p1) {
+    ts::token_blocks<ts::isa::kMaxRows>(T, [&](int64_t t0, auto tt) {
+      ts::int4_block<decltype(tt)::value>(q, sx, xs, t0, K, codes, scales, y, N, p0, p1);
+    });
   });
 }
 
 void ts_int8_rows(const int8_t* q, const float* sx, int64_t T, int64_t K, const int8_t* w, const float* scales,
                   int64_t G, float* y, int64_t N, int64_t j0, int64_t j1) {
-  // panels of kInt8Panel weight rows (L1/L2-resident) under every token tile in turn: the weights
-  // stream from memory once per call, however many tokens
-  constexpr int RN = ts::kInt8Tokens;
-  const int64_t panel = T < RN ? j1 - j0 : ts::kInt8Panel;  // one token tile: no panels needed
-  for (int64_t p0 = j0; p0 < j1; p0 += panel) {
-    const int64_t p1 = std::min(j1, p0 + panel);
-    int64_t t0 = 0;
-    for (; t0 + RN <= T; t0 += RN) ts::int8_panel<RN>(q, sx, t0, K, w, scales, G, y, N, p0, p1);
-    if (t0 < T)
-      ts::with_rows<RN>(static_cast<int>(T - t0), [&](auto rn) {
-        ts::int8_panel<decltype(rn)::value>(q, sx, t0, K, w, scales, G, y, N, p0, p1);
-      });
-  }
+  ts::in_panels(T, ts::kInt8Tokens, j0, j1, ts::kInt8Panel, [&](int64_t p0, int64_t p1) {
+    ts::token_blocks<ts::kInt8Tokens>(T, [&](int64_t t0, auto rn) {
+      ts::int8_panel<decltype(rn)::value>(q, sx, t0, K, w, scales, G, y, N, p0, p1);
+    });
+  });
 }
 
 int ts_block_format(int64_t format, int64_t* values, int64_t* bytes, int64_t* act_group, int64_t* aux_run) {
