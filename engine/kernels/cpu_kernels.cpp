@@ -567,9 +567,11 @@ float softmax_row(float* s, int64_t n, float scale) {
   return m + std::log(sum);
 }
 
-// out [n] = silu(gate) * up, silu(g) = g sigmoid(g) written as max(g, 0) - |g| e / (1 + e) with
-// e = exp(-|g|) <= 1: no overflow for any g, and exp_neg's range (vector families; the generic one
-// calls std::exp, faster than exp_neg's scalar polynomial there).
+// out [n] = silu(gate) * up. Vector families: silu(g) = max(g, 0) - |g| e / (1 + e) with e = exp(-|g|)
+// <= 1, inside exp_neg's range for any g. The generic family and a row's tail: g / (1 + e^-g) with
+// std::exp (e^-g = inf for g < -88 gives -0), the expression torch's silu evaluates: the generic
+// family's results stay those of the scalar loop this replaced (an int8 step rounds its input
+// activations to codes, where a 1-ulp change can move one code).
 void swiglu_row(const float* gate, const float* up, float* out, int64_t n) {
   int64_t i = 0;
   if constexpr (kW > 1) {
@@ -580,10 +582,7 @@ void swiglu_row(const float* gate, const float* up, float* out, int64_t n) {
       store(out + i, mul(sub(max(g, z), div(mul(a, e), add(one, e))), load(up + i)));
     }
   }
-  for (; i < n; ++i) {
-    const float a = std::fabs(gate[i]), e = std::exp(-a);
-    out[i] = (std::max(gate[i], 0.f) - a * e / (1.f + e)) * up[i];
-  }
+  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
 
 // ts_attend_rows over fp32 or half keys and values (see cpu_kernels.h).
