@@ -146,9 +146,9 @@ def test_harness_kernels_match_reference(harnesses, variant):
 
 @pytest.mark.parametrize("variant", ALL)
 def test_harness_swiglu_matches_reference(harnesses, variant):
-    # the fused step's MLP activation silu(gate) * up against torch's (in float64): every variant's
-    # vector body and its scalar tail (F = 37), across the exponent's clamp (|g| > 87), signed zeros and
-    # a NaN that stays NaN
+    # the fused step's MLP activation silu(gate) * up against torch's (in float64): the vector body of
+    # the vector families and the scalar expression (the generic family's, and a row's tail: F = 37),
+    # across the exponent's clamp (|g| > 87), signed zeros and a NaN that stays NaN
     h = _harness(harnesses, variant)
     torch.manual_seed(0)
     edge = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 0.5, -0.5, 20.0, -20.0, 87.5, -87.5, 100.0, -100.0, 1e4, -1e4,
