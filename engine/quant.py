@@ -603,7 +603,7 @@ class BlockFormat:
     """A GGUF block type the engine runs as stored: its name (the file's tensor type), its ggml type number
     (the fused extension's `block_gemv` takes it), weights and bytes per block, the dequantization (equal
     to `gguf.quants.dequantize` bit for bit) and the input channels per int8 activation scale of its
-    kernel (32; 256 for Q4_K and Q5_K, as llama.cpp's Q8_K, so a block's sums stay integers)."""
+    kernel (32 for Q5_0; 256 for Q4_K, Q5_K and Q6_K, as llama.cpp's Q8_K, so a block's sums stay integers)."""
     name: str
     ggml_type: int
     values: int
@@ -623,7 +623,7 @@ def _whole_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Size, t
 Q5_0 = BlockFormat("Q5_0", 6, 32, 22, q5_0_dequantize)
 Q4_K = BlockFormat("Q4_K", 12, 256, 144, functools.partial(qk_dequantize, fifth_bit=False), act_group=256)
 Q5_K = BlockFormat("Q5_K", 13, 256, 176, functools.partial(qk_dequantize, fifth_bit=True), act_group=256)
-Q6_K = BlockFormat("Q6_K", 14, 256, 210, q6k_dequantize)
+Q6_K = BlockFormat("Q6_K", 14, 256, 210, q6k_dequantize, act_group=256)
 
 
 class BlockLinear(nn.Module):

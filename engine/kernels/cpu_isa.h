@@ -33,9 +33,11 @@
 // Q4_K / Q5_K kernel's integer sums per block of 256; avx2's int16 pairs: c * (at most 2 * 31 * 127) fits).
 // bit_or_16(v, h, mask) sets 16 in each byte of v whose byte in h has a bit of `mask` set (Q5_K's fifth
 // bits; v's bytes are codes 0..15).
-// lane_scales(s) gives each int32 lane of such a dot4s the scale s[i] of the 16-byte run it covers
-// (lane l of a chunk starting at a multiple of 16 bytes covers bytes 4l..4l+3: run l / 4): the Q6_K
-// kernel's per-16-weight scales.
+// q6_codes(ql, qh, c) gives the kGroupBytes codes 0..63 of a Q6_K chunk: (ql[i] >> 4 (c / 2) & 15) |
+// (qh[i] >> 2 c & 3) << 4 (ggml's block_q6_K, c = 0..3). dot4_scaled(acc, u, s, run_scales(sc)) = acc +
+// sc[r] * dot4(izero(), u, s) per int32 lane, r the 16-byte run of the chunk the lane covers (lane l of a
+// chunk starting at a multiple of 16 bytes covers bytes 4l..4l+3: run l / 4), exact int32: the Q6_K
+// kernel's per-16-weight int8 scales (avx2's int16 pair sums times the scale, widened in one vpmaddwd).
 //
 // Every family computes the same exact int32 sums and the same per-lane float operations (fused
 // multiply-adds) for the int4 matmul, so its results are bit-identical across families; float
@@ -104,6 +106,23 @@ inline int32_t load_i32(const void* p) {
   std::memcpy(&v, p, 4);
   return v;
 }
+inline int16_t load_i16(const void* p) {
+  int16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+#if TS_ISA_AVX512 || TS_ISA_AVX2
+// The 32 codes 0..63 of a Q6_K chunk (q6_codes) in one 256-bit vector.
+inline __m256i q6_codes_256(const uint8_t* ql, const uint8_t* qh, int c) {
+  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  const __m256i lo = _mm256_and_si256(c & 2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(0x0F));
+  // the 2 bits at 2c moved to bits 4-5 by a 16-bit shift: what crosses from the other byte is masked off
+  const __m256i hi = c < 2 ? _mm256_slli_epi16(h, 4 - 2 * c) : _mm256_srli_epi16(h, 2 * c - 4);
+  return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+}
+#endif
 
 #if TS_ISA_AVX512
 constexpr const char* kName = "avx512";
@@ -173,10 +192,16 @@ inline vi bit_or_16(vi v, vi h, int mask) {
   const __mmask64 set = _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(mask)));
   return _mm512_or_si512(v, _mm512_maskz_mov_epi8(set, _mm512_set1_epi8(0x10)));
 }
-// lane l (< kGroupBytes / 4) = s[l / 4], the scale of the 16 bytes it covers in a dot4s over iload_s8
-inline vf lane_scales(const float* s) {
-  const __m512 two = _mm512_castpd_ps(_mm512_castpd128_pd512(_mm_load_sd(reinterpret_cast<const double*>(s))));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), two);
+inline vi q6_codes(const uint8_t* ql, const uint8_t* qh, int c) {  // into the low 8 lanes, the high 8 zero
+  return _mm512_zextsi256_si512(q6_codes_256(ql, qh, c));
+}
+inline vi run_scales(const int8_t* sc) {  // lanes 0-3 sc[0], 4-7 sc[1] as int32
+  const __m128i two = _mm_cvtepi8_epi32(_mm_cvtsi32_si128(static_cast<uint16_t>(load_i16(sc))));
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2),
+                                  _mm512_castsi128_si512(two));
+}
+inline vi dot4_scaled(vi acc, vi u, vi s, vi scales) {
+  return _mm512_add_epi32(acc, _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s), scales));
 }
 
 #elif TS_ISA_AVX2
@@ -244,6 +269,13 @@ inline vi dot4s(vi acc, vi w, vi q) {  // signed w and q (|q| <= 127): |w| x q *
 inline vi dot4_times(vi acc, vi u, vi s, int c) {
   return _mm256_add_epi32(acc, _mm256_mullo_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s), _mm256_set1_epi32(c)));
 }
+inline vi run_scales(const int8_t* sc) {  // lanes 0-3 sc[0], 4-7 sc[1] as int32
+  const __m256i two = _mm256_cvtepi8_epi32(_mm_cvtsi32_si128(static_cast<uint16_t>(load_i16(sc))));
+  return _mm256_permutevar8x32_epi32(two, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+inline vi dot4_scaled(vi acc, vi u, vi s, vi scales) {
+  return _mm256_add_epi32(acc, _mm256_mullo_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s), scales));
+}
 #else
 // acc holds int16 lanes (two per 32-bit lane): u <= 15, |s| <= 127, so a pair sum is at most
 // 2 * 15 * 127 = 3810 and 8 of them 30480 < 2^15: no saturation, the sums stay exact.
@@ -257,6 +289,13 @@ inline vi dot4s(vi acc, vi w, vi q) {
 }
 inline vi dot4_times(vi acc, vi u, vi s, int c) {  // the int16 pair sums times c, widened in one vpmaddwd
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(static_cast<int16_t>(c))));
+}
+inline vi run_scales(const int8_t* sc) {  // int16 lanes 0-7 sc[0], 8-15 sc[1] (the pair sums of bytes 0-15, 16-31)
+  const __m128i two = _mm_cvtsi32_si128(static_cast<uint16_t>(load_i16(sc)));
+  return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(two, _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)));
+}
+inline vi dot4_scaled(vi acc, vi u, vi s, vi scales) {  // pair sums <= 2 * 63 * 127: exact in int16
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scales));
 }
 #endif
 inline vf to_float(vi v) { return _mm256_cvtepi32_ps(v); }
@@ -275,10 +314,7 @@ inline vi bit_or_16(vi v, vi h, int mask) {
   const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
   return _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, m), m), _mm256_set1_epi8(0x10)));
 }
-inline vf lane_scales(const float* s) {  // lanes 0-3 s[0], lanes 4-7 s[1]
-  const __m256 two = _mm256_castpd_ps(_mm256_castpd128_pd256(_mm_load_sd(reinterpret_cast<const double*>(s))));
-  return _mm256_permutevar8x32_ps(two, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-}
+inline vi q6_codes(const uint8_t* ql, const uint8_t* qh, int c) { return q6_codes_256(ql, qh, c); }
 
 #elif TS_ISA_NEON
 #if defined(__ARM_FEATURE_DOTPROD)
@@ -348,7 +384,14 @@ inline vi bit_or_16(vi v, vi h, int mask) {
   const uint8x16_t set = vtstq_u8(vreinterpretq_u8_s32(h), vdupq_n_u8(static_cast<uint8_t>(mask)));
   return vreinterpretq_s32_u8(vorrq_u8(vreinterpretq_u8_s32(v), vandq_u8(set, vdupq_n_u8(0x10))));
 }
-inline vf lane_scales(const float* s) { return vdupq_n_f32(s[0]); }  // 16 bytes: one scale
+inline vi q6_codes(const uint8_t* ql, const uint8_t* qh, int c) {
+  const uint8x16_t l = vld1q_u8(ql), h = vld1q_u8(qh);
+  const uint8x16_t lo = c & 2 ? vshrq_n_u8(l, 4) : vandq_u8(l, vdupq_n_u8(0x0F));
+  const uint8x16_t hi = vshlq_u8(h, vdupq_n_s8(static_cast<int8_t>(4 - 2 * c)));  // bytewise; right for c = 3
+  return vreinterpretq_s32_u8(vorrq_u8(lo, vandq_u8(hi, vdupq_n_u8(0x30))));
+}
+inline vi run_scales(const int8_t* sc) { return vdupq_n_s32(sc[0]); }  // 16 bytes: one run
+inline vi dot4_scaled(vi acc, vi u, vi s, vi scales) { return vmlaq_s32(acc, dot4(izero(), u, s), scales); }
 
 #else  // generic: one-lane "vectors"
 constexpr const char* kName = "generic";
@@ -410,7 +453,13 @@ inline vi bit_or_16(vi v, vi h, int mask) {
     if ((static_cast<uint32_t>(h) >> (8 * b)) & static_cast<uint32_t>(mask)) out |= 0x10u << (8 * b);
   return static_cast<int32_t>(out);
 }
-inline vf lane_scales(const float* s) { return s[0]; }
+inline vi q6_codes(const uint8_t* ql, const uint8_t* qh, int c) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(((ql[i] >> (4 * (c >> 1))) & 15) | ((qh[i] >> (2 * c)) & 3) << 4) << (8 * i);
+  return static_cast<int32_t>(v);
+}
+inline vi run_scales(const int8_t* sc) { return sc[0]; }
+inline vi dot4_scaled(vi acc, vi u, vi s, vi scales) { return acc + scales * dot4(0, u, s); }
 #endif
 
 // e^x for x <= 0 (softmax; below -87 it returns ~1e-38): Cody-Waite range reduction x = n ln2 + r

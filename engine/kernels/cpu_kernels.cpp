@@ -295,7 +295,7 @@ void quantize_rows(const float* x, int64_t T, int64_t K, int64_t group, int8_t* 
 // F::kAuxRun per activation sum, and F::block, which adds one block's terms for TT token rows to their
 // RowSums. block_quantize makes the activations F needs (q, sx, aux). A block's codes are formed once for
 // the TT rows; the code x q sums are exact int32 (dot4 of the unsigned codes, at most 63 x 127 per byte
-// and one dot4 per dsum, so avx2's int16 pair sums stay exact; dot4_times for Q4_K / Q5_K), the float sums
+// and one dot4 per dsum, so avx2's int16 pair sums stay exact; dot4_times for Q4_K / Q5_K, dot4_scaled for Q6_K), the float sums
 // fused multiply-adds per lane in ascending k, then one horizontal sum: a row's result is its own data's
 // alone, whatever TT and T.
 struct RowSums {
@@ -316,44 +316,39 @@ inline float f16_at(const uint8_t* p) { return half_to_float(static_cast<uint16_
 // Q6_K: 256 weights in 210 bytes: ql [128] (low 4 bits), qh [64] (high 2 bits), scales [16] int8 (one
 // per 16 weights), d fp16; weight i = d * scales[i / 16] * (code_i - 32), code_i = (ql[64 h + l] >> 4 (c / 2)
 // & 15) | (qh[32 h + l'] >> 2 c & 3) << 4 for i = 128 h + 32 c + l', l = 32 (c % 2) + l' (ggml's
-// dequantize_row_q6_K). aux = off [T, K / 16] = 32 * sx[t, group(run)] * sum of q over each run of 16:
-// y[t, j] = sum over 4-byte lanes c of (d scale(c) sx[t, group(c)]) * sum_{k in c} code q
-//           - sum over runs r of d scale(r) * off[t, r]
-// (a lane never straddles a run of 16; lane_scales gives its scale).
+// dequantize_row_q6_K). The activations are quantized per block of 256 (one scale sx[t, b], as llama.cpp's
+// Q8_K), so a block's sums stay integers: aux = off [T, K / 16] = 32 * sx[t, b] * sum of q over each run of 16,
+// y[t, j] = sum over blocks b of d sx[t, b] sum_r scale_r sum_{k in r} code q - sum_r d scale_r off[t, r],
+// the inner sums exact int32 lanes (dot4_scaled: at most 4 * 63 * 127 * 128 per lane and chunk, 8 chunks).
 struct Q6K {
-  static constexpr int64_t kValues = 256, kBytes = 210, kActGroup = 32, kAuxRun = 16, kRuns = kValues / kAuxRun;
+  static constexpr int64_t kValues = 256, kBytes = 210, kActGroup = 256, kAuxRun = 16, kRuns = kValues / kAuxRun;
   static constexpr float kBias = 0.f;
   static float aux_of(float sx, int32_t sum) { return 32.f * sx * static_cast<float>(sum); }
   struct Scratch {
-    alignas(64) uint8_t u[kValues + 64];  // + 64: avx512's iload reads 64 bytes (the dot uses 32)
-    alignas(64) float fs[kRuns + 1] = {};   // + 1: lane_scales reads two
+    alignas(64) float fs[kRuns];  // d * scales
   };
   template <int TT>
   static void block(const uint8_t* b, int64_t at, const Acts& a, int64_t t0, RowSums* s, Scratch& w) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    vi sums[TT];
+    for (int t = 0; t < TT; ++t) sums[t] = izero();
     for (int h = 0; h < 2; ++h)
-      for (int c = 0; c < 4; ++c) {
-        const uint8_t* lo = ql + 64 * h + 32 * (c & 1);
-        const int shift = 4 * (c >> 1);
-        uint8_t* out = w.u + 128 * h + 32 * c;
-        for (int l = 0; l < 32; ++l) out[l] = ((lo[l] >> shift) & 15) | ((qh[32 * h + l] >> (2 * c)) & 3) << 4;
-      }
-    const vf vd = set1(f16_at(b + 208));
-    for (int i = 0; i < kRuns; i += kW) store(w.fs + i, mul(vd, load_s8(sc + i)));
-    const int64_t groups = a.K / kQGroup, runs = a.K / kAuxRun;
-    for (int64_t k = 0; k < kValues; k += kGroupBytes) {
-      const vi uv = iload(w.u + k);
-      const vf sc4 = lane_scales(w.fs + k / kAuxRun);
-      const int64_t g = (at + k) / kQGroup;
-      for (int t = 0; t < TT; ++t) {
-        const vi d = dsum(dot4(izero(), uv, iload_s8(a.q + (t0 + t) * a.K + at + k)));
-        s[t].acc = fmadd(to_float(d), mul(sc4, set1(a.sx[(t0 + t) * groups + g])), s[t].acc);
-      }
-    }
-    for (int64_t r = 0; r < kRuns; r += kW)
-      for (int t = 0; t < TT; ++t)
+      for (int c = 0; c < 4; ++c)
+        for (int k = 0; k < 32; k += kGroupBytes) {
+          const int64_t at_k = 128 * h + 32 * c + k;
+          const vi u = q6_codes(ql + 64 * h + 32 * (c & 1) + k, qh + 32 * h + k, c);
+          const vi rs = run_scales(sc + at_k / kAuxRun);
+          for (int t = 0; t < TT; ++t) sums[t] = dot4_scaled(sums[t], u, iload_s8(a.q + (t0 + t) * a.K + at + at_k), rs);
+        }
+    const float d = f16_at(b + 208);
+    for (int i = 0; i < kRuns; i += kW) store(w.fs + i, mul(set1(d), load_s8(sc + i)));
+    const int64_t blocks = a.K / kValues, runs = a.K / kAuxRun;
+    for (int t = 0; t < TT; ++t) {
+      s[t].acc = fmadd(to_float(sums[t]), set1(d * a.sx[(t0 + t) * blocks + at / kValues]), s[t].acc);
+      for (int64_t r = 0; r < kRuns; r += kW)
         s[t].vneg = fmadd(load(w.fs + r), load(a.aux + (t0 + t) * runs + at / kAuxRun + r), s[t].vneg);
+    }
   }
 };
 

@@ -49,7 +49,7 @@ enum { TS_Q5_0 = 6, TS_Q4_K = 12, TS_Q5_K = 13, TS_Q6_K = 14 };
 int ts_block_format(int64_t format, int64_t* values, int64_t* bytes, int64_t* act_group, int64_t* aux_run);
 
 // Activations x [T, K] fp32 quantized for block format `format`'s kernel: as ts_quantize_rows per group of
-// act_group input channels (32; 256 for Q4_K and Q5_K, llama.cpp's Q8_K), q [T, K], sx [T, K / act_group],
+// act_group input channels (32 for Q5_0; 256 for Q4_K, Q5_K and Q6_K, llama.cpp's Q8_K), q [T, K], sx [T, K / act_group],
 // and aux [T, K / aux_run], the sums of q over each run of aux_run input channels (Q5_0: times sx, Q6_K:
 // times 32 sx, the codes' bias). K a multiple of the format's block values.
 void ts_block_quantize(int64_t format, const float* x, int64_t T, int64_t K, int8_t* q, float* sx, float* aux);
