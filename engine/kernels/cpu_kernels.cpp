@@ -319,7 +319,8 @@ inline float f16_at(const uint8_t* p) { return half_to_float(static_cast<uint16_
 // dequantize_row_q6_K). The activations are quantized per block of 256 (one scale sx[t, b], as llama.cpp's
 // Q8_K), so a block's sums stay integers: aux = off [T, K / 16] = 32 * sx[t, b] * sum of q over each run of 16,
 // y[t, j] = sum over blocks b of d sx[t, b] sum_r scale_r sum_{k in r} code q - sum_r d scale_r off[t, r],
-// the inner sums exact int32 lanes (dot4_scaled: at most 4 * 63 * 127 * 128 per lane and chunk, 8 chunks).
+// the inner sums exact int32 lanes (dot4_scaled; a lane's sum over a block, all 256 weights in the generic
+// family's one lane, is at most 256 * 63 * 127 * 128 < 2^31).
 struct Q6K {
   static constexpr int64_t kValues = 256, kBytes = 210, kActGroup = 256, kAuxRun = 16, kRuns = kValues / kAuxRun;
   static constexpr float kBias = 0.f;
