@@ -19,15 +19,20 @@
 //
 // The int4 kernel sums one group of 32 codes per row as dsum(dot4(... dot4(izero(), u, s) ...)) with at
 // most 8 dot4 calls before dsum; dsum gives the int32 lanes (the identity where dot4 adds int32).
-// The int8 kernel (signed weights x signed activations) sums a group of 32 bytes in int32 lanes
-// as dot4s over iload_s8 vectors (kGroupBytes = min(32, 4 kI) bytes each; avx512 fills only its
-// low half): x86 multiplies |w| (u8) by q with w's sign (the sign trick of llama.cpp's Q8_0 dot)
-// in vpdpbusd, or vpmaddubsw + vpmaddwd without VNNI; NEON uses sdot or smull; generic plain C.
+// The int8 kernel (signed weights x signed activations) sums groups of 32 bytes in int32 lanes as dot4s
+// over vectors of iload_groups<NG>: kVecGroups groups per vector (avx512: two, 64 bytes, lanes 0-7 the
+// first group and 8-15 the second; the other families one, in one or more kGroupBytes vectors), and
+// group_scales<NG> spreads the groups' scales over the lanes the same way. dot4s takes the activations as
+// act_s8 gives them: avx512 offsets them to unsigned (q + 128) for one vpdpbusd against the signed weights
+// and starts each dot from s8_base(w) = -128 * w's 4-byte sums, which takes the offset off again, exactly;
+// avx2 multiplies |w| (u8) by q with w's sign (the sign trick of llama.cpp's Q8_0 dot) in vpdpbusd, or
+// vpmaddubsw + vpmaddwd without VNNI (s8_base zero); NEON uses sdot or smull; generic plain C.
 //
 // The block kernels (Q4_K, Q5_0, Q5_K, Q6_K) run dot4 on unsigned codes 0..15, 0..31 and 0..63 (one call per dsum: avx2's int16
 // pair sums stay below 2 * 63 * 127 = 16002).
 // q5_codes(qs, qh, k) gives the codes 0..31 of weights k .. k + kGroupBytes of a Q5_0 block (k a multiple of
-// kGroupBytes below 32; avx512 fills only its low half): low 4 bits from the 16 bytes qs (weight l < 16 in
+// kGroupBytes below 32; avx512 fills its low half, and join_groups<NG> puts NG blocks' codes in one vector
+// as iload_groups<NG> lays out their activations): low 4 bits from the 16 bytes qs (weight l < 16 in
 // qs[l]'s low nibble, 16 + l in its high one), the fifth from bit i of qh (ggml's block_q5_0).
 // dot4_times(acc, u, s, c) = acc + c * dot4(izero(), u, s) per int32 lane, c a 6-bit sub-block scale (the
 // Q4_K / Q5_K kernel's integer sums per block of 256; avx2's int16 pairs: c * (at most 2 * 31 * 127) fits).
@@ -172,14 +177,30 @@ inline vi dot4(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
 inline vi dsum(vi acc) { return acc; }
 inline vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
 constexpr int kGroupBytes = 32;  // bytes iload_s8 reads: one group into the low 8 lanes, the high 8 zero
-inline vi iload_s8(const int8_t* p) {
-  return _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 0);
+inline vi iload_s8(const int8_t* p) { return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+constexpr int kVecGroups = 2;  // int8 groups of 32 per vector (iload_groups<2>: lanes 0-7 one group, 8-15 the next)
+template <int NG>
+inline vi iload_groups(const int8_t* p) {
+  if constexpr (NG == 1) return iload_s8(p);
+  return _mm512_loadu_si512(p);
 }
-// acc[lane] += sum_b w[lane, b] * q[lane, b] over its 4 bytes, both signed (|q| <= 127): |w| x q * sign(w)
-inline vi dot4s(vi acc, vi w, vi q) {
-  return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(w),
-                             _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(w), _mm512_setzero_si512(), q));
+template <int NG>
+inline vf group_scales(const float* p) {  // lanes 0-7 p[0], 8-15 p[NG - 1]
+  if constexpr (NG == 1) return _mm512_set1_ps(p[0]);
+  return _mm512_insertf32x8(_mm512_set1_ps(p[0]), _mm256_set1_ps(p[1]), 1);
 }
+template <int NG>
+inline vi join_groups(const vi* v) {  // lanes 0-7 of v[0], then lanes 0-7 of v[NG - 1]
+  if constexpr (NG == 1) return v[0];
+  return _mm512_inserti64x4(v[0], _mm512_castsi512_si256(v[1]), 1);
+}
+// The activations offset to unsigned (q + 128 as u8) so that one vpdpbusd multiplies them by signed weights;
+// each dot's lanes start from s8_base(w) = -128 * w's 4-byte sums, which takes the offset back off, exactly.
+inline vi act_s8(vi q) { return _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80))); }
+inline vi s8_base(vi w) {
+  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w));
+}
+inline vi dot4s(vi acc, vi w, vi a) { return _mm512_dpbusd_epi32(acc, a, w); }
 inline vi q5_codes(const uint8_t* qs, uint32_t qh, int) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
@@ -260,6 +281,8 @@ inline vi nibbles_hi(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _m
 inline vi bcast4(int32_t q) { return _mm256_set1_epi32(q); }
 constexpr int kGroupBytes = 32;
 inline vi iload_s8(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vi act_s8(vi q) { return q; }
+inline vi s8_base(vi) { return _mm256_setzero_si256(); }
 #if defined(__AVXVNNI__)
 inline vi dot4(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 inline vi dsum(vi acc) { return acc; }
@@ -358,6 +381,8 @@ inline vi nibbles_hi(vi v) { return vreinterpretq_s32_u8(vshrq_n_u8(vreinterpret
 inline vi bcast4(int32_t q) { return vdupq_n_s32(q); }
 constexpr int kGroupBytes = 16;
 inline vi iload_s8(const int8_t* p) { return vreinterpretq_s32_s8(vld1q_s8(p)); }
+inline vi act_s8(vi q) { return q; }
+inline vi s8_base(vi) { return vdupq_n_s32(0); }
 // acc[lane] += sum_b w[lane, b] * q[lane, b] over its 4 bytes, both signed
 #if defined(__ARM_FEATURE_DOTPROD)
 inline vi dot4s(vi acc, vi w, vi q) { return vdotq_s32(acc, vreinterpretq_s8_s32(w), vreinterpretq_s8_s32(q)); }
@@ -433,6 +458,8 @@ inline vi dot4_times(vi acc, vi u, vi s, int c) { return acc + c * dot4(0, u, s)
 inline vf to_float(vi v) { return static_cast<float>(v); }
 constexpr int kGroupBytes = 4;
 inline vi iload_s8(const int8_t* p) { return load_i32(p); }
+inline vi act_s8(vi q) { return q; }
+inline vi s8_base(vi) { return 0; }
 inline vi dot4s(vi acc, vi w, vi q) {
   for (int b = 0; b < 4; ++b)
     acc += static_cast<int8_t>((static_cast<uint32_t>(w) >> (8 * b)) & 0xFF) *
@@ -460,6 +487,16 @@ inline vi q6_codes(const uint8_t* ql, const uint8_t* qh, int c) {
 }
 inline vi run_scales(const int8_t* sc) { return sc[0]; }
 inline vi dot4_scaled(vi acc, vi u, vi s, vi scales) { return acc + scales * dot4(0, u, s); }
+#endif
+
+#if !TS_ISA_AVX512
+constexpr int kVecGroups = 1;
+template <int NG>
+inline vi iload_groups(const int8_t* p) { return iload_s8(p); }
+template <int NG>
+inline vf group_scales(const float* p) { return set1(p[0]); }
+template <int NG>
+inline vi join_groups(const vi* v) { return v[0]; }
 #endif
 
 // e^x for x <= 0 (softmax; below -87 it returns ~1e-38): Cody-Waite range reduction x = n ln2 + r

@@ -190,19 +190,50 @@ void weighted_sum_of(const float* p, int64_t R, int64_t ld, const KV* v, float* 
 // for bit).
 //
 // Register tiles of RM weight rows x RN token rows (llamafile's tinyBLAS blocks its Q8_0 GEMM the
-// same way): per group of 32, RM weight vectors and RN activation vectors are loaded once for RM * RN
-// dot products. Bursts take kInt8Tokens token rows per tile and kInt8Accs / RN weight rows (1 to 4:
-// RM * RN fp32 accumulators, and as many int32 ones where a group takes several dot4s, beside the
-// weight vectors within the kRegs vector registers); a decode step (RN = 1) streams one weight row at
-// a time. Measured on avx2 (16 registers; a dot4s is 3 integer ops whose operands stay live): 1 x 6
-// fastest for bursts (0.92x the time of the old 1 x 4 blocks at 84 rows), 2 or 3 weight rows per tile
-// spill; for a decode step, 4 weight rows per tile ranged from 0.72x (K = 8960) to 1.35x (K = 1536).
-constexpr int kGroupDots = kQGroup / kGroupBytes;  // dot4s per group of 32
-constexpr int kInt8Accs = kRegs >= 32 ? (kGroupDots > 1 ? 8 : 16) : 3;
+// same way): per vector of groups (int8_span), RM weight vectors and RN activation vectors are loaded
+// once for RM * RN dot products. Bursts take kInt8Tokens token rows per tile and kInt8Accs / RN weight
+// rows (1 to 4: RM * RN fp32 accumulators and as many int32 ones, beside the weight vectors within the
+// kRegs vector registers); a decode step (RN = 1) streams one weight row at a time. Measured on avx2
+// (16 registers; a dot4s is 3 integer ops whose operands stay live): 1 x 6 fastest for bursts (0.92x the
+// time of the old 1 x 4 blocks at 84 rows), 2 or 3 weight rows per tile spill; for a decode step, 4
+// weight rows per tile ranged from 0.72x (K = 8960) to 1.35x (K = 1536). On avx512 (32 registers, 64-byte
+// vectors) 2 x 4 took 0.8x the time of 4 x 4, which spills; 3 x 4 and 2 x 6 were within 2% of 2 x 4.
+constexpr int kInt8Accs = kRegs >= 32 ? 8 : 3;
 constexpr int kInt8Tokens = kRegs >= 32 ? 4 : 6;
 constexpr int64_t kInt8Panel = 12;  // weight rows per panel: every tile height (1 to 4) divides it
 
 constexpr int int8_tile_rows(int rn) { return rn == 1 ? 1 : std::clamp(kInt8Accs / rn, 1, 4); }
+
+// acc[r][t] += the products of NG groups g .. g + NG of weight rows w [RM, K] and token rows q [RN, K]
+// (activation scales sx [RN, groups], weight scales [RM, G]): one dot4s chain per vector of
+// iload_groups<NG> (its lanes start from s8_base), then per lane its group's scale product.
+template <int NG, int RM, int RN, bool kGroupScales>
+inline void int8_span(const int8_t* q, const float* sx, int64_t groups, int64_t K, const int8_t* w, const float* scales,
+                      int64_t G, int64_t g, vf (&acc)[RM][RN]) {
+  constexpr int kBytes = NG * kGroupBytes;  // one vector of the span
+  vi d[RM][RN];
+  for (int64_t k = g * kQGroup; k < (g + NG) * kQGroup; k += kBytes) {
+    vi wv[RM];
+    for (int r = 0; r < RM; ++r) {
+      wv[r] = iload_groups<NG>(w + r * K + k);
+      if (k == g * kQGroup) {
+        const vi base = s8_base(wv[r]);  // zero in the families whose vectors cover less than a group
+        for (int t = 0; t < RN; ++t) d[r][t] = base;
+      }
+    }
+    for (int t = 0; t < RN; ++t) {
+      const vi a = act_s8(iload_groups<NG>(q + t * K + k));
+      for (int r = 0; r < RM; ++r) d[r][t] = dot4s(d[r][t], wv[r], a);
+    }
+  }
+  // the scale of output (r, t): sw[r] * sx[t], a broadcast product (the same bits as the scalar one)
+  vf sw[RM];
+  for (int r = 0; r < RM; ++r) sw[r] = kGroupScales ? group_scales<NG>(scales + r * G + g) : set1(scales[r * G]);
+  for (int t = 0; t < RN; ++t) {
+    const vf s = group_scales<NG>(sx + t * groups + g);
+    for (int r = 0; r < RM; ++r) acc[r][t] = fmadd(to_float(d[r][t]), mul(sw[r], s), acc[r][t]);
+  }
+}
 
 // y[t0 .. t0 + RN, j0 .. j1) (row stride N), j1 - j0 a multiple of RM: one tile per RM rows.
 template <int RM, int RN, bool kGroupScales>
@@ -216,26 +247,11 @@ void int8_tiles(const int8_t* q, const float* sx, int64_t t0, int64_t K, const i
     vf acc[RM][RN];
     for (int r = 0; r < RM; ++r)
       for (int t = 0; t < RN; ++t) acc[r][t] = zero();
-    for (int64_t g = 0; g < full; ++g) {
-      vi d[RM][RN];
-      for (int r = 0; r < RM; ++r)
-        for (int t = 0; t < RN; ++t) d[r][t] = izero();
-      for (int64_t k = g * kQGroup; k < (g + 1) * kQGroup; k += kGroupBytes) {
-        vi wv[RM];
-        for (int r = 0; r < RM; ++r) wv[r] = iload_s8(wr + r * K + k);
-        for (int t = 0; t < RN; ++t) {
-          const vi qv = iload_s8(qt + t * K + k);
-          for (int r = 0; r < RM; ++r) d[r][t] = dot4s(d[r][t], wv[r], qv);
-        }
-      }
-      // the scale of output (r, t): sw[r] * sx[t], a broadcast product (the same bits as the scalar one)
-      vf sw[RM];
-      for (int r = 0; r < RM; ++r) sw[r] = set1(scales[(j + r) * G + (kGroupScales ? g : 0)]);
-      for (int t = 0; t < RN; ++t) {
-        const vf s = set1(st[t * groups + g]);
-        for (int r = 0; r < RM; ++r) acc[r][t] = fmadd(to_float(d[r][t]), mul(sw[r], s), acc[r][t]);
-      }
-    }
+    int64_t g = 0;
+    for (; g + kVecGroups <= full; g += kVecGroups)
+      int8_span<kVecGroups, RM, RN, kGroupScales>(qt, st, groups, K, wr, scales + j * G, G, g, acc);
+    if constexpr (kVecGroups > 1)
+      for (; g < full; ++g) int8_span<1, RM, RN, kGroupScales>(qt, st, groups, K, wr, scales + j * G, G, g, acc);
     for (int r = 0; r < RM; ++r)
       for (int t = 0; t < RN; ++t) {
         float a = reduce_add(acc[r][t]);
@@ -325,10 +341,11 @@ struct Q6K {
   static constexpr int64_t kValues = 256, kBytes = 210, kActGroup = 256, kAuxRun = 16, kRuns = kValues / kAuxRun;
   static constexpr float kBias = 0.f;
   static float aux_of(float sx, int32_t sum) { return 32.f * sx * static_cast<float>(sum); }
+  static constexpr int kVecBlocks = 1;
   struct Scratch {
     alignas(64) float fs[kRuns];  // d * scales
   };
-  template <int TT>
+  template <int TT, int NB>
   static void block(const uint8_t* b, int64_t at, const Acts& a, int64_t t0, RowSums* s, Scratch& w) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
@@ -359,22 +376,29 @@ struct Q6K {
 // = sx * sum of the group's q: y[t, j] = sum over groups g of d_g (sx[t, g] sum code q - 16 xs[t, g]).
 struct Q5_0 {
   static constexpr int64_t kValues = 32, kBytes = 22, kActGroup = 32, kAuxRun = 32;
+  static constexpr int kVecBlocks = kVecGroups;  // blocks per call of block<TT, NB> (one group each)
   static constexpr float kBias = 16.f;
   static float aux_of(float sx, int32_t sum) { return sx * static_cast<float>(sum); }
   struct Scratch {};
-  template <int TT>
+  // NB consecutive blocks from b (their activations at..at + 32 NB), NB = 1 or kVecGroups: one vector of codes.
+  template <int TT, int NB>
   static void block(const uint8_t* b, int64_t at, const Acts& a, int64_t t0, RowSums* s, Scratch&) {
-    const float d = f16_at(b);
-    const uint32_t qh = static_cast<uint32_t>(load_i32(b + 2));
+    float d[NB];
+    uint32_t qh[NB];
+    for (int i = 0; i < NB; ++i) d[i] = f16_at(b + i * kBytes), qh[i] = static_cast<uint32_t>(load_i32(b + i * kBytes + 2));
     const int64_t groups = a.K / kQGroup, g = at / kQGroup;
     for (int k = 0; k < kQGroup; k += kGroupBytes) {
-      const vi uv = q5_codes(b + 6, qh, k);
+      vi codes[NB];
+      for (int i = 0; i < NB; ++i) codes[i] = q5_codes(b + i * kBytes + 6, qh[i], k);
+      const vi uv = join_groups<NB>(codes);
+      const vf dv = group_scales<NB>(d);
       for (int t = 0; t < TT; ++t) {
-        const vi sum = dsum(dot4(izero(), uv, iload_s8(a.q + (t0 + t) * a.K + at + k)));
-        s[t].acc = fmadd(to_float(sum), set1(d * a.sx[(t0 + t) * groups + g]), s[t].acc);
+        const vi sum = dsum(dot4(izero(), uv, iload_groups<NB>(a.q + (t0 + t) * a.K + at + k)));
+        s[t].acc = fmadd(to_float(sum), mul(dv, group_scales<NB>(a.sx + (t0 + t) * groups + g)), s[t].acc);
       }
     }
-    for (int t = 0; t < TT; ++t) s[t].neg = std::fma(d, a.aux[(t0 + t) * groups + g], s[t].neg);
+    for (int t = 0; t < TT; ++t)
+      for (int i = 0; i < NB; ++i) s[t].neg = std::fma(d[i], a.aux[(t0 + t) * groups + g + i], s[t].neg);
   }
 };
 
@@ -391,8 +415,9 @@ struct QK {
   static constexpr int64_t kValues = 256, kBytes = kFifthBit ? 176 : 144, kActGroup = 256, kAuxRun = 32;
   static constexpr float kBias = 1.f;
   static float aux_of(float, int32_t sum) { return static_cast<float>(sum); }
+  static constexpr int kVecBlocks = 1;
   struct Scratch {};
-  template <int TT>
+  template <int TT, int NB>
   static void block(const uint8_t* b, int64_t at, const Acts& a, int64_t t0, RowSums* s, Scratch&) {
     const uint8_t *sm = b + 4, *qh = b + 16, *qs = b + (kFifthBit ? 48 : 16);
     int sc[8], mn[8];
@@ -439,8 +464,11 @@ void block_rows(const Acts& a, int64_t t0, const uint8_t* blocks, float* y, int6
   for (int64_t j = j0; j < j1; ++j) {
     RowSums s[TT];
     for (int t = 0; t < TT; ++t) s[t] = RowSums{zero(), zero(), 0.f};
-    for (int64_t b = 0; b < nb; ++b)
-      F::template block<TT>(blocks + (j * nb + b) * F::kBytes, b * F::kValues, a, t0, s, scratch);
+    int64_t b = 0;
+    for (; b + F::kVecBlocks <= nb; b += F::kVecBlocks)
+      F::template block<TT, F::kVecBlocks>(blocks + (j * nb + b) * F::kBytes, b * F::kValues, a, t0, s, scratch);
+    if constexpr (F::kVecBlocks > 1)
+      for (; b < nb; ++b) F::template block<TT, 1>(blocks + (j * nb + b) * F::kBytes, b * F::kValues, a, t0, s, scratch);
     for (int t = 0; t < TT; ++t) y[(t0 + t) * N + j] = reduce_add(sub(s[t].acc, s[t].vneg)) - F::kBias * s[t].neg;
   }
 }
