@@ -14,8 +14,9 @@
 // load_s8 widens kW int8 to fp32 (the Q6_K blocks' scales).
 //
 // The KV cache may hold IEEE half floats (binary16, as raw uint16_t bits): load_half widens kW of
-// them to fp32 exactly, store_half rounds kW floats to nearest-even (F16C on x86, fcvt on ARM, the
-// portable half_from_float / half_to_float in the generic variant; all give the same bits).
+// them to fp32 exactly (half_scalar one: the GGUF blocks' scales), store_half rounds kW floats to
+// nearest-even (F16C on x86, fcvt on ARM, the portable half_from_float / half_to_float in the generic
+// variant; all give the same bits).
 //
 // The int4 kernel sums one group of 32 codes per row as dsum(dot4(... dot4(izero(), u, s) ...)) with at
 // most 8 dot4 calls before dsum; dsum gives the int32 lanes (the identity where dot4 adds int32).
@@ -153,6 +154,7 @@ inline vf load_bf16(const uint16_t* p) {  // kI bf16 -> fp32
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 inline vf load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline float half_scalar(uint16_t h) { return _cvtsh_ss(h); }
 inline vf load_s8(const int8_t* p) {  // kW int8 -> fp32
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -264,6 +266,7 @@ inline vf load_bf16(const uint16_t* p) {
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 inline vf load_half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float half_scalar(uint16_t h) { return _cvtsh_ss(h); }
 inline vf load_s8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -367,6 +370,7 @@ inline vf scale_pow2(vf p, vf n) {
 }
 inline vf load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
 inline vf load_half(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+inline float half_scalar(uint16_t h) { return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0); }
 inline vf load_s8(const int8_t* p) {
   return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(load_i32(p)))))));
 }
@@ -439,6 +443,7 @@ inline vf round(vf v) { return std::nearbyint(v); }
 inline vf scale_pow2(vf p, vf n) { return std::ldexp(p, static_cast<int>(n)); }
 inline vf load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
 inline vf load_half(const uint16_t* p) { return half_to_float(*p); }
+inline float half_scalar(uint16_t h) { return half_to_float(h); }
 inline vf load_s8(const int8_t* p) { return static_cast<float>(*p); }
 inline void store_half(uint16_t* p, vf v) { *p = half_from_float(v); }
 inline void hsum4(vf a, vf b, vf c, vf d, float* out) { out[0] = a, out[1] = b, out[2] = c, out[3] = d; }

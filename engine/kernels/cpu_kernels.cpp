@@ -210,13 +210,14 @@ constexpr int int8_tile_rows(int rn) { return rn == 1 ? 1 : std::clamp(kInt8Accs
 template <int NG, int RM, int RN, bool kGroupScales>
 inline void int8_span(const int8_t* q, const float* sx, int64_t groups, int64_t K, const int8_t* w, const float* scales,
                       int64_t G, int64_t g, vf (&acc)[RM][RN]) {
-  constexpr int kBytes = NG * kGroupBytes;  // one vector of the span
+  constexpr int kBytes = NG * kGroupBytes, kVecs = kQGroup / kGroupBytes;  // one vector of the span; vectors per span
   vi d[RM][RN];
-  for (int64_t k = g * kQGroup; k < (g + NG) * kQGroup; k += kBytes) {
+  for (int v = 0; v < kVecs; ++v) {
+    const int64_t k = g * kQGroup + v * kBytes;
     vi wv[RM];
     for (int r = 0; r < RM; ++r) {
       wv[r] = iload_groups<NG>(w + r * K + k);
-      if (k == g * kQGroup) {
+      if (v == 0) {
         const vi base = s8_base(wv[r]);  // zero in the families whose vectors cover less than a group
         for (int t = 0; t < RN; ++t) d[r][t] = base;
       }
@@ -327,7 +328,7 @@ struct Acts {
   int64_t K;
 };
 
-inline float f16_at(const uint8_t* p) { return half_to_float(static_cast<uint16_t>(p[0] | p[1] << 8)); }
+inline float f16_at(const uint8_t* p) { return half_scalar(static_cast<uint16_t>(p[0] | p[1] << 8)); }
 
 // Q6_K: 256 weights in 210 bytes: ql [128] (low 4 bits), qh [64] (high 2 bits), scales [16] int8 (one
 // per 16 weights), d fp16; weight i = d * scales[i / 16] * (code_i - 32), code_i = (ql[64 h + l] >> 4 (c / 2)
