@@ -353,12 +353,17 @@ struct Q6K {
     vi sums[TT];
     for (int t = 0; t < TT; ++t) sums[t] = izero();
     for (int h = 0; h < 2; ++h)
-      for (int c = 0; c < 4; ++c)
+      for (int c = 0; c < 4; c += kVecGroups)  // kVecGroups chunks (of 32 weights) per vector
         for (int k = 0; k < 32; k += kGroupBytes) {
           const int64_t at_k = 128 * h + 32 * c + k;
-          const vi u = q6_codes(ql + 64 * h + 32 * (c & 1) + k, qh + 32 * h + k, c);
-          const vi rs = run_scales(sc + at_k / kAuxRun);
-          for (int t = 0; t < TT; ++t) sums[t] = dot4_scaled(sums[t], u, iload_s8(a.q + (t0 + t) * a.K + at + at_k), rs);
+          vi u[kVecGroups], rs[kVecGroups];
+          for (int i = 0; i < kVecGroups; ++i) {
+            u[i] = q6_codes(ql + 64 * h + 32 * ((c + i) & 1) + k, qh + 32 * h + k, c + i);
+            rs[i] = run_scales(sc + (at_k + 32 * i) / kAuxRun);
+          }
+          const vi uv = join_groups<kVecGroups>(u), rv = join_groups<kVecGroups>(rs);
+          for (int t = 0; t < TT; ++t)
+            sums[t] = dot4_scaled(sums[t], uv, iload_groups<kVecGroups>(a.q + (t0 + t) * a.K + at + at_k), rv);
         }
     const float d = f16_at(b + 208);
     for (int i = 0; i < kRuns; i += kW) store(w.fs + i, mul(set1(d), load_s8(sc + i)));
@@ -439,9 +444,16 @@ struct QK {
           lo = bit_or_16(lo, h, 1 << (2 * c));
           hi = bit_or_16(hi, h, 1 << (2 * c + 1));
         }
-        for (int t = 0; t < TT; ++t) {
-          const int8_t* qt = a.q + (t0 + t) * a.K + at + 64 * c + k;
-          sums[t] = dot4_times(dot4_times(sums[t], lo, iload_s8(qt), sc[2 * c]), hi, iload_s8(qt + kQGroup), sc[2 * c + 1]);
+        if constexpr (kVecGroups > 1) {  // both sub-blocks in one vector, each with its scale
+          const vi halves[2] = {lo, hi}, scales[2] = {bcast4(sc[2 * c]), bcast4(sc[2 * c + 1])};
+          const vi uv = join_groups<2>(halves), sv = join_groups<2>(scales);
+          for (int t = 0; t < TT; ++t)
+            sums[t] = dot4_scaled(sums[t], uv, iload_groups<2>(a.q + (t0 + t) * a.K + at + 64 * c + k), sv);
+        } else {
+          for (int t = 0; t < TT; ++t) {
+            const int8_t* qt = a.q + (t0 + t) * a.K + at + 64 * c + k;
+            sums[t] = dot4_times(dot4_times(sums[t], lo, iload_s8(qt), sc[2 * c]), hi, iload_s8(qt + kQGroup), sc[2 * c + 1]);
+          }
         }
       }
     const float d = f16_at(b), dmin = f16_at(b + 2);

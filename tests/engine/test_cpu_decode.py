@@ -112,7 +112,11 @@ def test_fused_matches_python_path_with_gguf_block_projections(ext):
     assert model.fused_decode() is not None and blocks <= set(model.fused_decode().kinds)
     new = [1, 2, 5, FUSED_ROWS]
     ref, out = (torch.cat(_run(model, fused, 37, new)[0]) for fused in (False, True))
-    assert (ref - out).abs().max() < 0.1 and (ref.argmax(-1) == out.argmax(-1)).float().mean() >= 0.95
+    # the argmax agrees on every row but near-ties: rows whose top two logits are closer than twice the
+    # largest difference (1 to 4 of the 72 rows flip, ties within 1e-3 .. 3e-3, which ones depending on the
+    # kernels' float summation order)
+    diff, top2 = (ref - out).abs().max(), ref.topk(2, -1).values
+    assert diff < 0.1 and bool(((ref.argmax(-1) == out.argmax(-1)) | (top2[:, 0] - top2[:, 1] < 2 * diff)).all())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 9])
