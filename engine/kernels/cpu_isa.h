@@ -30,7 +30,8 @@
 // vpmaddubsw + vpmaddwd without VNNI (s8_base zero); NEON uses sdot or smull; generic plain C.
 //
 // The block kernels (Q4_K, Q5_0, Q5_K, Q6_K) run dot4 on unsigned codes 0..15, 0..31 and 0..63 (one call per dsum: avx2's int16
-// pair sums stay below 2 * 63 * 127 = 16002).
+// pair sums stay below 2 * 63 * 127 = 16002), kVecGroups runs of 32 codes per vector as iload_groups lays out
+// their activations (avx512: Q5_0 block pairs, Q6_K chunk pairs, Q4_K / Q5_K sub-block pairs).
 // q5_codes(qs, qh, k) gives the codes 0..31 of weights k .. k + kGroupBytes of a Q5_0 block (k a multiple of
 // kGroupBytes below 32; avx512 fills its low half, and join_groups<NG> puts NG blocks' codes in one vector
 // as iload_groups<NG> lays out their activations): low 4 bits from the 16 bytes qs (weight l < 16 in
@@ -180,7 +181,7 @@ inline vi dsum(vi acc) { return acc; }
 inline vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
 constexpr int kGroupBytes = 32;  // bytes iload_s8 reads: one group into the low 8 lanes, the high 8 zero
 inline vi iload_s8(const int8_t* p) { return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-constexpr int kVecGroups = 2;  // int8 groups of 32 per vector (iload_groups<2>: lanes 0-7 one group, 8-15 the next)
+constexpr int kVecGroups = 2;  // groups of 32 bytes per vector (iload_groups<2>: lanes 0-7 one group, 8-15 the next)
 template <int NG>
 inline vi iload_groups(const int8_t* p) {
   if constexpr (NG == 1) return iload_s8(p);
@@ -196,8 +197,7 @@ inline vi join_groups(const vi* v) {  // lanes 0-7 of v[0], then lanes 0-7 of v[
   if constexpr (NG == 1) return v[0];
   return _mm512_inserti64x4(v[0], _mm512_castsi512_si256(v[1]), 1);
 }
-// The activations offset to unsigned (q + 128 as u8) so that one vpdpbusd multiplies them by signed weights;
-// each dot's lanes start from s8_base(w) = -128 * w's 4-byte sums, which takes the offset back off, exactly.
+// W8A8: activations offset to unsigned (q + 128), each dot starting from s8_base(w) (see the top of the file)
 inline vi act_s8(vi q) { return _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80))); }
 inline vi s8_base(vi w) {
   return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w));

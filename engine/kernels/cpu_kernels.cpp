@@ -415,7 +415,8 @@ struct Q5_0 {
 // The activations are quantized per block of 256 (one scale sx[t, b], as llama.cpp's Q8_K), so a block's
 // sums stay integers: aux [T, K / 32] = the sum of q over each sub-block, and
 // y[t, j] = sum over blocks b of (d sx[t, b]) sum_s sc_s sum_{k in s} code q - (dmin sx[t, b]) sum_s m_s aux[t, s],
-// the inner sums exact int32 lanes (dot4_times), the minimums' sum exact in fp32 (< 2^24).
+// the inner sums exact int32 lanes (dot4_times; dot4_scaled with a sub-block pair per vector, avx512, whose
+// dot4_scaled takes int32 lane scales), the minimums' sum exact in fp32 (< 2^24).
 template <bool kFifthBit>
 struct QK {
   static constexpr int64_t kValues = 256, kBytes = kFifthBit ? 176 : 144, kActGroup = 256, kAuxRun = 32;
