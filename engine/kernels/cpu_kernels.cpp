@@ -393,11 +393,11 @@ struct Q5_0 {
     uint32_t qh[NB];
     for (int i = 0; i < NB; ++i) d[i] = f16_at(b + i * kBytes), qh[i] = static_cast<uint32_t>(load_i32(b + i * kBytes + 2));
     const int64_t groups = a.K / kQGroup, g = at / kQGroup;
+    const vf dv = group_scales<NB>(d);
     for (int k = 0; k < kQGroup; k += kGroupBytes) {
       vi codes[NB];
       for (int i = 0; i < NB; ++i) codes[i] = q5_codes(b + i * kBytes + 6, qh[i], k);
       const vi uv = join_groups<NB>(codes);
-      const vf dv = group_scales<NB>(d);
       for (int t = 0; t < TT; ++t) {
         const vi sum = dsum(dot4(izero(), uv, iload_groups<NB>(a.q + (t0 + t) * a.K + at + k)));
         s[t].acc = fmadd(to_float(sum), mul(dv, group_scales<NB>(a.sx + (t0 + t) * groups + g)), s[t].acc);
