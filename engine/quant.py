@@ -40,6 +40,7 @@ __all__ = ["Int8Linear", "Int4Linear", "Int8Embedding", "Int4TinygemmLinear", "B
            "BlockEmbedding", "Q4KLinear", "Q4KEmbedding", "Q5KLinear", "Q5KEmbedding", "Q6KLinear", "Q6KEmbedding",
            "Q5_0Linear", "Q5_0Embedding", "BLOCK_LINEARS", "BLOCK_EMBEDDINGS", "Q4_K", "Q5_K", "Q6_K", "Q5_0",
            "qk_dequantize", "q6k_dequantize", "q5_0_dequantize", "QUANTIZED", "q4_1_groups", "gguf_int4_groups", "int8_groups",
+           "pack_int8", "unpack_int8",
            "GGUF_INT4_TYPES", "linear_bytes", "quantize", "linear_rows", "fused_ext", "choose_format", "cached_format",
            "FormatChoice", "MODES", "FORMATS", "PACKED_ROWS"]
 
@@ -134,38 +135,75 @@ def _bare(cls) -> nn.Module:
     return layer
 
 
-def _uninitialised(cls, linear: nn.Linear, *weights: torch.Tensor) -> nn.Module:
+def _uninitialised(cls, linear: nn.Linear, *weights: torch.Tensor, **store) -> nn.Module:
     """A `cls` layer holding the uninitialised `weights` (and a bias buffer when `linear` has one),
-    for `load_state_dict` to fill; `cls._store` names the buffers."""
+    for `load_state_dict` to fill; `cls._store` names the buffers (`store`: its other arguments)."""
     layer = _bare(cls)
     bias = linear.bias
-    layer._store(*weights, None if bias is None else torch.empty(bias.shape[0], dtype=bias.dtype))
+    layer._store(*weights, None if bias is None else torch.empty(bias.shape[0], dtype=bias.dtype), **store)
     return layer
 
 
+def pack_int8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int8 codes [N, K] and fp32 scales [N] (one per row) or [N, G] (per group) -> the CPU kernel's layout
+    (`int8_gemv`, cpu_kernels.h `ts_int8_rows`), interleaved by 16 output rows: (codes [ceil(N / 16), Kp / 4, 64]
+    int8, scales [ceil(N / 16), G, 16] fp32; G = 1 for per-row scales), Kp = K rounded up to a multiple of 32.
+
+    Block b holds rows 16 b .. 16 b + 15, one per 32-bit lane: byte 4 j + i of its chunk c is code[16 b + j,
+    4 c + i], and scales[b, g, j] is row 16 b + j's; codes and scales past row N and channel K are zero.
+    """
+    n, k = codes.shape
+    s = scales.reshape(n, -1)
+    nb, kp = -(-n // 16), -(-k // 32) * 32
+    c = F.pad(codes, (0, kp - k, 0, nb * 16 - n))
+    packed = c.reshape(nb, 16, kp // 4, 4).transpose(1, 2).reshape(nb, kp // 4, 64).contiguous()
+    return packed, F.pad(s, (0, 0, 0, nb * 16 - n)).reshape(nb, 16, -1).transpose(1, 2).contiguous()
+
+
+def unpack_int8(codes: torch.Tensor, scales: torch.Tensor, n: int, k: int,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_int8`'s inverse for a weight of `n` rows and `k` input channels: (codes [R, k] int8, scales [R, G]
+    fp32) of the rows `rows` ([R] int64; None: all n, as views where the layout allows)."""
+    nb, chunks, _ = codes.shape
+    c = codes.view(nb, chunks, 16, 4)
+    if rows is None:
+        return (c.transpose(1, 2).reshape(nb * 16, chunks * 4)[:n, :k],
+                scales.transpose(1, 2).reshape(nb * 16, -1)[:n])
+    return c[rows // 16, :, rows % 16].reshape(-1, chunks * 4)[:, :k], scales[rows // 16, :, rows % 16]
+
+
 def int8_groups(n: int, k: int, rows: Callable[[int, int], torch.Tensor], group: int, device=None,
-                chunk_values: int = 1 << 21) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk_values: int = 1 << 21, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 codes of a float [n, k] weight given by row blocks (`rows(a, b)` -> [b - a, k]), one
     fp32 scale per `group` consecutive values of a row: scale = max |w| / 127 of the group, code =
     round(w / scale) (GGML's Q8_0 rule; an all-zero group has scale 0 and codes 0). Values that came
     from a Q8_0 block (code * fp16 scale, its largest code +-127) come back exactly.
 
     Returns:
-        (codes [n, k] int8, scales [n, k / group] fp32), made in blocks of about `chunk_values` values
-        (whole rows; 2M: 8 MiB of fp32 rows and their temporaries, never the whole weight's).
+        (codes [n, k] int8, scales [n, k / group] fp32), or with `packed` the CPU kernel's layout of them
+        (`pack_int8`), made in blocks of about `chunk_values` values (whole rows, 16 at least; 2M: 8 MiB of
+        fp32 rows and their temporaries, never the whole weight's).
     Raises:
         ValueError: k is not a multiple of `group`.
     """
     if k % group:
         raise ValueError(f"int8 groups of {group} need a width divisible by {group}, got {k}")
-    q = torch.empty(n, k, dtype=torch.int8, device=device)
-    scales = torch.empty(n, k // group, device=device)
-    chunk = max(1, chunk_values // k)
+    if packed:
+        q = torch.empty(-(-n // 16), -(-k // 32) * 8, 64, dtype=torch.int8, device=device)
+        scales = torch.empty(q.shape[0], k // group, 16, device=device)
+    else:
+        q = torch.empty(n, k, dtype=torch.int8, device=device)
+        scales = torch.empty(n, k // group, device=device)
+    chunk = max(16, chunk_values // k // 16 * 16)
     for r in range(0, n, chunk):
         w = rows(r, min(r + chunk, n)).detach().float().unflatten(-1, (-1, group))
         s = w.abs().amax(-1, keepdim=True) / 127.0
-        q[r:r + chunk] = torch.round(w / torch.where(s > 0, s, 1.0)).clamp_(-127, 127).flatten(-2).to(torch.int8)
-        scales[r:r + chunk] = s[..., 0]
+        codes = torch.round(w / torch.where(s > 0, s, 1.0)).clamp_(-127, 127).flatten(-2).to(torch.int8)
+        if packed:
+            codes, s = pack_int8(codes, s[..., 0])
+            q[r // 16:r // 16 + codes.shape[0]], scales[r // 16:r // 16 + codes.shape[0]] = codes, s
+        else:
+            q[r:r + chunk], scales[r:r + chunk] = codes, s[..., 0]
     return q, scales
 
 
@@ -176,16 +214,20 @@ class Int8Linear(nn.Module):
     a tied lm_head on an `Int8Embedding`'s groups).
     Codes and scales follow `int8_groups`.
 
-    Buffers: qweight [out, in] int8; scales [out] fp32 (per channel) or [out, in / group] fp32;
-    scales_bf16 [out] bf16 (the packed kernel, per channel only); bias [out] or None (kept in the
-    original dtype).
+    Buffers: the layout is the device's own, made where the layer is built (a layer moved to another
+    device type after it is built no longer fits its kernel). On the CPU the fused extension's
+    (`pack_int8`: interleaved by 16 output rows): qweight [ceil(out / 16), in' / 4, 64] int8 (in' = in
+    rounded up to a multiple of 32; rows and channels past the weight's are zero), scales [ceil(out / 16),
+    1 or in / group, 16] fp32. Elsewhere torch's (`_weight_int8pack_mm`): qweight [out, in] int8, scales
+    [out] or [out, in / group] fp32. `rows_of` gives the codes and scales row-major from either. bias
+    [out] or None (kept in the original dtype).
 
     forward(x [..., in]) -> [..., out] in x's dtype. On the CPU it runs the fused extension's
     `int8_gemv`: each row's activations quantized to int8 per group of 32 and multiplied with the codes
     in int32 (llama.cpp's Q8_0 x Q8_0 scheme, `reference` in torch); a row's result does not depend on
-    the other rows in the call, as in the fused decode step. Elsewhere (CUDA, or no extension)
-    decode-sized inputs (<= `PACKED_ROWS` rows) run torch's `_weight_int8pack_mm`, larger ones
-    dequantize once per call.
+    the other rows in the call, as in the fused decode step. Without the extension the CPU layer
+    dequantizes once per call. Elsewhere (CUDA) decode-sized inputs (<= `PACKED_ROWS` rows) run torch's
+    `_weight_int8pack_mm`, larger ones dequantize once per call.
 
     Raises (constructors): ValueError if `group` does not divide in_features.
     """
@@ -193,7 +235,7 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int | None = None):
         super().__init__()
         self._store(*self._quantized(*weight.shape, lambda a, b: weight[a:b], weight.device, group),
-                    None if bias is None else bias.detach().clone())
+                    None if bias is None else bias.detach().clone(), shape=weight.shape, group=group)
 
     @classmethod
     def from_rows(cls, out_features: int, in_features: int, rows: Callable[[int, int], torch.Tensor],
@@ -201,20 +243,22 @@ class Int8Linear(nn.Module):
         """A layer of a weight given by row blocks: `rows(a, b)` -> float [b - a, in_features] (output rows
         a..b-1, e.g. dequantized from a file), so no float copy of the whole weight is needed."""
         layer = _bare(cls)
-        layer._store(*cls._quantized(out_features, in_features, rows, device, group), bias)
+        layer._store(*cls._quantized(out_features, in_features, rows, device, group), bias,
+                     shape=(out_features, in_features), group=group)
         return layer
 
     @staticmethod
     def _quantized(n: int, k: int, rows: Callable[[int, int], torch.Tensor], device, group: int | None) -> tuple:
-        q, scales = int8_groups(n, k, rows, group or k, device)
-        return q, scales if group else scales[:, 0]
+        packed = device is None or torch.device(device).type == "cpu"
+        q, scales = int8_groups(n, k, rows, group or k, device, packed=packed)
+        return q, scales if group or packed else scales[:, 0]
 
-    def _store(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.out_features, self.in_features = qweight.shape
-        self.group = None if scales.dim() == 1 else self.in_features // scales.shape[1]
+    def _store(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+               shape: tuple[int, int], group: int | None) -> None:
+        self.out_features, self.in_features = shape
+        self.group = group
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
-        self.register_buffer("scales_bf16", scales.to(torch.bfloat16) if self.group is None else None)
         self.register_buffer("bias", bias)
 
     @classmethod
@@ -227,7 +271,8 @@ class Int8Linear(nn.Module):
             an `Int8Linear` [embedding_dim -> num_embeddings] with `group` = `Int8Embedding.GROUP`, no bias.
         """
         layer = _bare(cls)
-        layer._store(embedding.qweight, embedding.scales, None)
+        layer._store(embedding.qweight, embedding.scales, None, shape=(embedding.num_embeddings, embedding.embedding_dim),
+                     group=embedding.GROUP)
         return layer
 
     @classmethod
@@ -240,13 +285,22 @@ class Int8Linear(nn.Module):
         """An uninitialised CPU layer of `linear`'s shape (`linear` may be on the meta device) and `group`,
         for `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
         n, k = linear.weight.shape
-        scales = torch.empty(n) if group is None else torch.empty(n, k // group)
-        return _uninitialised(cls, linear, torch.empty(n, k, dtype=torch.int8), scales)
+        blocks = -(-n // 16)
+        return _uninitialised(cls, linear, torch.empty(blocks, -(-k // 32) * 8, 64, dtype=torch.int8),
+                              torch.empty(blocks, k // group if group else 1, 16), shape=(n, k), group=group)
+
+    def rows_of(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [R, in] int8, scales [R] (per channel) or [R, in / group] fp32) of the output rows `rows`
+        ([R] int64; None: all), row-major whatever the layout."""
+        if self.qweight.dim() == 3:
+            q, s = unpack_int8(self.qweight, self.scales, self.out_features, self.in_features, rows)
+            return q, s if self.group else s[:, 0]
+        return (self.qweight, self.scales) if rows is None else (self.qweight[rows], self.scales[rows])
 
     def dequantized(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight as [out, in] of `dtype` (scales applied); with `rows` ([R] int64), only those
         output rows, [R, in]."""
-        q, s = (self.qweight, self.scales) if rows is None else (self.qweight[rows], self.scales[rows])
+        q, s = self.rows_of(rows)
         if self.group is None:
             return q.to(dtype) * s.to(dtype)[:, None]
         return (q.to(dtype).unflatten(-1, (-1, self.group)) * s.to(dtype)[..., None]).flatten(-2)
@@ -261,29 +315,28 @@ class Int8Linear(nn.Module):
         xg = F.pad(x.float(), (0, pad)).reshape(m, -1, 32)
         amax = xg.abs().amax(-1, keepdim=True)
         q = torch.round(xg * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
-        w = F.pad(self.qweight.double(), (0, pad)).reshape(self.out_features, -1, 32)
+        codes, scales = self.rows_of()
+        w = F.pad(codes.double(), (0, pad)).reshape(self.out_features, -1, 32)
         sums = torch.einsum("mgk,ngk->mng", q.double(), w)  # exact: |sum| < 2^53
-        ws = self.scales.double().reshape(self.out_features, -1)  # [out, 1] or [out, groups]
+        ws = scales.double().reshape(self.out_features, -1)  # [out, 1] or [out, groups]
         return (sums * ws * (amax / 127)[..., 0].double()[:, None, :]).sum(-1).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        ext = fused_ext() if x.device.type == "cpu" else None
-        packed = x2.shape[0] <= PACKED_ROWS and _has_int8pack(x.device.type)
+        cpu_layout = self.qweight.dim() == 3
+        ext = fused_ext() if cpu_layout and x.device.type == "cpu" else None
         if ext is not None:  # W8A8 for any number of rows: a row's result never depends on the others
-            y = ext.int8_gemv(x2.float(), self.qweight, self.scales).to(x.dtype)
-        elif self.group is not None:
+            y = ext.int8_gemv(x2.float(), self.qweight, self.scales)[:, :self.out_features].to(x.dtype)
+        elif cpu_layout or self.group is not None:
             y = F.linear(x2, self.dequantized(x.dtype))
-        elif packed and x.device.type == "cuda":  # torch's CUDA kernel: fp32 accumulation, any activation dtype
+        elif x.device.type == "cuda" and x2.shape[0] <= PACKED_ROWS and _has_int8pack("cuda"):  # fp32 accumulation
             y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
-        elif packed:
-            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.scales_bf16).to(x.dtype)
         else:
             y = F.linear(x2, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+        return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         kind = "per-channel" if self.group is None else f"groups of {self.group}"
@@ -463,10 +516,11 @@ class Int8Embedding(nn.Module):
     layout): a quarter of the fp32 table's memory (SmolLM2-135M: 31 MB against 113 MB); looked-up
     rows are dequantized, the table never is.
 
-    w[v, k] = qweight[v, k] * scales[v, k // 32], scale = max |w| / 127 of the group (Q8_0's rule),
+    w[v, k] = code[v, k] * scale[v, k // 32], scale = max |w| / 127 of the group (Q8_0's rule),
     so a table that came from a Q8_0 file (values code * fp16 scale) is stored exactly: its rows come
-    back bit for bit. Buffers: qweight [num_embeddings, embedding_dim] int8, scales
-    [num_embeddings, embedding_dim / 32] fp32.
+    back bit for bit. Buffers in the CPU int8 kernel's layout (`pack_int8`), which a tied `Int8Linear`
+    head shares: qweight [ceil(num_embeddings / 16), embedding_dim / 4, 64] int8, scales
+    [ceil(num_embeddings / 16), embedding_dim / 32, 16] fp32.
 
     forward(ids [...] int64) -> [..., embedding_dim] in the scales' dtype.
 
@@ -478,7 +532,7 @@ class Int8Embedding(nn.Module):
     def __init__(self, weight: torch.Tensor):
         """Quantize a float table [num_embeddings, embedding_dim] (it is not modified)."""
         super().__init__()
-        self._store(*self._quantized(*weight.shape, lambda a, b: weight[a:b], weight.device))
+        self._store(*self._quantized(*weight.shape, lambda a, b: weight[a:b], weight.device), weight.shape)
 
     @classmethod
     def from_rows(cls, num_embeddings: int, embedding_dim: int, rows: Callable[[int, int], torch.Tensor],
@@ -486,17 +540,17 @@ class Int8Embedding(nn.Module):
         """A table given by row blocks: `rows(a, b)` -> float [b - a, embedding_dim] (rows a..b-1, e.g.
         dequantized from a file), so no float copy of the whole table is needed."""
         layer = _bare(cls)
-        layer._store(*cls._quantized(num_embeddings, embedding_dim, rows, device))
+        layer._store(*cls._quantized(num_embeddings, embedding_dim, rows, device), (num_embeddings, embedding_dim))
         return layer
 
     @classmethod
     def _quantized(cls, n: int, k: int, rows: Callable[[int, int], torch.Tensor], device) -> tuple:
         if not cls.supports((n, k)):
             raise ValueError(f"Int8Embedding needs embedding_dim divisible by {cls.GROUP}, got {k}")
-        return int8_groups(n, k, rows, cls.GROUP, device)
+        return int8_groups(n, k, rows, cls.GROUP, device, packed=True)
 
-    def _store(self, qweight: torch.Tensor, scales: torch.Tensor) -> None:
-        self.num_embeddings, self.embedding_dim = qweight.shape
+    def _store(self, qweight: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int]) -> None:
+        self.num_embeddings, self.embedding_dim = shape
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
 
@@ -506,7 +560,8 @@ class Int8Embedding(nn.Module):
         `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
         n, k = embedding.weight.shape
         layer = _bare(cls)
-        layer._store(torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // cls.GROUP))
+        blocks = -(-n // 16)
+        layer._store(torch.empty(blocks, k // 4, 64, dtype=torch.int8), torch.empty(blocks, k // cls.GROUP, 16), (n, k))
         return layer
 
     @staticmethod
@@ -515,9 +570,9 @@ class Int8Embedding(nn.Module):
         return shape[1] % Int8Embedding.GROUP == 0
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        q, s = self.qweight[ids], self.scales[ids]  # [..., dim], [..., dim / 32]
-        w = q.to(s.dtype).unflatten(-1, (-1, self.GROUP)) * s[..., None]
-        return w.flatten(-2)
+        q, s = unpack_int8(self.qweight, self.scales, self.num_embeddings, self.embedding_dim, ids.reshape(-1))
+        w = q.to(s.dtype).unflatten(-1, (-1, self.GROUP)) * s[..., None]  # [R, dim / 32, 32]
+        return w.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 groups of {self.GROUP}"
@@ -854,15 +909,13 @@ def linear_rows(linear: nn.Module, x: torch.Tensor, rows: torch.Tensor) -> torch
     Raises:
         TypeError: `linear` is neither an `nn.Linear` nor an `Int8Linear` nor a `BlockLinear`.
     """
-    ext = fused_ext() if isinstance(linear, Int8Linear) and x.device.type == "cpu" else None
+    ext = fused_ext() if isinstance(linear, Int8Linear) and linear.qweight.dim() == 3 and x.device.type == "cpu" else None
     if isinstance(linear, BlockLinear):
         y = linear.gemv(x.float(), rows)
-    elif ext is not None:
-        y = ext.int8_gemv(x.float(), linear.qweight.index_select(0, rows), linear.scales.index_select(0, rows))
-    elif isinstance(linear, Int8Linear) and linear.group is not None:
-        y = F.linear(x.float(), linear.dequantized(torch.float32, rows))
+    elif ext is not None:  # the rows packed as the kernel takes them (each row's lanes computed as in the whole head)
+        y = ext.int8_gemv(x.float(), *pack_int8(*linear.rows_of(rows)))[:, :rows.numel()]
     elif isinstance(linear, Int8Linear):
-        y = F.linear(x.float(), linear.qweight.index_select(0, rows).float()) * linear.scales.index_select(0, rows)
+        y = F.linear(x.float(), linear.dequantized(torch.float32, rows))
     elif isinstance(linear, nn.Linear):
         y = F.linear(x, linear.weight.index_select(0, rows)).float()
     else:

@@ -32,27 +32,31 @@ inline int64_t grain_for(int64_t T, int64_t n, int64_t grain) { return T >= kBur
 
 }  // namespace
 
-// y [T, N] fp32 = x [T, K] fp32 times int8 w [N, K] with scales [N] (one per row) or [N, K / 32] (a
-// GGUF file's Q8_0 blocks): W8A8, x quantized to int8 per group of 32 and multiplied in int32 (Q8_0 x
-// Q8_0, see cpu_kernels.h); register tiles of weight rows x token rows that read the weight once per call.
+// y [T, N] fp32 = x [T, K] fp32 times int8 codes interleaved by 16 output rows, w [N / 16, Kp / 4, 64] with
+// scales [N / 16, G, 16] (G = 1: one per row; G = Kp / 32: per 32 input channels, a GGUF file's Q8_0 blocks;
+// layout: tokenspeed.quant.pack_int8, Kp the input channels padded to a multiple of 32, zero past K): W8A8, x
+// quantized to int8 per group of 32 and multiplied in int32 (Q8_0 x Q8_0, see cpu_kernels.h); register tiles
+// of row vectors x token rows that read the weight once per call. N counts the layout's rows (whole blocks).
 at::Tensor int8_gemv(at::Tensor x, at::Tensor w, at::Tensor scales) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat,
-              "int8_gemv needs fp32 x, int8 w, fp32 scales");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat &&
+                  w.dim() == 3 && scales.dim() == 3,
+              "int8_gemv needs fp32 x, int8 w [N/16, K/4, 64] and fp32 scales [N/16, G, 16]");
   x = x.contiguous();
-  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && w.is_contiguous(), "weight must be contiguous [N, K]");
-  const int64_t G = scales.numel() / N;
-  TORCH_CHECK(scales.is_contiguous() && scales.size(0) == N && scales.numel() == N * G && (G == 1 || K == 32 * G),
-              "scales must be contiguous [N] or [N, K / 32]");
+  const int64_t T = x.size(0), K = x.size(1), NB = w.size(0), N = NB * 16, Kp = w.size(1) * 4, G = scales.size(1);
+  TORCH_CHECK(w.size(2) == 64 && w.is_contiguous() && Kp % 32 == 0 && K <= Kp && Kp - K < 32,
+              "int8_gemv: weight [", NB, ", ", w.size(1), ", ", w.size(2), "] does not fit x's ", K, " input channels");
+  TORCH_CHECK(scales.is_contiguous() && scales.size(0) == NB && scales.size(2) == 16 && (G == 1 || G * 32 == Kp),
+              "int8_gemv: scales must be contiguous [N/16, 1 or K/32, 16]");
   at::Tensor y = at::empty({T, N}, x.options());
-  std::vector<int8_t> q(T * K);
-  std::vector<float> sx(T * ((K + 31) / 32));
-  ts_quantize_rows(x.data_ptr<float>(), T, K, q.data(), sx.data(), nullptr);
+  std::vector<int8_t> q(T * Kp);
+  std::vector<float> sx(T * Kp / 32);
+  std::vector<int32_t> qsum(T * Kp / 32);
+  ts_int8_quantize(x.data_ptr<float>(), T, K, Kp, q.data(), sx.data(), qsum.data());
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, grain_for(T, N, 256), [&](int64_t lo, int64_t hi) {
-    ts_int8_rows(q.data(), sx.data(), T, K, wp, sp, G, yp, N, lo, hi);
+  at::parallel_for(0, NB, grain_for(T, NB, 4), [&](int64_t lo, int64_t hi) {
+    ts_int8_rows(q.data(), sx.data(), qsum.data(), T, Kp, wp, sp, G, yp, N, lo, hi);
   });
   return y;
 }
@@ -107,8 +111,8 @@ at::Tensor int4_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales) {
 
 namespace {
 
-// One projection: weight (dense [N, K] fp32, int8 [N, K], int4 codes [N / 16, K / 8, 64], or a GGUF
-// block format's blocks [N, K / values * bytes] uint8), its scales (int8: fp32 [N] or [N, G]; int4: bf16
+// One projection: weight (dense [N, K] fp32, int8 [N / 16, K / 4, 64], int4 codes [N / 16, K / 8, 64], or a GGUF
+// block format's blocks [N, K / values * bytes] uint8), its scales (int8: fp32 [N / 16, G, 16]; int4: bf16
 // [N / 16, K / 32, 2, 16]; blocks: none, they are in the blocks) and an optional bias [N] (empty if none).
 struct Linear {
   at::Tensor weight, scales, bias;

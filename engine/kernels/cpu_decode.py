@@ -130,8 +130,8 @@ def load(cache: Path, variant: str | None = None, verbose: bool = False):
         verbose: print the compiler's output.
     Returns:
         a module with `decode_layers(...)`, `int4_matmul(x [T, K] fp32, codes, scales) -> [T, N] fp32` (the
-        `quant.Int4Linear` layout), `int8_gemv(x [T, K] fp32, w [N, K] int8, scales [N] or [N, K / 32] fp32) -> [T, N] fp32` (W8A8,
-        `quant.Int8Linear.reference`), `block_gemv(x [T, K] fp32, blocks [N, K / values * bytes] uint8, ggml_type)
+        `quant.Int4Linear` layout), `int8_gemv(x [T, K] fp32, w [N / 16, Kp / 4, 64] int8, scales [N / 16, G, 16] fp32) -> [T, N] fp32`
+        (W8A8 in the `quant.pack_int8` layout, `quant.Int8Linear.reference`), `block_gemv(x [T, K] fp32, blocks [N, K / values * bytes] uint8, ggml_type)
         -> [T, N] fp32` (a GGUF file's Q4_K, Q5_K, Q6_K or Q5_0 blocks as stored, `quant.BlockLinear`) and
         `isa() -> str` (the variant's family name).
     Raises:
@@ -190,14 +190,14 @@ _BLOCKS = 16  # the C++ step's kind of GGUF blocks as stored: 16 + the format's 
 
 def _kind(lin) -> int | None:
     """The C++ step's kind of a projection: 16 + ggml type number for GGUF blocks (`blocks` buffer and a
-    `FORMAT`, `quant.BlockLinear`), 2 W4A8 (`codes`, `scales` buffers), 1 int8 (`qweight`, `scales`),
-    0 fp32 `nn.Linear`, None for anything else."""
+    `FORMAT`, `quant.BlockLinear`), 2 W4A8 (`codes`, `scales` buffers), 1 int8 (`qweight`, `scales` in the CPU
+    layout, whole blocks of 16 output rows), 0 fp32 `nn.Linear`, None for anything else."""
     if hasattr(lin, "blocks"):
         return _BLOCKS + lin.FORMAT.ggml_type
     if hasattr(lin, "codes") and hasattr(lin, "scales"):
         return 2
     if hasattr(lin, "qweight") and hasattr(lin, "scales"):
-        return 1
+        return 1 if lin.qweight.dim() == 3 and lin.out_features % 16 == 0 else None
     return 0 if isinstance(lin, torch.nn.Linear) else None
 
 

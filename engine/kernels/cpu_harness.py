@@ -66,11 +66,11 @@ class Harness:
         return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
 
     def int8_gemv(self, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """x [T, K] fp32, w [N, K] int8, scales [N] or [N, K / 32] fp32 -> y [T, N] fp32 (W8A8, as the extension's)."""
+        """x [T, K] fp32, w [N / 16, Kp / 4, 64] int8, scales [N / 16, G, 16] fp32 (`quant.pack_int8`'s layout) ->
+        y [T, N] fp32 (W8A8, as the extension's)."""
         T, K = x.shape
-        N = w.shape[0]
-        G = scales.numel() // N
-        req = struct.pack("<i", 2) + _i64(T, K, N, G) + _raw(x.float()) + _raw(w) + _raw(scales.float())
+        N, Kp, G = w.shape[0] * 16, w.shape[1] * 4, scales.shape[1]
+        req = struct.pack("<i", 2) + _i64(T, K, Kp, N, G) + _raw(x.float()) + _raw(w) + _raw(scales.float())
         return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
 
     def block_gemv(self, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:

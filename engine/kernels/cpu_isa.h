@@ -20,14 +20,14 @@
 //
 // The int4 kernel sums one group of 32 codes per row as dsum(dot4(... dot4(izero(), u, s) ...)) with at
 // most 8 dot4 calls before dsum; dsum gives the int32 lanes (the identity where dot4 adds int32).
-// The int8 kernel (signed weights x signed activations) sums groups of 32 bytes in int32 lanes as dot4s
-// over vectors of iload_groups<NG>: kVecGroups groups per vector (avx512: two, 64 bytes, lanes 0-7 the
-// first group and 8-15 the second; the other families one, in one or more kGroupBytes vectors), and
-// group_scales<NG> spreads the groups' scales over the lanes the same way. dot4s takes the activations as
-// act_s8 gives them: avx512 offsets them to unsigned (q + 128) for one vpdpbusd against the signed weights
-// and starts each dot from s8_base(w) = -128 * w's 4-byte sums, which takes the offset off again, exactly;
-// avx2 multiplies |w| (u8) by q with w's sign (the sign trick of llama.cpp's Q8_0 dot) in vpdpbusd, or
-// vpmaddubsw + vpmaddwd without VNNI (s8_base zero); NEON uses sdot or smull; generic plain C.
+// The int8 kernel (signed weights x signed activations, W8A8) reads kI output rows' 4-byte runs per vector
+// (the weights interleaved by 16 rows, tokenspeed.quant.Int8Linear's CPU layout) and sums each group of 32
+// input channels in int32 lanes as dot4w(acc, w8_prep(w), bcast4(4 activation bytes)): avx512 offsets the
+// weights to unsigned (w + 128, kW8Offset) once per vector for one vpdpbusd against the signed activations,
+// and starts each group's sum from -kW8Offset * sum(q), which takes the offset off again, exactly; the other
+// families take the weights as they are (kW8Offset 0) in dot4s: avx2 multiplies |w| (u8) by q with w's sign
+// (the sign trick of llama.cpp's Q8_0 dot) in vpdpbusd, or vpmaddubsw + vpmaddwd without VNNI; NEON uses
+// sdot or smull; generic plain C.
 //
 // The block kernels (Q4_K, Q5_0, Q5_K, Q6_K) run dot4 on unsigned codes 0..15, 0..31 and 0..63 (one call per dsum: avx2's int16
 // pair sums stay below 2 * 63 * 127 = 16002), kVecGroups runs of 32 codes per vector as iload_groups lays out
@@ -197,12 +197,10 @@ inline vi join_groups(const vi* v) {  // lanes 0-7 of v[0], then lanes 0-7 of v[
   if constexpr (NG == 1) return v[0];
   return _mm512_inserti64x4(v[0], _mm512_castsi512_si256(v[1]), 1);
 }
-// W8A8: activations offset to unsigned (q + 128), each dot starting from s8_base(w) (see the top of the file)
-inline vi act_s8(vi q) { return _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80))); }
-inline vi s8_base(vi w) {
-  return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w));
-}
-inline vi dot4s(vi acc, vi w, vi a) { return _mm512_dpbusd_epi32(acc, a, w); }
+// W8A8 (see the top of the file): the weights offset to unsigned (w + 128) for vpdpbusd against the signed activations
+constexpr int32_t kW8Offset = 128;
+inline vi w8_prep(vi w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
+inline vi dot4w(vi acc, vi wp, vi q) { return _mm512_dpbusd_epi32(acc, wp, q); }
 inline vi q5_codes(const uint8_t* qs, uint32_t qh, int) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
@@ -284,8 +282,6 @@ inline vi nibbles_hi(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _m
 inline vi bcast4(int32_t q) { return _mm256_set1_epi32(q); }
 constexpr int kGroupBytes = 32;
 inline vi iload_s8(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline vi act_s8(vi q) { return q; }
-inline vi s8_base(vi) { return _mm256_setzero_si256(); }
 #if defined(__AVXVNNI__)
 inline vi dot4(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 inline vi dsum(vi acc) { return acc; }
@@ -385,8 +381,6 @@ inline vi nibbles_hi(vi v) { return vreinterpretq_s32_u8(vshrq_n_u8(vreinterpret
 inline vi bcast4(int32_t q) { return vdupq_n_s32(q); }
 constexpr int kGroupBytes = 16;
 inline vi iload_s8(const int8_t* p) { return vreinterpretq_s32_s8(vld1q_s8(p)); }
-inline vi act_s8(vi q) { return q; }
-inline vi s8_base(vi) { return vdupq_n_s32(0); }
 // acc[lane] += sum_b w[lane, b] * q[lane, b] over its 4 bytes, both signed
 #if defined(__ARM_FEATURE_DOTPROD)
 inline vi dot4s(vi acc, vi w, vi q) { return vdotq_s32(acc, vreinterpretq_s8_s32(w), vreinterpretq_s8_s32(q)); }
@@ -463,8 +457,6 @@ inline vi dot4_times(vi acc, vi u, vi s, int c) { return acc + c * dot4(0, u, s)
 inline vf to_float(vi v) { return static_cast<float>(v); }
 constexpr int kGroupBytes = 4;
 inline vi iload_s8(const int8_t* p) { return load_i32(p); }
-inline vi act_s8(vi q) { return q; }
-inline vi s8_base(vi) { return 0; }
 inline vi dot4s(vi acc, vi w, vi q) {
   for (int b = 0; b < 4; ++b)
     acc += static_cast<int8_t>((static_cast<uint32_t>(w) >> (8 * b)) & 0xFF) *
@@ -502,6 +494,9 @@ template <int NG>
 inline vf group_scales(const float* p) { return set1(p[0]); }
 template <int NG>
 inline vi join_groups(const vi* v) { return v[0]; }
+constexpr int32_t kW8Offset = 0;  // W8A8: the signed weights as they are, dot4s
+inline vi w8_prep(vi w) { return w; }
+inline vi dot4w(vi acc, vi w, vi q) { return dot4s(acc, w, q); }
 #endif
 
 // e^x for x <= 0 (softmax; below -87 it returns ~1e-38): Cody-Waite range reduction x = n ln2 + r

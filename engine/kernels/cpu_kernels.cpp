@@ -180,106 +180,103 @@ void weighted_sum_of(const float* p, int64_t R, int64_t ld, const KV* v, float* 
 
 // ---- int8 weights x int8 activations (W8A8, the Q8_0 x Q8_0 scheme of GGML/llama.cpp)
 //
-// Weight rows as stored, w [N, K] int8 row-major (a GGUF file's Q8_0 codes; the same tensor a tied
-// lm_head shares with the embedding's row lookups), scales [N, G] fp32: G = 1 one per row, G = K / 32
-// one per Q8_0 block. Activations quantized per group of 32 (ts_quantize_rows: q, sx; the last group
-// may be shorter when K is not a multiple of 32).
-// y[t, j] = sum_g (s_w(j, g) * sx[t, g]) * sum_{k in g} w[j, k] q[t, k], the inner sums exact int32
-// (dot4s), the outer ones fused multiply-adds per lane in ascending g, then one horizontal sum: a
-// row's result is its own data's alone, whatever the tile and T (verification == plain decoding, bit
-// for bit).
+// Weight codes interleaved by 16 output rows (tokenspeed.quant.Int8Linear's CPU layout): w [N / 16, K / 4, 64]
+// int8, byte 4 j + i of chunk c of block b holding code[16 b + j, 4 c + i]; scales [N / 16, G, 16] fp32 (G = 1:
+// one per row, G = K / 32: one per 32 input channels, a GGUF file's Q8_0 blocks); N a multiple of 16 and K of
+// 32 (the layer pads). Activations quantized per group of 32 (int8_quantize: q [T, K], sx, qsum [T, K / 32]).
+// y[t, n] = sum_g (s_w(n, g) * sx[t, g]) * sum_{k in g} w[n, k] q[t, k]: a vector holds kI rows' 4-byte runs of
+// a chunk, so one dot4w adds kI rows' products with 4 broadcast activations; the group's sums are exact int32
+// (dot4w, from -kW8Offset * qsum), then one fused multiply-add per lane and group in ascending g. No horizontal
+// sum: a row's result is its own data's alone, whatever the tile, T or vector width (every family computes
+// the same lanes in the same order, bit for bit).
 //
-// Register tiles of RM weight rows x RN token rows (llamafile's tinyBLAS blocks its Q8_0 GEMM the
-// same way): per vector of groups (int8_span), RM weight vectors and RN activation vectors are loaded
-// once for RM * RN dot products. Bursts take kInt8Tokens token rows per tile and kInt8Accs / RN weight
-// rows (1 to 4: RM * RN fp32 accumulators and as many int32 ones, beside the weight vectors within the
-// kRegs vector registers); a decode step (RN = 1) streams one weight row at a time. Measured on avx2
-// (16 registers; a dot4s is 3 integer ops whose operands stay live): 1 x 6 fastest for bursts (0.92x the
-// time of the old 1 x 4 blocks at 84 rows), 2 or 3 weight rows per tile spill; for a decode step, 4
-// weight rows per tile ranged from 0.72x (K = 8960) to 1.35x (K = 1536). On avx512 (32 registers, 64-byte
-// vectors) 2 x 4 took 0.8x the time of 4 x 4, which spills; 3 x 4 and 2 x 6 were within 2% of 2 x 4.
-constexpr int kInt8Accs = kRegs >= 32 ? 8 : 3;
-constexpr int kInt8Tokens = kRegs >= 32 ? 4 : 6;
-constexpr int64_t kInt8Panel = 12;  // weight rows per panel: every tile height (1 to 4) divides it
+// Register tiles of RV vectors of kI rows x RN token rows (the scheme of the int4 kernel; llamafile's tinyBLAS
+// blocks its GEMMs the same way): each chunk's RV weight vectors are loaded once for RN tokens, each token's
+// 4 activation bytes once for RV vectors. Bursts take kInt8Tokens token rows and kInt8Vecs vectors per tile,
+// a decode step (RN = 1) kInt8DecodeVecs: RV * RN int32 and fp32 accumulators beside the weight vectors
+// within the kRegs vector registers. Measured at 84 and 1 token rows, one thread (the kernel alone): avx512
+// 4 x 2 beside 6 x 2, 8 x 2, 4 x 3 and 3 x 3 (within 10% or slower), decode 4 vectors; avx2 4 x 2 took 0.8x
+// the time of 4 x 1 (6 x 1, 8 x 1 and 5 x 2 slower still), decode 2 vectors.
+constexpr int kInt8Tokens = 4;
+constexpr int kInt8Vecs = 2;
+constexpr int kInt8DecodeVecs = kRegs >= 32 ? 4 : 2;
+constexpr int64_t kInt8Panel = 8;  // blocks of 16 output rows per panel (in_panels)
 
-constexpr int int8_tile_rows(int rn) { return rn == 1 ? 1 : std::clamp(kInt8Accs / rn, 1, 4); }
-
-// acc[r][t] += the products of NG groups g .. g + NG of weight rows w [RM, K] and token rows q [RN, K]
-// (activation scales sx [RN, groups], weight scales [RM, G]): one dot4s chain per vector of
-// iload_groups<NG> (its lanes start from s8_base), then per lane its group's scale product.
-template <int NG, int RM, int RN, bool kGroupScales>
-inline void int8_span(const int8_t* q, const float* sx, int64_t groups, int64_t K, const int8_t* w, const float* scales,
-                      int64_t G, int64_t g, vf (&acc)[RM][RN]) {
-  constexpr int kBytes = NG * kGroupBytes, kVecs = kQGroup / kGroupBytes;  // one vector of the span; vectors per span
-  vi d[RM][RN];
-  for (int v = 0; v < kVecs; ++v) {
-    const int64_t k = g * kQGroup + v * kBytes;
-    vi wv[RM];
-    for (int r = 0; r < RM; ++r) {
-      wv[r] = iload_groups<NG>(w + r * K + k);
-      if (v == 0) {
-        const vi base = s8_base(wv[r]);  // zero in the families whose vectors cover less than a group
-        for (int t = 0; t < RN; ++t) d[r][t] = base;
-      }
-    }
+// y[t0 .. t0 + RN, rows kI v0 .. kI (v0 + RV)) (row stride N).
+template <int RV, int RN>
+inline void int8_tile(const int8_t* q, const float* sx, const int32_t* qsum, int64_t t0, int64_t K, const int8_t* w,
+                      const float* scales, int64_t G, float* y, int64_t N, int64_t v0) {
+  const int64_t chunks = K / 4, groups = K / kQGroup, gstep = G == 1 ? 0 : 16;
+  const uint8_t* wv[RV];
+  const float* sv[RV];
+  for (int v = 0; v < RV; ++v) {
+    const int64_t row = (v0 + v) * kI, b = row / 16, lane = row % 16;
+    wv[v] = reinterpret_cast<const uint8_t*>(w) + b * chunks * 64 + lane * 4;
+    sv[v] = scales + b * G * 16 + lane;
+  }
+  vf acc[RV][RN];
+  for (int v = 0; v < RV; ++v)
+    for (int t = 0; t < RN; ++t) acc[v][t] = zero();
+  for (int64_t g = 0; g < groups; ++g) {
+    vi d[RV][RN];
     for (int t = 0; t < RN; ++t) {
-      const vi a = act_s8(iload_groups<NG>(q + t * K + k));
-      for (int r = 0; r < RM; ++r) d[r][t] = dot4s(d[r][t], wv[r], a);
+      const vi base = bcast4(-kW8Offset * qsum[(t0 + t) * groups + g]);
+      for (int v = 0; v < RV; ++v) d[v][t] = base;
+    }
+    for (int c = 0; c < kQGroup / 4; ++c) {
+      vi wc[RV];
+      for (int v = 0; v < RV; ++v) wc[v] = w8_prep(iload(wv[v] + (g * (kQGroup / 4) + c) * 64));
+      for (int t = 0; t < RN; ++t) {
+        const vi a = bcast4(load_i32(q + (t0 + t) * K + g * kQGroup + 4 * c));
+        for (int v = 0; v < RV; ++v) d[v][t] = dot4w(d[v][t], wc[v], a);
+      }
+    }
+    for (int v = 0; v < RV; ++v) {
+      const vf s = load(sv[v] + g * gstep);
+      for (int t = 0; t < RN; ++t)
+        acc[v][t] = fmadd(to_float(d[v][t]), mul(s, set1(sx[(t0 + t) * groups + g])), acc[v][t]);
     }
   }
-  // the scale of output (r, t): sw[r] * sx[t], a broadcast product (the same bits as the scalar one)
-  vf sw[RM];
-  for (int r = 0; r < RM; ++r) sw[r] = kGroupScales ? group_scales<NG>(scales + r * G + g) : set1(scales[r * G]);
-  for (int t = 0; t < RN; ++t) {
-    const vf s = group_scales<NG>(sx + t * groups + g);
-    for (int r = 0; r < RM; ++r) acc[r][t] = fmadd(to_float(d[r][t]), mul(sw[r], s), acc[r][t]);
-  }
+  for (int v = 0; v < RV; ++v)
+    for (int t = 0; t < RN; ++t) store(y + (t0 + t) * N + (v0 + v) * kI, acc[v][t]);
 }
 
-// y[t0 .. t0 + RN, j0 .. j1) (row stride N), j1 - j0 a multiple of RM: one tile per RM rows.
-template <int RM, int RN, bool kGroupScales>
-void int8_tiles(const int8_t* q, const float* sx, int64_t t0, int64_t K, const int8_t* w, const float* scales,
-                int64_t G, float* y, int64_t N, int64_t j0, int64_t j1) {
-  const int64_t full = K / kQGroup, groups = (K + kQGroup - 1) / kQGroup;
-  const int8_t* qt = q + t0 * K;
-  const float* st = sx + t0 * groups;
-  for (int64_t j = j0; j < j1; j += RM) {
-    const int8_t* wr = w + j * K;
-    vf acc[RM][RN];
-    for (int r = 0; r < RM; ++r)
-      for (int t = 0; t < RN; ++t) acc[r][t] = zero();
-    int64_t g = 0;
-    for (; g + kVecGroups <= full; g += kVecGroups)
-      int8_span<kVecGroups, RM, RN, kGroupScales>(qt, st, groups, K, wr, scales + j * G, G, g, acc);
-    if constexpr (kVecGroups > 1)
-      for (; g < full; ++g) int8_span<1, RM, RN, kGroupScales>(qt, st, groups, K, wr, scales + j * G, G, g, acc);
-    for (int r = 0; r < RM; ++r)
-      for (int t = 0; t < RN; ++t) {
-        float a = reduce_add(acc[r][t]);
-        if (full < groups) {  // a shorter last group (G = 1 only: K / G groups are whole)
-          int32_t d = 0;
-          for (int64_t k = full * kQGroup; k < K; ++k) d += static_cast<int32_t>(wr[r * K + k]) * qt[t * K + k];
-          a += static_cast<float>(d) * (scales[(j + r) * G] * st[t * groups + full]);
-        }
-        y[(t0 + t) * N + j + r] = a;
-      }
-  }
-}
-
-// Token rows t0 .. t0 + RN of output rows [j0, j1), in tiles of int8_tile_rows(RN) weight rows.
+// Token rows t0 .. t0 + RN of the output rows of blocks [nb0, nb1), in tiles of RV vectors.
 template <int RN>
-void int8_panel(const int8_t* q, const float* sx, int64_t t0, int64_t K, const int8_t* w, const float* scales,
-                int64_t G, float* y, int64_t N, int64_t j0, int64_t j1) {
-  constexpr int RM = int8_tile_rows(RN);
-  const auto tiles = [&](auto rm, int64_t a, int64_t b) {
-    if (G == 1)
-      int8_tiles<decltype(rm)::value, RN, false>(q, sx, t0, K, w, scales, G, y, N, a, b);
-    else
-      int8_tiles<decltype(rm)::value, RN, true>(q, sx, t0, K, w, scales, G, y, N, a, b);
-  };
-  const int64_t j = j0 + (j1 - j0) / RM * RM;
-  if (j > j0) tiles(std::integral_constant<int, RM>{}, j0, j);
-  if (j < j1) with_rows<RM>(static_cast<int>(j1 - j), [&](auto rm) { tiles(rm, j, j1); });
+void int8_panel(const int8_t* q, const float* sx, const int32_t* qsum, int64_t t0, int64_t K, const int8_t* w,
+                const float* scales, int64_t G, float* y, int64_t N, int64_t nb0, int64_t nb1) {
+  constexpr int RV = RN == 1 ? kInt8DecodeVecs : kInt8Vecs;
+  const int64_t v1 = nb1 * 16 / kI;
+  int64_t v = nb0 * 16 / kI;
+  for (; v + RV <= v1; v += RV) int8_tile<RV, RN>(q, sx, qsum, t0, K, w, scales, G, y, N, v);
+  if (v < v1)
+    with_rows<RV>(static_cast<int>(v1 - v),
+                  [&](auto rv) { int8_tile<decltype(rv)::value, RN>(q, sx, qsum, t0, K, w, scales, G, y, N, v); });
+}
+
+// x [T, K] -> the int8 kernel's activations for a weight of Kp >= K input channels (a multiple of 32; the
+// weight's channels past K are zero): per group of 32, q [T, Kp] (round(x * 127 / max|x|), zero past K), sx
+// [T, Kp / 32] (max|x| / 127) and qsum [T, Kp / 32] (the sum of the group's q). The last group of a row
+// shorter than 32 gets its own scale, as ts_quantize_rows's.
+void int8_quantize(const float* x, int64_t T, int64_t K, int64_t Kp, int8_t* q, float* sx, int32_t* qsum) {
+  const int64_t G = Kp / kQGroup;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t n = std::clamp<int64_t>(K - g * kQGroup, 0, kQGroup);
+      const float* xg = x + t * K + g * kQGroup;
+      int8_t* qg = q + t * Kp + g * kQGroup;
+      float amax = 0.f;
+      for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        qg[i] = static_cast<int8_t>(std::nearbyint(xg[i] * inv));
+        sum += qg[i];
+      }
+      std::fill(qg + n, qg + kQGroup, int8_t{0});
+      sx[t * G + g] = amax / 127.f;
+      qsum[t * G + g] = sum;
+    }
 }
 
 // x [T, K] -> per group of `group` (the last one shorter when K is not a multiple): int8 codes q [T, K]
@@ -667,11 +664,15 @@ void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, 
   });
 }
 
-void ts_int8_rows(const int8_t* q, const float* sx, int64_t T, int64_t K, const int8_t* w, const float* scales,
-                  int64_t G, float* y, int64_t N, int64_t j0, int64_t j1) {
-  ts::in_panels(T, ts::kInt8Tokens, j0, j1, ts::kInt8Panel, [&](int64_t p0, int64_t p1) {
+void ts_int8_quantize(const float* x, int64_t T, int64_t K, int64_t Kp, int8_t* q, float* sx, int32_t* qsum) {
+  ts::int8_quantize(x, T, K, Kp, q, sx, qsum);
+}
+
+void ts_int8_rows(const int8_t* q, const float* sx, const int32_t* qsum, int64_t T, int64_t K, const int8_t* w,
+                  const float* scales, int64_t G, float* y, int64_t N, int64_t nb0, int64_t nb1) {
+  ts::in_panels(T, ts::kInt8Tokens, nb0, nb1, ts::kInt8Panel, [&](int64_t p0, int64_t p1) {
     ts::token_blocks<ts::kInt8Tokens>(T, [&](int64_t t0, auto rn) {
-      ts::int8_panel<decltype(rn)::value>(q, sx, t0, K, w, scales, G, y, N, p0, p1);
+      ts::int8_panel<decltype(rn)::value>(q, sx, qsum, t0, K, w, scales, G, y, N, p0, p1);
     });
   });
 }

@@ -25,14 +25,21 @@ void ts_quantize_rows(const float* x, int64_t T, int64_t K, int8_t* q, float* sx
 void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* codes,
                   const uint16_t* scales, float* y, int64_t N, int64_t nb0, int64_t nb1);
 
-// y [T, N] fp32, output rows [j0, j1): the W8A8 product of the quantized activations (ts_quantize_rows:
-// q [T, K], sx [T, ceil(K / 32)]) with int8 weights w [N, K] (row-major) and fp32 scales [N, G]: G = 1
-// one per row, or G = K / 32 one per 32 input channels (a GGUF file's Q8_0 blocks):
-// y[t, j] = sum_g s_w(j, g) * sx[t, g] * sum_{k in group g} q[t, k] * w[j, k], the inner sums exact int32.
-// Each row's result is bit-identical whatever T is; across instruction-set families it agrees to
-// rounding (the float sum over groups runs in the vector's lanes).
-void ts_int8_rows(const int8_t* q, const float* sx, int64_t T, int64_t K, const int8_t* w, const float* scales,
-                  int64_t G, float* y, int64_t N, int64_t j0, int64_t j1);
+// Activations x [T, K] fp32 -> the int8 kernel's, for a weight of Kp >= K input channels (a multiple of 32;
+// Kp - K < 32): per group of 32 (G = Kp / 32 per row; the last one shorter when K is not a multiple of 32),
+// int8 codes q [T, Kp] (round(x * 127 / max|x|), zero past K), scale sx [T, G] (max|x| / 127) and the sum of
+// the group's codes qsum [T, G] int32.
+void ts_int8_quantize(const float* x, int64_t T, int64_t K, int64_t Kp, int8_t* q, float* sx, int32_t* qsum);
+
+// y [T, N] fp32, output blocks [nb0, nb1) of 16 rows: the W8A8 product of the quantized activations
+// (ts_int8_quantize: q [T, K], sx and qsum [T, K / 32]) with int8 weights interleaved by 16 output rows,
+// w [N / 16, K / 4, 64] (byte 4 j + i of chunk c of block b: code[16 b + j, 4 c + i]; layout:
+// tokenspeed.quant.pack_int8), and fp32 scales [N / 16, G, 16]: G = 1 one per row, or G = K / 32 one per 32
+// input channels (a GGUF file's Q8_0 blocks); N a multiple of 16, K of 32:
+// y[t, n] = sum_g s_w(n, g) * sx[t, g] * sum_{k in group g} q[t, k] * w[n, k], the inner sums exact int32.
+// Each row's result is bit-identical whatever T is, and across instruction-set families.
+void ts_int8_rows(const int8_t* q, const float* sx, const int32_t* qsum, int64_t T, int64_t K, const int8_t* w,
+                  const float* scales, int64_t G, float* y, int64_t N, int64_t nb0, int64_t nb1);
 
 // GGUF block formats the kernels run as stored, by ggml type number (ggml.h's enum ggml_type).
 enum { TS_Q5_0 = 6, TS_Q4_K = 12, TS_Q5_K = 13, TS_Q6_K = 14 };

@@ -3,7 +3,7 @@
 // Request: int32 op, then its sizes (int64) and arrays (raw little-endian); the reply on stdout:
 //   op 0 (name):   -> int32 length, the ISA family's name
 //   op 1 (int4):   T K N, x [T, K] f32, codes [N/16, K/8, 64] u8, scales [N/16, K/32, 2, 16] u16 -> y [T, N] f32
-//   op 2 (int8):   T K N G, x [T, K] f32, w [N, K] i8, scales [N, G] f32 -> y [T, N] f32
+//   op 2 (int8):   T K Kp N G, x [T, K] f32, w [N/16, Kp/4, 64] i8, scales [N/16, G, 16] f32 -> y [T, N] f32
 //   op 3 (attend): R T start D, scale f32, q [R, D], k and v [start + T, D] f32
 //                  -> scores [R, start + T], out [R, D], lse [R] f32
 //   op 4 (attend over half K/V): as op 3 with k and v [start + T, D] as IEEE half bits (u16)
@@ -54,14 +54,15 @@ int main() {
         ts_int4_rows(q.data(), sx.data(), xs.data(), T, K, codes.data(), scales.data(), y.data(), N, 0, N / 16);
         give(y);
       } else if (op == 2) {
-        const int64_t T = size(), K = size(), N = size(), G = size();
+        const int64_t T = size(), K = size(), Kp = size(), N = size(), G = size();
         auto x = take<float>(T * K);
-        auto w = take<int8_t>(N * K);
+        auto w = take<int8_t>(N * Kp);
         auto s = take<float>(N * G);
-        std::vector<int8_t> q(T * K);
-        std::vector<float> sx(T * ((K + 31) / 32)), y(T * N);
-        ts_quantize_rows(x.data(), T, K, q.data(), sx.data(), nullptr);
-        ts_int8_rows(q.data(), sx.data(), T, K, w.data(), s.data(), G, y.data(), N, 0, N);
+        std::vector<int8_t> q(T * Kp);
+        std::vector<float> sx(T * Kp / 32), y(T * N);
+        std::vector<int32_t> qsum(T * Kp / 32);
+        ts_int8_quantize(x.data(), T, K, Kp, q.data(), sx.data(), qsum.data());
+        ts_int8_rows(q.data(), sx.data(), qsum.data(), T, Kp, w.data(), s.data(), G, y.data(), N, 0, N / 16);
         give(y);
       } else if (op == 3 || op == 4) {
         const int64_t R = size(), T = size(), start = size(), D = size();

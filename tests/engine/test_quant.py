@@ -20,7 +20,12 @@ def test_int8_linear_matches_fp32(rows):
     ref, out = lin(x), q(x)
     assert out.shape == ref.shape and out.dtype == torch.float32
     assert (out - ref).norm() / ref.norm() < 0.02
-    assert q.qweight.dtype == torch.int8 and q.qweight.shape == (160, 96)
+    # the CPU kernel's layout: 16 output rows per block, one per 32-bit lane of each 4-byte chunk
+    assert q.qweight.dtype == torch.int8 and q.qweight.shape == (10, 24, 64) and q.scales.shape == (10, 1, 16)
+    codes, scales = q.rows_of()
+    assert codes.shape == (160, 96) and scales.shape == (160,)
+    assert q.qweight[2, 5, 4 * 7 + 3] == codes[2 * 16 + 7, 4 * 5 + 3] and q.scales[2, 0, 7] == scales[2 * 16 + 7]
+    torch.testing.assert_close(q.dequantized(), lin.weight, atol=lin.weight.abs().max().item() / 127, rtol=0)
 
 
 def test_int8_embedding_keeps_a_q8_0_table_exactly_in_a_quarter_of_the_memory():
@@ -39,7 +44,7 @@ def test_int8_embedding_keeps_a_q8_0_table_exactly_in_a_quarter_of_the_memory():
     out = emb(ids)
     assert out.shape == (2, 3, 96) and out.dtype == torch.float32
     assert torch.equal(emb(torch.arange(300)), q8) and torch.equal(out, q8[ids])
-    assert emb.qweight.dtype == torch.int8 and emb.scales.shape == (300, 3)
+    assert emb.qweight.dtype == torch.int8 and emb.qweight.shape == (19, 24, 64) and emb.scales.shape == (19, 3, 16)
     assert emb.qweight.nbytes + emb.scales.nbytes < w.nbytes / 3.5
     approx = Int8Embedding(w)(torch.arange(300))
     assert (approx - w).abs().max() <= w.abs().amax() / 254 + 1e-7
@@ -67,10 +72,11 @@ def test_int8_linear_in_groups_of_32_keeps_q8_0_blocks_and_matches_a_float64_ref
     q8 = torch.from_numpy(gguf.quants.dequantize(blocks, qt).astype(np.float32))
     bias = torch.randn(160)
     lin = Int8Linear(q8, bias, group=32)
-    assert lin.group == 32 and lin.scales.shape == (160, 3) and lin.scales_bf16 is None
+    assert lin.group == 32 and lin.scales.shape == (10, 3, 16) and lin.rows_of()[1].shape == (160, 3)
     assert torch.equal(lin.dequantized(), q8)
     file_scales = torch.from_numpy(blocks.reshape(160, 3, 34)[..., :2].copy().view(np.float16).astype(np.float32))
-    assert torch.equal(lin.scales, file_scales[..., 0])
+    assert torch.equal(lin.rows_of()[1], file_scales[..., 0])
+    assert torch.equal(lin.dequantized(rows=torch.tensor([5, 150])), q8[[5, 150]])
     assert not torch.equal(Int8Linear(q8).dequantized(), q8)
     x = torch.randn(rows, 96)
     ref = lin.reference(x) + bias
