@@ -183,7 +183,7 @@ void weighted_sum_of(const float* p, int64_t R, int64_t ld, const KV* v, float* 
 // Weight codes interleaved by 16 output rows (tokenspeed.quant.Int8Linear's CPU layout): w [N / 16, K / 4, 64]
 // int8, byte 4 j + i of chunk c of block b holding code[16 b + j, 4 c + i]; scales [N / 16, G, 16] fp32 (G = 1:
 // one per row, G = K / 32: one per 32 input channels, a GGUF file's Q8_0 blocks); N a multiple of 16 and K of
-// 32 (the layer pads). Activations quantized per group of 32 (int8_quantize: q [T, K], sx, qsum [T, K / 32]).
+// 32 (the layer pads). Activations quantized per group of 32 (quantize_rows: q [T, K], sx, qsum [T, K / 32]).
 // y[t, n] = sum_g (s_w(n, g) * sx[t, g]) * sum_{k in g} w[n, k] q[t, k]: a vector holds kI rows' 4-byte runs of
 // a chunk, so one dot4w adds kI rows' products with 4 broadcast activations; the group's sums are exact int32
 // (dot4w, from -kW8Offset * qsum), then one fused multiply-add per lane and group in ascending g. No horizontal
@@ -254,41 +254,18 @@ void int8_panel(const int8_t* q, const float* sx, const int32_t* qsum, int64_t t
                   [&](auto rv) { int8_tile<decltype(rv)::value, RN>(q, sx, qsum, t0, K, w, scales, G, y, N, v); });
 }
 
-// x [T, K] -> the int8 kernel's activations for a weight of Kp >= K input channels (a multiple of 32; the
-// weight's channels past K are zero): per group of 32, q [T, Kp] (round(x * 127 / max|x|), zero past K), sx
-// [T, Kp / 32] (max|x| / 127) and qsum [T, Kp / 32] (the sum of the group's q). The last group of a row
-// shorter than 32 gets its own scale, as ts_quantize_rows's.
-void int8_quantize(const float* x, int64_t T, int64_t K, int64_t Kp, int8_t* q, float* sx, int32_t* qsum) {
-  const int64_t G = Kp / kQGroup;
+// x [T, K] -> per group of `group` input channels of rows Kp >= K wide (Kp = K: the last group shorter when K
+// is not a multiple; Kp > K: a multiple of `group`, zero past K): int8 codes q [T, Kp] (round(x * 127 /
+// max|x|)), scale sx [T, ceil(Kp / group)] (max|x| / 127) and, where not NULL, xs = sx * sum(q) and qsum =
+// sum(q) per group.
+void quantize_rows(const float* x, int64_t T, int64_t K, int64_t Kp, int64_t group, int8_t* q, float* sx, float* xs,
+                   int32_t* qsum) {
+  const int64_t G = (Kp + group - 1) / group;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t n = std::clamp<int64_t>(K - g * kQGroup, 0, kQGroup);
-      const float* xg = x + t * K + g * kQGroup;
-      int8_t* qg = q + t * Kp + g * kQGroup;
-      float amax = 0.f;
-      for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xg[i]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        qg[i] = static_cast<int8_t>(std::nearbyint(xg[i] * inv));
-        sum += qg[i];
-      }
-      std::fill(qg + n, qg + kQGroup, int8_t{0});
-      sx[t * G + g] = amax / 127.f;
-      qsum[t * G + g] = sum;
-    }
-}
-
-// x [T, K] -> per group of `group` (the last one shorter when K is not a multiple): int8 codes q [T, K]
-// (round(x * 127 / max|x|)), scale sx [T, ceil(K / group)] (max|x| / 127) and, where xs is not NULL,
-// xs = sx * sum(q) per group.
-void quantize_rows(const float* x, int64_t T, int64_t K, int64_t group, int8_t* q, float* sx, float* xs) {
-  const int64_t G = (K + group - 1) / group;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t n = std::min(group, K - g * group);
+      const int64_t width = std::min(group, Kp - g * group), n = std::clamp<int64_t>(K - g * group, 0, width);
       const float* xg = x + t * K + g * group;
-      int8_t* qg = q + t * K + g * group;
+      int8_t* qg = q + t * Kp + g * group;
       float amax = 0.f;
       for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xg[i]));
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -297,8 +274,10 @@ void quantize_rows(const float* x, int64_t T, int64_t K, int64_t group, int8_t* 
         qg[i] = static_cast<int8_t>(std::nearbyint(xg[i] * inv));
         sum += qg[i];
       }
+      std::fill(qg + n, qg + width, int8_t{0});
       sx[t * G + g] = amax / 127.f;
       if (xs != nullptr) xs[t * G + g] = sx[t * G + g] * static_cast<float>(sum);
+      if (qsum != nullptr) qsum[t * G + g] = sum;
     }
 }
 
@@ -488,7 +467,7 @@ void block_rows(const Acts& a, int64_t t0, const uint8_t* blocks, float* y, int6
 // F::aux_of(sx of the run's group, sum of q over each run of kAuxRun input channels).
 template <class F>
 void block_quantize(const float* x, int64_t T, int64_t K, int8_t* q, float* sx, float* aux) {
-  quantize_rows(x, T, K, F::kActGroup, q, sx, nullptr);
+  quantize_rows(x, T, K, K, F::kActGroup, q, sx, nullptr, nullptr);
   const int64_t runs = K / F::kAuxRun;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t r = 0; r < runs; ++r) {
@@ -652,7 +631,7 @@ extern "C" {
 const char* ts_isa_name(void) { return ts::isa::kName; }
 
 void ts_quantize_rows(const float* x, int64_t T, int64_t K, int8_t* q, float* sx, float* xs) {
-  ts::quantize_rows(x, T, K, ts::kQGroup, q, sx, xs);
+  ts::quantize_rows(x, T, K, K, ts::kQGroup, q, sx, xs, nullptr);
 }
 
 void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* codes,
@@ -665,7 +644,7 @@ void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, 
 }
 
 void ts_int8_quantize(const float* x, int64_t T, int64_t K, int64_t Kp, int8_t* q, float* sx, int32_t* qsum) {
-  ts::int8_quantize(x, T, K, Kp, q, sx, qsum);
+  ts::quantize_rows(x, T, K, Kp, ts::kQGroup, q, sx, nullptr, qsum);
 }
 
 void ts_int8_rows(const int8_t* q, const float* sx, const int32_t* qsum, int64_t T, int64_t K, const int8_t* w,
