@@ -11,10 +11,11 @@
   torch's `_weight_int8pack_mm`, larger ones dequantize once per call.
 On the CPU the token embedding table becomes an `Int8Embedding` in both modes (int8 in groups of 32,
 the GGUF Q8_0 layout: exact for a Q8_0 table, a quarter of fp32's memory).
-A GGUF file's Q4_K, Q5_K, Q6_K and Q5_0 tensors (`tokenspeed.weights.load_gguf`) run as stored:
-`BlockLinear`, one class per `BlockFormat` (`Q4KLinear`, `Q5KLinear`, `Q6KLinear`, `Q5_0Linear`: the
-fused extension's `block_gemv` with int8 activations), and `BlockEmbedding` (one per format), whose
-blocks a tied head shares.
+A GGUF file's Q4_K, Q5_K, Q6_K and Q5_0 tensors (`tokenspeed.weights.load_gguf`) run in their own format:
+`BlockLinear`, one class per `BlockFormat` (`Q4KLinear`, `Q5KLinear`, `Q6KLinear`: the fused extension's
+`block_gemv` on the blocks as stored; `Q5_0Linear`: `q5_0_gemv` on the blocks interleaved by 16 rows,
+`pack_q5_0`; all with int8 activations), and `BlockEmbedding` (one per format), whose blocks a tied head
+shares.
 `linear_rows` projects onto a subset of output rows (the lm_head logits of the ids a grammar allows).
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch import nn
 __all__ = ["Int8Linear", "Int4Linear", "Int8Embedding", "Int4TinygemmLinear", "BlockFormat", "BlockLinear",
            "BlockEmbedding", "Q4KLinear", "Q4KEmbedding", "Q5KLinear", "Q5KEmbedding", "Q6KLinear", "Q6KEmbedding",
            "Q5_0Linear", "Q5_0Embedding", "BLOCK_LINEARS", "BLOCK_EMBEDDINGS", "Q4_K", "Q5_K", "Q6_K", "Q5_0",
-           "qk_dequantize", "q6k_dequantize", "q5_0_dequantize", "QUANTIZED", "q4_1_groups", "gguf_int4_groups", "int8_groups",
+           "qk_dequantize", "q6k_dequantize", "q5_0_dequantize", "pack_q5_0", "unpack_q5_0", "QUANTIZED", "q4_1_groups", "gguf_int4_groups", "int8_groups",
            "pack_int8", "unpack_int8",
            "GGUF_INT4_TYPES", "linear_bytes", "quantize", "linear_rows", "fused_ext", "choose_format", "cached_format",
            "FormatChoice", "MODES", "FORMATS", "PACKED_ROWS"]
@@ -620,6 +621,63 @@ def q5_0_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (d * (codes.to(torch.int8) - 16).float()).reshape(*lead, -1)
 
 
+_Q5_0_HELD = 16 * 22  # bytes per 16 rows and block of 32 in `pack_q5_0`'s layout
+
+
+def _interleave_q5_0(b: torch.Tensor) -> torch.Tensor:
+    # [16 m, G, 22] uint8 Q5_0 blocks -> [m, G, 352] (pack_q5_0)
+    m, g = b.shape[0] // 16, b.shape[1]
+    d, qh, qs = b[..., :2], b[..., 2:6], b[..., 6:]
+    low = torch.cat([qs & 15, qs >> 4], -1).view(-1, g, 4, 2, 4)  # [.., octet o, half h, byte i]: weight 8o + 4h + i
+    nib = low[..., 0, :] | (low[..., 1, :] << 4)  # [.., o, i]
+    bits = ((qh[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).view(-1, g, 4, 2, 4)  # weight 8o + 4h + i at [o, h, i]
+    word = (bits.permute(0, 1, 4, 3, 2).reshape(-1, g, 4, 8) << torch.arange(8, dtype=torch.uint8)).sum(-1)  # byte i
+    return torch.cat([nib.view(m, 16, g, 4, 4).permute(0, 2, 3, 1, 4).reshape(m, g, 256),
+                      word.to(torch.uint8).view(m, 16, g, 4).transpose(1, 2).reshape(m, g, 64),
+                      d.reshape(m, 16, g, 2).transpose(1, 2).reshape(m, g, 32)], -1)
+
+
+def pack_q5_0(blocks: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
+    """Rows of Q5_0 blocks as stored (ggml's block_q5_0) -> the CPU kernel's layout, interleaved by 16 output
+    rows (`q5_0_gemv`, cpu_kernels.h `ts_q5_0_rows`): [ceil(N / 16), G, 352] uint8, 22 bytes per row and block,
+    as stored. Per block of rows b and group g: the low 4 bits, byte 64 o + 4 j + i holding row 16 b + j's
+    weight 8 o + i in its low nibble and 8 o + 4 + i in its high one; then the fifth bits, one little-endian
+    uint32 per row j, bit 8 i + 4 h + o = weight 8 o + 4 h + i's; then d, one fp16 per row. Rows past N are
+    zero blocks (d = 0). Made `chunk_rows` rows at a time (temporaries of a few times their bytes).
+
+    Args:
+        blocks: [N, G * 22] uint8.
+    Returns:
+        [ceil(N / 16), G, 352] uint8.
+    Raises:
+        ValueError: the rows are not whole blocks.
+    """
+    _whole_blocks(blocks, Q5_0)
+    n, g = blocks.shape[0], blocks.shape[-1] // Q5_0.nbytes
+    b = blocks.reshape(n, g, Q5_0.nbytes)
+    out = torch.empty(-(-n // 16), g, _Q5_0_HELD, dtype=torch.uint8)
+    step = max(16, chunk_rows // 16 * 16)
+    for r in range(0, n, step):
+        part = b[r:r + step]
+        out[r // 16:r // 16 + -(-part.shape[0] // 16)] = _interleave_q5_0(F.pad(part, (0, 0, 0, 0, 0, -part.shape[0] % 16)))
+    return out
+
+
+def unpack_q5_0(held: torch.Tensor, n: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`pack_q5_0`'s inverse for a weight of `n` rows: the Q5_0 blocks as stored [R, G * 22] uint8 of the rows
+    `rows` ([R] int64; None: all n)."""
+    nb, g, _ = held.shape
+    rows = torch.arange(n) if rows is None else rows
+    b, lane = rows // 16, rows % 16
+    nib = held[..., :256].view(nb, g, 4, 16, 4)[b, :, :, lane]  # [R, G, o, i]
+    word = held[..., 256:320].view(nb, g, 16, 4)[b, :, lane]  # [R, G, 4 bytes]
+    d = held[..., 320:].view(nb, g, 16, 2)[b, :, lane]
+    low = torch.stack([nib & 15, nib >> 4], -2).view(-1, g, 32)  # weight 8o + 4h + i
+    bits = ((word[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).view(-1, g, 4, 2, 4)  # [i, h, o]
+    qh = (bits.permute(0, 1, 4, 3, 2).reshape(-1, g, 4, 8) << torch.arange(8, dtype=torch.uint8)).sum(-1)
+    return torch.cat([d, qh.to(torch.uint8), low[..., :16] | (low[..., 16:] << 4)], -1).reshape(-1, g * Q5_0.nbytes)
+
+
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # [n, 8] fp32 d * sc and dmin * m of Q4_K / Q5_K super-blocks b [n, >= 16 bytes] (ggml's get_scale_min_k4)
     d, dmin = (b[:, i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
@@ -655,16 +713,38 @@ def qk_dequantize(blocks: torch.Tensor, fifth_bit: bool) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """A GGUF block type the engine runs as stored: its name (the file's tensor type), its ggml type number
-    (the fused extension's `block_gemv` takes it), weights and bytes per block, the dequantization (equal
-    to `gguf.quants.dequantize` bit for bit) and the input channels per int8 activation scale of its
-    kernel (32 for Q5_0; 256 for Q4_K, Q5_K and Q6_K, as llama.cpp's Q8_K, so a block's sums stay integers)."""
+    """A GGUF block type the engine runs in its own format: its name (the file's tensor type), its ggml type
+    number (the fused extension's `block_gemv` takes it), weights and bytes per block, the dequantization
+    (equal to `gguf.quants.dequantize` bit for bit), the input channels per int8 activation scale of its
+    kernel (32 for Q5_0; 256 for Q4_K, Q5_K and Q6_K, as llama.cpp's Q8_K, so a block's sums stay integers),
+    and how a layer holds its blocks: as stored ([N, K / values * bytes]; `pack` None) or interleaved by 16
+    rows for its kernel (`pack` [N, ...] -> [ceil(N / 16), K / values, 16 * bytes], `unpack` (held, N, rows)
+    -> the rows as stored: Q5_0's `pack_q5_0`, `unpack_q5_0`)."""
     name: str
     ggml_type: int
     values: int
     nbytes: int
     dequantize: Callable[[torch.Tensor], torch.Tensor]
     act_group: int = 32
+    pack: Callable[[torch.Tensor], torch.Tensor] | None = None
+    unpack: Callable[..., torch.Tensor] | None = None
+
+    def held_shape(self, n: int, k: int) -> tuple[int, ...]:
+        """The shape of the uint8 tensor a layer holds for an [n, k] weight."""
+        if self.pack is None:
+            return n, k // self.values * self.nbytes
+        return -(-n // 16), k // self.values, 16 * self.nbytes
+
+    def held(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Rows of blocks as stored [n, K / values * bytes] -> what a layer holds."""
+        return blocks if self.pack is None else self.pack(blocks)
+
+    def rows_of(self, held: torch.Tensor, n: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks as stored [R, K / values * bytes] of the rows `rows` ([R] int64; None: all n) of what a
+        layer of n rows holds."""
+        if self.pack is None:
+            return held if rows is None else held[rows]
+        return self.unpack(held, n, rows)
 
 
 def _whole_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Size, torch.Tensor]:
@@ -675,19 +755,21 @@ def _whole_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Size, t
 
 
 # ggml type numbers: ggml.h's enum ggml_type (gguf.GGMLQuantizationType)
-Q5_0 = BlockFormat("Q5_0", 6, 32, 22, q5_0_dequantize)
+Q5_0 = BlockFormat("Q5_0", 6, 32, 22, q5_0_dequantize, pack=pack_q5_0, unpack=unpack_q5_0)
 Q4_K = BlockFormat("Q4_K", 12, 256, 144, functools.partial(qk_dequantize, fifth_bit=False), act_group=256)
 Q5_K = BlockFormat("Q5_K", 13, 256, 176, functools.partial(qk_dequantize, fifth_bit=True), act_group=256)
 Q6_K = BlockFormat("Q6_K", 14, 256, 210, q6k_dequantize, act_group=256)
 
 
 class BlockLinear(nn.Module):
-    """Linear layer over a GGUF file's blocks as stored, in the block format `FORMAT` (a subclass per
-    format: `Q4KLinear`, `Q5KLinear`, `Q6KLinear`, `Q5_0Linear`).
+    """Linear layer over a GGUF file's blocks in the block format `FORMAT` (a subclass per format:
+    `Q4KLinear`, `Q5KLinear`, `Q6KLinear`, `Q5_0Linear`).
 
-    Buffers: blocks [out, in / FORMAT.values * FORMAT.nbytes] uint8 (row n: its blocks), bias [out] or None.
-    forward(x [..., in]) -> [..., out] in x's dtype. On the CPU the fused extension's `block_gemv` runs
-    it with the format's kernel: each row's activations quantized to int8 per group of `FORMAT.act_group`
+    Buffers: blocks uint8 of `FORMAT.held_shape`: [out, in / FORMAT.values * FORMAT.nbytes] as stored (row n:
+    its blocks), or Q5_0's interleaved by 16 rows ([ceil(out / 16), in / 32, 352], `pack_q5_0`); `rows_of`
+    gives them as stored either way. bias [out] or None.
+    forward(x [..., in]) -> [..., out] in x's dtype. On the CPU the fused extension's `block_gemv` (Q5_0:
+    `q5_0_gemv`) runs it with the format's kernel: each row's activations quantized to int8 per group of `FORMAT.act_group`
     (scale max|x| / 127) and multiplied with the codes in int32 per block or sub-block, scaled by the block's
     scales and the group's activation scale (a row's result does not depend on the other rows in the
     call). Without the extension the same arithmetic runs in torch (`reference`). A projection that
@@ -705,11 +787,10 @@ class BlockLinear(nn.Module):
         if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % fmt.nbytes:
             raise ValueError(f"{type(self).__name__} needs uint8 blocks [out, in / {fmt.values} * {fmt.nbytes}], "
                              f"got {blocks.dtype} {tuple(blocks.shape)}")
-        self._store(blocks, bias)
+        self._store(fmt.held(blocks), bias, shape=(blocks.shape[0], blocks.shape[1] // fmt.nbytes * fmt.values))
 
-    def _store(self, blocks: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.out_features = blocks.shape[0]
-        self.in_features = blocks.shape[1] // self.FORMAT.nbytes * self.FORMAT.values
+    def _store(self, blocks: torch.Tensor, bias: torch.Tensor | None, shape: tuple[int, int]) -> None:
+        self.out_features, self.in_features = shape
         self.register_buffer("blocks", blocks)
         self.register_buffer("bias", bias)
 
@@ -718,7 +799,7 @@ class BlockLinear(nn.Module):
         """The lm_head of a model that ties it to its `BlockEmbedding` of the same format: the table's own
         blocks (the same tensor, no copy): the model holds the tied weight once. No bias."""
         layer = _bare(cls)
-        layer._store(embedding.blocks, None)
+        layer._store(embedding.blocks, None, shape=(embedding.num_embeddings, embedding.embedding_dim))
         return layer
 
     @classmethod
@@ -726,17 +807,21 @@ class BlockLinear(nn.Module):
         """An uninitialised CPU layer of `linear`'s shape (`linear` may be on the meta device), for
         `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
         n, k = linear.weight.shape
-        return _uninitialised(cls, linear, torch.empty(n, k // cls.FORMAT.values * cls.FORMAT.nbytes,
-                                                       dtype=torch.uint8))
+        return _uninitialised(cls, linear, torch.empty(cls.FORMAT.held_shape(n, k), dtype=torch.uint8), shape=(n, k))
 
     @classmethod
     def supports(cls, shape: tuple[int, int]) -> bool:
         """Whether a weight of `shape` [out, in] is whole blocks per row."""
         return shape[1] % cls.FORMAT.values == 0
 
+    def rows_of(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks as stored [R, in / FORMAT.values * FORMAT.nbytes] uint8 of the output rows `rows` ([R]
+        int64; None: all), whatever the layout."""
+        return self.FORMAT.rows_of(self.blocks, self.out_features, rows)
+
     def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weight as [out, in] fp32 (or only the output rows `rows` [R] int64, [R, in])."""
-        return self.FORMAT.dequantize(self.blocks if rows is None else self.blocks[rows])
+        return self.FORMAT.dequantize(self.rows_of(rows))
 
     def reference(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, in] fp32 -> [M, out] fp32 (or only the output rows `rows` [R] int64: [M, R]; bias not
@@ -752,9 +837,15 @@ class BlockLinear(nn.Module):
     def gemv(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, in] fp32 -> [M, out] fp32 (or only the output rows `rows` [R] int64: [M, R]; bias not
         added): the format's kernel on the CPU when the extension is built, `reference` otherwise."""
-        blocks = self.blocks if rows is None else self.blocks.index_select(0, rows)
         ext = fused_ext() if x.device.type == "cpu" else None
-        return ext.block_gemv(x, blocks, self.FORMAT.ggml_type) if ext is not None else self.reference(x, rows)
+        if ext is None:
+            return self.reference(x, rows)
+        if self.FORMAT.pack is None:
+            return ext.block_gemv(x, self.blocks if rows is None else self.blocks.index_select(0, rows),
+                                  self.FORMAT.ggml_type)
+        # Q5_0 interleaved (the selected rows packed for the kernel; each row's lanes computed as in the whole layer)
+        held = self.blocks if rows is None else self.FORMAT.pack(self.rows_of(rows))
+        return ext.q5_0_gemv(x, held)[:, :self.out_features if rows is None else rows.numel()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -796,8 +887,9 @@ class Q6KLinear(BlockLinear):
 class Q5_0Linear(BlockLinear):
     """`BlockLinear` over Q5_0 blocks (ggml's block_q5_0: 32 weights in 22 bytes, 5.5 bits each; most of a
     Q4_K_M file whose rows are not whole 256-blocks, e.g. Qwen2.5-0.5B's hidden size 896):
-    w[n, k] = d * (code - 16), codes 0..31 (`q5_0_dequantize`); W5A8, the bias of 16 subtracted once per
-    block through the activations' group sums."""
+    w[n, k] = d * (code - 16), codes 0..31 (`q5_0_dequantize`); held interleaved by 16 rows (`pack_q5_0`, the
+    same bytes) for `q5_0_gemv`: W5A8, one dot product per 4 input channels of 16 rows, the bias of 16
+    subtracted exactly in int32 through the activations' group sums."""
 
     FORMAT = Q5_0
 
@@ -807,19 +899,24 @@ class BlockEmbedding(nn.Module):
     looked-up rows are dequantized (equal to `gguf.quants.dequantize`'s rows bit for bit), the table never
     is; a tied head (`BlockLinear.tied` of the same format) runs the same blocks.
 
-    Buffers: blocks [num_embeddings, embedding_dim / FORMAT.values * FORMAT.nbytes] uint8.
+    Buffers: blocks uint8 of `FORMAT.held_shape` (as `BlockLinear`'s: as stored, or Q5_0's interleaved).
     forward(ids [...] int64) -> [..., embedding_dim] fp32.
+
+    Raises (constructor): ValueError if the blocks are not uint8 [num_embeddings, whole blocks].
     """
 
     FORMAT: BlockFormat
 
     def __init__(self, blocks: torch.Tensor):
         super().__init__()
-        self._store(blocks)
+        fmt = self.FORMAT
+        if blocks.dim() != 2 or blocks.dtype != torch.uint8 or blocks.shape[1] % fmt.nbytes:
+            raise ValueError(f"{type(self).__name__} needs uint8 blocks [num_embeddings, dim / {fmt.values} * "
+                             f"{fmt.nbytes}], got {blocks.dtype} {tuple(blocks.shape)}")
+        self._store(fmt.held(blocks), (blocks.shape[0], blocks.shape[1] // fmt.nbytes * fmt.values))
 
-    def _store(self, blocks: torch.Tensor) -> None:
-        self.num_embeddings = blocks.shape[0]
-        self.embedding_dim = blocks.shape[1] // self.FORMAT.nbytes * self.FORMAT.values
+    def _store(self, blocks: torch.Tensor, shape: tuple[int, int]) -> None:
+        self.num_embeddings, self.embedding_dim = shape
         self.register_buffer("blocks", blocks)
 
     @classmethod
@@ -828,11 +925,12 @@ class BlockEmbedding(nn.Module):
         `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
         n, k = embedding.weight.shape
         layer = _bare(cls)
-        layer._store(torch.empty(n, k // cls.FORMAT.values * cls.FORMAT.nbytes, dtype=torch.uint8))
+        layer._store(torch.empty(cls.FORMAT.held_shape(n, k), dtype=torch.uint8), (n, k))
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.FORMAT.dequantize(self.blocks[ids])
+        rows = self.FORMAT.rows_of(self.blocks, self.num_embeddings, ids.reshape(-1))
+        return self.FORMAT.dequantize(rows).view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.FORMAT.name} blocks"

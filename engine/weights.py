@@ -896,11 +896,11 @@ def load_gguf(files: ModelFiles, stream_to: QuantizedCacheEntry | None = None):
       re-quantization (scale and min rounded to bf16, the kernel's layout; its W4A8 kernel, 16 output
       channels per vector, runs a decode step in 0.78-0.87x and a prefill in 0.6-0.7x the time of the
       row-wise Q4_K kernel at 1.5b widths, for 1.11x the bytes);
-    - a `quant.BlockLinear` holding the file's blocks as stored when all its tensors are of one block
-      format the engine runs (`quant.BLOCK_LINEARS`): `Q5KLinear` for Q5_K (a Q5_K_M file),
-      `Q6KLinear` for Q6_K (a Q4_K_M file's ffn_down in about half the layers), `Q5_0Linear` for Q5_0
-      (most of a Q4_K_M file whose rows are not whole 256-blocks, such as Qwen2.5-0.5B's), `Q4KLinear`
-      for Q4_K rows the int4 layout does not take;
+    - a `quant.BlockLinear` holding the file's blocks when all its tensors are of one block format the
+      engine runs (`quant.BLOCK_LINEARS`): `Q5KLinear` for Q5_K (a Q5_K_M file), `Q6KLinear` for Q6_K
+      (a Q4_K_M file's ffn_down in about half the layers), `Q4KLinear` for Q4_K rows the int4 layout does
+      not take, all as stored, and `Q5_0Linear` for Q5_0 (most of a Q4_K_M file whose rows are not whole
+      256-blocks, such as Qwen2.5-0.5B's), the same bytes interleaved by 16 rows (`quant.pack_q5_0`);
     - `nn.Linear` (fp32) when all are F32/F16/BF16;
     - otherwise (Q8_0, Q5_1, Q3_K, ... or a mix, such as Q4_K_M's q/k Q4_K with a Q6_K v) `Int8Linear`
       with one scale per 32 input channels of that projection's dequantized weights, made from blocks of

@@ -21,14 +21,31 @@
 
 namespace {
 
-// kBlocks + a ggml type number: a GGUF file's blocks of that type as stored (block_gemv)
-enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kBlocks = 16 };
+// kBlocks + a ggml type number: a GGUF file's blocks of that type (block_gemv as stored; Q5_0, kQ5_0,
+// interleaved by 16 rows: q5_0_gemv)
+enum Kind : int64_t { kDense = 0, kInt8 = 1, kInt4 = 2, kBlocks = 16, kQ5_0 = kBlocks + 6 };
 constexpr int64_t kAttendRows = 64;  // query rows per parallel attention work item
 constexpr int64_t kBurstRows = 16;   // calls of at least this many rows (prefill bursts) use every torch thread
 
 // at::parallel_for's grain over n items: `grain` for a burst of T rows, n (one thread, no fork)
 // for fewer rows: a decode step stays on the calling thread, free of barrier waits.
 inline int64_t grain_for(int64_t T, int64_t n, int64_t grain) { return T >= kBurstRows ? grain : std::max<int64_t>(n, 1); }
+
+// y [T, NB * 16] fp32 for x [T, K] fp32 and a weight interleaved by 16 output rows of Kp >= K input channels:
+// x quantized to int8 per group of 32 (ts_int8_quantize), then rows(q, sx, qsum, y, nb0, nb1) over the NB blocks
+// of 16 rows, split over torch's threads for a burst (a decode step stays on the calling thread).
+template <typename Rows>
+at::Tensor interleaved_gemv(const at::Tensor& x, int64_t Kp, int64_t NB, Rows&& rows) {
+  const int64_t T = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({T, NB * 16}, x.options());
+  std::vector<int8_t> q(T * Kp);
+  std::vector<float> sx(T * Kp / 32);
+  std::vector<int32_t> qsum(T * Kp / 32);
+  ts_int8_quantize(x.data_ptr<float>(), T, K, Kp, q.data(), sx.data(), qsum.data());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, NB, grain_for(T, NB, 4), [&](int64_t lo, int64_t hi) { rows(q.data(), sx.data(), qsum.data(), yp, lo, hi); });
+  return y;
+}
 
 }  // namespace
 
@@ -47,24 +64,31 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor w, at::Tensor scales) {
               "int8_gemv: weight [", NB, ", ", w.size(1), ", ", w.size(2), "] does not fit x's ", K, " input channels");
   TORCH_CHECK(scales.is_contiguous() && scales.size(0) == NB && scales.size(2) == 16 && (G == 1 || G * 32 == Kp),
               "int8_gemv: scales must be contiguous [N/16, 1 or K/32, 16]");
-  at::Tensor y = at::empty({T, N}, x.options());
-  std::vector<int8_t> q(T * Kp);
-  std::vector<float> sx(T * Kp / 32);
-  std::vector<int32_t> qsum(T * Kp / 32);
-  ts_int8_quantize(x.data_ptr<float>(), T, K, Kp, q.data(), sx.data(), qsum.data());
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, NB, grain_for(T, NB, 4), [&](int64_t lo, int64_t hi) {
-    ts_int8_rows(q.data(), sx.data(), qsum.data(), T, Kp, wp, sp, G, yp, N, lo, hi);
-  });
-  return y;
+  return interleaved_gemv(x, Kp, NB, [&](const int8_t* q, const float* sx, const int32_t* qsum, float* y, int64_t lo,
+                                         int64_t hi) { ts_int8_rows(q, sx, qsum, T, Kp, wp, sp, G, y, N, lo, hi); });
+}
+
+// y [T, N] fp32 = x [T, K] fp32 times a GGUF file's Q5_0 blocks interleaved by 16 output rows, blocks [N / 16,
+// K / 32, 352] uint8 (layout: tokenspeed.quant.pack_q5_0; see cpu_kernels.h ts_q5_0_rows): W5A8, x quantized to
+// int8 per group of 32 as for int8_gemv. N counts the layout's rows (whole blocks).
+at::Tensor q5_0_gemv(at::Tensor x, at::Tensor blocks) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && blocks.scalar_type() == at::kByte && blocks.dim() == 3 &&
+                  blocks.size(2) == 352 && blocks.is_contiguous(),
+              "q5_0_gemv needs fp32 x and contiguous uint8 blocks [N/16, K/32, 352]");
+  x = x.contiguous();
+  const int64_t T = x.size(0), K = x.size(1), NB = blocks.size(0), N = NB * 16;
+  TORCH_CHECK(blocks.size(1) * 32 == K, "q5_0_gemv: blocks of ", blocks.size(1) * 32, " input channels for x's ", K);
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  return interleaved_gemv(x, K, NB, [&](const int8_t* q, const float* sx, const int32_t* qsum, float* y, int64_t lo,
+                                        int64_t hi) { ts_q5_0_rows(q, sx, qsum, T, K, bp, y, N, lo, hi); });
 }
 
 // y [T, N] fp32 = x [T, K] fp32 times a GGUF file's blocks as stored in block format `format` (a ggml
-// type number: Q5_0, Q4_K, Q5_K or Q6_K, see cpu_kernels.h ts_block_format), blocks [N, K / values * bytes]
-// uint8 (x quantized to int8 per group of 32, or 256 for Q4_K and Q5_K, see ts_block_quantize); threads split the output rows, a
-// decode step stays on the calling thread.
+// type number: Q4_K, Q5_K or Q6_K, see cpu_kernels.h ts_block_format), blocks [N, K / values * bytes] uint8
+// (x quantized to int8 per block of 256, see ts_block_quantize); threads split the output rows, a decode step
+// stays on the calling thread.
 at::Tensor block_gemv(at::Tensor x, at::Tensor blocks, int64_t format) {
   int64_t values = 0, bytes = 0, act_group = 0, aux_run = 0;
   TORCH_CHECK(ts_block_format(format, &values, &bytes, &act_group, &aux_run), "block_gemv: no kernel for ggml type ", format);
@@ -111,8 +135,8 @@ at::Tensor int4_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales) {
 
 namespace {
 
-// One projection: weight (dense [N, K] fp32, int8 [N / 16, K / 4, 64], int4 codes [N / 16, K / 8, 64], or a GGUF
-// block format's blocks [N, K / values * bytes] uint8), its scales (int8: fp32 [N / 16, G, 16]; int4: bf16
+// One projection: weight (dense [N, K] fp32, int8 [N / 16, K / 4, 64], int4 codes [N / 16, K / 8, 64], a GGUF
+// block format's blocks [N, K / values * bytes] uint8, or Q5_0's interleaved [N / 16, K / 32, 352]), its scales (int8: fp32 [N / 16, G, 16]; int4: bf16
 // [N / 16, K / 32, 2, 16]; blocks: none, they are in the blocks) and an optional bias [N] (empty if none).
 struct Linear {
   at::Tensor weight, scales, bias;
@@ -126,6 +150,8 @@ at::Tensor linear(const Linear& l, const at::Tensor& x) {
     y = int4_matmul(x, l.weight, l.scales);
   } else if (l.kind == kInt8) {
     y = int8_gemv(x, l.weight, l.scales);
+  } else if (l.kind == kQ5_0) {
+    y = q5_0_gemv(x, l.weight);
   } else if (l.kind >= kBlocks) {
     y = block_gemv(x, l.weight, l.kind - kBlocks);
   } else {
@@ -307,6 +333,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return std::string(ts_isa_name()); }, "the instruction-set family of this build");
   m.def("int8_gemv", &int8_gemv, "int8 weight x int8-quantized activations (W8A8)", py::call_guard<py::gil_scoped_release>());
-  m.def("block_gemv", &block_gemv, "GGUF blocks as stored (Q4_K, Q5_0, Q5_K, Q6_K) x int8-quantized activations",
+  m.def("block_gemv", &block_gemv, "GGUF blocks as stored (Q4_K, Q5_K, Q6_K) x int8-quantized activations",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("q5_0_gemv", &q5_0_gemv, "GGUF Q5_0 blocks interleaved by 16 rows x int8-quantized activations",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -5,7 +5,7 @@ RMSNorm, rotary except in SmolLM3's NoPE layers, KV-cache write (fp16 or fp32), 
 projection, SwiGLU) as loops around the same kernels, with the
 GIL released, so that a decode step pays no per-op framework dispatch (`tokenspeed bench profile`
 shows that cost). The numerical kernels (`cpu_kernels.cpp`, a torch-free C ABI: the W4A8
-`int4_matmul`, the W8A8 `int8_gemv` and `block_gemv` over GGUF blocks as stored) are written once over a
+`int4_matmul`, the W8A8 `int8_gemv`, `block_gemv` over GGUF blocks as stored and `q5_0_gemv`) are written once over a
 thin ISA layer (`cpu_isa.h`)
 and compiled for one variant (`VARIANTS`): the best this CPU runs, or `TOKENSPEED_CPU_ISA`.
 The build goes to `<cache>/ext/<variant>-<hash>`, the hash covering sources, torch, flags and the
@@ -132,8 +132,9 @@ def load(cache: Path, variant: str | None = None, verbose: bool = False):
         a module with `decode_layers(...)`, `int4_matmul(x [T, K] fp32, codes, scales) -> [T, N] fp32` (the
         `quant.Int4Linear` layout), `int8_gemv(x [T, K] fp32, w [N / 16, Kp / 4, 64] int8, scales [N / 16, G, 16] fp32) -> [T, N] fp32`
         (W8A8 in the `quant.pack_int8` layout, `quant.Int8Linear.reference`), `block_gemv(x [T, K] fp32, blocks [N, K / values * bytes] uint8, ggml_type)
-        -> [T, N] fp32` (a GGUF file's Q4_K, Q5_K, Q6_K or Q5_0 blocks as stored, `quant.BlockLinear`) and
-        `isa() -> str` (the variant's family name).
+        -> [T, N] fp32` (a GGUF file's Q4_K, Q5_K or Q6_K blocks as stored, `quant.BlockLinear`),
+        `q5_0_gemv(x [T, K] fp32, blocks [N / 16, K / 32, 352] uint8) -> [T, N] fp32` (Q5_0 blocks in the
+        `quant.pack_q5_0` layout) and `isa() -> str` (the variant's family name).
     Raises:
         CpuVariantError: unknown variant, or one this CPU cannot run.
     """
@@ -190,10 +191,10 @@ _BLOCKS = 16  # the C++ step's kind of GGUF blocks as stored: 16 + the format's 
 
 def _kind(lin) -> int | None:
     """The C++ step's kind of a projection: 16 + ggml type number for GGUF blocks (`blocks` buffer and a
-    `FORMAT`, `quant.BlockLinear`), 2 W4A8 (`codes`, `scales` buffers), 1 int8 (`qweight`, `scales` in the CPU
+    `FORMAT`, `quant.BlockLinear`; Q5_0's interleaved by whole blocks of 16 output rows), 2 W4A8 (`codes`, `scales` buffers), 1 int8 (`qweight`, `scales` in the CPU
     layout, whole blocks of 16 output rows), 0 fp32 `nn.Linear`, None for anything else."""
-    if hasattr(lin, "blocks"):
-        return _BLOCKS + lin.FORMAT.ggml_type
+    if hasattr(lin, "blocks"):  # Q5_0's interleaved layout: whole blocks of 16 output rows
+        return _BLOCKS + lin.FORMAT.ggml_type if lin.FORMAT.pack is None or lin.out_features % 16 == 0 else None
     if hasattr(lin, "codes") and hasattr(lin, "scales"):
         return 2
     if hasattr(lin, "qweight") and hasattr(lin, "scales"):

@@ -74,11 +74,19 @@ class Harness:
         return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
 
     def block_gemv(self, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
-        """x [T, K] fp32, a GGUF block format's blocks [N, K / values * bytes] uint8 (`ggml_type`: Q4_K, Q5_K,
-        Q6_K or Q5_0's number) -> y [T, N] fp32 (as the extension's `block_gemv`)."""
+        """x [T, K] fp32, a GGUF block format's blocks [N, K / values * bytes] uint8 (`ggml_type`: Q4_K, Q5_K
+        or Q6_K's number) -> y [T, N] fp32 (as the extension's `block_gemv`)."""
         T, K = x.shape
         N = blocks.shape[0]
         req = struct.pack("<i", 6) + _i64(ggml_type, T, K, N) + _raw(x.float()) + _raw(blocks)
+        return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
+
+    def q5_0_gemv(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """x [T, K] fp32, Q5_0 blocks interleaved by 16 rows [N / 16, K / 32, 352] uint8 (`quant.pack_q5_0`) ->
+        y [T, N] fp32 (as the extension's `q5_0_gemv`)."""
+        T, K = x.shape
+        N = blocks.shape[0] * 16
+        req = struct.pack("<i", 8) + _i64(T, K, N) + _raw(x.float()) + _raw(blocks)
         return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
 
     def attend(self, q: torch.Tensor, T: int, start: int, k: torch.Tensor, v: torch.Tensor,

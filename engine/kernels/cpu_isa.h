@@ -29,13 +29,16 @@
 // (the sign trick of llama.cpp's Q8_0 dot) in vpdpbusd, or vpmaddubsw + vpmaddwd without VNNI; NEON uses
 // sdot or smull; generic plain C.
 //
-// The block kernels (Q4_K, Q5_0, Q5_K, Q6_K) run dot4 on unsigned codes 0..15, 0..31 and 0..63 (one call per dsum: avx2's int16
+// The Q5_0 kernel reads its blocks interleaved by 16 output rows (tokenspeed.quant.pack_q5_0): per group of 32
+// input channels and octet o (channels 8o .. 8o + 7), lane j's 4 bytes hold row j's low 4 bits of channels
+// 8o + b (low nibble) and 8o + 4 + b (high nibble), and its fifth bits one 32-bit word per row, bit 8b + 4h + o
+// for channel 8o + 4h + b; q5_codes(nib, h, o, lo, hi) gives the codes 0..31 of the octet's two 4-byte runs, and
+// dot8u(acc, lo, a0, hi, a1) adds both runs' products with their activations to int32 lanes, exact (avx2's
+// int16 pair sums stay below 4 * 31 * 127 = 15748).
+//
+// The block kernels (Q4_K, Q5_K, Q6_K) run dot4 on unsigned codes 0..15, 0..31 and 0..63 (one call per dsum: avx2's int16
 // pair sums stay below 2 * 63 * 127 = 16002), kVecGroups runs of 32 codes per vector as iload_groups lays out
-// their activations (avx512: Q5_0 block pairs, Q6_K chunk pairs, Q4_K / Q5_K sub-block pairs).
-// q5_codes(qs, qh, k) gives the codes 0..31 of weights k .. k + kGroupBytes of a Q5_0 block (k a multiple of
-// kGroupBytes below 32; avx512 fills its low half, and join_groups<NG> puts NG blocks' codes in one vector
-// as iload_groups<NG> lays out their activations): low 4 bits from the 16 bytes qs (weight l < 16 in
-// qs[l]'s low nibble, 16 + l in its high one), the fifth from bit i of qh (ggml's block_q5_0).
+// their activations (avx512: Q6_K chunk pairs, Q4_K / Q5_K sub-block pairs).
 // dot4_times(acc, u, s, c) = acc + c * dot4(izero(), u, s) per int32 lane, c a 6-bit sub-block scale (the
 // Q4_K / Q5_K kernel's integer sums per block of 256; avx2's int16 pairs: c * (at most 2 * 31 * 127) fits).
 // bit_or_16(v, h, mask) sets 16 in each byte of v whose byte in h has a bit of `mask` set (Q5_K's fifth
@@ -188,11 +191,6 @@ inline vi iload_groups(const int8_t* p) {
   return _mm512_loadu_si512(p);
 }
 template <int NG>
-inline vf group_scales(const float* p) {  // lanes 0-7 p[0], 8-15 p[NG - 1]
-  if constexpr (NG == 1) return _mm512_set1_ps(p[0]);
-  return _mm512_insertf32x8(_mm512_set1_ps(p[0]), _mm256_set1_ps(p[1]), 1);
-}
-template <int NG>
 inline vi join_groups(const vi* v) {  // lanes 0-7 of v[0], then lanes 0-7 of v[NG - 1]
   if constexpr (NG == 1) return v[0];
   return _mm512_inserti64x4(v[0], _mm512_castsi512_si256(v[1]), 1);
@@ -201,10 +199,12 @@ inline vi join_groups(const vi* v) {  // lanes 0-7 of v[0], then lanes 0-7 of v[
 constexpr int32_t kW8Offset = 128;
 inline vi w8_prep(vi w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
 inline vi dot4w(vi acc, vi wp, vi q) { return _mm512_dpbusd_epi32(acc, wp, q); }
-inline vi q5_codes(const uint8_t* qs, uint32_t qh, int) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
-  return _mm512_castsi256_si512(_mm256_or_si256(lo, _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10))));
+inline void q5_codes(vi n, vi h, int o, vi& lo, vi& hi) {
+  const vi m = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
+  lo = _mm512_and_si512(n, m);
+  hi = _mm512_and_si512(_mm512_srli_epi16(n, 4), m);
+  lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(1 << o))), lo, sixteen);
+  hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(h, _mm512_set1_epi8(static_cast<char>(16 << o))), hi, sixteen);
 }
 inline vi dot4_times(vi acc, vi u, vi s, int c) {
   return _mm512_add_epi32(acc, _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s), _mm512_set1_epi32(c)));
@@ -321,16 +321,11 @@ inline vi dot4_scaled(vi acc, vi u, vi s, vi scales) {  // pair sums <= 2 * 63 *
 }
 #endif
 inline vf to_float(vi v) { return _mm256_cvtepi32_ps(v); }
-inline vi q5_codes(const uint8_t* qs, uint32_t qh, int) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
-  // byte i of qh's bytes broadcast to bytes 8i .. 8i + 7, each tested against its own bit
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(qh)),
-                                             _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
-                                                                0x0303030303030303));
-  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-  return _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+inline void q5_codes(vi n, vi h, int o, vi& lo, vi& hi) {  // the fifth bits shifted to bit 4 (16-bit shifts:
+  // what crosses from the neighbouring byte lands below bit 4 or above it)
+  const vi m = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
+  lo = _mm256_or_si256(_mm256_and_si256(n, m), _mm256_and_si256(_mm256_slli_epi16(h, 4 - o), b4));
+  hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(n, 4), m), _mm256_and_si256(_mm256_srli_epi16(h, o), b4));
 }
 inline vi bit_or_16(vi v, vi h, int mask) {
   const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
@@ -396,12 +391,10 @@ inline vi dot4(vi acc, vi u, vi s) { return dot4s(acc, u, s); }  // codes 0..15 
 inline vi dsum(vi acc) { return acc; }
 inline vi dot4_times(vi acc, vi u, vi s, int c) { return vmlaq_n_s32(acc, dot4(izero(), u, s), c); }
 inline vf to_float(vi v) { return vcvtq_f32_s32(v); }
-inline vi q5_codes(const uint8_t* qs, uint32_t qh, int k) {  // k = 0 or 16
-  const uint8x16_t b = vld1q_u8(qs);
-  const uint8x16_t lo = k ? vshrq_n_u8(b, 4) : vandq_u8(b, vdupq_n_u8(0x0F));
-  const uint8x16_t spread = vcombine_u8(vdup_n_u8(static_cast<uint8_t>(qh >> k)), vdup_n_u8(static_cast<uint8_t>(qh >> (k + 8))));
-  const uint8x16_t bit = vreinterpretq_u8_u64(vdupq_n_u64(0x8040201008040201ull));
-  return vreinterpretq_s32_u8(vorrq_u8(lo, vandq_u8(vtstq_u8(spread, bit), vdupq_n_u8(0x10))));
+inline void q5_codes(vi n, vi h, int o, vi& lo, vi& hi) {  // bytewise shifts of the fifth bits to bit 4
+  const uint8x16_t v = vreinterpretq_u8_s32(n), hb = vreinterpretq_u8_s32(h), b4 = vdupq_n_u8(0x10);
+  lo = vreinterpretq_s32_u8(vorrq_u8(vandq_u8(v, vdupq_n_u8(0x0F)), vandq_u8(vshlq_u8(hb, vdupq_n_s8(static_cast<int8_t>(4 - o))), b4)));
+  hi = vreinterpretq_s32_u8(vorrq_u8(vshrq_n_u8(v, 4), vandq_u8(vshlq_u8(hb, vdupq_n_s8(static_cast<int8_t>(-o))), b4)));
 }
 inline vi bit_or_16(vi v, vi h, int mask) {
   const uint8x16_t set = vtstq_u8(vreinterpretq_u8_s32(h), vdupq_n_u8(static_cast<uint8_t>(mask)));
@@ -463,13 +456,10 @@ inline vi dot4s(vi acc, vi w, vi q) {
            static_cast<int8_t>((static_cast<uint32_t>(q) >> (8 * b)) & 0xFF);
   return acc;
 }
-inline vi q5_codes(const uint8_t* qs, uint32_t qh, int k) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) {
-    const int w = k + i;
-    v |= static_cast<uint32_t>(((qs[w & 15] >> (w & 16 ? 4 : 0)) & 15) | ((qh >> w) & 1) << 4) << (8 * i);
-  }
-  return static_cast<int32_t>(v);
+inline void q5_codes(vi n, vi h, int o, vi& lo, vi& hi) {  // 32-bit shifts: what crosses bytes misses bit 4
+  const uint32_t v = static_cast<uint32_t>(n), b = static_cast<uint32_t>(h);
+  lo = static_cast<int32_t>((v & 0x0F0F0F0Fu) | ((b << (4 - o)) & 0x10101010u));
+  hi = static_cast<int32_t>(((v >> 4) & 0x0F0F0F0Fu) | ((b >> o) & 0x10101010u));
 }
 inline vi bit_or_16(vi v, vi h, int mask) {
   uint32_t out = static_cast<uint32_t>(v);
@@ -491,12 +481,19 @@ constexpr int kVecGroups = 1;
 template <int NG>
 inline vi iload_groups(const int8_t* p) { return iload_s8(p); }
 template <int NG>
-inline vf group_scales(const float* p) { return set1(p[0]); }
-template <int NG>
 inline vi join_groups(const vi* v) { return v[0]; }
 constexpr int32_t kW8Offset = 0;  // W8A8: the signed weights as they are, dot4s
 inline vi w8_prep(vi w) { return w; }
 inline vi dot4w(vi acc, vi w, vi q) { return dot4s(acc, w, q); }
+#endif
+
+#if TS_ISA_AVX2 && !defined(__AVXVNNI__)
+inline vi dot8u(vi acc, vi u0, vi s0, vi u1, vi s1) {  // the int16 pair sums of both runs, widened once
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#else
+inline vi dot8u(vi acc, vi u0, vi s0, vi u1, vi s1) { return dot4(dot4(acc, u0, s0), u1, s1); }  // int32 lanes
 #endif
 
 // e^x for x <= 0 (softmax; below -87 it returns ~1e-38): Cody-Waite range reduction x = n ln2 + r

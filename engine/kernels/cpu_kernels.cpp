@@ -178,63 +178,116 @@ void weighted_sum_of(const float* p, int64_t R, int64_t ld, const KV* v, float* 
     }
 }
 
-// ---- int8 weights x int8 activations (W8A8, the Q8_0 x Q8_0 scheme of GGML/llama.cpp)
+// ---- weights interleaved by 16 output rows x int8 activations: int8 codes (W8A8, the Q8_0 x Q8_0 scheme of
+// GGML/llama.cpp) and Q5_0 blocks (W5A8)
 //
-// Weight codes interleaved by 16 output rows (tokenspeed.quant.Int8Linear's CPU layout): w [N / 16, K / 4, 64]
-// int8, byte 4 j + i of chunk c of block b holding code[16 b + j, 4 c + i]; scales [N / 16, G, 16] fp32 (G = 1:
-// one per row, G = K / 32: one per 32 input channels, a GGUF file's Q8_0 blocks); N a multiple of 16 and K of
-// 32 (the layer pads). Activations quantized per group of 32 (quantize_rows: q [T, K], sx, qsum [T, K / 32]).
-// y[t, n] = sum_g (s_w(n, g) * sx[t, g]) * sum_{k in g} w[n, k] q[t, k]: a vector holds kI rows' 4-byte runs of
-// a chunk, so one dot4w adds kI rows' products with 4 broadcast activations; the group's sums are exact int32
-// (dot4w, from -kW8Offset * qsum), then one fused multiply-add per lane and group in ascending g. No horizontal
-// sum: a row's result is its own data's alone, whatever the tile, T or vector width (every family computes
-// the same lanes in the same order, bit for bit).
+// The weights of 16 output rows share each 64-byte vector, one row per 32-bit lane, so one dot product adds kI
+// rows' products with 4 broadcast activation bytes and no horizontal sum is needed. Activations quantized per
+// group of 32 (quantize_rows: q [T, K], sx, qsum [T, K / 32]); N a multiple of 16 and K of 32 (the layers pad).
+// y[t, n] = sum_g (s_w(n, g) * sx[t, g]) * (sum_{k in g} code[n, k] q[t, k] + kBase * qsum[t, g]): the group's
+// sums exact int32, then one fused multiply-add per lane and group in ascending g: a row's result is its own
+// data's alone, whatever the tile, T or vector width (every family computes the same lanes in the same order,
+// bit for bit). A format W gives, for the kI rows of a vector (W::Lanes), each group's codes 8 input channels at
+// a time (w.codes, two vectors of 4-byte runs), their products (W::dot) and the group's scales (w.scales).
 //
+// Int8Rows: codes [N / 16, K / 4, 64] int8 (tokenspeed.quant.pack_int8: byte 4 j + i of chunk c of block b is
+// code[16 b + j, 4 c + i]), scales [N / 16, G, 16] fp32 (G = 1: one per row; G = K / 32: one per 32 input
+// channels, a GGUF file's Q8_0 blocks); kBase = -kW8Offset (dot4w, see cpu_isa.h).
+struct Int8Rows {
+  const int8_t* w;
+  const float* scales;
+  int64_t K, G;
+  static constexpr int32_t kBase = -kW8Offset;
+  struct Lanes {
+    const uint8_t* w;
+    const float* s;
+  };
+  Lanes lanes(int64_t row) const {
+    const int64_t b = row / 16, lane = row % 16;
+    return {reinterpret_cast<const uint8_t*>(w) + b * (K / 4) * 64 + lane * 4, scales + b * G * 16 + lane};
+  }
+  static void group(Lanes&, int64_t) {}
+  static void codes(const Lanes& l, int64_t g, int o, vi& c0, vi& c1) {
+    const uint8_t* p = l.w + (g * (kQGroup / 4) + 2 * o) * 64;
+    c0 = w8_prep(iload(p)), c1 = w8_prep(iload(p + 64));
+  }
+  static vi dot(vi acc, vi c0, vi a0, vi c1, vi a1) { return dot4w(dot4w(acc, c0, a0), c1, a1); }
+  vf scales_of(const Lanes& l, int64_t g) const { return load(l.s + (G == 1 ? 0 : g * 16)); }
+};
+
+// Q5_0Rows: a GGUF file's Q5_0 blocks (d fp16, 32 codes 0..31, w = d (code - 16); ggml's block_q5_0)
+// interleaved by 16 output rows (tokenspeed.quant.pack_q5_0): blocks [N / 16, K / 32, 352] uint8, per block of
+// rows b and group g: the low 4 bits [4 octets][16 rows][4 bytes] (256; see q5_codes in cpu_isa.h), the fifth
+// bits [16 rows] uint32 (64), d [16 rows] fp16 (32): 22 bytes per row and block, as stored. kBase = -16, the
+// codes' bias.
+struct Q5_0Rows {
+  const uint8_t* blocks;
+  int64_t K;
+  static constexpr int64_t kBytes = 352, kBits = 256, kScales = 320;
+  static constexpr int32_t kBase = -16;
+  struct Lanes {
+    const uint8_t *p, *d;  // the lanes' low bits and scales in group 0's block
+    vi h;                  // the current group's fifth bits
+  };
+  Lanes lanes(int64_t row) const {
+    const uint8_t* b = blocks + row / 16 * (K / kQGroup) * kBytes;
+    return {b + row % 16 * 4, b + kScales + row % 16 * 2, izero()};
+  }
+  static void group(Lanes& l, int64_t g) { l.h = iload(l.p + g * kBytes + kBits); }
+  static void codes(const Lanes& l, int64_t g, int o, vi& c0, vi& c1) { q5_codes(iload(l.p + g * kBytes + o * 64), l.h, o, c0, c1); }
+  static vi dot(vi acc, vi c0, vi a0, vi c1, vi a1) { return dot8u(acc, c0, a0, c1, a1); }
+  static vf scales_of(const Lanes& l, int64_t g) { return load_half(reinterpret_cast<const uint16_t*>(l.d + g * kBytes)); }
+};
+
 // Register tiles of RV vectors of kI rows x RN token rows (the scheme of the int4 kernel; llamafile's tinyBLAS
-// blocks its GEMMs the same way): each chunk's RV weight vectors are loaded once for RN tokens, each token's
-// 4 activation bytes once for RV vectors. Bursts take kInt8Tokens token rows and kInt8Vecs vectors per tile,
-// a decode step (RN = 1) kInt8DecodeVecs: RV * RN int32 and fp32 accumulators beside the weight vectors
-// within the kRegs vector registers. Measured at 84 and 1 token rows, one thread (the kernel alone): avx512
+// blocks its GEMMs the same way): each step's RV weight vectors are formed once for RN tokens, each token's
+// activation bytes loaded once for RV vectors. Bursts take kRowsTokens token rows and kRowsVecs vectors per
+// tile, a decode step (RN = 1) kRowsDecodeVecs: RV * RN int32 and fp32 accumulators beside the weight vectors
+// within the kRegs vector registers. Measured at 84 and 1 token rows, one thread (the W8A8 kernel alone): avx512
 // 4 x 2 beside 6 x 2, 8 x 2, 4 x 3 and 3 x 3 (within 10% or slower), decode 4 vectors; avx2 4 x 2 took 0.8x
 // the time of 4 x 1 (6 x 1, 8 x 1 and 5 x 2 slower still), decode 2 vectors.
-constexpr int kInt8Tokens = 4;
-constexpr int kInt8Vecs = 2;
-constexpr int kInt8DecodeVecs = kRegs >= 32 ? 4 : 2;
-constexpr int64_t kInt8Panel = 8;  // blocks of 16 output rows per panel (in_panels)
+constexpr int kRowsTokens = 4;
+constexpr int kRowsVecs = 2;
+constexpr int kRowsDecodeVecs = kRegs >= 32 ? 4 : 2;
+constexpr int64_t kRowsPanel = 8;  // blocks of 16 output rows per panel (in_panels)
+
+// The activations of one call of an interleaved kernel: q [T, K], sx and qsum [T, K / 32].
+struct Acts8 {
+  const int8_t* q;
+  const float* sx;
+  const int32_t* qsum;
+  int64_t K;
+};
 
 // y[t0 .. t0 + RN, rows kI v0 .. kI (v0 + RV)) (row stride N).
-template <int RV, int RN>
-inline void int8_tile(const int8_t* q, const float* sx, const int32_t* qsum, int64_t t0, int64_t K, const int8_t* w,
-                      const float* scales, int64_t G, float* y, int64_t N, int64_t v0) {
-  const int64_t chunks = K / 4, groups = K / kQGroup, gstep = G == 1 ? 0 : 16;
-  const uint8_t* wv[RV];
-  const float* sv[RV];
-  for (int v = 0; v < RV; ++v) {
-    const int64_t row = (v0 + v) * kI, b = row / 16, lane = row % 16;
-    wv[v] = reinterpret_cast<const uint8_t*>(w) + b * chunks * 64 + lane * 4;
-    sv[v] = scales + b * G * 16 + lane;
-  }
+template <class W, int RV, int RN>
+inline void rows_tile(const W& w, const Acts8& a, int64_t t0, float* y, int64_t N, int64_t v0) {
+  const int64_t groups = a.K / kQGroup;
+  typename W::Lanes lanes[RV];
+  for (int v = 0; v < RV; ++v) lanes[v] = w.lanes((v0 + v) * kI);
   vf acc[RV][RN];
   for (int v = 0; v < RV; ++v)
     for (int t = 0; t < RN; ++t) acc[v][t] = zero();
   for (int64_t g = 0; g < groups; ++g) {
     vi d[RV][RN];
     for (int t = 0; t < RN; ++t) {
-      const vi base = bcast4(-kW8Offset * qsum[(t0 + t) * groups + g]);
+      const vi base = bcast4(W::kBase * a.qsum[(t0 + t) * groups + g]);
       for (int v = 0; v < RV; ++v) d[v][t] = base;
     }
-    for (int c = 0; c < kQGroup / 4; ++c) {
-      vi wc[RV];
-      for (int v = 0; v < RV; ++v) wc[v] = w8_prep(iload(wv[v] + (g * (kQGroup / 4) + c) * 64));
+    for (int v = 0; v < RV; ++v) W::group(lanes[v], g);
+    for (int o = 0; o < kQGroup / 8; ++o) {
+      vi c0[RV], c1[RV];
+      for (int v = 0; v < RV; ++v) W::codes(lanes[v], g, o, c0[v], c1[v]);
       for (int t = 0; t < RN; ++t) {
-        const vi a = bcast4(load_i32(q + (t0 + t) * K + g * kQGroup + 4 * c));
-        for (int v = 0; v < RV; ++v) d[v][t] = dot4w(d[v][t], wc[v], a);
+        const int8_t* qk = a.q + (t0 + t) * a.K + g * kQGroup + 8 * o;
+        const vi a0 = bcast4(load_i32(qk)), a1 = bcast4(load_i32(qk + 4));
+        for (int v = 0; v < RV; ++v) d[v][t] = W::dot(d[v][t], c0[v], a0, c1[v], a1);
       }
     }
     for (int v = 0; v < RV; ++v) {
-      const vf s = load(sv[v] + g * gstep);
+      const vf s = w.scales_of(lanes[v], g);
       for (int t = 0; t < RN; ++t)
-        acc[v][t] = fmadd(to_float(d[v][t]), mul(s, set1(sx[(t0 + t) * groups + g])), acc[v][t]);
+        acc[v][t] = fmadd(to_float(d[v][t]), mul(s, set1(a.sx[(t0 + t) * groups + g])), acc[v][t]);
     }
   }
   for (int v = 0; v < RV; ++v)
@@ -242,16 +295,14 @@ inline void int8_tile(const int8_t* q, const float* sx, const int32_t* qsum, int
 }
 
 // Token rows t0 .. t0 + RN of the output rows of blocks [nb0, nb1), in tiles of RV vectors.
-template <int RN>
-void int8_panel(const int8_t* q, const float* sx, const int32_t* qsum, int64_t t0, int64_t K, const int8_t* w,
-                const float* scales, int64_t G, float* y, int64_t N, int64_t nb0, int64_t nb1) {
-  constexpr int RV = RN == 1 ? kInt8DecodeVecs : kInt8Vecs;
+template <class W, int RN>
+void rows_panel(const W& w, const Acts8& a, int64_t t0, float* y, int64_t N, int64_t nb0, int64_t nb1) {
+  constexpr int RV = RN == 1 ? kRowsDecodeVecs : kRowsVecs;
   const int64_t v1 = nb1 * 16 / kI;
   int64_t v = nb0 * 16 / kI;
-  for (; v + RV <= v1; v += RV) int8_tile<RV, RN>(q, sx, qsum, t0, K, w, scales, G, y, N, v);
+  for (; v + RV <= v1; v += RV) rows_tile<W, RV, RN>(w, a, t0, y, N, v);
   if (v < v1)
-    with_rows<RV>(static_cast<int>(v1 - v),
-                  [&](auto rv) { int8_tile<decltype(rv)::value, RN>(q, sx, qsum, t0, K, w, scales, G, y, N, v); });
+    with_rows<RV>(static_cast<int>(v1 - v), [&](auto rv) { rows_tile<W, decltype(rv)::value, RN>(w, a, t0, y, N, v); });
 }
 
 // x [T, K] -> per group of `group` input channels of rows Kp >= K wide (Kp = K: the last group shorter when K
@@ -281,7 +332,7 @@ void quantize_rows(const float* x, int64_t T, int64_t K, int64_t Kp, int64_t gro
     }
 }
 
-// ---- GGUF blocks as stored x int8 activations (W4A8 Q4_K, W5A8 Q5_0 / Q5_K, W6A8 Q6_K)
+// ---- GGUF blocks as stored x int8 activations (W4A8 Q4_K, W5A8 Q5_K, W6A8 Q6_K; Q5_0 runs interleaved, above)
 //
 // One driver (block_rows) over a format struct F per block type: F::kValues weights in F::kBytes bytes
 // per block (a row of the weight: K / kValues blocks), F::kActGroup input channels per activation scale,
@@ -318,11 +369,10 @@ struct Q6K {
   static constexpr int64_t kValues = 256, kBytes = 210, kActGroup = 256, kAuxRun = 16, kRuns = kValues / kAuxRun;
   static constexpr float kBias = 0.f;
   static float aux_of(float sx, int32_t sum) { return 32.f * sx * static_cast<float>(sum); }
-  static constexpr int kVecBlocks = 1;
   struct Scratch {
     alignas(64) float fs[kRuns];  // d * scales
   };
-  template <int TT, int NB>
+  template <int TT>
   static void block(const uint8_t* b, int64_t at, const Acts& a, int64_t t0, RowSums* s, Scratch& w) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
@@ -352,38 +402,6 @@ struct Q6K {
   }
 };
 
-// Q5_0: 32 weights in 22 bytes: d fp16, qh [4] (bit i of the little-endian uint32: weight i's fifth bit),
-// qs [16] (weight l's low 4 bits in qs[l]'s low nibble, 16 + l's in its high one); weight i = d * (code_i
-// - 16), codes 0..31 (ggml's dequantize_row_q5_0). A block is one activation group; aux = xs [T, K / 32]
-// = sx * sum of the group's q: y[t, j] = sum over groups g of d_g (sx[t, g] sum code q - 16 xs[t, g]).
-struct Q5_0 {
-  static constexpr int64_t kValues = 32, kBytes = 22, kActGroup = 32, kAuxRun = 32;
-  static constexpr int kVecBlocks = kVecGroups;  // blocks per call of block<TT, NB> (one group each)
-  static constexpr float kBias = 16.f;
-  static float aux_of(float sx, int32_t sum) { return sx * static_cast<float>(sum); }
-  struct Scratch {};
-  // NB consecutive blocks from b (their activations at..at + 32 NB), NB = 1 or kVecGroups: one vector of codes.
-  template <int TT, int NB>
-  static void block(const uint8_t* b, int64_t at, const Acts& a, int64_t t0, RowSums* s, Scratch&) {
-    float d[NB];
-    uint32_t qh[NB];
-    for (int i = 0; i < NB; ++i) d[i] = f16_at(b + i * kBytes), qh[i] = static_cast<uint32_t>(load_i32(b + i * kBytes + 2));
-    const int64_t groups = a.K / kQGroup, g = at / kQGroup;
-    const vf dv = group_scales<NB>(d);
-    for (int k = 0; k < kQGroup; k += kGroupBytes) {
-      vi codes[NB];
-      for (int i = 0; i < NB; ++i) codes[i] = q5_codes(b + i * kBytes + 6, qh[i], k);
-      const vi uv = join_groups<NB>(codes);
-      for (int t = 0; t < TT; ++t) {
-        const vi sum = dsum(dot4(izero(), uv, iload_groups<NB>(a.q + (t0 + t) * a.K + at + k)));
-        s[t].acc = fmadd(to_float(sum), mul(dv, group_scales<NB>(a.sx + (t0 + t) * groups + g)), s[t].acc);
-      }
-    }
-    for (int t = 0; t < TT; ++t)
-      for (int i = 0; i < NB; ++i) s[t].neg = std::fma(d[i], a.aux[(t0 + t) * groups + g + i], s[t].neg);
-  }
-};
-
 // Q4_K and Q5_K: 256 weights as 8 sub-blocks of 32: d and dmin fp16, 12 bytes packing a 6-bit scale sc
 // and minimum m per sub-block (ggml's get_scale_min_k4), Q5_K's qh [32] (bit 2c of qh[l]: the fifth bit of
 // weight 64 c + l, bit 2c + 1: of 64 c + 32 + l), qs [128] (byte 32 c + l: weight 64 c + l in its low
@@ -398,9 +416,8 @@ struct QK {
   static constexpr int64_t kValues = 256, kBytes = kFifthBit ? 176 : 144, kActGroup = 256, kAuxRun = 32;
   static constexpr float kBias = 1.f;
   static float aux_of(float, int32_t sum) { return static_cast<float>(sum); }
-  static constexpr int kVecBlocks = 1;
   struct Scratch {};
-  template <int TT, int NB>
+  template <int TT>
   static void block(const uint8_t* b, int64_t at, const Acts& a, int64_t t0, RowSums* s, Scratch&) {
     const uint8_t *sm = b + 4, *qh = b + 16, *qs = b + (kFifthBit ? 48 : 16);
     int sc[8], mn[8];
@@ -454,11 +471,8 @@ void block_rows(const Acts& a, int64_t t0, const uint8_t* blocks, float* y, int6
   for (int64_t j = j0; j < j1; ++j) {
     RowSums s[TT];
     for (int t = 0; t < TT; ++t) s[t] = RowSums{zero(), zero(), 0.f};
-    int64_t b = 0;
-    for (; b + F::kVecBlocks <= nb; b += F::kVecBlocks)
-      F::template block<TT, F::kVecBlocks>(blocks + (j * nb + b) * F::kBytes, b * F::kValues, a, t0, s, scratch);
-    if constexpr (F::kVecBlocks > 1)
-      for (; b < nb; ++b) F::template block<TT, 1>(blocks + (j * nb + b) * F::kBytes, b * F::kValues, a, t0, s, scratch);
+    for (int64_t b = 0; b < nb; ++b)
+      F::template block<TT>(blocks + (j * nb + b) * F::kBytes, b * F::kValues, a, t0, s, scratch);
     for (int t = 0; t < TT; ++t) y[(t0 + t) * N + j] = reduce_add(sub(s[t].acc, s[t].vneg)) - F::kBias * s[t].neg;
   }
 }
@@ -481,7 +495,6 @@ void block_quantize(const float* x, int64_t T, int64_t K, int8_t* q, float* sx, 
 template <typename Fn>
 bool with_format(int64_t format, Fn&& f) {
   switch (format) {
-    case TS_Q5_0: f(Q5_0{}); return true;
     case TS_Q4_K: f(QK<false>{}); return true;
     case TS_Q5_K: f(QK<true>{}); return true;
     case TS_Q6_K: f(Q6K{}); return true;
@@ -507,6 +520,14 @@ template <typename Fn>
 void in_panels(int64_t T, int64_t rows, int64_t j0, int64_t j1, int64_t panel, Fn&& f) {
   if (T <= rows) panel = j1 - j0;
   for (int64_t p0 = j0; p0 < j1; p0 += panel) f(p0, std::min(j1, p0 + panel));
+}
+
+// y [T, N], output blocks [nb0, nb1) of 16 rows, of the interleaved format W (rows_panel under in_panels).
+template <class W>
+void interleaved_rows(const W& w, const Acts8& a, int64_t T, float* y, int64_t N, int64_t nb0, int64_t nb1) {
+  in_panels(T, kRowsTokens, nb0, nb1, kRowsPanel, [&](int64_t p0, int64_t p1) {
+    token_blocks<kRowsTokens>(T, [&](int64_t t0, auto rn) { rows_panel<W, decltype(rn)::value>(w, a, t0, y, N, p0, p1); });
+  });
 }
 
 // ---- int4 weights x int8 activations (W4A8, the Q4_1 x Q8_1 scheme of GGML/llama.cpp)
@@ -649,11 +670,12 @@ void ts_int8_quantize(const float* x, int64_t T, int64_t K, int64_t Kp, int8_t* 
 
 void ts_int8_rows(const int8_t* q, const float* sx, const int32_t* qsum, int64_t T, int64_t K, const int8_t* w,
                   const float* scales, int64_t G, float* y, int64_t N, int64_t nb0, int64_t nb1) {
-  ts::in_panels(T, ts::kInt8Tokens, nb0, nb1, ts::kInt8Panel, [&](int64_t p0, int64_t p1) {
-    ts::token_blocks<ts::kInt8Tokens>(T, [&](int64_t t0, auto rn) {
-      ts::int8_panel<decltype(rn)::value>(q, sx, qsum, t0, K, w, scales, G, y, N, p0, p1);
-    });
-  });
+  ts::interleaved_rows(ts::Int8Rows{w, scales, K, G}, ts::Acts8{q, sx, qsum, K}, T, y, N, nb0, nb1);
+}
+
+void ts_q5_0_rows(const int8_t* q, const float* sx, const int32_t* qsum, int64_t T, int64_t K, const uint8_t* blocks,
+                  float* y, int64_t N, int64_t nb0, int64_t nb1) {
+  ts::interleaved_rows(ts::Q5_0Rows{blocks, K}, ts::Acts8{q, sx, qsum, K}, T, y, N, nb0, nb1);
 }
 
 int ts_block_format(int64_t format, int64_t* values, int64_t* bytes, int64_t* act_group, int64_t* aux_run) {

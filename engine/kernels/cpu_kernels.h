@@ -41,24 +41,33 @@ void ts_int8_quantize(const float* x, int64_t T, int64_t K, int64_t Kp, int8_t* 
 void ts_int8_rows(const int8_t* q, const float* sx, const int32_t* qsum, int64_t T, int64_t K, const int8_t* w,
                   const float* scales, int64_t G, float* y, int64_t N, int64_t nb0, int64_t nb1);
 
-// GGUF block formats the kernels run as stored, by ggml type number (ggml.h's enum ggml_type).
-enum { TS_Q5_0 = 6, TS_Q4_K = 12, TS_Q5_K = 13, TS_Q6_K = 14 };
+// y [T, N] fp32, output blocks [nb0, nb1) of 16 rows: the product of the quantized activations (ts_int8_quantize
+// with Kp = K) with a GGUF file's Q5_0 blocks (ggml's block_q5_0: d fp16, 32 codes 0..31, w = d (code - 16))
+// interleaved by 16 output rows, blocks [N / 16, K / 32, 352] uint8 (layout: tokenspeed.quant.pack_q5_0; per
+// block of rows and group of 32 input channels: the low 4 bits, 256 bytes, the fifth bits, 16 uint32, and d, 16
+// fp16); N a multiple of 16, K of 32: y[t, n] = sum_g d(n, g) * sx[t, g] * (sum_{k in g} code[n, k] q[t, k] -
+// 16 qsum[t, g]), the inner sums exact int32. Each row's result is bit-identical whatever T is, and across
+// instruction-set families.
+void ts_q5_0_rows(const int8_t* q, const float* sx, const int32_t* qsum, int64_t T, int64_t K, const uint8_t* blocks,
+                  float* y, int64_t N, int64_t nb0, int64_t nb1);
+
+// GGUF block formats the kernels run as stored, by ggml type number (ggml.h's enum ggml_type); Q5_0 runs
+// interleaved (ts_q5_0_rows).
+enum { TS_Q4_K = 12, TS_Q5_K = 13, TS_Q6_K = 14 };
 
 // The geometry of block format `format`: values (weights) and bytes per block, input channels per
 // activation scale and per activation sum of ts_block_quantize. Returns 0 (and writes nothing) for a
 // format the kernels do not run.
-//   Q5_0: 32 weights in 22 bytes (fp16 d, qh [4], qs [16]), w = d (code - 16), codes 0..31
 //   Q4_K: 256 in 144 (fp16 d, dmin, 12 bytes of 6-bit sub-block scales sc and minimums m, qs [128]),
 //         w = d sc code - dmin m per sub-block of 32, codes 0..15
 //   Q5_K: 256 in 176 (as Q4_K, with qh [32] fifth bits before qs), codes 0..31
 //   Q6_K: 256 in 210 (ql [128], qh [64], int8 scales [16] per 16 weights, fp16 d), w = d scale (code - 32)
-// (ggml's block_q5_0, block_q4_K, block_q5_K, block_q6_K; ggml-quants.c's dequantize_row_*).
+// (ggml's block_q4_K, block_q5_K, block_q6_K; ggml-quants.c's dequantize_row_*).
 int ts_block_format(int64_t format, int64_t* values, int64_t* bytes, int64_t* act_group, int64_t* aux_run);
 
 // Activations x [T, K] fp32 quantized for block format `format`'s kernel: as ts_quantize_rows per group of
-// act_group input channels (32 for Q5_0; 256 for Q4_K, Q5_K and Q6_K, llama.cpp's Q8_K), q [T, K], sx [T, K / act_group],
-// and aux [T, K / aux_run], the sums of q over each run of aux_run input channels (Q5_0: times sx, Q6_K:
-// times 32 sx, the codes' bias). K a multiple of the format's block values.
+// act_group input channels (256, llama.cpp's Q8_K), q [T, K], sx [T, K / act_group], and aux [T, K / aux_run],
+// the sums of q over each run of aux_run input channels (Q6_K: times 32 sx, the codes' bias). K a multiple of the format's block values.
 void ts_block_quantize(int64_t format, const float* x, int64_t T, int64_t K, int8_t* q, float* sx, float* aux);
 
 // y [T, N] fp32, output rows [j0, j1): the product of the quantized activations (ts_block_quantize: q, sx,

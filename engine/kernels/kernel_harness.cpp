@@ -11,6 +11,7 @@
 //   op 6 (blocks): format T K N, x [T, K] f32, blocks [N, K / values * bytes] u8 -> y [T, N] f32
 //                  (format: a ggml type number, see ts_block_format)
 //   op 7 (swiglu): T F, gu [T, 2F] f32 -> out [T, F] f32
+//   op 8 (Q5_0):   T K N, x [T, K] f32, blocks [N/16, K/32, 352] u8 (interleaved) -> y [T, N] f32
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -96,6 +97,16 @@ int main() {
         std::vector<float> sx(T * K / act_group), aux(T * K / aux_run), y(T * N);
         ts_block_quantize(format, x.data(), T, K, q.data(), sx.data(), aux.data());
         ts_block_rows(format, q.data(), sx.data(), aux.data(), T, K, blocks.data(), y.data(), N, 0, N);
+        give(y);
+      } else if (op == 8) {
+        const int64_t T = size(), K = size(), N = size();
+        auto x = take<float>(T * K);
+        auto blocks = take<uint8_t>(N / 16 * K / 32 * 352);
+        std::vector<int8_t> q(T * K);
+        std::vector<float> sx(T * K / 32), y(T * N);
+        std::vector<int32_t> qsum(T * K / 32);
+        ts_int8_quantize(x.data(), T, K, K, q.data(), sx.data(), qsum.data());
+        ts_q5_0_rows(q.data(), sx.data(), qsum.data(), T, K, blocks.data(), y.data(), N, 0, N / 16);
         give(y);
       } else if (op == 7) {
         const int64_t T = size(), F = size();

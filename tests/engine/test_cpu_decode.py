@@ -122,12 +122,14 @@ def test_fused_matches_python_path_with_gguf_block_projections(ext):
 @pytest.mark.parametrize("rows", [1, 3, 5, 9])
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K", "Q5_0"])
 def test_block_gemv_matches_reference_row_by_row(ext, fmt, rows):
-    # GGUF blocks as stored (every code, fifth bit, scale and minimum byte random; Q5_0 rows of 28 blocks,
-    # Qwen2.5-0.5B's width): the kernel against the torch arithmetic, and a row's result does not depend on
-    # the rows beside it (decode == verification); a format the kernels do not run is refused
+    # GGUF blocks (every code, fifth bit, scale and minimum byte random; Q5_0 interleaved by 16 rows, rows of
+    # 28 blocks, Qwen2.5-0.5B's width): the kernel against the torch arithmetic, and a row's result does not
+    # depend on the rows beside it (decode == verification); a format the kernels do not run is refused
     K = 896 if fmt == "Q5_0" else 768
-    lin = block_layer(fmt, 300, K)
+    lin = block_layer(fmt, 304, K)
     def gemv(x, blocks):
+        if fmt == "Q5_0":
+            return ext.q5_0_gemv(x, blocks)
         return ext.block_gemv(x, blocks, lin.FORMAT.ggml_type)
 
     x = torch.randn(rows, K)
@@ -138,7 +140,9 @@ def test_block_gemv_matches_reference_row_by_row(ext, fmt, rows):
     with pytest.raises(RuntimeError, match="blocks"):
         gemv(torch.randn(1, 512), lin.blocks)
     with pytest.raises(RuntimeError, match="no kernel for ggml type 8"):  # Q8_0: int8_gemv's, not a block kernel
-        ext.block_gemv(x, lin.blocks, 8)
+        ext.block_gemv(x, lin.rows_of(), 8)
+    with pytest.raises(RuntimeError, match="no kernel for ggml type 6"):  # Q5_0 runs interleaved (q5_0_gemv)
+        ext.block_gemv(torch.randn(1, 896), torch.zeros(2, 28 * 22, dtype=torch.uint8), 6)
 
 
 def test_fused_skipped_where_it_does_not_apply(tiny_engine):

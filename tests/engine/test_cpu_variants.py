@@ -105,9 +105,26 @@ def test_harness_kernels_match_reference(harnesses, variant):
     lanes[:, :, :8], lanes[:, :, 8:] = -128, 127
     x = torch.where(torch.rand(4, 64) > 0.5, 1.0, -1.0)
     torch.testing.assert_close(h.int8_gemv(x, lin8.qweight, lin8.scales), lin8.reference(x), rtol=1e-5, atol=1e-4)
+    # Q5_0 interleaved by 16 rows (random codes and fifth bits; rows of 7 blocks, not whole 256-blocks; 40
+    # rows: a padded block of 16): exact integer sums and per-lane fused multiply-adds, so every variant's
+    # results equal the extension's bit for bit, whatever the rows beside them
+    lin = block_layer("Q5_0", 40, 224)
+    x = torch.randn(15, 224)
+    x[1, :32] = 0
+    y = h.q5_0_gemv(x, lin.blocks)
+    torch.testing.assert_close(y[:, :40], lin.reference(x), rtol=1e-5, atol=1e-4)
+    assert torch.equal(y, native.q5_0_gemv(x, lin.blocks))
+    assert all(torch.equal(h.q5_0_gemv(x[r:r + n], lin.blocks), y[r:r + n])
+               for r, n in ((0, 1), (4, 1), (14, 1), (1, 2), (1, 3), (3, 5), (2, 7), (5, 10)))
+    # ... and its largest sums: codes 31 (every low and fifth bit set) against activations of +-127
+    lin.blocks[..., :320] = 255
+    x = torch.where(torch.rand(4, 224) > 0.5, 1.0, -1.0)
+    y = h.q5_0_gemv(x, lin.blocks)
+    torch.testing.assert_close(y[:, :40], lin.reference(x), rtol=1e-5, atol=1e-4)
+    assert torch.equal(y, native.q5_0_gemv(x, lin.blocks))
     # GGUF blocks as stored (random codes, fifth bits, scales and minimums): the same reference on every
-    # variant; Q5_0 rows of 7 blocks (not whole 256-blocks)
-    for fmt, K in (("Q4_K", 512), ("Q5_K", 512), ("Q6_K", 512), ("Q5_0", 224)):
+    # variant
+    for fmt, K in (("Q4_K", 512), ("Q5_K", 512), ("Q6_K", 512)):
         lin = block_layer(fmt, 40, K)
         x = torch.randn(9, K)
         x[1, :32] = 0
@@ -119,7 +136,7 @@ def test_harness_kernels_match_reference(harnesses, variant):
             assert torch.equal(native.block_gemv(x, lin.blocks, lin.FORMAT.ggml_type), y)
     # the largest sums: codes 31 (63) against activations of +-127 (avx2 sums byte pairs in int16), Q6_K's
     # under scales of -128 (the int16 pair sums times the scale in one vpmaddwd)
-    for fmt, K, fill in (("Q5_0", 224, [(2, 22, 255)]), ("Q5_K", 512, [(16, 176, 255)]),
+    for fmt, K, fill in (("Q5_K", 512, [(16, 176, 255)]),
                          ("Q6_K", 512, [(0, 192, 255), (192, 208, 128)])):  # (bytes [start, stop) of each block, value)
         lin = block_layer(fmt, 40, K)
         for start, stop, byte in fill:

@@ -273,6 +273,34 @@ def test_auto_picks_a_format_no_slower_than_fp32_and_caches_it(tmp_path):
         assert isinstance(m.layers[0].attention.wqkv, kinds[choice.format])
 
 
+def test_q5_0_held_interleaved_by_16_rows_as_documented():
+    # pack_q5_0's bytes against its docstring's formula, row by row and block by block (30 rows: the second
+    # block of 16 padded with zero blocks), and back to the blocks as stored, all rows or some
+    from support import q5_0_blocks
+    from tokenspeed import quant
+
+    blocks = q5_0_blocks(30, 96, seed=3)
+    held = quant.pack_q5_0(blocks, chunk_rows=16)  # two chunks: the padded tail on its own
+    assert held.shape == (2, 3, 352) and held.dtype == torch.uint8
+    b = blocks.view(30, 3, 22)
+    for n, g in ((0, 0), (7, 2), (17, 1), (29, 2)):
+        qs, qh = b[n, g, 6:], int.from_bytes(bytes(b[n, g, 2:6].tolist()), "little")
+        low = [int(qs[i % 16]) >> (4 * (i // 16)) & 15 for i in range(32)]  # weight i's low 4 bits
+        blk, j = held[n // 16, g], n % 16
+        for o in range(4):
+            for i in range(4):
+                assert blk[64 * o + 4 * j + i] == low[8 * o + i] | low[8 * o + 4 + i] << 4
+        word = int.from_bytes(bytes(blk[256 + 4 * j:260 + 4 * j].tolist()), "little")
+        assert all((word >> (8 * i + 4 * h + o) & 1) == (qh >> (8 * o + 4 * h + i) & 1)
+                   for o in range(4) for h in range(2) for i in range(4))
+        assert torch.equal(blk[320 + 2 * j:322 + 2 * j], b[n, g, :2])
+    assert not held[1, :, [4 * j + i for j in range(14, 16) for i in range(4)]].any()  # rows 30, 31: zero
+    assert torch.equal(quant.unpack_q5_0(held, 30), blocks)
+    rows = torch.tensor([29, 0, 16, 15])
+    assert torch.equal(quant.unpack_q5_0(held, 30, rows), blocks[rows])
+    assert torch.equal(quant.pack_q5_0(blocks), held)
+
+
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K", "Q5_0"])
 def test_gguf_block_rows_equal_gguf_dequantize_bit_for_bit(fmt):
     # every code, fifth bit, scale and minimum byte random: the rows a BlockLinear multiplies (and a
@@ -282,7 +310,7 @@ def test_gguf_block_rows_equal_gguf_dequantize_bit_for_bit(fmt):
     from support import block_layer
     from tokenspeed import quant
 
-    blocks = block_layer(fmt, 30, 512).blocks
+    blocks = block_layer(fmt, 30, 512).rows_of()
     theirs = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType[fmt])
     lin, table = quant.BLOCK_LINEARS[fmt](blocks), quant.BLOCK_EMBEDDINGS[fmt](blocks)
     assert np.array_equal(lin.dequantized().numpy().view(np.uint32), theirs.view(np.uint32))
