@@ -624,16 +624,22 @@ def q5_0_dequantize(blocks: torch.Tensor) -> torch.Tensor:
 _Q5_0_HELD = 16 * 22  # bytes per 16 rows and block of 32 in `pack_q5_0`'s layout
 
 
+def _swap_fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    # [.., G, 4] uint8 fifth-bit words: bit 8o + 4h + i <-> bit 8i + 4h + o (ggml's order <-> pack_q5_0's; its own
+    # inverse)
+    bits = ((qh[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).view(*qh.shape[:-1], 4, 2, 4)
+    return (bits.transpose(-3, -1).reshape(*qh.shape, 8) << torch.arange(8, dtype=torch.uint8)).sum(-1).to(torch.uint8)
+
+
 def _interleave_q5_0(b: torch.Tensor) -> torch.Tensor:
     # [16 m, G, 22] uint8 Q5_0 blocks -> [m, G, 352] (pack_q5_0)
     m, g = b.shape[0] // 16, b.shape[1]
     d, qh, qs = b[..., :2], b[..., 2:6], b[..., 6:]
     low = torch.cat([qs & 15, qs >> 4], -1).view(-1, g, 4, 2, 4)  # [.., octet o, half h, byte i]: weight 8o + 4h + i
     nib = low[..., 0, :] | (low[..., 1, :] << 4)  # [.., o, i]
-    bits = ((qh[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).view(-1, g, 4, 2, 4)  # weight 8o + 4h + i at [o, h, i]
-    word = (bits.permute(0, 1, 4, 3, 2).reshape(-1, g, 4, 8) << torch.arange(8, dtype=torch.uint8)).sum(-1)  # byte i
+    word = _swap_fifth_bits(qh)
     return torch.cat([nib.view(m, 16, g, 4, 4).permute(0, 2, 3, 1, 4).reshape(m, g, 256),
-                      word.to(torch.uint8).view(m, 16, g, 4).transpose(1, 2).reshape(m, g, 64),
+                      word.view(m, 16, g, 4).transpose(1, 2).reshape(m, g, 64),
                       d.reshape(m, 16, g, 2).transpose(1, 2).reshape(m, g, 32)], -1)
 
 
@@ -673,9 +679,7 @@ def unpack_q5_0(held: torch.Tensor, n: int, rows: torch.Tensor | None = None) ->
     word = held[..., 256:320].view(nb, g, 16, 4)[b, :, lane]  # [R, G, 4 bytes]
     d = held[..., 320:].view(nb, g, 16, 2)[b, :, lane]
     low = torch.stack([nib & 15, nib >> 4], -2).view(-1, g, 32)  # weight 8o + 4h + i
-    bits = ((word[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1).view(-1, g, 4, 2, 4)  # [i, h, o]
-    qh = (bits.permute(0, 1, 4, 3, 2).reshape(-1, g, 4, 8) << torch.arange(8, dtype=torch.uint8)).sum(-1)
-    return torch.cat([d, qh.to(torch.uint8), low[..., :16] | (low[..., 16:] << 4)], -1).reshape(-1, g * Q5_0.nbytes)
+    return torch.cat([d, _swap_fifth_bits(word), low[..., :16] | (low[..., 16:] << 4)], -1).reshape(-1, g * Q5_0.nbytes)
 
 
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

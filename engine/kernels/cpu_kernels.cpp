@@ -192,7 +192,8 @@ void weighted_sum_of(const float* p, int64_t R, int64_t ld, const KV* v, float* 
 // sums exact int32, then one fused multiply-add per lane and group in ascending g: a row's result is its own
 // data's alone, whatever the tile, T or vector width (every family computes the same lanes in the same order,
 // bit for bit). A format W gives, for the kI rows of a vector (W::Lanes), each group's codes 8 input channels at
-// a time (w.codes, two vectors of 4-byte runs), their products (W::dot) and the group's scales (w.scales).
+// a time (W::codes, two vectors of 4-byte runs; W::group first loads what a group shares), their products
+// (W::dot) and the group's scales (w.scales_of).
 //
 // Int8Rows: codes [N / 16, K / 4, 64] int8 (tokenspeed.quant.pack_int8: byte 4 j + i of chunk c of block b is
 // code[16 b + j, 4 c + i]), scales [N / 16, G, 16] fp32 (G = 1: one per row; G = K / 32: one per 32 input
