@@ -1,9 +1,11 @@
-"""The resident engine: a model, its tokenizers and grammar tokenizer, loaded once (`Engine`);
+"""The resident engine: a model and its tokenizer, loaded once, its grammar tokenizer built once (`Engine`);
 `Engine.session()` opens the agent sessions (`tokenspeed.session.Session`)."""
 from __future__ import annotations
 
+import gc
 import json
 import os
+import threading
 import time
 
 import torch
@@ -61,7 +63,7 @@ def _fp32_model(files) -> Transformer:
 
 
 class Engine:
-    """A resident model: weights, tokenizer and grammar tokenizer, loaded once.
+    """A resident model: weights and tokenizer, loaded once; the grammar tokenizer, built once when first needed.
 
     Attributes:
         model: the `Transformer` (fp32 by default).
@@ -107,10 +109,10 @@ class Engine:
         self.device = model.device
         self.pipeline = resolve_pipeline(self.device, pipeline)
         self.weight_choice = weight_choice
-        self.ll_tokenizer = grammar_tokenizer(tokenizer)
+        self._ll_tokenizer = None  # built on first use: `ll_tokenizer`
+        self._ll_lock = threading.Lock()
         self.mask_executor = llguidance.LLExecutor(1)  # the sessions' grammar masks along draft chains
         self.call_format = call_format_for(tokenizer.chat_template)  # the family's tool-call format
-        self.load_stages.done("grammar tokenizer")
         self._grammars: dict[tuple, ToolGrammar] = {}
         self.folder = None  # set by `load`
         self.auto_threshold: dict[str, float] = {}  # `load` reads the model's calibration (`tokenspeed.auto`)
@@ -118,6 +120,21 @@ class Engine:
         self.load_stages.done("draft model")
         return_free_heap()
         self.load_stages.done("free heap returned")
+
+    @property
+    def ll_tokenizer(self):
+        """llguidance's tokenizer for this model's grammars (`tokenspeed.tokenizer.grammar_tokenizer`),
+        an `llguidance.LLTokenizer`. Built once, on first use rather than by `load`: by a session with
+        tools (`session`), else by the first grammar compiled (`grammar`, `json_grammar`); a model used
+        without tools or response formats never builds its token trie and mask slices. Thread-safe."""
+        return self._build_ll_tokenizer()
+
+    def _build_ll_tokenizer(self):
+        # `ll_tokenizer`, built if it is not yet
+        with self._ll_lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = grammar_tokenizer(self.tokenizer)
+            return self._ll_tokenizer
 
     @property
     def speculation(self) -> SpecConfig | None:
@@ -172,6 +189,9 @@ class Engine:
             pipeline: draft the next decode step while the forward runs (on the CPU that work then
                 runs on a worker thread): True, False, or None (auto: on CUDA only; see
                 `tokenspeed.device.resolve_pipeline`).
+
+        Python's cyclic garbage collector is paused during the load and left as it was after. The
+        grammar tokenizer is not built here (`ll_tokenizer`).
         Raises:
             EngineArgumentError: model not None, a string or a path; threads not None or a positive
                 integer; an unknown quantize mode, or "gguf" for a model that is not a GGUF file or
@@ -192,6 +212,20 @@ class Engine:
             raise EngineArgumentError(f"pipeline must be None, True or False, got {pipeline!r:.40}")
         if stages is not None and not isinstance(stages, LoadStages):
             raise EngineArgumentError(f"stages must be None or a LoadStages, got {type(stages).__name__}")
+        # No cyclic collection during the load: none of what it makes is garbage, and with torch imported
+        # each full collection walks every object of torch's modules, several times per load (the
+        # tokenizer, jinja2's import, the model's modules). The collector's state is restored after.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return cls._load(model, threads, dtype, device, quantize, stages, pipeline)
+        finally:
+            if collecting:
+                gc.enable()
+
+    @classmethod
+    def _load(cls, model, threads, dtype, device, quantize, stages, pipeline) -> "Engine":
+        # `load` after its arguments are checked
         model = os.fspath(model) if model is not None else None
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
@@ -258,12 +292,13 @@ class Engine:
                      pipeline=pipeline)
         engine.folder = files.folder
         engine.auto_threshold = {} if model == "tiny-random" else stored_thresholds(files.folder)
-        engine.load_s = time.perf_counter() - t0  # the whole load: the grammar tokenizer and draft model too
+        engine.load_s = time.perf_counter() - t0  # the whole load, the draft model too
         return engine
 
     def session(self, system: str | None = None, tools=None, capacity: int | None = None,
                 kv_budget: "int | KVConfig | None" = None, tool_prompt: str = DEFAULT_TOOL_PROMPT) -> "Session":
-        """A new agent session with its own KV cache.
+        """A new agent session with its own KV cache. A session with tools builds the engine's grammar
+        tokenizer if it is not built yet (`ll_tokenizer`), so that its first decision does not.
 
         Args:
             system: system prompt text (the tools are rendered after it).
@@ -282,8 +317,11 @@ class Engine:
                 needs more memory than the device has available.
             ValueError: the KV budget is invalid.
         """
-        return Session(self, system=system, tools=normalize_tools(tools), capacity=capacity, kv_budget=kv_budget,
-                       tool_prompt=tool_prompt)
+        session = Session(self, system=system, tools=normalize_tools(tools), capacity=capacity, kv_budget=kv_budget,
+                          tool_prompt=tool_prompt)
+        if session.tools:  # its decisions compile grammars: their tokenizer is built now, not in the first one
+            self._build_ll_tokenizer()
+        return session
 
     def grammar(self, tools: list[dict], tool_choice, parallel: bool = False) -> ToolGrammar:
         """Compiled call grammar for (tools, tool_choice, parallel), cached per engine."""

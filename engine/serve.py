@@ -325,13 +325,16 @@ async def _warm(app, server: Server) -> None:
     # loop, stalling every other client meanwhile (40-110 ms measured on a loaded machine): the
     # executors start their threads on their first job (`Thread.start` waits until the new thread
     # runs), FastAPI reads each endpoint's source on its first call, and the first stream's
-    # response imports anyio's asyncio backend. One call per route; the chat route's empty body is
-    # refused by `Server.prepare` (400) and reaches no engine.
+    # response imports anyio's asyncio backend, and the engine builds its grammar tokenizer on the first
+    # request with tools or a response format (`Engine.ll_tokenizer`, 0.1-0.3 s). One call per route;
+    # the chat route's empty body is refused by `Server.prepare` (400) and reaches no engine.
     import anyio
 
     anyio.Event()
     loop = asyncio.get_running_loop()
-    await asyncio.gather(loop.run_in_executor(server.executor, int), loop.run_in_executor(server.prep, int))
+    engine = server.chat.engine
+    await asyncio.gather(loop.run_in_executor(server.executor, lambda: engine.ll_tokenizer),
+                         loop.run_in_executor(server.prep, int))
 
     async def ignore(message) -> None:
         pass

@@ -293,7 +293,8 @@ def write_grammar_tokens(tok: Tokenizer) -> None:
     none (and the tokenizer has no normalizer): llguidance's build from the tokenizer.json text, its
     bytes written, then dropped and its heap returned. `Engine.load` calls it before the weights, so
     the first build's transient memory (+113 MiB at Qwen2.5's 152k tokens) is gone before they arrive
-    rather than stacked on them; the grammar tokenizer is built after them from the entry (+89 MiB)."""
+    rather than stacked on them; the grammar tokenizer is built from the entry when first needed
+    (`Engine.ll_tokenizer`)."""
     path = tok.grammar_entry
     if tok._tok.normalizer is None and not path.is_file():
         _token_bytes_from_text(tok, path)

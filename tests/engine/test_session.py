@@ -285,6 +285,41 @@ def test_tiny_random_model_still_gives_schema_valid_calls(tiny_engine, robot_too
         assert d.status == "invalid" and d.tool_call is None
 
 
+def test_the_grammar_tokenizer_is_built_once_by_the_first_session_with_tools(robot_tools, monkeypatch):
+    # not by the load: a model used without tools never builds it; then once, whichever threads ask
+    import threading
+
+    import tokenspeed
+    import tokenspeed.engine
+
+    builds = []
+    real = tokenspeed.engine.grammar_tokenizer
+
+    def counted(tok):  # the real build, counted
+        builds.append(threading.get_ident())
+        return real(tok)
+
+    monkeypatch.setattr(tokenspeed.engine, "grammar_tokenizer", counted)
+    engine = tokenspeed.Engine.load("tiny-random")
+    engine.session(system="plain text")
+    assert builds == []
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(engine.ll_tokenizer)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and len(got) == 4 and all(g is got[0] for g in got)
+    engine.session(tools=robot_tools).decide(max_tokens=4)
+    assert len(builds) == 1
+
+    fresh = tokenspeed.Engine.load("tiny-random")
+    s = fresh.session(tools=robot_tools)
+    assert len(builds) == 2  # the session built it, before any decision
+    s.observe("anything")
+    assert s.decide(max_tokens=16).status in ("ok", "invalid", "max_tokens") and len(builds) == 2
+
+
 def test_generate_greedy_and_seeded_sampling(plain_engine):
     prompt = "What is the capital of France? Answer in one word."
     a = plain_engine.generate(prompt, max_tokens=12)
