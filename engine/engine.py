@@ -76,6 +76,7 @@ class Engine:
         device: the torch device of the weights, where every tensor of the sessions lives.
         weight_choice: the `tokenspeed.quant.FormatChoice` behind `weights` when loaded with
             quantize="auto" (its timings; None otherwise).
+        ll_tokenizer: llguidance's tokenizer for the grammars, built on first use (see the property).
         call_format: the `tokenspeed.grammar.CallFormat` the model's chat template writes tool
             calls in (`call_format_for`): what the grammar constrains and the decision parses.
         load_stages: `LoadStages` of the load (model files, tokenizers, weights, draft model).
@@ -126,7 +127,12 @@ class Engine:
         """llguidance's tokenizer for this model's grammars (`tokenspeed.tokenizer.grammar_tokenizer`),
         an `llguidance.LLTokenizer`. Built once, on first use rather than by `load`: by a session with
         tools (`session`), else by the first grammar compiled (`grammar`, `json_grammar`); a model used
-        without tools or response formats never builds its token trie and mask slices. Thread-safe."""
+        without tools or response formats never builds its token trie and mask slices. Thread-safe.
+
+        Raises:
+            whatever llguidance raises for a tokenizer it cannot build (the build is tried again at the
+            next use).
+        """
         return self._build_ll_tokenizer()
 
     def _build_ll_tokenizer(self):
@@ -190,8 +196,9 @@ class Engine:
                 runs on a worker thread): True, False, or None (auto: on CUDA only; see
                 `tokenspeed.device.resolve_pipeline`).
 
-        Python's cyclic garbage collector is paused during the load and left as it was after. The
-        grammar tokenizer is not built here (`ll_tokenizer`).
+        Python's cyclic garbage collector is paused during the load, process-wide, and left as it was
+        after. The grammar tokenizer is not built here (`ll_tokenizer`).
+
         Raises:
             EngineArgumentError: model not None, a string or a path; threads not None or a positive
                 integer; an unknown quantize mode, or "gguf" for a model that is not a GGUF file or
@@ -212,9 +219,10 @@ class Engine:
             raise EngineArgumentError(f"pipeline must be None, True or False, got {pipeline!r:.40}")
         if stages is not None and not isinstance(stages, LoadStages):
             raise EngineArgumentError(f"stages must be None or a LoadStages, got {type(stages).__name__}")
-        # No cyclic collection during the load: none of what it makes is garbage, and with torch imported
-        # each full collection walks every object of torch's modules, several times per load (the
-        # tokenizer, jinja2's import, the model's modules). The collector's state is restored after.
+        # No cyclic collection during the load: with torch imported each full collection walks every object
+        # of torch's modules, several times per load (the tokenizer, jinja2's import, the model's modules).
+        # The collector's state is restored after; its next collection then walks only the young objects
+        # the load kept, not a full one.
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -298,7 +306,8 @@ class Engine:
     def session(self, system: str | None = None, tools=None, capacity: int | None = None,
                 kv_budget: "int | KVConfig | None" = None, tool_prompt: str = DEFAULT_TOOL_PROMPT) -> "Session":
         """A new agent session with its own KV cache. A session with tools builds the engine's grammar
-        tokenizer if it is not built yet (`ll_tokenizer`), so that its first decision does not.
+        tokenizer if it is not built yet (`ll_tokenizer`, which names what that may raise), so that its
+        first decision does not.
 
         Args:
             system: system prompt text (the tools are rendered after it).

@@ -418,7 +418,10 @@ class Session:
             jump_forward: append forced tokens without a model call (off: one forward per token).
             parallel: the answer may hold several calls (`Decision.tool_calls`).
             response_format: a JSON schema: the answer is one JSON value valid under it (status
-                "text"; tools and tool_choice are ignored).
+                "text"; tools and tool_choice are ignored). Each new schema's grammar is compiled in the
+                first call that uses it, and in a session without tools the first one also builds the
+                engine's grammar tokenizer (`Engine.ll_tokenizer`), inside the deadline: call
+                `engine.json_grammar(schema)` beforehand to keep both out of it.
             temperature, top_p, seed: sampling (temperature 0: greedy), as in `generate()`.
             on_text: callback(str) receiving each new piece of a text answer as it is generated
                 (never pieces of a call); returning True stops the answer there (stop sequences).

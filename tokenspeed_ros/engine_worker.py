@@ -471,7 +471,7 @@ class EngineWorker:
                                             dtype=self._cfg["dtype"], stages=stages)
             self._session = engine.session(system=self._cfg["system"], tools=self._cfg["tools"],
                                            kv_budget=self._kv_budget)
-            stages.done("session: system prompt and tools prefilled")
+            stages.done("session: grammar tokenizer, system prompt and tools prefilled")
             self._episode_start = self._session.checkpoint()
             self.context_tokens = self._session.num_tokens
             self.weights = engine.weights

@@ -192,7 +192,7 @@ def test_launcher_runs_both_nodes_and_ctrl_c_leaves_no_process(probe, ros_env):
     assert stages[:5] == ["process start to main (Python, the node's imports)", "rclpy and the node",
                           "waiting for configure", "configure: parameters, topics, tools",
                           "engine imports (torch; begun at process start)"]
-    assert stages[-1] == "session: system prompt and tools prefilled" and "tokenizer" in stages
+    assert stages[-1] == "session: grammar tokenizer, system prompt and tools prefilled" and "tokenizer" in stages
     assert all(float(v) >= 0 for k, s in engine.items() if k.startswith("startup: ") for v in s.split())
 
 
