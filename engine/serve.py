@@ -517,7 +517,8 @@ def create_app(server: Server):
                 done, _ = await asyncio.wait({future}, timeout=timeout)
                 if done:
                     return future.result() or server.chat.stopped(job, deadline_at, "dropped in the queue")
-                if ticket.drop():
+                # uvloop's timers fire up to a millisecond early: drop only once the deadline has passed
+                if time.monotonic() >= deadline_at and ticket.drop():
                     return server.chat.stopped(job, deadline_at, "the deadline passed in the queue")
 
         if not req.stream:
