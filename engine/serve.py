@@ -220,7 +220,8 @@ class Server:
     def ahead_s(self) -> float:
         """Estimated seconds until the engine has finished the requests admitted so far."""
         now = time.monotonic()
-        return sum(t.cost_s - (now - t.started if t.started is not None else 0.0) for t in self.tickets
+        # a request running past its estimate counts nothing more (not less than nothing)
+        return sum(max(0.0, t.cost_s - (now - t.started if t.started is not None else 0.0)) for t in self.tickets
                    if not t.dropped and not t.gone.is_set()) if self.tickets else 0.0
 
     def retry_after(self) -> int:

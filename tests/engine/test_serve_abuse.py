@@ -233,6 +233,7 @@ def test_deadline_passing_in_the_queue_answers_at_once(url):
     worker.join()
     print(f"queued request with deadline 300 ms (ahead: estimated {ahead * 1e3:.0f} ms) answered after "
           f"{waited * 1e3:.0f} ms; the answer ahead took {long['took'] * 1e3:.0f} ms (alone: {full * 1e3:.0f} ms)")
+    assert ahead >= 0.0  # the answer ahead past its estimate counts nothing, not less
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "length" and choice["tokenspeed_finish"]["reason"] == "deadline"
     assert metrics(url)['tokenspeed_dropped_total{why="queue"}'] == dropped + 1  # the engine skipped it
