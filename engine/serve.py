@@ -110,7 +110,7 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
-    deadline_ms: float | None = Field(default=None, gt=0)
+    deadline_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     auto_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
 
 
@@ -199,7 +199,8 @@ class Server:
                 ("tokenspeed_cache_sessions", "conversations held", lambda: len(cache)),
                 ("tokenspeed_cache_bytes", "KV bytes held by cached conversations", lambda: cache.nbytes),
                 ("tokenspeed_queue_depth", "requests running, waiting or being prepared", lambda: self.depth),
-                ("tokenspeed_queue_ahead_seconds", "estimated engine seconds of the admitted requests",
+                ("tokenspeed_queue_ahead_seconds", "estimated engine seconds left of the admitted requests (one "
+                 "running past its estimate: 0)",
                  lambda: self.ahead_s()),
                 ("tokenspeed_prefill_seconds_per_token", "measured prefill time per prompt token (admission estimate)",
                  lambda: self.prefill_s),
@@ -518,8 +519,9 @@ def create_app(server: Server):
                 done, _ = await asyncio.wait({future}, timeout=timeout)
                 if done:
                     return future.result() or server.chat.stopped(job, deadline_at, "dropped in the queue")
-                # uvloop's timers fire up to a millisecond early: drop only once the deadline has passed
-                if time.monotonic() >= deadline_at and ticket.drop():
+                # uvloop rounds timers to whole milliseconds, so the wait may end just before the
+                # deadline: drop only once it has passed
+                if deadline_at is not None and time.monotonic() >= deadline_at and ticket.drop():
                     return server.chat.stopped(job, deadline_at, "the deadline passed in the queue")
 
         if not req.stream:

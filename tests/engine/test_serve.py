@@ -203,6 +203,16 @@ def test_bad_bodies_get_openai_errors_naming_the_field(base_url, body, param):
         assert "j:" in err["message"]  # the offending property is named
 
 
+def test_an_infinite_deadline_is_a_bad_deadline_ms(base_url):
+    # JSON's Infinity (Python's json reads it) is no deadline: a 400 naming deadline_ms, before any engine work
+    raw = b'{"model": "tokenspeed", "messages": [{"role": "user", "content": "hi"}], "deadline_ms": Infinity}'
+    r = httpx.post(f"{base_url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == "deadline_ms"
+
+
 def test_full_queue_answers_429_at_once(client, base_url):
     long = dict(model="tokenspeed", messages=[{"role": "user", "content": "Tell a long story about a robot."}],
                 max_tokens=150)
