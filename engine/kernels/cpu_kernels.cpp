@@ -545,34 +545,57 @@ void interleaved_rows(const W& w, const Acts8& a, int64_t T, float* y, int64_t N
 // are exact int32 (dot4: 4 byte products per lane, dsum per group) and the float accumulation runs in a fixed
 // order per lane, so a row's result depends neither on how many rows share the call
 // (speculative verification == plain decoding, bit for bit) nor on the vector width.
+// The kI-channel slices of an output block one pass holds at once: the most (16 / kI halved until it fits)
+// whose float and integer sums for TT rows (2 TT per slice), the TT rows' two activation broadcasts and a
+// vector of codes with its two nibble halves fit the kRegs registers. Decode (few rows) then reads each
+// 64-byte row of codes once, and each activation broadcast serves every slice (avx2: 2 slices up to 2 rows).
+template <int TT>
+constexpr int int4_slices() {
+  int n = 16 / kI;
+  while (n > 1 && 2 * TT * n + 2 * TT + 3 > kRegs) n /= 2;
+  return n;
+}
+
 template <int TT>
 void int4_block(const int8_t* q, const float* sx, const float* xs, int64_t t0, int64_t K, const uint8_t* codes,
                 const uint16_t* sm, float* y, int64_t N, int64_t nb0, int64_t nb1) {
+  constexpr int S = int4_slices<TT>();
   const int64_t G = K / kQGroup, O = K / 8;
   for (int64_t nb = nb0; nb < nb1; ++nb)
-    for (int p = 0; p < 16 / kI; ++p) {  // kI of the block's 16 output channels
-      vf acc[TT];
-      for (int t = 0; t < TT; ++t) acc[t] = zero();
-      const uint8_t* cb = codes + nb * O * 64 + p * 4 * kI;
-      const uint16_t* sb = sm + nb * G * 32 + p * kI;
+    for (int p0 = 0; p0 < 16 / kI; p0 += S) {  // S x kI of the block's 16 output channels
+      vf acc[TT][S];
+      for (int t = 0; t < TT; ++t)
+        for (int p = 0; p < S; ++p) acc[t][p] = zero();
+      const uint8_t* cb = codes + nb * O * 64 + p0 * 4 * kI;
+      const uint16_t* sb = sm + nb * G * 32 + p0 * kI;
       for (int64_t g = 0; g < G; ++g) {
-        vi dot[TT];
-        for (int t = 0; t < TT; ++t) dot[t] = izero();
+        vi dot[TT][S];
+        for (int t = 0; t < TT; ++t)
+          for (int p = 0; p < S; ++p) dot[t][p] = izero();
         for (int64_t o = 0; o < kQGroup / 8; ++o) {
-          const vi v = iload(cb + (g * (kQGroup / 8) + o) * 64);
-          const vi lo = nibbles_lo(v), hi = nibbles_hi(v);
           const int8_t* qk = q + t0 * K + g * kQGroup + o * 8;
-          for (int t = 0; t < TT; ++t)
-            dot[t] = dot4(dot4(dot[t], lo, bcast4(load_i32(qk + t * K))), hi, bcast4(load_i32(qk + t * K + 4)));
+          vi qa[TT], qb[TT];
+          for (int t = 0; t < TT; ++t) {
+            qa[t] = bcast4(load_i32(qk + t * K));
+            qb[t] = bcast4(load_i32(qk + t * K + 4));
+          }
+          for (int p = 0; p < S; ++p) {
+            const vi v = iload(cb + (g * (kQGroup / 8) + o) * 64 + p * 4 * kI);
+            const vi lo = nibbles_lo(v), hi = nibbles_hi(v);
+            for (int t = 0; t < TT; ++t) dot[t][p] = dot4(dot4(dot[t][p], lo, qa[t]), hi, qb[t]);
+          }
         }
-        const vf s = load_bf16(sb + g * 32), m = load_bf16(sb + g * 32 + 16);
-        for (int t = 0; t < TT; ++t) {
-          const int64_t i = (t0 + t) * G + g;
-          acc[t] = fmadd(to_float(dsum(dot[t])), mul(s, set1(sx[i])), acc[t]);
-          acc[t] = fmadd(m, set1(xs[i]), acc[t]);
+        for (int p = 0; p < S; ++p) {
+          const vf s = load_bf16(sb + g * 32 + p * kI), m = load_bf16(sb + g * 32 + 16 + p * kI);
+          for (int t = 0; t < TT; ++t) {
+            const int64_t i = (t0 + t) * G + g;
+            acc[t][p] = fmadd(to_float(dsum(dot[t][p])), mul(s, set1(sx[i])), acc[t][p]);
+            acc[t][p] = fmadd(m, set1(xs[i]), acc[t][p]);
+          }
         }
       }
-      for (int t = 0; t < TT; ++t) store(y + (t0 + t) * N + nb * 16 + p * kI, acc[t]);
+      for (int t = 0; t < TT; ++t)
+        for (int p = 0; p < S; ++p) store(y + (t0 + t) * N + nb * 16 + (p0 + p) * kI, acc[t][p]);
     }
 }
 
