@@ -560,6 +560,7 @@ template <int TT>
 void int4_block(const int8_t* q, const float* sx, const float* xs, int64_t t0, int64_t K, const uint8_t* codes,
                 const uint16_t* sm, float* y, int64_t N, int64_t nb0, int64_t nb1) {
   constexpr int S = int4_slices<TT>();
+  static_assert(16 % kI == 0 && S >= 1 && (16 / kI) % S == 0, "slices of kI channels must tile a block of 16");
   const int64_t G = K / kQGroup, O = K / 8;
   for (int64_t nb = nb0; nb < nb1; ++nb)
     for (int p0 = 0; p0 < 16 / kI; p0 += S) {  // S x kI of the block's 16 output channels
