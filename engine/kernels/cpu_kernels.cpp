@@ -547,8 +547,9 @@ void interleaved_rows(const W& w, const Acts8& a, int64_t T, float* y, int64_t N
 // (speculative verification == plain decoding, bit for bit) nor on the vector width.
 // The kI-channel slices of an output block one pass holds at once: the most (16 / kI halved until it fits)
 // whose float and integer sums for TT rows (2 TT per slice), the TT rows' two activation broadcasts and a
-// vector of codes with its two nibble halves fit the kRegs registers. Decode (few rows) then reads each
-// 64-byte row of codes once, and each activation broadcast serves every slice (avx2: 2 slices up to 2 rows).
+// vector of codes with its two nibble halves fit the kRegs registers. Where a pass then holds the whole
+// block (avx2 up to 2 rows), each 64-byte row of codes is swept once; each activation broadcast serves every
+// slice of the pass.
 template <int TT>
 constexpr int int4_slices() {
   int n = 16 / kI;

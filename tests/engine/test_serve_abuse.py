@@ -210,8 +210,8 @@ def _wait_for_depth(url: str, depth: int) -> None:
 
 
 def _wait_for_metric(url: str, key: str, value: float) -> None:
-    """Poll /metrics until `key` reaches `value` (30 s at most): the engine thread counts a dropped
-    request when it reaches it in the queue, which may be after its client has its answer."""
+    """Poll /metrics until `key` reaches `value` (30 s at most): the engine thread counts a dropped or
+    cancelled request when it reaches or stops it, which may be after the test has its answer."""
     deadline = time.monotonic() + 30
     while metrics(url).get(key, 0.0) < value and time.monotonic() < deadline:
         time.sleep(0.05)
