@@ -17,21 +17,16 @@ using namespace isa;
 constexpr int64_t kQGroup = 32;
 constexpr int64_t kAttendTile = 32;  // query rows per attention tile (ts_attend_rows)
 
-// Software prefetch into L2 for the W4A8 kernel's weight streams (its codes and scales), kPrefetchAhead bytes
-// of codes before it reads them. One thread's decode step streams the weights once from memory, and with the
-// hardware prefetchers alone the kernel read them at ~0.7x the bandwidth a plain sum reaches, the loads waiting
-// on memory. Measured (the kernel alone, one thread, 24 1.5b-wide projections, ~190-250 MB from memory, builds
-// alternating in one process): avx2 0.85-0.86x the time at 1 token row and 0.75x at 4; avx512 0.70-0.97x at 1
-// and 0.70x at 4; 8, 16 and 32 KiB ahead within 3% of one another, into L1 (prefetcht0) no gain, ~3% slower on
-// weights already cached. The other weight kernels keep the hardware prefetchers alone: the W8A8 one measured
-// the same with it (0.98-1.02x), the GGUF block rows (row-major Q6_K) 1.08-1.20x slower on avx2 at one row,
-// and prefetching only part of each block's lines there 1.6-1.9x slower.
+// The W4A8 kernel prefetches its weight streams into L2 this many bytes of codes ahead: with the hardware
+// prefetchers alone a decode step waited on memory (timed on x86 only: README, "bench scale"; the other weight
+// kernels measured no gain or a loss with it and keep the hardware prefetchers).
 constexpr int64_t kPrefetchAhead = 8192;
 
-// Prefetches into L2 the 64-byte lines of [p + ahead, p + ahead + bytes) (a hint: no fault past a buffer's end).
+// Prefetches into L2 the 64-byte lines of [p + ahead, p + ahead + bytes): a hint, which never faults, so the
+// address is formed as an integer (it may lie past the end of the buffer).
 inline void prefetch_ahead(const void* p, int64_t bytes, int64_t ahead = kPrefetchAhead) {
-  const char* c = static_cast<const char*>(p) + ahead;
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(ahead);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(reinterpret_cast<const void*>(a + i), 0, 2);
 }
 
 // Calls f(std::integral_constant<int, n>) for 1 <= n <= M: runtime row counts to the
@@ -580,7 +575,7 @@ void int4_block(const int8_t* q, const float* sx, const float* xs, int64_t t0, i
   constexpr int S = int4_slices<TT>();
   static_assert(16 % kI == 0 && S >= 1 && (16 / kI) % S == 0, "slices of kI channels must tile a block of 16");
   const int64_t G = K / kQGroup, O = K / 8;
-  const bool fetch = t0 == 0;  // a panel's first token block streams its weights; later ones find them cached
+  const bool fetch = t0 == 0;  // a panel's first token block streams its weights (prefill's later ones find them cached)
   for (int64_t nb = nb0; nb < nb1; ++nb)
     for (int p0 = 0; p0 < 16 / kI; p0 += S) {  // S x kI of the block's 16 output channels
       vf acc[TT][S];
@@ -590,8 +585,8 @@ void int4_block(const int8_t* q, const float* sx, const float* xs, int64_t t0, i
       const uint16_t* sb = sm + nb * G * 32 + p0 * kI;
       for (int64_t g = 0; g < G; ++g) {
         if (fetch && p0 == 0) {  // the group's 4 rows of codes and its scales (64 bytes per 256 of codes)
-          prefetch_ahead(codes + (nb * O + g * (kQGroup / 8)) * 64, kQGroup / 8 * 64);
-          prefetch_ahead(sm + (nb * G + g) * 32, 64, kPrefetchAhead / 4);
+          prefetch_ahead(cb + g * (kQGroup / 8) * 64, kQGroup / 8 * 64);
+          prefetch_ahead(sb + g * 32, 64, kPrefetchAhead / 4);
         }
         vi dot[TT][S];
         for (int t = 0; t < TT; ++t)
