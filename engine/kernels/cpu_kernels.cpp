@@ -17,9 +17,9 @@ using namespace isa;
 constexpr int64_t kQGroup = 32;
 constexpr int64_t kAttendTile = 32;  // query rows per attention tile (ts_attend_rows)
 
-// The W4A8 kernel prefetches its weight streams into L2 this many bytes of codes ahead: with the hardware
-// prefetchers alone a decode step waited on memory (timed on x86 only: README, "bench scale"; the other weight
-// kernels measured no gain or a loss with it and keep the hardware prefetchers).
+// The W4A8 kernel prefetches its weight streams into L2 this many bytes of codes ahead where the family's
+// kPrefetchInt4 says so (cpu_isa.h: avx2, whose decode step waited on memory with the hardware prefetchers
+// alone; README, "bench scale"). The other weight kernels measured no gain or a loss with it.
 constexpr int64_t kPrefetchAhead = 8192;
 
 // Prefetches into L2 the 64-byte lines of [p + ahead, p + ahead + bytes): a hint, which never faults, so the
@@ -575,7 +575,8 @@ void int4_block(const int8_t* q, const float* sx, const float* xs, int64_t t0, i
   constexpr int S = int4_slices<TT>();
   static_assert(16 % kI == 0 && S >= 1 && (16 / kI) % S == 0, "slices of kI channels must tile a block of 16");
   const int64_t G = K / kQGroup, O = K / 8;
-  const bool fetch = t0 == 0;  // a panel's first token block streams its weights (prefill's later ones find them cached)
+  // a panel's first token block streams its weights (prefill's later ones find them cached)
+  const bool fetch = kPrefetchInt4 && t0 == 0;
   for (int64_t nb = nb0; nb < nb1; ++nb)
     for (int p0 = 0; p0 < 16 / kI; p0 += S) {  // S x kI of the block's 16 output channels
       vf acc[TT][S];
