@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Int8Linear", "Int4Linear", "Int8Embedding", "Int4TinygemmLinear", "BlockFormat", "BlockLinear",
+__all__ = ["Int8Linear", "Int4Linear", "Q4KInt4Linear", "StackedLinear", "Int8Embedding", "Int4TinygemmLinear", "BlockFormat", "BlockLinear",
            "BlockEmbedding", "Q4KLinear", "Q4KEmbedding", "Q5KLinear", "Q5KEmbedding", "Q6KLinear", "Q6KEmbedding",
            "Q5_0Linear", "Q5_0Embedding", "BLOCK_LINEARS", "BLOCK_EMBEDDINGS", "Q4_K", "Q5_K", "Q6_K", "Q5_0",
            "qk_dequantize", "q6k_dequantize", "q5_0_dequantize", "pack_q5_0", "unpack_q5_0", "QUANTIZED", "q4_1_groups", "gguf_int4_groups", "int8_groups",
@@ -78,9 +78,9 @@ def q4_1_groups(weight: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, to
 
 
 # GGUF block types whose values are exactly 4-bit codes in groups of 32 with a scale and a minimum
-# (w = code * scale + min): bytes per block and values per block (ggml's block_q4_0, block_q4_1,
-# block_q4_K). Their blocks repack into `Int4Linear` without re-quantization.
-GGUF_INT4_TYPES = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256)}
+# (w = code * scale + min): bytes per block and values per block (ggml's block_q4_0, block_q4_1).
+# Their blocks repack into `Int4Linear` without re-quantization (Q4_K's: `Q4KInt4Linear`).
+GGUF_INT4_TYPES = {"Q4_0": (18, 32), "Q4_1": (20, 32)}
 
 
 def gguf_int4_groups(blocks: np.ndarray, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,15 +89,12 @@ def gguf_int4_groups(blocks: np.ndarray, qtype: str) -> tuple[torch.Tensor, torc
 
     - Q4_0 (fp16 d, 16 bytes of codes q): w = (q - 8) d, so scale = d and min = -8 d.
     - Q4_1 (fp16 d, fp16 m, 16 bytes of codes): w = q d + m.
-    - Q4_K (super-blocks of 256: fp16 d and dmin, 12 bytes packing eight 6-bit (sc, m) pairs, 128
-      bytes of codes): w = q (d sc) - dmin m for each sub-block of 32, so scale = d sc, min = -dmin m.
-    Byte j of a 32-value run holds value j in its low nibble and value j + 16 in its high one (Q4_0,
-    Q4_1); in Q4_K each 32-byte run holds two sub-blocks, the first in the low nibbles.
+    Byte j of a 32-value run holds value j in its low nibble and value j + 16 in its high one.
 
     Args:
         blocks: [N, K / values_per_block * bytes_per_block] uint8, one row per output channel (a
             `gguf.GGUFReader` tensor's `data`; may be a read-only memory map).
-        qtype: "Q4_0", "Q4_1" or "Q4_K".
+        qtype: "Q4_0" or "Q4_1".
     Returns:
         codes [N, K] uint8 (0..15), scale [N, K / 32] fp32, minimum [N, K / 32] fp32 (`Int4Linear.pack` input).
     Raises:
@@ -114,17 +111,11 @@ def gguf_int4_groups(blocks: np.ndarray, qtype: str) -> tuple[torch.Tensor, torc
     def half(at: int) -> np.ndarray:  # [N, blocks] fp16 field at byte offset `at` -> fp32
         return np.ascontiguousarray(b[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
 
-    if qtype == "Q4_K":
-        qs = b[..., 16:].reshape(n, -1, 4, 1, 32)
-        codes = np.concatenate([qs & 15, qs >> 4], 3)  # [N, blocks, 4 runs, 2 sub-blocks, 32]
-        ds, dm = _k_scales(torch.from_numpy(b[..., :16].reshape(-1, 16).copy()))  # [N * blocks, 8]
-        scale, minimum = ds.numpy(), -dm.numpy()
-    else:
-        at = 2 if qtype == "Q4_0" else 4
-        qs = b[..., at:]
-        codes = np.concatenate([qs & 15, qs >> 4], -1)  # [N, blocks, 32]
-        scale = half(0)
-        minimum = -8 * scale if qtype == "Q4_0" else half(2)
+    at = 2 if qtype == "Q4_0" else 4
+    qs = b[..., at:]
+    codes = np.concatenate([qs & 15, qs >> 4], -1)  # [N, blocks, 32]
+    scale = half(0)
+    minimum = -8 * scale if qtype == "Q4_0" else half(2)
     return (torch.from_numpy(codes.reshape(n, -1)), torch.from_numpy(scale.reshape(n, -1)),
             torch.from_numpy(np.ascontiguousarray(minimum.reshape(n, -1))))
 
@@ -416,18 +407,28 @@ class Int4Linear(nn.Module):
         lane j in input octet o has code k = 8o + b in its low nibble and k = 8o + 4 + b in its high one.
         """
         n, k = codes.shape
-        nb, octets, groups = n // 16, k // 8, k // Int4Linear.GROUP
-        c = codes.to(torch.uint8).reshape(nb, 16, octets, 2, 4)
-        packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(nb, octets, 64).contiguous()
+        nb, groups = n // 16, k // Int4Linear.GROUP
         per_block = [t.reshape(nb, 16, groups).permute(0, 2, 1) for t in (scale, minimum)]
-        return packed, torch.stack(per_block, 2).to(torch.bfloat16).contiguous()
+        return Int4Linear.pack_codes(codes), torch.stack(per_block, 2).to(torch.bfloat16).contiguous()
+
+    @staticmethod
+    def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+        """Codes [N, K] (0..15) -> [N/16, K/8, 64] uint8, the layout `pack` describes."""
+        n, k = codes.shape
+        nb, octets = n // 16, k // 8
+        c = codes.to(torch.uint8).reshape(nb, 16, octets, 2, 4)
+        return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(nb, octets, 64).contiguous()
+
+    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, min), each [out, in / 32] fp32 (the bf16 values widened)."""
+        return tuple(self.scales[:, :, i].permute(0, 2, 1).reshape(self.out_features, -1).float() for i in (0, 1))
 
     def dequantized(self) -> torch.Tensor:
         """The weight as [out, in] fp32 (code * scale + min)."""
         nb, octets, _ = self.codes.shape
         c = self.codes.reshape(nb, octets, 16, 4).permute(0, 2, 1, 3)  # [nb, 16, octet, 4]
         codes = torch.stack([c & 15, c >> 4], 3).reshape(self.out_features, self.in_features).float()
-        s, m = (self.scales[:, :, i].permute(0, 2, 1).reshape(self.out_features, -1).float() for i in (0, 1))
+        s, m = self.group_scales()
         g = self.GROUP
         return (codes.reshape(self.out_features, -1, g) * s[..., None] + m[..., None]).reshape(self.out_features, -1)
 
@@ -454,6 +455,97 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.GROUP}, int8 activations"
+
+
+class Q4KInt4Linear(Int4Linear):
+    """A GGUF file's Q4_K projection run by the W4A8 kernel of `Int4Linear`, its weights exactly the file's.
+
+    The same 4-bit codes and arithmetic as `Int4Linear`, but the scales stay Q4_K's two-level ones instead
+    of bf16 per group: per super-block of 256 input channels fp16 d and dmin, per group of 32 a 6-bit sc and
+    m, w = code * (d sc) - dmin m. The kernel forms d sc and dmin m in fp32, exactly (11 x 6 significant
+    bits), so the layer multiplies by the file's values, not bf16 roundings of them, and reads 9.25 bytes per
+    16 weights where `Int4Linear` reads 10 (the file's Q4_K: 9).
+
+    Buffers: codes [out / 16, in / 8, 64] uint8 (`Int4Linear.pack`) and scales [out / 16, in / 256, 320] uint8
+    (`pack_super`), bias [out] or None. forward as `Int4Linear`'s.
+
+    Raises (constructors): ValueError if in_features is not a multiple of 256 or out_features of 16.
+    """
+
+    SUPER = 256  # input channels per Q4_K super-block
+    SCALE_BYTES = 320  # per output block of 16 rows and super-block: d, -dmin [16] fp16, then 8 x (sc, m) [16] int8
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        raise TypeError("Q4KInt4Linear holds a GGUF file's Q4_K blocks: use Q4KInt4Linear.from_blocks")
+
+    @classmethod
+    def from_groups(cls, *args, **kwargs):
+        raise TypeError("Q4KInt4Linear holds a GGUF file's Q4_K blocks: use Q4KInt4Linear.from_blocks")
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, bias: torch.Tensor | None = None) -> "Q4KInt4Linear":
+        """A layer of a GGUF file's Q4_K blocks [N, K / 256 * 144] uint8 (one row per output channel), exactly.
+
+        Raises:
+            ValueError: the shape does not fit the layout (`supports`) or the rows are not whole blocks.
+        """
+        lead, b = _whole_blocks(blocks, Q4_K)
+        n, k = lead[0], b.shape[0] // lead[0] * cls.SUPER
+        cls._require((n, k))
+        d, dmin, sc, m = _k_scale_parts(b)
+        qs = b[:, 16:].reshape(n, -1, 4, 1, 32)
+        codes = torch.cat([qs & 15, qs >> 4], 3).reshape(n, k)  # each run of 32 bytes: two sub-blocks
+        layer = _bare(cls)
+        layer._store(cls.pack_codes(codes), cls.pack_super(d.reshape(n, -1), dmin.reshape(n, -1), sc.reshape(n, -1, 8), m.reshape(n, -1, 8)),
+                     bias)
+        return layer
+
+    @classmethod
+    def pack_super(cls, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """d and dmin [N, S] fp16, sc and m [N, S, 8] uint8 (6-bit) of S super-blocks per row -> scales
+        [N / 16, S, 320] uint8: per output block and super-block, d [16] and -dmin [16] fp16 (lane j: row 16 nb + j),
+        then per group g its sc [16] and m [16] (int8 0..63)."""
+        n, S = d.shape
+        nb = n // 16
+
+        def lanes(t: torch.Tensor) -> torch.Tensor:  # [N, S, ...] -> [nb, S, ..., 16]
+            t = t.reshape(nb, 16, *t.shape[1:])
+            return t.permute(0, *range(2, t.dim()), 1)
+
+        halves = torch.stack([lanes(d), lanes(-dmin)], 2).contiguous().view(torch.uint8).reshape(nb, S, 64)
+        small = torch.stack([lanes(sc), lanes(m)], 3).reshape(nb, S, 256)
+        return torch.cat([halves, small.to(torch.uint8)], 2).contiguous()
+
+    @classmethod
+    def empty(cls, linear: nn.Linear) -> "Q4KInt4Linear":
+        """An uninitialised CPU layer of `linear`'s shape (`linear` may be on the meta device), for
+        `load_state_dict` to fill (the quantized weights cache, `tokenspeed.weights`)."""
+        n, k = linear.weight.shape
+        return _uninitialised(cls, linear, torch.empty(n // 16, k // 8, 64, dtype=torch.uint8),
+                              torch.empty(n // 16, k // cls.SUPER, cls.SCALE_BYTES, dtype=torch.uint8))
+
+    @staticmethod
+    def supports(shape: tuple[int, int]) -> bool:
+        """Whether a weight of `shape` [out, in] fits the layout (whole super-blocks, blocks of 16 rows)."""
+        return shape[1] % Q4KInt4Linear.SUPER == 0 and shape[0] % 16 == 0
+
+    @staticmethod
+    def _require(shape: tuple[int, int]) -> None:
+        if not Q4KInt4Linear.supports(shape):
+            raise ValueError(f"Q4KInt4Linear needs in_features divisible by {Q4KInt4Linear.SUPER} and out_features "
+                             f"by 16, got {shape[0]}x{shape[1]}")
+
+    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d sc, -dmin m), each [out, in / 32] fp32: the exact per-group scale and minimum."""
+        nb, S, _ = self.scales.shape
+        halves = self.scales[..., :64].contiguous().view(torch.float16).reshape(nb, S, 1, 2, 16).float()
+        small = self.scales[..., 64:].view(torch.int8).reshape(nb, S, 8, 2, 16).float()
+        both = (halves * small).permute(3, 0, 4, 1, 2).reshape(2, self.out_features, S * 8)  # [2, N, G]
+        return both[0], both[1]
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.GROUP}, "
+                f"Q4_K scales, int8 activations")
 
 
 class Int4TinygemmLinear(nn.Module):
@@ -682,13 +774,20 @@ def unpack_q5_0(held: torch.Tensor, n: int, rows: torch.Tensor | None = None) ->
     return torch.cat([d, _swap_fifth_bits(word), low[..., :16] | (low[..., 16:] << 4)], -1).reshape(-1, g * Q5_0.nbytes)
 
 
-def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # [n, 8] fp32 d * sc and dmin * m of Q4_K / Q5_K super-blocks b [n, >= 16 bytes] (ggml's get_scale_min_k4)
-    d, dmin = (b[:, i:i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
+def _k_scale_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Q4_K / Q5_K super-blocks b [n, >= 16 bytes] -> fp16 d and dmin [n, 1], 6-bit sc and m [n, 8] uint8
+    # (ggml's get_scale_min_k4)
+    d, dmin = (b[:, i:i + 2].contiguous().view(torch.float16) for i in (0, 2))
     lo, hi, mix = b[:, 4:8], b[:, 8:12], b[:, 12:16]
-    sc = torch.cat([lo & 63, (mix & 15) | ((lo >> 6) << 4)], 1).float()
-    m = torch.cat([hi & 63, (mix >> 4) | ((hi >> 6) << 4)], 1).float()
-    return d * sc, dmin * m
+    sc = torch.cat([lo & 63, (mix & 15) | ((lo >> 6) << 4)], 1)
+    m = torch.cat([hi & 63, (mix >> 4) | ((hi >> 6) << 4)], 1)
+    return d, dmin, sc, m
+
+
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # [n, 8] fp32 d * sc and dmin * m of Q4_K / Q5_K super-blocks b [n, >= 16 bytes]
+    d, dmin, sc, m = _k_scale_parts(b)
+    return d.float() * sc.float(), dmin.float() * m.float()
 
 
 def qk_dequantize(blocks: torch.Tensor, fifth_bit: bool) -> torch.Tensor:
@@ -966,6 +1065,40 @@ class Q5_0Embedding(BlockEmbedding):
 
 
 # the block formats run as stored, by GGUF tensor type: their linear and embedding classes
+class StackedLinear(nn.Module):
+    """One projection whose output rows come from parts of different formats, stacked: a fused q/k/v whose
+    tensors a GGUF file stores in different block formats (Q4_K_M's Q4_K q and k with a Q6_K v), each part
+    kept in its own format instead of all converted to a common one.
+
+    forward(x [..., in]) -> [..., sum of the parts' out_features]: the parts' outputs concatenated in order.
+
+    Raises (constructor): ValueError if the parts' in_features differ or there are fewer than two.
+    """
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        if len(parts) < 2 or len({p.in_features for p in parts}) != 1:
+            raise ValueError("StackedLinear needs two or more parts of the same in_features, got "
+                             f"{[(p.out_features, p.in_features) for p in parts]}")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None  # each part carries its own
+
+    @classmethod
+    def empty(cls, linear: nn.Linear, rows: list[int]) -> "StackedLinear":
+        """Placeholder parts of `rows` output rows each ([in] from `linear`, meta device), for the quantized
+        weights cache to replace with the saved layers (`tokenspeed.weights.load_quantized`)."""
+        k, bias = linear.weight.shape[1], linear.bias is not None
+        return cls([nn.Linear(k, r, bias=bias, device="meta") for r in rows])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], -1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
 BLOCK_LINEARS = {cls.FORMAT.name: cls for cls in (Q4KLinear, Q5KLinear, Q6KLinear, Q5_0Linear)}
 BLOCK_EMBEDDINGS = {cls.FORMAT.name: cls for cls in (Q4KEmbedding, Q5KEmbedding, Q6KEmbedding, Q5_0Embedding)}
 

@@ -15,6 +15,7 @@ Checkpoint names follow Hugging Face Llama (`model.layers.{i}.self_attn.q_proj.w
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import mmap
@@ -240,11 +241,12 @@ def _quantized_path(files: ModelFiles, fmt: str) -> Path:
 
 
 def _layer_kinds(model) -> dict[str, str]:
-    """{module name: "int4" | "int8" | "int8-group<G>" | "float" | "int8-embedding" | a block format's name in
+    """{module name: "int4" | "int4-q4_k" | "stacked-<rows>-<rows>..." (its parts' output rows) | "int8" | "int8-group<G>" | "float" | "int8-embedding" | a block format's name in
     lower case ("q4_k", "q6_k", ...) | that name + "-embedding"} of every linear layer and of the token embedding of `model`: which class (and
     `Int8Linear` group) `load_quantized` rebuilds before it fills the layers."""
     kinds = _kind_names()
     return {name: kinds[type(m)] + (f"-group{m.group}" if getattr(m, "group", None) else "")
+            + ("".join(f"-{p.out_features}" for p in m.parts) if hasattr(m, "parts") else "")
             for name, m in model.named_modules() if type(m) in kinds}
 
 
@@ -252,9 +254,10 @@ def _kind_names() -> dict:
     # {layer class: its name in the cache entry's layer_kinds} (`_layer_kinds`, `load_quantized`)
     from torch import nn
 
-    from .quant import BLOCK_EMBEDDINGS, BLOCK_LINEARS, Int4Linear, Int8Embedding, Int8Linear
+    from .quant import BLOCK_EMBEDDINGS, BLOCK_LINEARS, Int4Linear, Int8Embedding, Int8Linear, Q4KInt4Linear, \
+        StackedLinear
 
-    return {Int4Linear: "int4", Int8Linear: "int8", nn.Linear: "float", Int8Embedding: "int8-embedding",
+    return {Int4Linear: "int4", Q4KInt4Linear: "int4-q4_k", StackedLinear: "stacked", Int8Linear: "int8", nn.Linear: "float", Int8Embedding: "int8-embedding",
             **{cls: cls.FORMAT.name.lower() for cls in BLOCK_LINEARS.values()},
             **{cls: f"{cls.FORMAT.name.lower()}-embedding" for cls in BLOCK_EMBEDDINGS.values()}}
 
@@ -273,7 +276,7 @@ def load_quantized(files: ModelFiles, fmt: str):
     from safetensors import safe_open
 
     from .model import Transformer, rope_tables
-    from .quant import Int8Linear
+    from .quant import Int8Linear, StackedLinear
 
     path = _quantized_path(files, fmt)
     parts = sorted(path.glob("*.safetensors")) if path.is_dir() else []
@@ -297,9 +300,12 @@ def load_quantized(files: ModelFiles, fmt: str):
             for name, kind in kinds.items():
                 parent, _, child = name.rpartition(".")
                 owner = net.get_submodule(parent)
-                grouped = kind.startswith("int8-group")
-                layer = (Int8Linear.empty(getattr(owner, child), int(kind[len("int8-group"):])) if grouped
-                         else empty[kind](getattr(owner, child)))
+                if kind.startswith("int8-group"):
+                    layer = Int8Linear.empty(getattr(owner, child), int(kind[len("int8-group"):]))
+                elif kind.startswith("stacked-"):  # placeholder parts, which the entries after this one replace
+                    layer = StackedLinear.empty(getattr(owner, child), [int(r) for r in kind.split("-")[1:]])
+                else:
+                    layer = empty[kind](getattr(owner, child))
                 setattr(owner, child, layer)
         check_finite(state, str(path))
         if files.args.tie_embeddings:  # a tied head's tensors are the table's: left out by save_quantized
@@ -891,18 +897,21 @@ def load_gguf(files: ModelFiles, stream_to: QuantizedCacheEntry | None = None):
     memory-mapped file (no fp32 copy of the model, in memory or on disk).
 
     Each block projection (the engine fuses q/k/v and gate/up) becomes:
-    - `Int4Linear` holding the file's codes, scales and minimums as they are (`quant.gguf_int4_groups`)
-      when all its tensors are Q4_0, Q4_1 or Q4_K (most of a Q4_K_M file): the same values, no
-      re-quantization (scale and min rounded to bf16, the kernel's layout; its W4A8 kernel, 16 output
-      channels per vector, runs a decode step in 0.78-0.87x and a prefill in 0.6-0.7x the time of the
-      row-wise Q4_K kernel at 1.5b widths, for 1.11x the bytes);
+    - `Q4KInt4Linear` when all its tensors are Q4_K (most of a Q4_K_M file): the file's codes and two-level
+      scales exactly, in the layout of the W4A8 kernel (16 output channels per vector), which runs a decode
+      step in 0.78-0.87x and a prefill in 0.6-0.7x the time of the row-wise Q4_K kernel at 1.5b widths
+      (measured with `Int4Linear`'s bf16 scales), for 1.03x the file's bytes;
+    - `Int4Linear` holding the file's codes, scales and minimums (`quant.gguf_int4_groups`) when all its
+      tensors are Q4_0 or all Q4_1: no re-quantization (scale and min rounded to bf16, the kernel's layout);
     - a `quant.BlockLinear` holding the file's blocks when all its tensors are of one block format the
       engine runs (`quant.BLOCK_LINEARS`): `Q5KLinear` for Q5_K (a Q5_K_M file), `Q6KLinear` for Q6_K
       (a Q4_K_M file's ffn_down in about half the layers), `Q4KLinear` for Q4_K rows the int4 layout does
       not take, all as stored, and `Q5_0Linear` for Q5_0 (most of a Q4_K_M file whose rows are not whole
       256-blocks, such as Qwen2.5-0.5B's), the same bytes interleaved by 16 rows (`quant.pack_q5_0`);
     - `nn.Linear` (fp32) when all are F32/F16/BF16;
-    - otherwise (Q8_0, Q5_1, Q3_K, ... or a mix, such as Q4_K_M's q/k Q4_K with a Q6_K v) `Int8Linear`
+    - a `quant.StackedLinear` of those, one part per run of one format, when its tensors mix formats
+      (Q4_K_M's q/k Q4_K with a Q6_K v: `Q4KInt4Linear` and `Q6KLinear`);
+    - otherwise (Q8_0, Q5_1, Q3_K, ...) `Int8Linear`
       with one scale per 32 input channels of that projection's dequantized weights, made from blocks of
       its rows (`_projection_rows`, no fp32 copy of the projection): Q8_0 blocks are kept exactly
       (`quant.int8_groups`), others get 8-bit codes per 32 values.
@@ -933,7 +942,7 @@ def load_gguf(files: ModelFiles, stream_to: QuantizedCacheEntry | None = None):
 
     from .model import Transformer, rope_tables
     from .quant import BLOCK_EMBEDDINGS, BLOCK_LINEARS, GGUF_INT4_TYPES, Int4Linear, Int8Embedding, Int8Linear, \
-        gguf_int4_groups
+        Q4KInt4Linear, StackedLinear, gguf_int4_groups
 
     if files.gguf is None:
         raise ModelLoadError(f"{files.source}: not a GGUF file (the file's own format needs a .gguf model)")
@@ -962,10 +971,23 @@ def load_gguf(files: ModelFiles, stream_to: QuantizedCacheEntry | None = None):
         return_free_heap()
         parts = [tensor(n) for n in names]
         kinds = {t.tensor_type.name for t in parts}
+        if len(kinds) > 1:  # each run of one format its own layer, as stored (Q4_K_M's Q4_K q/k and Q6_K v)
+            runs = [list(run) for _, run in itertools.groupby(range(len(parts)), lambda i: parts[i].tensor_type.name)]
+            return StackedLinear([
+                projection([names[i] for i in run], bias_names and [bias_names[i] for i in run],
+                           nn.Linear(like.in_features, sum(int(parts[i].shape[-1]) for i in run),
+                                     bias=bool(bias_names), device="meta"))
+                for run in runs])
         bias = None if not bias_names else torch.cat(
             [torch.from_numpy(rows(tensor(n), _dequantized(tensor(n), path))) for n in bias_names])
         shape = tuple(like.weight.shape)
-        int4 = kinds <= set(GGUF_INT4_TYPES) and Int4Linear.supports(shape)
+        if kinds == {"Q4_K"} and Q4KInt4Linear.supports(shape):  # the file's blocks exactly, in the W4A8 layout
+            blocks = torch.cat([torch.from_numpy(rows(t, np.array(t.data))) for t in parts])
+            if (blocks.shape[0], blocks.shape[1] // 144 * 256) != shape:
+                raise ModelLoadError(f"{path}: {names} hold {(blocks.shape[0], blocks.shape[1] // 144 * 256)} "
+                                     f"weights, the configuration says {shape}")
+            return Q4KInt4Linear.from_blocks(blocks, bias)
+        int4 = kinds <= set(GGUF_INT4_TYPES) and Int4Linear.supports(shape)  # one kind here (a mix: above)
         native = BLOCK_LINEARS.get(next(iter(kinds))) if len(kinds) == 1 and not int4 else None
         if native is not None and native.supports(shape):
             layer = native(torch.cat([torch.from_numpy(rows(t, np.array(t.data))) for t in parts]), bias)

@@ -110,26 +110,37 @@ at::Tensor block_gemv(at::Tensor x, at::Tensor blocks, int64_t format) {
   return y;
 }
 
-// y [T, N] fp32 = x [T, K] fp32 times the W4A8 weight: int4 codes [N / 16, K / 8, 64] uint8 and
-// bf16 scales [N / 16, K / 32, 2, 16] (Q4_1 x Q8_1, see cpu_kernels.h).
+// y [T, N] fp32 = x [T, K] fp32 times the W4A8 weight: int4 codes [N / 16, K / 8, 64] uint8 and either bf16
+// scales [N / 16, K / 32, 2, 16] or Q4_K's two-level scales [N / 16, K / 256, 320] uint8 (Q4_1 / Q4_K x Q8_1,
+// see cpu_kernels.h).
 at::Tensor int4_matmul(at::Tensor x, at::Tensor codes, at::Tensor scales) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && codes.scalar_type() == at::kByte &&
-                  scales.scalar_type() == at::kBFloat16 && codes.dim() == 3 && scales.dim() == 4,
-              "int4_matmul needs fp32 x, uint8 codes [N/16, K/8, 64] and bf16 scales [N/16, K/32, 2, 16]");
+  const bool super = scales.scalar_type() == at::kByte;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && codes.scalar_type() == at::kByte && codes.dim() == 3 &&
+                  (super ? scales.dim() == 3 : scales.scalar_type() == at::kBFloat16 && scales.dim() == 4),
+              "int4_matmul needs fp32 x, uint8 codes [N/16, K/8, 64] and bf16 scales [N/16, K/32, 2, 16] or uint8 "
+              "super-block scales [N/16, K/256, 320]");
   x = x.contiguous();
   const int64_t T = x.size(0), K = x.size(1), NB = codes.size(0), N = NB * 16;
-  TORCH_CHECK(codes.size(1) * 8 == K && scales.size(1) * 32 == K && codes.is_contiguous() && scales.is_contiguous(),
+  TORCH_CHECK(codes.size(1) * 8 == K && codes.is_contiguous() && scales.is_contiguous() && scales.size(0) == NB &&
+                  (super ? scales.size(1) * 256 == K && scales.size(2) == 320 : scales.size(1) * 32 == K),
               "int4_matmul: weight does not match x's ", K, " input channels");
   at::Tensor y = at::empty({T, N}, x.options());
   std::vector<int8_t> q(T * K);
   std::vector<float> sx(T * K / 32), xs(T * K / 32);
   ts_quantize_rows(x.data_ptr<float>(), T, K, q.data(), sx.data(), xs.data());
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, NB, grain_for(T, NB, 4), [&](int64_t nb0, int64_t nb1) {
-    ts_int4_rows(q.data(), sx.data(), xs.data(), T, K, cp, sp, yp, N, nb0, nb1);
-  });
+  if (super) {
+    const uint8_t* sp = scales.data_ptr<uint8_t>();
+    at::parallel_for(0, NB, grain_for(T, NB, 4), [&](int64_t nb0, int64_t nb1) {
+      ts_int4_super_rows(q.data(), sx.data(), xs.data(), T, K, cp, sp, yp, N, nb0, nb1);
+    });
+  } else {
+    const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+    at::parallel_for(0, NB, grain_for(T, NB, 4), [&](int64_t nb0, int64_t nb1) {
+      ts_int4_rows(q.data(), sx.data(), xs.data(), T, K, cp, sp, yp, N, nb0, nb1);
+    });
+  }
   return y;
 }
 
@@ -137,13 +148,13 @@ namespace {
 
 // One projection: weight (dense [N, K] fp32, int8 [N / 16, K / 4, 64], int4 codes [N / 16, K / 8, 64], a GGUF
 // block format's blocks [N, K / values * bytes] uint8, or Q5_0's interleaved [N / 16, K / 32, 352]), its scales (int8: fp32 [N / 16, G, 16]; int4: bf16
-// [N / 16, K / 32, 2, 16]; blocks: none, they are in the blocks) and an optional bias [N] (empty if none).
+// [N / 16, K / 32, 2, 16] or uint8 [N / 16, K / 256, 320]; blocks: none, they are in the blocks) and an optional bias [N] (empty if none).
 struct Linear {
   at::Tensor weight, scales, bias;
   int64_t kind;
 };
 
-at::Tensor linear(const Linear& l, const at::Tensor& x) {
+at::Tensor linear_part(const Linear& l, const at::Tensor& x) {
   // x: [T, K] fp32 -> [T, N] fp32
   at::Tensor y;
   if (l.kind == kInt4) {
@@ -159,6 +170,17 @@ at::Tensor linear(const Linear& l, const at::Tensor& x) {
   }
   if (l.bias.numel()) y.add_(l.bias);
   return y;
+}
+
+// One projection of one or more parts (a fused q/k/v whose tensors are in different formats): x [T, K] fp32 ->
+// the parts' outputs side by side [T, N] fp32.
+using Projection = std::vector<Linear>;
+
+at::Tensor linear(const Projection& parts, const at::Tensor& x) {
+  if (parts.size() == 1) return linear_part(parts[0], x);
+  std::vector<at::Tensor> ys;
+  for (const Linear& l : parts) ys.push_back(linear_part(l, x));
+  return at::cat(ys, 1);
 }
 
 // out[t, :] = w * x[t, :] / sqrt(mean(x[t, :]^2) + eps)  (fp32, as Hugging Face LlamaRMSNorm)
@@ -213,14 +235,16 @@ inline void head_in(const float* s, float* d, int64_t D, const float* w, float e
 // k_cache/v_cache: [L, 1, Hkv, capacity, head_dim] fp16 (the CPU default: each key and value
 // rounded to nearest-even on write, read back exactly as fp32) or fp32; slots [start, start + T)
 // are written.
-// linears: 4 per layer (wqkv, wo, w13, w2), each as 3 tensors + kind (see Linear).
+// linears: 4 projections per layer (wqkv, wo, w13, w2) of parts[i] parts each (1, or more for a fused q/k/v in
+// mixed formats), each part as 3 tensors + kind (see Linear).
 // qk_norms: per layer the query and key heads' RMSNorm weights [head_dim] (Qwen3), or empty (none).
 // rotates: per layer 1 if its queries and keys are rotated, 0 for a NoPE layer (SmolLM3).
 // track: also return, per layer, the attention mass per slot (softmax probability summed over
 // heads and new tokens) [L, start + T], the log-sum-exp of the scaled scores [L, H, T] and the
 // rotated queries [L, H, T, D] (for KV relevance scoring); otherwise these are empty.
 std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> tensors,
-                         std::vector<int64_t> kinds, std::vector<at::Tensor> norms, std::vector<at::Tensor> qk_norms,
+                         std::vector<int64_t> kinds, std::vector<int64_t> parts, std::vector<at::Tensor> norms,
+                         std::vector<at::Tensor> qk_norms,
                          std::vector<int64_t> rotates, at::Tensor k_cache, at::Tensor v_cache, int64_t start,
                          int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, int64_t hidden, double eps, bool track) {
   const int64_t L = k_cache.size(0), T = h.size(0), D = head_dim, H = n_heads, Hkv = n_kv_heads;
@@ -232,14 +256,23 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
               "KV cache must be contiguous fp16 or fp32");
   TORCH_CHECK(end <= cap, "KV cache full");
-  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == L * 12 && static_cast<int64_t>(norms.size()) == L * 2,
-              "expected 12 tensors and 2 norms per layer");
+  TORCH_CHECK(static_cast<int64_t>(parts.size()) == L * 4 && static_cast<int64_t>(norms.size()) == L * 2,
+              "expected 4 projections and 2 norms per layer");
+  int64_t n_parts = 0;
+  for (int64_t n : parts) {
+    TORCH_CHECK(n >= 1, "a projection needs a part");
+    n_parts += n;
+  }
+  TORCH_CHECK(static_cast<int64_t>(kinds.size()) == n_parts && static_cast<int64_t>(tensors.size()) == 3 * n_parts,
+              "expected 3 tensors and a kind per projection part");
   TORCH_CHECK((qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == L * 2) &&
                   static_cast<int64_t>(rotates.size()) == L,
               "expected 2 Q/K norms (or none) and a rotation flag per layer");
   std::vector<float> tmp(D), kv_row(D);
-  std::vector<Linear> lin(L * 4);
-  for (int64_t i = 0; i < L * 4; ++i) lin[i] = Linear{tensors[3 * i], tensors[3 * i + 1], tensors[3 * i + 2], kinds[i]};
+  std::vector<Projection> lin(L * 4);
+  for (int64_t i = 0, j = 0; i < L * 4; ++i)
+    for (int64_t n = 0; n < parts[i]; ++n, ++j)
+      lin[i].push_back(Linear{tensors[3 * j], tensors[3 * j + 1], tensors[3 * j + 2], kinds[j]});
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   at::Tensor q_all = at::empty({track ? L : 1, H, T, D}, h.options());  // rotated queries, head-major

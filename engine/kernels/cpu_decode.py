@@ -186,6 +186,11 @@ def _projections(layer) -> tuple:
     return layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2
 
 
+def _parts(proj) -> list:
+    """The layers of one projection: a `quant.StackedLinear`'s parts, else the projection itself."""
+    return list(proj.parts) if hasattr(proj, "parts") else [proj]
+
+
 _BLOCKS = 16  # the C++ step's kind of GGUF blocks as stored: 16 + the format's ggml type number
 
 
@@ -206,22 +211,26 @@ class FusedDecode:
     """The fused decode step for one `Transformer`: its weights gathered once into flat lists.
 
     `FusedDecode.supports(model)` says whether the model qualifies (on the CPU, fp32, every block
-    projection an `nn.Linear`, `quant.Int8Linear`, `quant.Int4Linear` or a `quant.BlockLinear`); then
+    projection an `nn.Linear`, `quant.Int8Linear`, `quant.Int4Linear` or a `quant.BlockLinear`, or a
+    `quant.StackedLinear` of those); then
     `FusedDecode(ext, model)` with the extension from `load`.
     """
 
     def __init__(self, ext, model):
         self.ext, self.args = ext, model.args
         empty = torch.empty(0)
-        self.tensors, self.kinds, self.norms = [], [], []
+        self.tensors, self.kinds, self.parts, self.norms = [], [], [], []
         for layer in model.layers:
-            for lin in _projections(layer):
-                bias = lin.bias if lin.bias is not None else empty
-                kind = _kind(lin)
-                weight = (lin.blocks if kind >= _BLOCKS else lin.codes if kind == 2
-                          else lin.qweight if kind == 1 else lin.weight)
-                self.tensors += [weight, lin.scales if kind in (1, 2) else empty, bias]
-                self.kinds.append(kind)
+            for proj in _projections(layer):
+                parts = _parts(proj)
+                for lin in parts:
+                    bias = lin.bias if lin.bias is not None else empty
+                    kind = _kind(lin)
+                    weight = (lin.blocks if kind >= _BLOCKS else lin.codes if kind == 2
+                              else lin.qweight if kind == 1 else lin.weight)
+                    self.tensors += [weight, lin.scales if kind in (1, 2) else empty, bias]
+                    self.kinds.append(kind)
+                self.parts.append(len(parts))
             self.norms += [layer.attention_norm, layer.ffn_norm]
         # Qwen3's per-head Q/K norms (none elsewhere) and which layers rotate (SmolLM3's NoPE ones do not)
         self.qk_norms = [w for layer in model.layers for w in (layer.attention.q_norm, layer.attention.k_norm)
@@ -232,7 +241,8 @@ class FusedDecode:
     def supports(model) -> bool:
         """Whether the fused step can run `model` (CPU, fp32, known projection types)."""
         return (model.device.type == "cpu" and model.dtype == torch.float32
-                and all(_kind(lin) is not None for layer in model.layers for lin in _projections(layer)))
+                and all(_kind(lin) is not None for layer in model.layers for proj in _projections(layer)
+                        for lin in _parts(proj)))
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int) -> torch.Tensor:
         """Run all layers for T new tokens.
@@ -249,7 +259,7 @@ class FusedDecode:
         """
         a = self.args
         h, mass, lse, q = self.ext.decode_layers(
-            h, cos, sin, self.tensors, self.kinds, self.norms, self.qk_norms, self.rotates, cache.k, cache.v, start,
+            h, cos, sin, self.tensors, self.kinds, self.parts, self.norms, self.qk_norms, self.rotates, cache.k, cache.v, start,
             a.n_heads, a.n_kv_heads,
             a.head_dim, a.hidden_dim, a.norm_eps, cache.tracks_attention)
         if cache.tracks_attention:

@@ -59,10 +59,12 @@ class Harness:
         return out[4:4 + struct.unpack("<i", out[:4])[0]].decode()
 
     def int4_matmul(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """x [T, K] fp32, codes [N/16, K/8, 64] uint8, scales [N/16, K/32, 2, 16] bf16 -> y [T, N] fp32."""
+        """x [T, K] fp32, codes [N/16, K/8, 64] uint8, scales [N/16, K/32, 2, 16] bf16 (`quant.Int4Linear`) or
+        [N/16, K/256, 320] uint8 (`quant.Q4KInt4Linear`) -> y [T, N] fp32."""
         T, K = x.shape
         N = codes.shape[0] * 16
-        req = struct.pack("<i", 1) + _i64(T, K, N) + _raw(x.float()) + _raw(codes) + _raw(scales.view(torch.int16))
+        op, raw = (9, scales) if scales.dtype == torch.uint8 else (1, scales.view(torch.int16))
+        req = struct.pack("<i", op) + _i64(T, K, N) + _raw(x.float()) + _raw(codes) + _raw(raw)
         return torch.from_numpy(self._call(req, T * N).copy()).view(T, N)
 
     def int8_gemv(self, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

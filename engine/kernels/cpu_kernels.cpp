@@ -552,7 +552,8 @@ void interleaved_rows(const W& w, const Acts8& a, int64_t T, float* y, int64_t N
 // Weight: 4-bit codes c in 0..15 per group of 32 input channels, w[n, k] = c * s[n, g] + m[n, g].
 // Codes [N / 16, K / 8, 64]: for output block nb (16 channels, one per 32-bit lane) and input
 // octet o, lane j's 4 bytes hold channel nb * 16 + j's codes k = 8o + b in the low nibble and
-// k = 8o + 4 + b in the high nibble (b = 0..3). Scales [N / 16, K / 32, 2, 16] bf16: s then m.
+// k = 8o + 4 + b in the high nibble (b = 0..3). s and m come in one of two layouts (GroupScales,
+// SuperScales below).
 // y[t, n] = sum_g s[n, g] * sx[t, g] * sum_k c * q + m[n, g] * sx[t, g] * sum_k q: the inner sums
 // are exact int32 (dot4: 4 byte products per lane, dsum per group) and the float accumulation runs in a fixed
 // order per lane, so a row's result depends neither on how many rows share the call
@@ -569,9 +570,42 @@ constexpr int int4_slices() {
   return n;
 }
 
-template <int TT>
+// Scales [N / 16, K / 32, 2, 16] bf16: per output block and group, s then m.
+struct GroupScales {
+  const uint16_t* sm;
+  int64_t G;
+  // s and m of lanes [lane, lane + kI) of output block nb, group g
+  void load(int64_t nb, int64_t g, int lane, vf& s, vf& m) const {
+    const uint16_t* p = sm + (nb * G + g) * 32 + lane;
+    s = load_bf16(p);
+    m = load_bf16(p + 16);
+  }
+  void prefetch(int64_t nb, int64_t g) const { prefetch_ahead(sm + (nb * G + g) * 32, 64, kPrefetchAhead / 4); }
+};
+
+// Q4_K's two-level scales, exact: [N / 16, K / 256, 320] bytes per output block and super-block of 256 input
+// channels: fp16 d [16] and -dmin [16], then per group its 6-bit sc [16] and m [16] as int8; s = d sc and
+// m = -dmin m, products exact in fp32 (11 x 6 significant bits).
+struct SuperScales {
+  static constexpr int64_t kBytes = 320, kGroups = 8;
+  const uint8_t* b;
+  int64_t G;
+  const uint8_t* super(int64_t nb, int64_t g) const { return b + (nb * (G / kGroups) + g / kGroups) * kBytes; }
+  void load(int64_t nb, int64_t g, int lane, vf& s, vf& m) const {
+    const uint8_t* p = super(nb, g);
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(p) + lane;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p) + 64 + (g % kGroups) * 32 + lane;
+    s = mul(load_half(d), load_s8(sc));
+    m = mul(load_half(d + 16), load_s8(sc + 16));
+  }
+  void prefetch(int64_t nb, int64_t g) const {  // a super-block's 320 bytes per 2 KiB of codes
+    if (g % kGroups == 0) prefetch_ahead(super(nb, g), kBytes, kPrefetchAhead * kBytes / (kGroups * (kQGroup / 8) * 64));
+  }
+};
+
+template <int TT, class Scales>
 void int4_block(const int8_t* q, const float* sx, const float* xs, int64_t t0, int64_t K, const uint8_t* codes,
-                const uint16_t* sm, float* y, int64_t N, int64_t nb0, int64_t nb1) {
+                const Scales& scales, float* y, int64_t N, int64_t nb0, int64_t nb1) {
   constexpr int S = int4_slices<TT>();
   static_assert(16 % kI == 0 && S >= 1 && (16 / kI) % S == 0, "slices of kI channels must tile a block of 16");
   const int64_t G = K / kQGroup, O = K / 8;
@@ -583,11 +617,10 @@ void int4_block(const int8_t* q, const float* sx, const float* xs, int64_t t0, i
       for (int t = 0; t < TT; ++t)
         for (int p = 0; p < S; ++p) acc[t][p] = zero();
       const uint8_t* cb = codes + nb * O * 64 + p0 * 4 * kI;
-      const uint16_t* sb = sm + nb * G * 32 + p0 * kI;
       for (int64_t g = 0; g < G; ++g) {
-        if (fetch && p0 == 0) {  // the group's 4 rows of codes and its scales (64 bytes per 256 of codes)
+        if (fetch && p0 == 0) {  // the group's 4 rows of codes and its scales
           prefetch_ahead(cb + g * (kQGroup / 8) * 64, kQGroup / 8 * 64);
-          prefetch_ahead(sb + g * 32, 64, kPrefetchAhead / 4);
+          scales.prefetch(nb, g);
         }
         vi dot[TT][S];
         for (int t = 0; t < TT; ++t)
@@ -606,7 +639,8 @@ void int4_block(const int8_t* q, const float* sx, const float* xs, int64_t t0, i
           }
         }
         for (int p = 0; p < S; ++p) {
-          const vf s = load_bf16(sb + g * 32 + p * kI), m = load_bf16(sb + g * 32 + 16 + p * kI);
+          vf s, m;
+          scales.load(nb, g, (p0 + p) * kI, s, m);
           for (int t = 0; t < TT; ++t) {
             const int64_t i = (t0 + t) * G + g;
             acc[t][p] = fmadd(to_float(dsum(dot[t][p])), mul(s, set1(sx[i])), acc[t][p]);
@@ -617,6 +651,17 @@ void int4_block(const int8_t* q, const float* sx, const float* xs, int64_t t0, i
       for (int t = 0; t < TT; ++t)
         for (int p = 0; p < S; ++p) store(y + (t0 + t) * N + nb * 16 + (p0 + p) * kI, acc[t][p]);
     }
+}
+
+// y [T, N], output blocks [nb0, nb1) of 16 rows, of the W4A8 weight (codes and either scale layout).
+template <class Scales>
+void int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* codes,
+               const Scales& scales, float* y, int64_t N, int64_t nb0, int64_t nb1) {
+  in_panels(T, isa::kMaxRows, nb0, nb1, kInt4Panel, [&](int64_t p0, int64_t p1) {
+    token_blocks<isa::kMaxRows>(T, [&](int64_t t0, auto tt) {
+      int4_block<decltype(tt)::value>(q, sx, xs, t0, K, codes, scales, y, N, p0, p1);
+    });
+  });
 }
 
 // s [n] (raw scores) -> softmax(scale * s) in place; returns the log-sum-exp of scale * s.
@@ -705,11 +750,12 @@ void ts_quantize_rows(const float* x, int64_t T, int64_t K, int8_t* q, float* sx
 
 void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* codes,
                   const uint16_t* scales, float* y, int64_t N, int64_t nb0, int64_t nb1) {
-  ts::in_panels(T, ts::isa::kMaxRows, nb0, nb1, ts::kInt4Panel, [&](int64_t p0, int64_t p1) {
-    ts::token_blocks<ts::isa::kMaxRows>(T, [&](int64_t t0, auto tt) {
-      ts::int4_block<decltype(tt)::value>(q, sx, xs, t0, K, codes, scales, y, N, p0, p1);
-    });
-  });
+  ts::int4_rows(q, sx, xs, T, K, codes, ts::GroupScales{scales, K / ts::kQGroup}, y, N, nb0, nb1);
+}
+
+void ts_int4_super_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* codes,
+                        const uint8_t* scales, float* y, int64_t N, int64_t nb0, int64_t nb1) {
+  ts::int4_rows(q, sx, xs, T, K, codes, ts::SuperScales{scales, K / ts::kQGroup}, y, N, nb0, nb1);
 }
 
 void ts_int8_quantize(const float* x, int64_t T, int64_t K, int64_t Kp, int8_t* q, float* sx, int32_t* qsum) {

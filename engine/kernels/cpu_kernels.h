@@ -25,6 +25,12 @@ void ts_quantize_rows(const float* x, int64_t T, int64_t K, int8_t* q, float* sx
 void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* codes,
                   const uint16_t* scales, float* y, int64_t N, int64_t nb0, int64_t nb1);
 
+// ts_int4_rows with Q4_K's two-level scales as stored, exact (K a multiple of 256): scales [N / 16, K / 256, 320]
+// bytes per output block and super-block, fp16 d [16] and -dmin [16], then per group of 32 the 6-bit sc [16] and
+// m [16] as int8, for s = d sc and m = -dmin m (layout: tokenspeed.quant.Int4Linear.pack_super).
+void ts_int4_super_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* codes,
+                        const uint8_t* scales, float* y, int64_t N, int64_t nb0, int64_t nb1);
+
 // Activations x [T, K] fp32 -> the int8 kernel's, for a weight of Kp >= K input channels (a multiple of 32;
 // Kp - K < 32): per group of 32 (G = Kp / 32 per row; the last one shorter when K is not a multiple of 32),
 // int8 codes q [T, Kp] (round(x * 127 / max|x|), zero past K), scale sx [T, G] (max|x| / 127) and the sum of

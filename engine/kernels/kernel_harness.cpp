@@ -12,6 +12,8 @@
 //                  (format: a ggml type number, see ts_block_format)
 //   op 7 (swiglu): T F, gu [T, 2F] f32 -> out [T, F] f32
 //   op 8 (Q5_0):   T K N, x [T, K] f32, blocks [N/16, K/32, 352] u8 (interleaved) -> y [T, N] f32
+//   op 9 (int4, Q4_K scales): T K N, x [T, K] f32, codes [N/16, K/8, 64] u8, scales [N/16, K/256, 320] u8
+//                  -> y [T, N] f32
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -53,6 +55,16 @@ int main() {
         std::vector<float> sx(T * K / 32), xs(T * K / 32), y(T * N);
         ts_quantize_rows(x.data(), T, K, q.data(), sx.data(), xs.data());
         ts_int4_rows(q.data(), sx.data(), xs.data(), T, K, codes.data(), scales.data(), y.data(), N, 0, N / 16);
+        give(y);
+      } else if (op == 9) {
+        const int64_t T = size(), K = size(), N = size();
+        auto x = take<float>(T * K);
+        auto codes = take<uint8_t>(N / 16 * K / 8 * 64);
+        auto scales = take<uint8_t>(N / 16 * K / 256 * 320);
+        std::vector<int8_t> q(T * K);
+        std::vector<float> sx(T * K / 32), xs(T * K / 32), y(T * N);
+        ts_quantize_rows(x.data(), T, K, q.data(), sx.data(), xs.data());
+        ts_int4_super_rows(q.data(), sx.data(), xs.data(), T, K, codes.data(), scales.data(), y.data(), N, 0, N / 16);
         give(y);
       } else if (op == 2) {
         const int64_t T = size(), K = size(), Kp = size(), N = size(), G = size();

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import tokenspeed
-from support import block_layer
+from support import block_layer, qk_blocks
 from tokenspeed.kernels import cpu_decode
 from tokenspeed.kernels.cpu_decode import FUSED_ROWS, VARIANTS, cpu_features, native_variant
 from tokenspeed.kernels.cpu_harness import Harness, build
 from tokenspeed.model import ModelArgs, Transformer
-from tokenspeed.quant import Int4Linear, Int8Embedding, Int8Linear, fused_ext
+from tokenspeed.quant import Int4Linear, Int8Embedding, Int8Linear, Q4KInt4Linear, fused_ext
 from tokenspeed.paths import cache_dir
 
 ARCH = platform.machine()
@@ -73,6 +73,13 @@ def test_harness_kernels_match_reference(harnesses, variant):
         x[0, :32] = 0  # an all-zero group: scale 0, codes 0
         y = h.int4_matmul(x, lin.codes, lin.scales)
         torch.testing.assert_close(y, lin.reference(x), rtol=1e-5, atol=1e-5)
+        assert torch.equal(y, native.int4_matmul(x, lin.codes, lin.scales))
+    # a Q4_K file's blocks with their two-level scales (Q4KInt4Linear): every code, 6-bit scale and minimum
+    lin = Q4KInt4Linear.from_blocks(qk_blocks(48, 512))
+    for rows in (1, 2, 3, 4, 6, 8, 9):
+        x = torch.randn(rows, 512)
+        y = h.int4_matmul(x, lin.codes, lin.scales)
+        torch.testing.assert_close(y, lin.reference(x), rtol=1e-5, atol=1e-4)
         assert torch.equal(y, native.int4_matmul(x, lin.codes, lin.scales))
     # the largest integer sums: codes 0 and 15 against activations of +-127 (avx2 sums a group in int16 lanes)
     lin = Int4Linear(torch.cat([torch.ones(16, 96), -torch.ones(16, 96)]) + torch.linspace(0, 1, 96))

@@ -2,6 +2,7 @@
 GGUF files (F32/F16/Q8_0/Q4_0/Q4_1, Q/K permuted like llama.cpp's converter), compared with
 Hugging Face transformers on the same weights; bad paths give clear errors."""
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -195,7 +196,25 @@ def test_gguf_file(tmp_path, monkeypatch, qtype):
     assert resolve_model(tmp_path / "tiny.gguf").folder == folders[0]
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_q4_k_int4_layer_holds_the_files_values_exactly():
+    # Q4KInt4Linear keeps Q4_K's fp16 d, dmin and 6-bit scales: its weights are gguf-py's dequantization of the
+    # same blocks bit for bit (any finite fp16 d and dmin), and the kernel's rows agree with the fp32 product
+    from tokenspeed.quant import Q4KInt4Linear
+
+    rng = np.random.default_rng(1)
+    data = _random_blocks((48, 512), Q.Q4_K, rng)
+    data.reshape(48, 2, 144)[..., :4] = rng.integers(0, 256, (48, 2, 4), dtype=np.uint8) & 0x3B
+    lin = Q4KInt4Linear.from_blocks(torch.from_numpy(data))
+    weight = torch.from_numpy(gguf.quants.dequantize(data, Q.Q4_K).astype(np.float32))
+    assert torch.equal(lin.dequantized(), weight)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    exact = x.double() @ weight.double().T
+    assert (lin(x).double() - exact).norm() < 0.02 * exact.norm()  # the activations' int8 rounding
+    with pytest.raises(ValueError, match="divisible by 256"):
+        Q4KInt4Linear.from_blocks(torch.from_numpy(data[:40]))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
 def test_gguf_int4_groups_are_the_blocks(qtype):
     # codes * scale + min of the repacked groups are the file's values, bit for bit (any fp16 scales)
     from tokenspeed.quant import gguf_int4_groups
@@ -222,14 +241,16 @@ _Q4_K_M_ODD = {"*": Q.Q5_0, "attn_v": Q.Q8_0}
                                         ("llama", Q.F16)],
                          ids=["Q4_0", "Q4_1", "Q4_K-qwen2", "Q4_K_M", "Q5_K_M", "Q4_K_M-hidden-64-qwen2", "Q8_0", "F16"])
 def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind, qtype):
-    # quantize="gguf": weights read from the file without an fp32 copy; 4-bit blocks become Int4Linear
-    # holding exactly the file's values (scales here are exact in bf16), projections of one other block
-    # format the kernels run (Q6_K, Q5_0; and such a head, Q4_K too) its BlockLinear holding the file's
-    # blocks (the same values), other quantized projections (a mix, such as Q4_K_M's q/k Q4_K with a Q6_K v)
+    # quantize="gguf": weights read from the file without an fp32 copy; Q4_K blocks become Q4KInt4Linear and
+    # other 4-bit blocks Int4Linear, holding exactly the file's values (Q4_0 / Q4_1 scales here are exact in
+    # bf16), projections of one other block format the kernels run (Q6_K, Q5_0; and such a head, Q4_K too) its
+    # BlockLinear holding the file's blocks (the same values), a mix (Q4_K_M's q/k Q4_K with a Q6_K v) a
+    # StackedLinear of those, one part per format, other quantized projections (Q8_0)
     # Int8Linear of their dequantized values in groups of 32, float ones stay fp32; the embedding table
     # the file's blocks when of such a format, int8 in groups of 32 (exact for Q8_0) unless float. Logits agree with the
     # fp32 reference on the same file (the kernels quantize activations to int8: W4A8, W5A8, W6A8).
-    from tokenspeed.quant import BLOCK_EMBEDDINGS, BLOCK_LINEARS, Int4Linear, Int8Embedding, Int8Linear
+    from tokenspeed.quant import (BLOCK_EMBEDDINGS, BLOCK_LINEARS, Int4Linear, Int8Embedding, Int8Linear, Q4KInt4Linear,
+                                  StackedLinear)
 
     monkeypatch.setattr(tokenspeed.weights, "cache_dir", lambda: tmp_path / "cache")
     k_quants = any(t.name.endswith("_K") for t in (qtype.values() if isinstance(qtype, dict) else [qtype]))
@@ -243,25 +264,41 @@ def test_native_gguf_load_runs_the_files_own_blocks(tmp_path, monkeypatch, kind,
     kinds = qtype if isinstance(qtype, dict) else {"*": qtype}
     parts = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "w13": ("ffn_gate", "ffn_up"),
              "w2": ("ffn_down",)}
+    def check(ours, one, weight, bias):  # one projection layer of GGUF type `one` against the reference's rows
+        if one.name == "Q4_K" and weight.shape[0] % 16 == 0:  # the file's codes and two-level scales
+            assert type(ours) is Q4KInt4Linear and torch.equal(ours.dequantized(), weight)
+        elif one.name in ("Q4_0", "Q4_1"):
+            assert type(ours) is Int4Linear and torch.equal(ours.dequantized(), weight)
+        elif one == Q.F16:
+            assert type(ours) is torch.nn.Linear and torch.equal(ours.weight, weight)
+        elif one.name in BLOCK_LINEARS:
+            assert isinstance(ours, BLOCK_LINEARS[one.name])
+            assert torch.equal(ours.dequantized(), weight)
+        else:
+            assert isinstance(ours, Int8Linear) and ours.group == 32
+            whole = Int8Linear(weight, group=32)  # made from the whole fp32 weight at once
+            assert torch.equal(ours.qweight, whole.qweight) and torch.equal(ours.scales, whole.scales)
+        if bias is not None:
+            assert torch.equal(ours.bias, bias)
+
     for layer, ref_layer in zip(native.model.layers, ref.model.layers):
         for name, gnames in parts.items():
             ours = getattr(layer.attention if name in ("wqkv", "wo") else layer.feed_forward, name)
             theirs = getattr(ref_layer.attention if name in ("wqkv", "wo") else ref_layer.feed_forward, name)
-            types = {kinds.get(g, kinds["*"]) for g in gnames}
-            one = next(iter(types)) if len(types) == 1 else None
-            if one is not None and one.name in ("Q4_0", "Q4_1", "Q4_K"):
-                assert isinstance(ours, Int4Linear) and torch.equal(ours.dequantized(), theirs.weight)
-            elif one == Q.F16:
-                assert type(ours) is torch.nn.Linear and torch.equal(ours.weight, theirs.weight)
-            elif one is not None and one.name in BLOCK_LINEARS:
-                assert isinstance(ours, BLOCK_LINEARS[one.name])
-                assert torch.equal(ours.dequantized(), theirs.weight)
-            else:
-                assert isinstance(ours, Int8Linear) and ours.group == 32
-                whole = Int8Linear(theirs.weight, group=32)  # made from the whole fp32 weight at once
-                assert torch.equal(ours.qweight, whole.qweight) and torch.equal(ours.scales, whole.scales)
-            if theirs.bias is not None:
-                assert torch.equal(ours.bias, theirs.bias)
+            types = [kinds.get(g, kinds["*"]) for g in gnames]
+            if len(set(types)) == 1:
+                check(ours, types[0], theirs.weight, theirs.bias)
+                continue
+            # tensors of mixed formats: one part per run of one format, each as stored
+            runs = [(t, len(list(run))) for t, run in itertools.groupby(types)]
+            assert isinstance(ours, StackedLinear) and len(ours.parts) == len(runs)
+            heads = {"attn_q": native.args.n_heads, "attn_k": native.args.n_kv_heads, "attn_v": native.args.n_kv_heads}
+            rows = [heads[g] * native.args.head_dim for g in gnames]
+            at = 0
+            for part, (t, n) in zip(ours.parts, runs):
+                end = at + sum(rows[:n])
+                check(part, t, theirs.weight[at:end], None if theirs.bias is None else theirs.bias[at:end])
+                at, rows = end, rows[n:]
     table, ref_table = native.model.tok_embeddings(torch.arange(native.args.vocab_size)), ref.model.tok_embeddings.weight
     embed = kinds.get("token_embd", kinds["*"])
     assert isinstance(native.model.tok_embeddings, torch.nn.Embedding if embed == Q.F16 else
