@@ -487,12 +487,17 @@ class Q4KInt4Linear(Int4Linear):
         """A layer of a GGUF file's Q4_K blocks [N, K / 256 * 144] uint8 (one row per output channel), exactly.
 
         Raises:
-            ValueError: the shape does not fit the layout (`supports`) or the rows are not whole blocks.
+            ValueError: not uint8 [N, whole blocks], the shape does not fit the layout (`supports`), or a
+                block's d or dmin is not finite (a corrupt file).
         """
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[0] == 0:
+            raise ValueError(f"Q4_K blocks must be uint8 [N, K / 256 * 144], got {blocks.dtype} {tuple(blocks.shape)}")
         lead, b = _whole_blocks(blocks, Q4_K)
         n, k = lead[0], b.shape[0] // lead[0] * cls.SUPER
         cls._require((n, k))
         d, dmin, sc, m = _k_scale_parts(b)
+        if not (torch.isfinite(d).all() and torch.isfinite(dmin).all()):
+            raise ValueError("Q4_K blocks with a non-finite d or dmin")
         qs = b[:, 16:].reshape(n, -1, 4, 1, 32)
         codes = torch.cat([qs & 15, qs >> 4], 3).reshape(n, k)  # each run of 32 bytes: two sub-blocks
         layer = _bare(cls)
@@ -876,8 +881,8 @@ class BlockLinear(nn.Module):
     (scale max|x| / 127) and multiplied with the codes in int32 per block or sub-block, scaled by the block's
     scales and the group's activation scale (a row's result does not depend on the other rows in the
     call). Without the extension the same arithmetic runs in torch (`reference`). A projection that
-    mixes block types (Q4_K_M's fused q/k/v with a Q6_K or Q8_0 v) is an `Int8Linear` instead
-    (`tokenspeed.weights.load_gguf`).
+    mixes block types (Q4_K_M's fused q/k/v with a Q6_K or Q8_0 v) is a `StackedLinear` of one layer per
+    type (`tokenspeed.weights.load_gguf`).
 
     Raises (constructors): ValueError if the blocks are not uint8 [out, whole blocks].
     """

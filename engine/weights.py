@@ -971,7 +971,11 @@ def load_gguf(files: ModelFiles, stream_to: QuantizedCacheEntry | None = None):
         return_free_heap()
         parts = [tensor(n) for n in names]
         kinds = {t.tensor_type.name for t in parts}
-        if len(kinds) > 1:  # each run of one format its own layer, as stored (Q4_K_M's Q4_K q/k and Q6_K v)
+        if len(kinds) > 1:  # each run of one format its own layer (Q4_K_M's Q4_K q/k and Q6_K v)
+            rows_in_file = sum(int(t.shape[-1]) for t in parts)
+            if rows_in_file != like.out_features:
+                raise ModelLoadError(f"{path}: {names} hold {rows_in_file} output rows, the configuration says "
+                                     f"{like.out_features}")
             runs = [list(run) for _, run in itertools.groupby(range(len(parts)), lambda i: parts[i].tensor_type.name)]
             return StackedLinear([
                 projection([names[i] for i in run], bias_names and [bias_names[i] for i in run],
@@ -986,7 +990,10 @@ def load_gguf(files: ModelFiles, stream_to: QuantizedCacheEntry | None = None):
             if (blocks.shape[0], blocks.shape[1] // 144 * 256) != shape:
                 raise ModelLoadError(f"{path}: {names} hold {(blocks.shape[0], blocks.shape[1] // 144 * 256)} "
                                      f"weights, the configuration says {shape}")
-            return Q4KInt4Linear.from_blocks(blocks, bias)
+            try:
+                return Q4KInt4Linear.from_blocks(blocks, bias)
+            except ValueError as exc:
+                raise ModelLoadError(f"{path}: {names}: {exc}") from None
         int4 = kinds <= set(GGUF_INT4_TYPES) and Int4Linear.supports(shape)  # one kind here (a mix: above)
         native = BLOCK_LINEARS.get(next(iter(kinds))) if len(kinds) == 1 and not int4 else None
         if native is not None and native.supports(shape):

@@ -286,6 +286,8 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
     // --- attention
     at::Tensor q = q_all[track ? l : 0];
     at::Tensor qkv = linear(lin[4 * l], rms_norm(h, norms[2 * l], eps)).contiguous();  // [T, (H+2Hkv)D]
+    TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "layer ", l, ": the q/k/v projection gives ", qkv.size(1),
+                " outputs for ", (H + 2 * Hkv) * D);
     const float* qp = qkv.data_ptr<float>();
     // this layer's keys and values: fp32 (kc, vc) or half (kh, vh), [Hkv, cap, D]
     const int64_t layer_at = l * Hkv * cap * D;
@@ -351,6 +353,8 @@ std::vector<at::Tensor> decode_layers(at::Tensor h, at::Tensor cos, at::Tensor s
     h.add_(linear(lin[4 * l + 1], att));
     // --- SwiGLU MLP
     at::Tensor gu = linear(lin[4 * l + 2], rms_norm(h, norms[2 * l + 1], eps)).contiguous();  // [T, 2F]
+    TORCH_CHECK(gu.size(1) == 2 * hidden, "layer ", l, ": the gate/up projection gives ", gu.size(1), " outputs for ",
+                2 * hidden);
     at::Tensor act = at::empty({T, hidden}, h.options());
     ts_swiglu(gu.data_ptr<float>(), T, hidden, act.data_ptr<float>());
     h.add_(linear(lin[4 * l + 3], act));

@@ -130,7 +130,7 @@ def load(cache: Path, variant: str | None = None, verbose: bool = False):
         verbose: print the compiler's output.
     Returns:
         a module with `decode_layers(...)`, `int4_matmul(x [T, K] fp32, codes, scales) -> [T, N] fp32` (the
-        `quant.Int4Linear` layout), `int8_gemv(x [T, K] fp32, w [N / 16, Kp / 4, 64] int8, scales [N / 16, G, 16] fp32) -> [T, N] fp32`
+        `quant.Int4Linear` layout, or `quant.Q4KInt4Linear`'s: uint8 scales), `int8_gemv(x [T, K] fp32, w [N / 16, Kp / 4, 64] int8, scales [N / 16, G, 16] fp32) -> [T, N] fp32`
         (W8A8 in the `quant.pack_int8` layout, `quant.Int8Linear.reference`), `block_gemv(x [T, K] fp32, blocks [N, K / values * bytes] uint8, ggml_type)
         -> [T, N] fp32` (a GGUF file's Q4_K, Q5_K or Q6_K blocks as stored, `quant.BlockLinear`),
         `q5_0_gemv(x [T, K] fp32, blocks [N / 16, K / 32, 352] uint8) -> [T, N] fp32` (Q5_0 blocks in the

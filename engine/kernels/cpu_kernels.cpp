@@ -527,7 +527,7 @@ void token_blocks(int64_t T, Fn&& f) {
   if (t0 < T) with_rows<M>(static_cast<int>(T - t0), [&](auto tt) { f(t0, tt); });
 }
 
-constexpr int64_t kInt4Panel = 8;  // output blocks of 16 channels per panel (10 bytes per input channel each)
+constexpr int64_t kInt4Panel = 8;  // output blocks of 16 channels per panel (10 bytes per input channel each, 9.25 with SuperScales)
 
 // Calls f(p0, p1) over the weight rows (or output blocks) [j0, j1) in panels of `panel`, or over all of
 // them at once when the T token rows make one block of at most `rows`. A kernel runs every token block

@@ -27,7 +27,7 @@ void ts_int4_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, 
 
 // ts_int4_rows with Q4_K's two-level scales as stored, exact (K a multiple of 256): scales [N / 16, K / 256, 320]
 // bytes per output block and super-block, fp16 d [16] and -dmin [16], then per group of 32 the 6-bit sc [16] and
-// m [16] as int8, for s = d sc and m = -dmin m (layout: tokenspeed.quant.Int4Linear.pack_super).
+// m [16] as int8, for s = d sc and m = -dmin m (layout: tokenspeed.quant.Q4KInt4Linear.pack_super).
 void ts_int4_super_rows(const int8_t* q, const float* sx, const float* xs, int64_t T, int64_t K, const uint8_t* codes,
                         const uint8_t* scales, float* y, int64_t N, int64_t nb0, int64_t nb1);
 

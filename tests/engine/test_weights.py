@@ -212,6 +212,10 @@ def test_q4_k_int4_layer_holds_the_files_values_exactly():
     assert (lin(x).double() - exact).norm() < 0.02 * exact.norm()  # the activations' int8 rounding
     with pytest.raises(ValueError, match="divisible by 256"):
         Q4KInt4Linear.from_blocks(torch.from_numpy(data[:40]))
+    corrupt = data.copy()
+    corrupt[5, 2:4] = np.array([np.inf], np.float16).view(np.uint8)  # a block's dmin
+    with pytest.raises(ValueError, match="non-finite"):
+        Q4KInt4Linear.from_blocks(torch.from_numpy(corrupt))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1])
