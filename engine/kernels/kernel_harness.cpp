@@ -46,25 +46,19 @@ int main() {
         const int32_t n = static_cast<int32_t>(std::strlen(ts_isa_name()));
         std::fwrite(&n, 4, 1, stdout);
         std::fwrite(ts_isa_name(), 1, n, stdout);
-      } else if (op == 1) {
+      } else if (op == 1 || op == 9) {
         const int64_t T = size(), K = size(), N = size();
         auto x = take<float>(T * K);
         auto codes = take<uint8_t>(N / 16 * K / 8 * 64);
-        auto scales = take<uint16_t>(N / 16 * K / 32 * 32);
+        auto scales = take<uint8_t>(op == 1 ? N / 16 * K / 32 * 64 : N / 16 * K / 256 * 320);  // bytes
         std::vector<int8_t> q(T * K);
         std::vector<float> sx(T * K / 32), xs(T * K / 32), y(T * N);
         ts_quantize_rows(x.data(), T, K, q.data(), sx.data(), xs.data());
-        ts_int4_rows(q.data(), sx.data(), xs.data(), T, K, codes.data(), scales.data(), y.data(), N, 0, N / 16);
-        give(y);
-      } else if (op == 9) {
-        const int64_t T = size(), K = size(), N = size();
-        auto x = take<float>(T * K);
-        auto codes = take<uint8_t>(N / 16 * K / 8 * 64);
-        auto scales = take<uint8_t>(N / 16 * K / 256 * 320);
-        std::vector<int8_t> q(T * K);
-        std::vector<float> sx(T * K / 32), xs(T * K / 32), y(T * N);
-        ts_quantize_rows(x.data(), T, K, q.data(), sx.data(), xs.data());
-        ts_int4_super_rows(q.data(), sx.data(), xs.data(), T, K, codes.data(), scales.data(), y.data(), N, 0, N / 16);
+        if (op == 1)
+          ts_int4_rows(q.data(), sx.data(), xs.data(), T, K, codes.data(), reinterpret_cast<const uint16_t*>(scales.data()),
+                       y.data(), N, 0, N / 16);
+        else
+          ts_int4_super_rows(q.data(), sx.data(), xs.data(), T, K, codes.data(), scales.data(), y.data(), N, 0, N / 16);
         give(y);
       } else if (op == 2) {
         const int64_t T = size(), K = size(), Kp = size(), N = size(), G = size();
