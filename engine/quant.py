@@ -501,8 +501,8 @@ class Q4KInt4Linear(Int4Linear):
         qs = b[:, 16:].reshape(n, -1, 4, 1, 32)
         codes = torch.cat([qs & 15, qs >> 4], 3).reshape(n, k)  # each run of 32 bytes: two sub-blocks
         layer = _bare(cls)
-        layer._store(cls.pack_codes(codes), cls.pack_super(d.reshape(n, -1), dmin.reshape(n, -1), sc.reshape(n, -1, 8), m.reshape(n, -1, 8)),
-                     bias)
+        scales = cls.pack_super(d.reshape(n, -1), dmin.reshape(n, -1), sc.reshape(n, -1, 8), m.reshape(n, -1, 8))
+        layer._store(cls.pack_codes(codes), scales, bias)
         return layer
 
     @classmethod
@@ -1069,7 +1069,6 @@ class Q5_0Embedding(BlockEmbedding):
     FORMAT = Q5_0
 
 
-# the block formats run as stored, by GGUF tensor type: their linear and embedding classes
 class StackedLinear(nn.Module):
     """One projection whose output rows come from parts of different formats, stacked: a fused q/k/v whose
     tensors a GGUF file stores in different block formats (Q4_K_M's Q4_K q and k with a Q6_K v), each part
@@ -1104,6 +1103,7 @@ class StackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+# the block formats run as stored, by GGUF tensor type: their linear and embedding classes
 BLOCK_LINEARS = {cls.FORMAT.name: cls for cls in (Q4KLinear, Q5KLinear, Q6KLinear, Q5_0Linear)}
 BLOCK_EMBEDDINGS = {cls.FORMAT.name: cls for cls in (Q4KEmbedding, Q5KEmbedding, Q6KEmbedding, Q5_0Embedding)}
 

@@ -241,7 +241,8 @@ def _quantized_path(files: ModelFiles, fmt: str) -> Path:
 
 
 def _layer_kinds(model) -> dict[str, str]:
-    """{module name: "int4" | "int4-q4_k" | "stacked-<rows>-<rows>..." (its parts' output rows) | "int8" | "int8-group<G>" | "float" | "int8-embedding" | a block format's name in
+    """{module name: "int4" | "int4-q4_k" | "stacked-<rows>-<rows>..." (its parts' output rows) | "int8" |
+    "int8-group<G>" | "float" | "int8-embedding" | a block format's name in
     lower case ("q4_k", "q6_k", ...) | that name + "-embedding"} of every linear layer and of the token embedding of `model`: which class (and
     `Int8Linear` group) `load_quantized` rebuilds before it fills the layers."""
     kinds = _kind_names()
@@ -257,7 +258,8 @@ def _kind_names() -> dict:
     from .quant import BLOCK_EMBEDDINGS, BLOCK_LINEARS, Int4Linear, Int8Embedding, Int8Linear, Q4KInt4Linear, \
         StackedLinear
 
-    return {Int4Linear: "int4", Q4KInt4Linear: "int4-q4_k", StackedLinear: "stacked", Int8Linear: "int8", nn.Linear: "float", Int8Embedding: "int8-embedding",
+    return {Int4Linear: "int4", Q4KInt4Linear: "int4-q4_k", StackedLinear: "stacked", Int8Linear: "int8",
+            nn.Linear: "float", Int8Embedding: "int8-embedding",
             **{cls: cls.FORMAT.name.lower() for cls in BLOCK_LINEARS.values()},
             **{cls: f"{cls.FORMAT.name.lower()}-embedding" for cls in BLOCK_EMBEDDINGS.values()}}
 
