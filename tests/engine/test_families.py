@@ -136,7 +136,7 @@ def test_q4_k_m_files_q6_k_tensors_run_as_stored(name, made):
     # table's own blocks, and the fused step takes them
     import gguf
 
-    from tokenspeed.quant import Int8Linear, Q6KEmbedding, Q6KLinear, linear_rows
+    from tokenspeed.quant import Q6KEmbedding, Q6KLinear, StackedLinear, linear_rows
     from tokenspeed.weights import _gguf_tensors
 
     tensors, _ = _gguf_tensors(made[name]["Q4_K_M"])
@@ -156,7 +156,8 @@ def test_q4_k_m_files_q6_k_tensors_run_as_stored(name, made):
         assert isinstance(layer.feed_forward.w2, Q6KLinear if down == "Q6_K" else object)
         q6k += down == "Q6_K"
         if kind[f"blk.{i}.attn_v.weight"] == "Q6_K" and kind[f"blk.{i}.attn_q.weight"] != "Q6_K":
-            assert isinstance(layer.attention.wqkv, Int8Linear)  # a mix stays int8 groups
+            wqkv = layer.attention.wqkv  # a mix: one layer per format, the v rows the file's Q6_K blocks
+            assert isinstance(wqkv, StackedLinear) and isinstance(wqkv.parts[-1], Q6KLinear)
     assert q6k > 0
     x = torch.randn(5, model.args.dim)
     head = model.output  # the kernel against the W6A8 arithmetic; selected rows = the full head's columns
@@ -176,11 +177,11 @@ def test_q4_k_m_files_q6_k_tensors_run_as_stored(name, made):
 def test_q4_k_m_file_of_rows_not_whole_256_blocks_runs_its_q5_0_blocks(made):
     # Qwen2.5-0.5B's case in small: llama.cpp's Q4_K_M stores the projections whose rows are not whole
     # 256-blocks as Q5_0 (and attn_v, meant Q6_K, as Q8_0). All-Q5_0 projections are the file's blocks
-    # (the same values as gguf's dequantization), the q/k/v mix stays int8 groups, the fused step takes
+    # (the same values as gguf's dequantization), the q/k/v mix one layer per format, the fused step takes
     # them, the logits agree with llama.cpp's on the same file, and the cache entry holds the same layers
     import gguf
 
-    from tokenspeed.quant import Int8Linear, Q5_0Linear
+    from tokenspeed.quant import Int8Linear, Q5_0Linear, StackedLinear
     from tokenspeed.weights import _gguf_tensors
 
     path = made["tiny-0.5b"]["Q4_K_M"]
@@ -199,8 +200,8 @@ def test_q4_k_m_file_of_rows_not_whole_256_blocks_runs_its_q5_0_blocks(made):
                 theirs = np.concatenate([gguf.quants.dequantize(tensors[f"blk.{i}.{n}.weight"].data,
                                                                 gguf.GGMLQuantizationType.Q5_0) for n in names])
                 assert torch.equal(lin.dequantized(), torch.from_numpy(theirs))
-            elif len(types) > 1:
-                assert isinstance(lin, Int8Linear)
+            elif len(types) > 1:  # Q5_0 q/k beside a Q8_0 v: one layer per format, the v int8 groups (Q8_0 exactly)
+                assert isinstance(lin, StackedLinear) and [type(p) for p in lin.parts] == [Q5_0Linear, Int8Linear]
     assert native >= 2 * len(model.layers)
     assert model.fused_decode() is not None and 16 + Q5_0Linear.FORMAT.ggml_type in model.fused_decode().kinds
     theirs = _llama_cpp_logits(path)
