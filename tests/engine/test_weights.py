@@ -184,7 +184,8 @@ def _write_gguf(path, hf_model, qtype, blocks=False):
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
 def test_gguf_file(tmp_path, monkeypatch, qtype):
-    monkeypatch.setenv("TOKENSPEED_CACHE", str(tmp_path / "cache"))
+    # only the weights' cache moves to tmp_path: a new TOKENSPEED_CACHE would rebuild the kernels (~40 s)
+    monkeypatch.setattr("tokenspeed.weights.cache_dir", lambda: tmp_path / "cache")
     hf_model = _tiny_hf()
     dequantized = _write_gguf(tmp_path / "tiny.gguf", hf_model, qtype)
     hf_model.load_state_dict(dequantized)  # the reference: transformers on the dequantized weights
