@@ -281,9 +281,19 @@ def peak_rss_mb_of(pid: int | None = None) -> float | None:
     Not `getrusage().ru_maxrss`: a process started by fork + exec keeps in it the RSS its parent had
     at the fork (a torch-importing parent lent every engine ~500 MiB), while VmHWM starts afresh at exec.
     """
+    return _status_mb(pid, "VmHWM")
+
+
+def rss_mb_of(pid: int | None = None) -> float | None:
+    """RSS now (VmRSS, Linux /proc) of process `pid` (default: this one), MiB; None where unreadable."""
+    return _status_mb(pid, "VmRSS")
+
+
+def _status_mb(pid: int | None, key: str) -> float | None:
+    # a field of /proc/<pid>/status given in kB, as MiB
     try:
         for line in Path(f"/proc/{pid or 'self'}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass

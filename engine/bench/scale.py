@@ -19,7 +19,8 @@
    and its peak at the load's end, per stage too); prefill ms/token of
    `PREFILL_NEW` tokens into an empty cache (median of `repeats`); ITL (greedy: one token's forward
    and the argmax of its logits) after `CONTEXTS` tokens of context, median of `steps` steps, with
-   process CPU ms/token beside it; peak RSS of the process.
+   process CPU ms/token beside it; peak RSS of the process, and its RSS before the load (Python and
+   the engine's imports: torch, llama_cpp), so that a missed RSS goal shows the engine's own share.
 3. The floor per decode step: bytes of weights the step reads (TokenSpeed: its projections,
    `quant.linear_bytes`; llama.cpp: the file's tensors, the tied head included) / the memory
    bandwidth measured with the same threads (`aal.measure_bandwidth`, `report.floor_ms`).
@@ -241,9 +242,10 @@ def _measure(load, prefill, cut, decode_step, job: dict) -> dict:
     steps after each context length (see the module docstring). `prefill(ids, pos)`, `cut(n)` (keep
     the first n slots), `decode_step(token, pos) -> next token` (greedy)."""
     ids, repeats, steps = job["ids"], job["repeats"], job["steps"]
+    base = _rss_mb()  # the process before the load: Python and the engine's imports (torch / llama_cpp)
     t0 = time.perf_counter()
     extra = load()
-    out = {"load_s": time.perf_counter() - t0, **extra}
+    out = {"load_s": time.perf_counter() - t0, "base_rss_mb": base, **extra}
     prefill(ids[:8], 0)  # warm-up: first touch of the weights, kernels built
     cut(0)
     cells = []
@@ -277,12 +279,22 @@ def _measure(load, prefill, cut, decode_step, job: dict) -> dict:
 
 
 def _peak_rss_mb() -> float | None:
-    # this process's peak RSS (`peers.peak_rss_mb_of`); run as a script, this folder is on sys.path
+    # this process's peak RSS (`peers.peak_rss_mb_of`)
+    return _peers().peak_rss_mb_of()
+
+
+def _rss_mb() -> float | None:
+    # this process's RSS now (`peers.rss_mb_of`)
+    return _peers().rss_mb_of()
+
+
+def _peers():
+    # bench.peers; run as a script (the llama.cpp worker, no torch), this folder is on sys.path
     if __package__:
-        from .peers import peak_rss_mb_of
+        from . import peers
     else:
-        from peers import peak_rss_mb_of
-    return peak_rss_mb_of()
+        import peers
+    return peers
 
 
 def _worker_tokenspeed(job: dict, load_only: bool) -> dict:
@@ -397,6 +409,9 @@ def make_row(size: str, fmt: str, threads: int, file_info: dict, runs: dict[str,
             ratios[f"itl_{a['context']}"] = _ratio(a["ms"], b["ms"])
             ratios[f"itl_cpu_{a['context']}"] = _ratio(a["cpu_ms_per_token"], b["cpu_ms_per_token"])
         ratios["rss"] = _ratio(ours["peak_rss_mb"], theirs["peak_rss_mb"])
+        if all(r.get("base_rss_mb") and r["peak_rss_mb"] for r in (ours, theirs)):
+            # the peak less the process's RSS before the load (Python and its imports): the engine's own memory
+            ratios["engine_rss"] = _ratio(*(r["peak_rss_mb"] - r["base_rss_mb"] for r in (ours, theirs)))
         ratios["load"] = _ratio(ours["load_s"], theirs["load_s"])
     met = {goal: (all(v <= bound for k, v in ratios.items() if k.startswith(goal) and "cpu" not in k and v is not None)
                   if ratios else None) for goal, bound in GOALS.items()}
@@ -522,6 +537,11 @@ def print_table(report: dict) -> None:
             print(f"  MISSED {row['size']} {row['format']} {row['threads']} thr: {', '.join(missed)}; ITL@{ctx[0]} "
                   f"CPU ms over its floor: {vs_floor}; TokenSpeed reads {fl['tokenspeed'] / fl['llama.cpp']:.2f}x "
                   f"llama.cpp's weight bytes")
+            if row["met"]["rss"] is False and "engine_rss" in row["ratios"]:
+                own = {n: e[n]["peak_rss_mb"] - e[n]["base_rss_mb"] for n in ENGINES}
+                print(f"    peak RSS less the process's before the load (Python and its imports: TokenSpeed "
+                      f"{e['tokenspeed']['base_rss_mb']:,.0f}, llama.cpp {e['llama.cpp']['base_rss_mb']:,.0f} MiB): "
+                      f"{own['tokenspeed']:,.0f} / {own['llama.cpp']:,.0f} MiB ({row['ratios']['engine_rss']:.2f}x)")
 
 
 def plot(report: dict, path: Path) -> None:

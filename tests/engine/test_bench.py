@@ -345,13 +345,15 @@ def test_scale_bench_runs_the_whole_pipeline_on_a_tiny_shape(tmp_path, monkeypat
         assert [c["new"] for c in rec["prefill"]] == list(scale.QUICK_NEW)
         assert [c["context"] for c in rec["itl"]] == list(scale.QUICK_CONTEXTS)
         assert all(c["ms_per_token"] > 0 for c in rec["prefill"]) and all(c["ms"] > 0 for c in rec["itl"])
-        assert rec["load_s"] > 0 and rec["peak_rss_mb"] > 0
+        assert rec["load_s"] > 0 and 0 < rec["base_rss_mb"] < rec["peak_rss_mb"]
     # each engine's own peak RSS, not its parent's: the llama.cpp process imports no torch
     assert theirs["peak_rss_mb"] < ours["peak_rss_mb"] and theirs["peak_rss_mb"] < 300
     assert ours["cold_load"]["load_s"] > 0
     mem = ours["cold_load"]["load_rss_mb"]  # the peak during Engine.load, after Python and torch
     assert 0 < mem["before"] < mem["peak"] <= ours["cold_load"]["peak_rss_mb"] and "tokenizer" in mem["stages"]
-    assert set(row["ratios"]) >= {"itl_32", "itl_96", "prefill_8", "prefill_24", "rss", "load"}
+    assert set(row["ratios"]) >= {"itl_32", "itl_96", "prefill_8", "prefill_24", "rss", "load", "engine_rss"}
+    # the processes' bases: torch's imports against llama_cpp's
+    assert theirs["base_rss_mb"] < ours["base_rss_mb"] and row["ratios"]["engine_rss"] > 0
     assert row["floor_ms"]["llama.cpp"] > 0 and row["floor_ms"]["tokenspeed"] > 0
     assert (tmp_path / "out" / "scale.png").stat().st_size > 0
     out = capsys.readouterr().out
