@@ -397,7 +397,8 @@ def _ratio(a, b) -> float | None:
 
 def make_row(size: str, fmt: str, threads: int, file_info: dict, runs: dict[str, dict], bandwidth_gbs: float) -> dict:
     """One row of the table: both engines' records, TokenSpeed / llama.cpp per figure, each engine's
-    floor (`report.floor_ms` of its weight bytes) and the goals met (None where a side is missing)."""
+    floor (`report.floor_ms` of its weight bytes) and the goals met (None where a side is missing). Beside the
+    goals' ratios, `engine_rss`: the peaks less each process's RSS before its load (the engine's own memory)."""
     from .report import floor_ms
 
     ours, theirs = runs.get("tokenspeed"), runs.get("llama.cpp")
@@ -537,7 +538,7 @@ def print_table(report: dict) -> None:
             print(f"  MISSED {row['size']} {row['format']} {row['threads']} thr: {', '.join(missed)}; ITL@{ctx[0]} "
                   f"CPU ms over its floor: {vs_floor}; TokenSpeed reads {fl['tokenspeed'] / fl['llama.cpp']:.2f}x "
                   f"llama.cpp's weight bytes")
-            if row["met"]["rss"] is False and "engine_rss" in row["ratios"]:
+            if row["met"]["rss"] is False and row["ratios"].get("engine_rss") is not None:
                 own = {n: e[n]["peak_rss_mb"] - e[n]["base_rss_mb"] for n in ENGINES}
                 print(f"    peak RSS less the process's before the load (Python and its imports: TokenSpeed "
                       f"{e['tokenspeed']['base_rss_mb']:,.0f}, llama.cpp {e['llama.cpp']['base_rss_mb']:,.0f} MiB): "
