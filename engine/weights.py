@@ -686,10 +686,15 @@ def _gguf_tensors(path: Path, metadata: dict | None = None) -> tuple[dict[str, _
             width = dims[0] if item is not np.uint8 else dims[0] // block * size
             first = start + offset
             count = rows * width
+            if first + count * np.dtype(item).itemsize > len(data):
+                raise ValueError(f"tensor {name} runs past the end of the file ({len(data):,} bytes): truncated")
             view = np.frombuffer(data, dtype=item, count=count, offset=first)
             tensors[name] = _GGUFTensor(name, kind, dims, view.reshape(*reversed(dims[1:]), width))
         return tensors, data
-    except (ValueError, struct.error, KeyError, OSError) as exc:
+    except struct.error as exc:  # a read past the end of the header or tensor index
+        raise ModelLoadError(f"cannot parse GGUF file {path}: it ends ({Path(path).stat().st_size:,} bytes) inside "
+                             f"its header or tensor index: truncated") from exc
+    except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"cannot parse GGUF file {path}: {exc}") from exc
 
 

@@ -588,8 +588,22 @@ def _corrupt_gguf(p):
     return p / "bad.gguf"
 
 
+def _truncated_gguf(p):  # the embedded model's first 100 kB: its vocabulary cut short
+    with open(tokenspeed.weights.default_model_path(), "rb") as f:
+        (p / "cut.gguf").write_bytes(f.read(100_000))
+    return p / "cut.gguf"
+
+
+def _gguf_without_its_last_tensor_bytes(p):  # the whole index, the last tensor's data cut short
+    data = tokenspeed.weights.default_model_path().read_bytes()
+    (p / "short.gguf").write_bytes(data[:-4096])
+    return p / "short.gguf"
+
+
 @pytest.mark.parametrize("make,needle", [
     (_missing, "does not exist"),
+    (_truncated_gguf, r"ends \(100,000 bytes\) inside its header or tensor index: truncated"),
+    (_gguf_without_its_last_tensor_bytes, "runs past the end of the file .*: truncated"),
     (_empty_folder, "without config.json"),
     (_folder_without_weights, "no [*].safetensors"),
     (_not_a_model, "neither a .gguf"),
