@@ -34,6 +34,13 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _message(text: str) -> str:
+    """argparse type: a user message with some text in it (not empty or only whitespace)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the user message is empty")
+    return text
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer > 0 (e.g. --max-tokens), refused before the model loads."""
     try:
@@ -90,12 +97,14 @@ def cmd_call(args) -> int:
     session = engine.session(system=args.system, tools=tools)
     tool_choice = {"name": args.tool} if args.tool else args.tool_choice
     t0 = time.perf_counter()
-    session.observe(args.prompt)
+    observed = session.observe(args.prompt)
     observe_s = time.perf_counter() - t0
     decision = session.decide(tool_choice=tool_choice, deadline=args.deadline, max_tokens=args.max_tokens)
     report = {"status": decision.status, "tool_call": decision.tool_call, "reason": decision.reason or None,
               "text": decision.text if decision.status != "ok" else None,
-              "timings": {"observe_prefill_ms": observe_s * 1e3, **decision.timings()}}
+              # the prompt's tokens are prefilled by observe; the decision's prefill_tokens are its trigger's
+              "timings": {"observe_prefill_ms": observe_s * 1e3, "observe_prefill_tokens": observed,
+                          **decision.timings()}}
     print(json.dumps(report, indent=2))
     return 0 if decision.status == "ok" or (decision.status == "text" and tool_choice == "auto") else 1
 
@@ -155,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "format on this CPU whose greedy tokens agree with fp32's, measured once and cached), gguf (a .gguf file's own blocks, read without an "
                             "fp32 copy), int4 (4-bit groups of 32 re-derived from fp32), int8 or none (fp32)")
         p.add_argument("--system", default=None, help="system prompt")
-        p.add_argument("--prompt", required=True, help="user message")
+        p.add_argument("--prompt", required=True, type=_message, help="user message (not empty)")
         p.add_argument("--max-tokens", type=positive_int, default=256, help="most new tokens (> 0, default 256)")
 
     p = sub.add_parser("call", help="answer a prompt with one schema-valid tool call")

@@ -59,6 +59,16 @@ def test_a_bad_max_tokens_is_refused_before_the_model_loads(tmp_path, command, v
     assert r.returncode == 2 and "--max-tokens" in r.stderr and "missing.gguf" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("command", ["call", "generate"])
+@pytest.mark.parametrize("prompt", ["", "  \n"])
+def test_an_empty_prompt_is_refused_before_the_model_loads(tmp_path, command, prompt):
+    extra = ["--tools", str(tmp_path / "none.json")] if command == "call" else []
+    r = subprocess.run([sys.executable, "-m", "tokenspeed.cli", command, *extra, "--prompt", prompt,
+                        "--model", str(tmp_path / "missing.gguf")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "missing.gguf" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith("argument --prompt: the user message is empty"), r.stderr
+
+
 @pytest.mark.parametrize("command", ["call", "generate", "serve"])
 def test_a_bad_threads_is_a_usage_error_before_the_model_loads(tmp_path, command):
     extra = {"call": ["--tools", str(ROBOT_TOOLS), "--prompt", "hi"], "generate": ["--prompt", "hi"], "serve": []}
@@ -77,6 +87,8 @@ def test_call_under_auto_that_answers_in_text_exits_0():
                         "--max-tokens", "32"], capture_output=True, text=True, timeout=600)
     report = json.loads(r.stdout)
     assert r.returncode == 0 and report["status"] == "text" and report["text"], (r.returncode, r.stdout, r.stderr)
+    # the prompt's own tokens, prefilled by observe before the decision (whose prefill is its trigger's)
+    assert report["timings"]["observe_prefill_tokens"] > report["timings"]["prefill_tokens"] > 0, report["timings"]
 
 
 def test_serve_refuses_bad_option_values_with_exit_2():
