@@ -691,9 +691,9 @@ def _gguf_tensors(path: Path, metadata: dict | None = None) -> tuple[dict[str, _
             view = np.frombuffer(data, dtype=item, count=count, offset=first)
             tensors[name] = _GGUFTensor(name, kind, dims, view.reshape(*reversed(dims[1:]), width))
         return tensors, data
-    except struct.error as exc:  # a read past the end of the header or tensor index
-        raise ModelLoadError(f"cannot parse GGUF file {path}: it ends ({Path(path).stat().st_size:,} bytes) inside "
-                             f"its header or tensor index: truncated") from exc
+    except struct.error as exc:  # a read past the end of the file: cut short, or a count or length that is not one
+        raise ModelLoadError(f"cannot parse GGUF file {path}: it ends ({Path(path).stat().st_size:,} bytes) before "
+                             f"its header and tensor index do: truncated or corrupt") from exc
     except (ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"cannot parse GGUF file {path}: {exc}") from exc
 

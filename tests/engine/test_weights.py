@@ -602,7 +602,7 @@ def _gguf_without_its_last_tensor_bytes(p):  # the whole index, the last tensor'
 
 @pytest.mark.parametrize("make,needle", [
     (_missing, "does not exist"),
-    (_truncated_gguf, r"ends \(100,000 bytes\) inside its header or tensor index: truncated"),
+    (_truncated_gguf, r"ends \(100,000 bytes\) before its header and tensor index do: truncated or corrupt"),
     (_gguf_without_its_last_tensor_bytes, "runs past the end of the file .*: truncated"),
     (_empty_folder, "without config.json"),
     (_folder_without_weights, "no [*].safetensors"),
